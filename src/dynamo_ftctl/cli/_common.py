@@ -1,0 +1,78 @@
+"""Options and glue shared by every command group (kept import-light)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory import Inventory
+
+__all__ = [
+    "DEFAULT_INVENTORY",
+    "GlobalOptions",
+    "JsonFlag",
+    "finish",
+    "json_mode",
+    "load_inventory_for",
+    "resolve_inventory_path",
+]
+
+DEFAULT_INVENTORY = Path("ftctl.yaml")
+
+
+@dataclass(frozen=True)
+class GlobalOptions:
+    """Options of the root command, available to every subcommand as `ctx.obj`."""
+
+    inventory: Path | None = None
+    json: bool = False
+    debug: bool = False
+
+
+# Every command that prints a result also takes --json after its own name.
+JsonFlag = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else."),
+]
+
+
+def global_options(ctx: typer.Context) -> GlobalOptions:
+    """The root options, whichever context level asks."""
+    root = ctx.find_root()
+    obj = root.obj
+    return obj if isinstance(obj, GlobalOptions) else GlobalOptions()
+
+
+def json_mode(ctx: typer.Context, local_flag: bool = False) -> bool:
+    """True when `--json` was given before or after the subcommand."""
+    return local_flag or global_options(ctx).json
+
+
+def resolve_inventory_path(ctx: typer.Context, explicit: Path | None = None) -> Path:
+    """The inventory path: explicit flag, then `-i`/$FTCTL_INVENTORY, then ./ftctl.yaml."""
+    if explicit is not None:
+        return explicit
+    chosen = global_options(ctx).inventory
+    if chosen is not None:
+        return chosen
+    env = os.environ.get("FTCTL_INVENTORY")
+    return Path(env) if env else DEFAULT_INVENTORY
+
+
+def load_inventory_for(ctx: typer.Context, explicit: Path | None = None) -> Inventory:
+    """Load and validate the inventory the user pointed at (errors exit 2)."""
+    from dynamo_ftctl.inventory import load_inventory
+
+    return load_inventory(resolve_inventory_path(ctx, explicit))
+
+
+def finish(ctx: typer.Context, result: Any, *, json_flag: bool = False, code: int = 0) -> None:
+    """Render `result` for people or machines and exit with `code`."""
+    from dynamo_ftctl.output import emit
+
+    emit(result, json_mode=json_mode(ctx, json_flag))
+    raise typer.Exit(code)

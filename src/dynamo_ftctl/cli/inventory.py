@@ -1,0 +1,83 @@
+"""`ftctl inventory`: check, show and describe the cluster inventory."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
+
+app = typer.Typer(
+    help=(
+        "Check, show and describe the cluster inventory (YAML).\n\n"
+        "Every command reads the inventory from -i/--inventory, $FTCTL_INVENTORY or "
+        "./ftctl.yaml. Errors name the file, line and key and exit 2."
+    ),
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+FileArg = Annotated[
+    Path | None,
+    typer.Argument(help="Inventory file (default: -i, $FTCTL_INVENTORY, ./ftctl.yaml).",
+                   show_default=False),
+]
+
+
+@app.command()
+def check(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> None:
+    """Validate an inventory: exit 0 when valid, 2 with file:line: key: reason otherwise.
+
+    Example: ftctl inventory check examples/local.yaml
+    """
+    inventory = load_inventory_for(ctx, file)
+    summary: dict[str, Any] = {
+        "file": str(inventory.source),
+        "valid": True,
+        "cluster": inventory.cluster,
+        "workers": len(inventory.workers),
+        "groups": len(inventory.groups),
+    }
+    if json_mode(ctx, json_):
+        finish(ctx, summary, json_flag=True)
+    sys.stdout.write(
+        f"{file or inventory.source}: ok, cluster {inventory.cluster!r}, "
+        f"{len(inventory.workers)} workers, {len(inventory.groups)} groups\n",
+    )
+
+
+@app.command()
+def show(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> None:
+    """Show the workers of an inventory as a table, or the whole inventory with --json.
+
+    Example: ftctl -i examples/local.yaml inventory show
+    """
+    inventory = load_inventory_for(ctx, file)
+    if json_mode(ctx, json_):
+        finish(ctx, inventory, json_flag=True)
+    from dynamo_ftctl.output import stdout_console, table
+
+    rows = [
+        (
+            w.name, w.url, w.model, w.node, ",".join(map(str, w.gpus)) or "-",
+            w.group or "-", ",".join(w.faults) or "-",
+            "protected" if w.protected else ("sim" if w.launch and w.launch.sim else "-"),
+        )
+        for w in inventory.workers
+    ]
+    stdout_console().print(table(
+        f"cluster {inventory.cluster} ({inventory.source})",
+        ["worker", "url", "model", "node", "gpus", "group", "faults", "notes"], rows,
+    ))
+
+
+@app.command()
+def schema() -> None:
+    """Print the inventory's JSON Schema (for editors and CI validation)."""
+    from dynamo_ftctl.inventory import inventory_json_schema
+
+    sys.stdout.write(json.dumps(inventory_json_schema(), indent=2) + "\n")

@@ -1,0 +1,145 @@
+"""Root of the `ftctl` command line.
+
+The root command imports no command group: `COMMANDS` names each group's
+module and one-line help, and a group's module is imported only when that
+group runs (or its help is shown). `ftctl --help` therefore stays fast enough
+for Kubernetes exec probes and engine entrypoints.
+
+`main()` is the one error boundary: an `FtctlError` becomes one red line on
+stderr and its exit code; a traceback appears only with `--debug`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer import _click as click  # typer vendors click; its types live here
+from typer._click.exceptions import UsageError
+from typer.core import TyperGroup
+
+from dynamo_ftctl import __version__
+from dynamo_ftctl.cli._common import GlobalOptions
+from dynamo_ftctl.errors import ExitCode, FtctlError
+
+__all__ = ["COMMANDS", "app", "main"]
+
+# name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inventory": ("inventory", "Check, show and describe the cluster inventory."),
+}
+
+
+class LazyGroup(TyperGroup):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *super().list_commands(ctx)})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        spec = COMMANDS.get(cmd_name)
+        if spec is None:
+            return super().get_command(ctx, cmd_name)
+        if ctx.resilient_parsing and os.environ.get("_FTCTL_COMPLETE_LIGHT"):
+            return None
+        module = importlib.import_module(f"dynamo_ftctl.cli.{spec[0]}")
+        command = typer.main.get_command(module.app)
+        command.name = cmd_name
+        if not command.help:
+            command.help = spec[1]
+        command.short_help = spec[1]
+        return command
+
+    def format_commands(self, ctx: click.Context,  # noqa: ARG002 (click's signature)
+        formatter: click.HelpFormatter) -> None:
+        # Listing the groups must not import them: take the help from COMMANDS.
+        rows = [(name, help_) for name, (_, help_) in sorted(COMMANDS.items())]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+app = typer.Typer(
+    cls=LazyGroup,
+    name="ftctl",
+    help=(
+        "Fault-tolerance utilities for LLM inference clusters: canary probes, failover "
+        "locks, a migrating proxy, KV transfer, fault injection, chaos drills and load.\n\n"
+        "Exit codes: 0 ok/healthy, 1 check failed, 2 bad usage or input, "
+        "3 unreachable or timed out, 4 lock not acquired in time, 130 interrupted."
+    ),
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"ftctl {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    inventory: Annotated[
+        Path | None,
+        typer.Option(
+            "--inventory", "-i", envvar="FTCTL_INVENTORY", show_envvar=True,
+            help="Cluster inventory YAML (default: $FTCTL_INVENTORY, then ./ftctl.yaml).",
+        ),
+    ] = None,
+    json_: Annotated[
+        bool, typer.Option("--json", help="Print one JSON document on stdout, nothing else."),
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[  # noqa: ARG001 (handled by its eager callback)
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Fault-tolerance utilities for LLM inference clusters."""
+    ctx.obj = GlobalOptions(inventory=inventory, json=json_, debug=debug)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and return its exit code; the one place errors become exit codes."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    command = typer.main.get_command(app)
+    try:
+        rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
+    except FtctlError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        from dynamo_ftctl.output import error
+
+        error(str(exc))
+        return int(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.stderr.write("interrupted\n")
+        return int(ExitCode.INTERRUPTED)
+    except typer.TyperException as exc:
+        show = getattr(exc, "show", None)
+        if callable(show):
+            show()
+        else:
+            sys.stderr.write(f"error: {exc.format_message()}\n")
+        return int(ExitCode.USAGE) if isinstance(exc, UsageError) else exc.exit_code
+    except BrokenPipeError:
+        # `ftctl ... | head`: the reader left; that is not our failure.
+        sys.stderr.close()
+        return 0
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

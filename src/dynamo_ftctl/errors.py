@@ -1,0 +1,96 @@
+"""The one error boundary of ftctl: every failure a user can meet is an `FtctlError`.
+
+Low-level exceptions (OSError, httpx, yaml, torch) are translated into these
+where they enter the library; the CLI turns them into one red line on stderr
+and the exit code the class carries.
+
+    FtctlError (1)
+    ├── CheckFailed (1)          a probe ran and the target is unhealthy
+    ├── InvalidInput (2)         bad flags, inventory, scenario, canary set
+    │   └── InventoryError (2)   carries file, line and key path
+    ├── Unreachable (3)          target refused, timed out or is missing
+    ├── LockTimeout (4)          lock not acquired within --timeout
+    └── Interrupted (130)        Ctrl-C / SIGINT
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from pathlib import Path
+
+__all__ = [
+    "CheckFailed",
+    "ExitCode",
+    "FtctlError",
+    "Interrupted",
+    "InvalidInput",
+    "InventoryError",
+    "LockTimeout",
+    "Unreachable",
+]
+
+
+class ExitCode(IntEnum):
+    """Exit codes shared by every command (README, man pages, tests)."""
+
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    UNREACHABLE = 3
+    LOCK_TIMEOUT = 4
+    INTERRUPTED = 130
+
+
+class FtctlError(Exception):
+    """Base of every ftctl error; `exit_code` is what the CLI exits with."""
+
+    exit_code: ExitCode = ExitCode.FAILED
+
+
+class CheckFailed(FtctlError):
+    """A check ran to completion and its verdict is negative."""
+
+    exit_code = ExitCode.FAILED
+
+
+class InvalidInput(FtctlError):
+    """Bad usage or invalid input: flags, inventory, scenario or canary files."""
+
+    exit_code = ExitCode.USAGE
+
+
+class InventoryError(InvalidInput):
+    """An invalid YAML document; the message names file, line and key path."""
+
+    def __init__(
+        self, message: str, *, path: Path | str | None = None, line: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.path = Path(path) if path is not None else None
+        self.line = line
+        self.key = key
+        self.reason = message
+        where = ""
+        if self.path is not None:
+            where = f"{self.path}:{line}: " if line is not None else f"{self.path}: "
+        if key:
+            where += f"{key}: "
+        super().__init__(f"{where}{message}")
+
+
+class Unreachable(FtctlError):
+    """The target did not answer: connection refused, reset, timed out, missing."""
+
+    exit_code = ExitCode.UNREACHABLE
+
+
+class LockTimeout(FtctlError):
+    """A lock was not acquired within the requested timeout."""
+
+    exit_code = ExitCode.LOCK_TIMEOUT
+
+
+class Interrupted(FtctlError):
+    """The user interrupted the command (SIGINT)."""
+
+    exit_code = ExitCode.INTERRUPTED

@@ -1,0 +1,64 @@
+"""The names of every fault ftctl can inject, and which are destructive.
+
+The inventory's per-worker `faults` allowlist is checked against this catalog;
+`xid<N>` is a fault for every N in the Xid catalog (`faults/xid.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["FAULTS", "FaultSpec", "fault_names", "is_known_fault"]
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One fault: what it does and whether it takes a worker out of service."""
+
+    name: str
+    summary: str
+    destructive: bool
+
+
+FAULTS: dict[str, FaultSpec] = {
+    spec.name: spec
+    for spec in (
+        FaultSpec("kill", "SIGKILL the engine process", destructive=True),
+        FaultSpec("term", "SIGTERM the engine process", destructive=True),
+        FaultSpec("hang", "SIGSTOP the engine (SIGCONT on revert)", destructive=True),
+        FaultSpec("slow", "add a delay to every generated token", destructive=False),
+        FaultSpec("disconnect", "drop every stream after N tokens", destructive=False),
+        FaultSpec("sdc", "silently corrupt logits (wrong tokens, fast answers)", destructive=False),
+        FaultSpec("ecc", "report rising uncorrectable ECC counts", destructive=False),
+        FaultSpec("thermal", "slow tokens plus a thermal throttle reason", destructive=False),
+        FaultSpec("net-latency", "add latency and jitter in the TCP fault proxy",
+                  destructive=False),
+        FaultSpec("net-reset", "reset connections in the TCP fault proxy", destructive=True),
+        FaultSpec("net-blackhole", "accept and never answer in the TCP fault proxy",
+                  destructive=True),
+        FaultSpec("net-bandwidth", "limit bandwidth in the TCP fault proxy", destructive=False),
+        FaultSpec("overload", "saturate the worker with requests", destructive=False),
+    )
+}
+
+_XID_FAULT = re.compile(r"^xid(\d{1,4})$")
+
+
+def is_known_fault(name: str) -> bool:
+    """True for a catalog fault or `xid<N>` with N in the Xid catalog."""
+    if name in FAULTS:
+        return True
+    match = _XID_FAULT.match(name)
+    if match is None:
+        return False
+    from dynamo_ftctl.faults.xid import XID_CATALOG
+
+    return int(match.group(1)) in XID_CATALOG
+
+
+def fault_names() -> list[str]:
+    """Every fault name, the Xid faults included, for help texts and errors."""
+    from dynamo_ftctl.faults.xid import XID_CATALOG
+
+    return [*FAULTS, *(f"xid{code}" for code in sorted(XID_CATALOG))]

@@ -1,0 +1,97 @@
+"""Every Prometheus metric ftctl exports, defined once (names fixed by DESIGN.md).
+
+Alert rules in deploy/prometheus/alerts.yml use only these names; a test keeps
+the two in step. Import this module only in processes that serve `/metrics`
+(daemon, proxy, lock holder): prometheus_client is not loaded at start-up.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "CIRCUIT_BREAKER_STATE",
+    "DEGRADATION_LEVEL",
+    "FAULTS_INJECTED",
+    "HEALTH_CHECK_DURATION",
+    "LOCK_ACQUIRE_SECONDS",
+    "LOCK_HOLDER",
+    "METRIC_NAMES",
+    "MIGRATION_DURATION",
+    "MIGRATION_TOTAL",
+    "QUEUED_REQUESTS",
+    "REGISTRY",
+    "TASKS_REJECTED",
+    "WORKER_STATUS",
+    "XID_EVENTS",
+]
+
+# One registry for the whole process; servers expose it on /metrics.
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Probe latencies of interest span a fast loopback canary (ms) to a timed-out one (10 s+).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+HEALTH_CHECK_DURATION = Histogram(
+    "dynamo_health_check_duration_seconds", "Wall time of one canary probe of a worker.",
+    ["worker"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+WORKER_STATUS = Gauge(
+    "dynamo_worker_status", "1 for the state a worker is in, 0 for the others.",
+    ["worker", "state"], registry=REGISTRY,
+)
+CIRCUIT_BREAKER_STATE = Gauge(
+    "dynamo_circuit_breaker_state", "Per-worker breaker: 0 closed, 1 open, 2 half-open.",
+    ["worker"], registry=REGISTRY,
+)
+MIGRATION_TOTAL = Counter(
+    "dynamo_migration_total", "Requests continued on another worker after a failure.",
+    ["source_group", "target_group", "method"], registry=REGISTRY,
+)
+MIGRATION_DURATION = Histogram(
+    "dynamo_migration_duration_seconds",
+    "Time from a detected stream failure to the first token from the new worker.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY,
+)
+DEGRADATION_LEVEL = Gauge(
+    "dynamo_degradation_level", "0 (full capacity) to 4 (below a quarter healthy).",
+    registry=REGISTRY,
+)
+TASKS_REJECTED = Counter(
+    "dynamo_tasks_rejected_total", "Requests refused by admission control.",
+    ["reason", "priority"], registry=REGISTRY,
+)
+QUEUED_REQUESTS = Gauge(
+    "dynamo_queued_requests", "Requests waiting in the proxy for a worker.", registry=REGISTRY,
+)
+LOCK_HOLDER = Gauge(
+    "ftctl_lock_holder", "1 while this engine holds the failover lock.",
+    ["lock", "engine_id"], registry=REGISTRY,
+)
+LOCK_ACQUIRE_SECONDS = Histogram(
+    "ftctl_lock_acquire_seconds", "Time spent waiting for the failover lock.",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.1, 1.0, 10.0, 60.0, 600.0), registry=REGISTRY,
+)
+FAULTS_INJECTED = Counter(
+    "ftctl_faults_injected_total", "Faults injected by ftctl inject or a drill.",
+    ["fault", "worker"], registry=REGISTRY,
+)
+XID_EVENTS = Counter(
+    "ftctl_xid_events_total", "GPU Xid events seen by the watcher.", ["gpu", "xid"],
+    registry=REGISTRY,
+)
+
+METRIC_NAMES: frozenset[str] = frozenset({
+    "dynamo_health_check_duration_seconds",
+    "dynamo_worker_status",
+    "dynamo_circuit_breaker_state",
+    "dynamo_migration_total",
+    "dynamo_migration_duration_seconds",
+    "dynamo_degradation_level",
+    "dynamo_tasks_rejected_total",
+    "dynamo_queued_requests",
+    "ftctl_lock_holder",
+    "ftctl_lock_acquire_seconds",
+    "ftctl_faults_injected_total",
+    "ftctl_xid_events_total",
+})

@@ -1,0 +1,171 @@
+"""One place that turns results into output: rich for people, JSON for machines.
+
+Library calls return frozen result objects; the CLI hands them to `emit`.
+With `--json`, stdout carries exactly one JSON document (or JSON lines for
+streams, via `emit_line`) and nothing else; logs and errors go to stderr.
+A result renders for people through `__rich__` when it has one, else as a
+key/value table of its JSON form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+
+__all__ = [
+    "emit",
+    "emit_line",
+    "error",
+    "kv_table",
+    "stderr_console",
+    "stdout_console",
+    "table",
+    "to_jsonable",
+    "warn",
+    "write_atomic",
+]
+
+
+def to_jsonable(value: Any) -> Any:
+    """Convert results (dataclasses, pydantic models, enums, paths) to JSON types."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        # JSON has no NaN/Infinity; null is the honest "no value".
+        return value if math.isfinite(value) else None
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value)
+    if isinstance(value, PurePath):
+        return str(value)
+    if hasattr(value, "model_dump"):
+        return to_jsonable(value.model_dump(mode="json", by_alias=True))
+    if hasattr(value, "to_json"):
+        return to_jsonable(value.to_json())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, bytes | bytearray):
+        return value.hex()
+    if isinstance(value, Iterable):
+        return [to_jsonable(v) for v in value]
+    return str(value)
+
+
+def _console(stream: Any) -> Console:
+    from rich.console import Console
+
+    return Console(file=stream, highlight=False, soft_wrap=False)
+
+
+def stdout_console() -> Console:
+    """A rich console on stdout (for human output only)."""
+    return _console(sys.stdout)
+
+
+def stderr_console() -> Console:
+    """A rich console on stderr (logs, progress, errors)."""
+    return _console(sys.stderr)
+
+
+def emit(result: Any, *, json_mode: bool) -> None:
+    """Print one result: a JSON document with `json_mode`, else a rich rendering."""
+    if json_mode:
+        sys.stdout.write(json.dumps(to_jsonable(result), indent=2, sort_keys=False) + "\n")
+        sys.stdout.flush()
+        return
+    console = stdout_console()
+    if hasattr(result, "__rich__") or isinstance(result, str):
+        console.print(result)
+        return
+    doc = to_jsonable(result)
+    if isinstance(doc, Mapping):
+        console.print(kv_table(None, doc))
+    else:
+        console.print(json.dumps(doc, indent=2))
+
+
+def emit_line(record: Any) -> None:
+    """Print one JSON line (for streams of events) and flush it at once."""
+    sys.stdout.write(json.dumps(to_jsonable(record), separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, Mapping | list | tuple):
+        return json.dumps(to_jsonable(value))
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def kv_table(title: str | None, data: Mapping[str, Any]) -> Table:
+    """A two-column key/value table."""
+    from rich.table import Table
+
+    out = Table(title=title, show_header=False, box=None, pad_edge=False)
+    out.add_column(style="bold")
+    out.add_column()
+    for key, value in data.items():
+        out.add_row(str(key), _cell(value))
+    return out
+
+
+def table(
+    title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+    *, styles: Mapping[str, str] | None = None,
+) -> Table:
+    """A table with a header row; `styles` maps column names to rich styles."""
+    from rich.table import Table
+
+    out = Table(title=title)
+    for name in columns:
+        out.add_column(name, style=(styles or {}).get(name))
+    for row in rows:
+        out.add_row(*(_cell(v) for v in row))
+    return out
+
+
+def error(message: str) -> None:
+    """One red line on stderr (the CLI's only way to report a failure)."""
+    if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
+        sys.stderr.write(f"\x1b[31merror:\x1b[0m {message}\n")
+    else:
+        sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr."""
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
+
+def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
+    """Write `data` to `path` through a temporary file and a rename, never half-written."""
+    payload = data.encode() if isinstance(data, str) else data
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
