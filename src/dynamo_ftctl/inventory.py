@@ -516,14 +516,19 @@ def validation_error_to_inventory_error(
 ) -> InventoryError:
     """The first error of a `ValidationError`, as one `file:line: key: message` line."""
     errors = exc.errors(include_url=False)
-    first = errors[0]
+    # A misspelt key also makes the real one "missing": report the misspelling first.
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     raw_loc = tuple(first["loc"])
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, KeyedValueError):
         raw_loc = (*raw_loc, *cause.loc)
     loc = _clean_loc(raw_loc, located.data)
     message = _describe(first, model, loc)
-    more = len(errors) - 1
+    # A container that failed only because an item inside it failed is not news.
+    more = sum(
+        1 for e in errors
+        if e is not first and tuple(e["loc"]) != tuple(first["loc"])[: len(e["loc"])]
+    )
     if more:
         message += f" (and {more} more error{'s' if more > 1 else ''})"
     return InventoryError(

@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
-from typer import _click as click  # typer vendors click; its types live here
-from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
 from dynamo_ftctl import __version__
@@ -30,8 +29,13 @@ __all__ = ["COMMANDS", "app", "main"]
 
 # name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
     "inventory": ("inventory", "Check, show and describe the cluster inventory."),
+    "xid": ("xid", "Explain an NVIDIA Xid code, or list the catalog."),
 }
+
+
+_COMPLETION_PARAMS = frozenset({"install_completion", "show_completion"})
 
 
 class LazyGroup(TyperGroup):
@@ -48,6 +52,8 @@ class LazyGroup(TyperGroup):
             return None
         module = importlib.import_module(f"dynamo_ftctl.cli.{spec[0]}")
         command = typer.main.get_command(module.app)
+        # Completion is installed once, from the root; drop typer's per-app copies.
+        command.params = [p for p in command.params if p.name not in _COMPLETION_PARAMS]
         command.name = cmd_name
         if not command.help:
             command.help = spec[1]
@@ -124,16 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 
         error(str(exc))
         return int(exc.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt):
         sys.stderr.write("interrupted\n")
         return int(ExitCode.INTERRUPTED)
-    except typer.TyperException as exc:
-        show = getattr(exc, "show", None)
-        if callable(show):
-            show()
-        else:
-            sys.stderr.write(f"error: {exc.format_message()}\n")
-        return int(ExitCode.USAGE) if isinstance(exc, UsageError) else exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
     except BrokenPipeError:
         # `ftctl ... | head`: the reader left; that is not our failure.
         sys.stderr.close()
