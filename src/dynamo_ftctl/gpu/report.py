@@ -1,0 +1,81 @@
+"""Hand GPU faults to the canary daemon: `POST /report` once per affected worker.
+
+The body is the daemon's passive-signal format:
+`{"worker": "w3", "ok": false, "reason": "xid 48: ...", "source": "gpu"}`.
+Only actionable events (catalog action other than IGNORE) that name workers
+are sent. A daemon that is down must not stop the watcher: failures are
+counted and logged on stderr, never raised.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.gpu.events import GpuEvent
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["CanaryReporter", "report_url"]
+
+
+def report_url(url: str) -> str:
+    """The daemon's `/report` endpoint, given its base URL or the endpoint itself."""
+    base = url.rstrip("/")
+    return base if base.endswith("/report") else f"{base}/report"
+
+
+class CanaryReporter:
+    """Posts actionable GPU events to a canary daemon."""
+
+    def __init__(
+        self, url: str, *, client: httpx.Client | None = None, timeout_s: float = 2.0,
+    ) -> None:
+        self.url = report_url(url)
+        self._own_client = client is None
+        if client is None:
+            import httpx
+
+            client = httpx.Client(timeout=timeout_s)
+        self._client = client
+        self.sent = 0
+        self.failures = 0
+
+    @staticmethod
+    def bodies(event: GpuEvent) -> list[dict[str, Any]]:
+        """The request bodies for one event (none for IGNORE or no workers)."""
+        if not event.actionable:
+            return []
+        return [
+            {"worker": worker, "ok": False, "reason": event.reason, "source": "gpu"}
+            for worker in event.workers
+        ]
+
+    def report(self, event: GpuEvent) -> int:
+        """Send the event for each affected worker; the number accepted by the daemon."""
+        import httpx
+
+        from dynamo_ftctl.output import warn
+
+        accepted = 0
+        for body in self.bodies(event):
+            try:
+                response = self._client.post(self.url, json=body)
+            except httpx.HTTPError as exc:
+                self.failures += 1
+                warn(f"cannot report {body['worker']} to {self.url}: {exc}")
+                continue
+            if response.status_code >= 400:
+                self.failures += 1
+                warn(
+                    f"{self.url} refused the report for {body['worker']}: "
+                    f"HTTP {response.status_code} {response.text[:200]}"
+                )
+                continue
+            accepted += 1
+            self.sent += 1
+        return accepted
+
+    def close(self) -> None:
+        if self._own_client:
+            self._client.close()

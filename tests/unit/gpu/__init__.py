@@ -1,0 +1,1 @@
+"""Tests of dynamo_ftctl.gpu and the gpu/xid commands."""
