@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.gpu.nvml import GpuSnapshot, NvmlBackend
+from dynamo_ftctl.gpu.nvml import GpuSnapshot, NvmlBackend, normalize_pci_bus_id
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import Group
 
 __all__ = [
     "PROBLEM_THROTTLE",
@@ -134,27 +134,37 @@ class GpuStatusReport:
     def to_json(self) -> dict[str, Any]:
         return {"healthy": self.healthy, "gpus": [g.to_json() for g in self.gpus]}
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> Group:
+        from rich.console import Group
+        from rich.text import Text
+
         from dynamo_ftctl.output import table
 
         rows = []
+        notes: list[Text] = []
         for g in self.gpus:
             s = g.snapshot
             rows.append((
-                s.index, s.name, s.pci_bus_id, _pct(s.util_gpu),
+                s.index, normalize_pci_bus_id(s.pci_bus_id) or s.pci_bus_id, _pct(s.util_gpu),
                 _mem(s.memory_used, s.memory_total), _unit(s.temperature_c, "°C"),
                 _power(s.power_w, s.power_limit_w),
                 f"{_num(s.ecc_volatile_uncorrected)}/{_num(s.ecc_aggregate_uncorrected)}",
-                _remap(s), ", ".join(throttle_groups(g.throttle_reasons)) or "-",
-                f"{sum(s.nvlink)}/{len(s.nvlink)}" if s.nvlink else "-",
-                "; ".join(g.problems) or "ok",
+                _remap(s),
             ))
-        return table(
+            links = f"nvlink {sum(s.nvlink)}/{len(s.nvlink)} up" if s.nvlink else "no nvlink"
+            throttle = ",".join(throttle_groups(g.throttle_reasons)) or "none"
+            notes.append(Text(f"gpu {s.index}: {s.name} {s.uuid}"))
+            notes.append(Text(f"  throttle {throttle}, {links}"))
+            if g.healthy:
+                notes.append(Text("  ok", style="green"))
+            notes.extend(Text(f"  - {problem}", style="red") for problem in g.problems)
+        # Few, narrow columns so the table fits 80 columns; the rest goes below it.
+        grid = table(
             "GPU status",
-            ["gpu", "name", "pci", "util", "memory", "temp", "power", "ecc unc vol/agg",
-             "remap", "throttle", "nvlink", "health"],
+            ["gpu", "pci", "util", "mem GiB", "temp", "power W", "ecc v/a", "remap"],
             rows,
         )
+        return Group(grid, *notes)
 
 
 def _num(value: int | None) -> str:
@@ -172,13 +182,13 @@ def _unit(value: float | None, unit: str) -> str:
 def _mem(used: int | None, total: int | None) -> str:
     if used is None or total is None:
         return "-"
-    return f"{used / 1024**3:.1f}/{total / 1024**3:.0f} GiB"
+    return f"{used / 1024**3:.0f}/{total / 1024**3:.0f}"
 
 
 def _power(power: float | None, limit: float | None) -> str:
     if power is None:
         return "-"
-    return f"{power:.0f} W" if limit is None else f"{power:.0f}/{limit:.0f} W"
+    return f"{power:.0f}" if limit is None else f"{power:.0f}/{limit:.0f}"
 
 
 def _remap(s: GpuSnapshot) -> str:
