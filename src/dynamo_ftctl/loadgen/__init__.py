@@ -1,0 +1,48 @@
+"""Load generation for LLM endpoints: open-loop arrivals timed from their planned send.
+
+The public face: build a `LoadConfig` (targets, `Schedule`, `Workload`, bounds,
+`Slo`) and call `run_load` (or `run_load_async` inside an event loop) for a
+`LoadReport`; `sweep_rate` finds the highest rate meeting an SLO;
+`write_report` saves CSV/JSONL/PNG; `compare_reports` diffs two saved runs.
+Submodules load aiohttp and matplotlib only when a run or a plot needs them.
+"""
+
+from dynamo_ftctl.loadgen.compare import Comparison, compare_reports
+from dynamo_ftctl.loadgen.config import (
+    Length,
+    LoadConfig,
+    Schedule,
+    Slo,
+    Workload,
+    parse_duration,
+    parse_length,
+)
+from dynamo_ftctl.loadgen.export import write_report
+from dynamo_ftctl.loadgen.record import RequestRecord
+from dynamo_ftctl.loadgen.runner import LoadEvent, LoadReport, Progress, run_load, run_load_async
+from dynamo_ftctl.loadgen.stats import Distribution, LoadSummary
+from dynamo_ftctl.loadgen.sweep import SweepReport, sweep_rate, sweep_rate_async
+
+__all__ = [
+    "Comparison",
+    "Distribution",
+    "Length",
+    "LoadConfig",
+    "LoadEvent",
+    "LoadReport",
+    "LoadSummary",
+    "Progress",
+    "RequestRecord",
+    "Schedule",
+    "Slo",
+    "SweepReport",
+    "Workload",
+    "compare_reports",
+    "parse_duration",
+    "parse_length",
+    "run_load",
+    "run_load_async",
+    "sweep_rate",
+    "sweep_rate_async",
+    "write_report",
+]

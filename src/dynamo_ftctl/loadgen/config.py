@@ -1,0 +1,239 @@
+"""What a load run is: targets, schedule, workload, bounds and SLO, as frozen values.
+
+Everything here is plain data checked on construction (`InvalidInput`, exit 2);
+nothing here sends a request. `parse_duration` and `parse_length` read the
+CLI's human forms (`60s`, `500ms`, `2m`; `128`, `64-256`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from dynamo_ftctl.errors import InvalidInput
+
+__all__ = [
+    "Arrival",
+    "Length",
+    "LoadConfig",
+    "Schedule",
+    "Slo",
+    "Workload",
+    "parse_duration",
+    "parse_length",
+]
+
+Arrival = Literal["constant", "poisson", "gamma"]
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h|)\s*$")
+
+
+def parse_duration(text: str | float, *, what: str = "duration") -> float:
+    """Seconds from `60`, `60s`, `500ms`, `2m`, `1h`; InvalidInput otherwise."""
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        match = _DURATION.match(text)
+        if not match:
+            msg = f"{what}: {text!r} is not a duration (e.g. 60, 60s, 500ms, 2m, 1h)"
+            raise InvalidInput(msg)
+        value = float(match.group(1)) * _UNITS[match.group(2)]
+    if not math.isfinite(value) or value < 0:
+        msg = f"{what}: must be a finite, non-negative number of seconds"
+        raise InvalidInput(msg)
+    return value
+
+
+@dataclass(frozen=True)
+class Length:
+    """A token count drawn uniformly from [low, high] (low == high: fixed)."""
+
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if self.low < 0 or self.high < self.low:
+            msg = f"length {self.low}-{self.high}: need 0 <= low <= high"
+            raise InvalidInput(msg)
+
+    @classmethod
+    def fixed(cls, n: int) -> Length:
+        """Always `n` tokens."""
+        return cls(n, n)
+
+    def __str__(self) -> str:
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+
+def parse_length(text: str | int, *, what: str = "length") -> Length:
+    """`128` (fixed) or `64-256` (uniform) as a `Length`."""
+    if isinstance(text, int):
+        return Length.fixed(text)
+    match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+    if not match:
+        msg = f"{what}: {text!r} is not a token count (128) or range (64-256)"
+        raise InvalidInput(msg)
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) else low
+    try:
+        return Length(low, high)
+    except InvalidInput as exc:
+        msg = f"{what}: {exc}"
+        raise InvalidInput(msg) from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When requests start.
+
+    Open loop (`rate` set): arrivals are planned ahead and never wait for the
+    server; `arrival` picks constant gaps, Poisson, or gamma gaps whose shape is
+    `burstiness` (vLLM's convention: 1 is Poisson, below 1 burstier, above 1
+    more even). `ramp_to` ramps the rate linearly (or in `ramp_steps` equal
+    steps) over the duration; `concurrency` caps requests in flight, and time
+    spent waiting for a slot counts as latency. Closed loop (`users` set): N
+    users each send their next request when the previous one ends.
+    """
+
+    rate: float | None = None
+    users: int | None = None
+    arrival: Arrival = "poisson"
+    burstiness: float = 1.0
+    ramp_to: float | None = None
+    ramp_steps: int = 0
+    concurrency: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.rate is None) == (self.users is None):
+            msg = "schedule: give either a rate (open loop) or a number of users (closed loop)"
+            raise InvalidInput(msg)
+        if self.rate is not None and not (self.rate > 0 and math.isfinite(self.rate)):
+            msg = f"rate: must be a positive number of requests/s, got {self.rate}"
+            raise InvalidInput(msg)
+        if self.users is not None and self.users < 1:
+            msg = f"users: must be at least 1, got {self.users}"
+            raise InvalidInput(msg)
+        if self.burstiness <= 0:
+            msg = f"burstiness: must be positive, got {self.burstiness}"
+            raise InvalidInput(msg)
+        if self.ramp_to is not None and (self.rate is None or self.ramp_to <= 0):
+            msg = "ramp_to: needs an open-loop rate and a positive target rate"
+            raise InvalidInput(msg)
+        if self.ramp_steps < 0:
+            msg = "ramp_steps: must be 0 (linear) or a positive number of steps"
+            raise InvalidInput(msg)
+        if self.concurrency is not None and self.concurrency < 1:
+            msg = f"concurrency: must be at least 1, got {self.concurrency}"
+            raise InvalidInput(msg)
+
+    @property
+    def open_loop(self) -> bool:
+        """True for planned arrivals, False for N closed-loop users."""
+        return self.rate is not None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each request asks for.
+
+    Prompt lengths are exact token counts against `ftctl sim`'s byte tokenizer
+    (one ASCII byte, one token) and approximate elsewhere. `prompt_file` is
+    JSONL (`{"prompt": ...}` or `{"messages": [...]}`, optional `max_tokens`);
+    `trace` is the same with a `timestamp` (seconds) that replaces the schedule.
+    """
+
+    api: Literal["completions", "chat"] = "completions"
+    model: str | None = None
+    prompt_tokens: Length = field(default_factory=lambda: Length.fixed(32))
+    max_tokens: Length = field(default_factory=lambda: Length.fixed(128))
+    stream: bool = False
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    priority: str | None = None
+    prompt_file: Path | None = None
+    trace: Path | None = None
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_file is not None and self.trace is not None:
+            msg = "workload: give a prompt file or a trace, not both"
+            raise InvalidInput(msg)
+        if self.max_tokens.low < 1:
+            msg = "max_tokens: must be at least 1"
+            raise InvalidInput(msg)
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objective: p99 TTFT and ITL in ms, and the largest error rate."""
+
+    ttft_p99_ms: float | None = None
+    itl_p99_ms: float | None = None
+    error_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p99_ms", "itl_p99_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                msg = f"slo {name}: must be positive"
+                raise InvalidInput(msg)
+        if self.error_rate is not None and not 0 <= self.error_rate <= 1:
+            msg = "slo error_rate: must be between 0 and 1"
+            raise InvalidInput(msg)
+
+    @property
+    def empty(self) -> bool:
+        """True when no objective is set."""
+        return self.ttft_p99_ms is None and self.itl_p99_ms is None and self.error_rate is None
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """One load run: where, when, what, how long, and when to give up."""
+
+    targets: tuple[str, ...]
+    schedule: Schedule
+    workload: Workload = field(default_factory=Workload)
+    duration_s: float | None = None
+    requests: int | None = None
+    warmup_s: float = 0.0
+    timeout_s: float = 60.0
+    abort_error_rate: float | None = None
+    abort_min_requests: int = 20
+    slo: Slo = field(default_factory=Slo)
+    progress_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            msg = "targets: give at least one URL (--url) or inventory worker (--workers)"
+            raise InvalidInput(msg)
+        for url in self.targets:
+            if not re.match(r"^https?://[^/\s]+", url):
+                msg = f"url: {url!r} is not an http(s) URL"
+                raise InvalidInput(msg)
+        if self.duration_s is None and self.requests is None and self.workload.trace is None:
+            msg = "bound: give a duration or a number of requests (every run is bounded)"
+            raise InvalidInput(msg)
+        if self.duration_s is not None and self.duration_s <= 0:
+            msg = "duration: must be positive"
+            raise InvalidInput(msg)
+        if self.requests is not None and self.requests < 1:
+            msg = "requests: must be at least 1"
+            raise InvalidInput(msg)
+        if self.schedule.ramp_to is not None and self.duration_s is None:
+            msg = "ramp: needs a duration to ramp over"
+            raise InvalidInput(msg)
+        if self.timeout_s <= 0:
+            msg = "timeout: must be positive"
+            raise InvalidInput(msg)
+        if self.warmup_s < 0 or (self.duration_s is not None and self.warmup_s >= self.duration_s):
+            msg = "warmup: must be non-negative and shorter than the duration"
+            raise InvalidInput(msg)
+        if self.abort_error_rate is not None and not 0 < self.abort_error_rate <= 1:
+            msg = "abort_error_rate: must be in (0, 1]"
+            raise InvalidInput(msg)

@@ -1,0 +1,78 @@
+"""What happened to one request, timed from its planned send time and its actual one.
+
+Times are seconds since the start of the run on the monotonic clock. The
+outcome is `ok`, `migrated` (answered, after the proxy moved the stream:
+`x-ftctl-migrated` header) or one error class: `connect`, `timeout`,
+`4xx_<code>`, `5xx_<code>`, `broken_stream` (cut before its finish, or an SSE
+error event), `other`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MIGRATED_HEADER", "SUCCESS", "RequestRecord", "http_error_class"]
+
+MIGRATED_HEADER = "x-ftctl-migrated"
+SUCCESS = frozenset({"ok", "migrated"})
+
+
+def http_error_class(status: int) -> str:
+    """The error class of an HTTP status: `4xx_429`, `5xx_503`, ..."""
+    return f"{status // 100}xx_{status}"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request: its timeline, tokens and outcome."""
+
+    index: int
+    target: str
+    planned: float
+    sent: float
+    done: float
+    first_token: float | None
+    output_tokens: int
+    itl: tuple[float, ...]
+    status: int | None
+    outcome: str
+    migrated: int = 0
+    warmup: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the request was answered in full (migrated or not)."""
+        return self.outcome in SUCCESS
+
+    @property
+    def queue_s(self) -> float:
+        """Planned → sent: schedule lag plus time waiting for a concurrency slot."""
+        return self.sent - self.planned
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token from the planned send time."""
+        return None if self.first_token is None else self.first_token - self.planned
+
+    @property
+    def ttft_from_sent_s(self) -> float | None:
+        """Time to first token from the actual send time."""
+        return None if self.first_token is None else self.first_token - self.sent
+
+    @property
+    def e2e_s(self) -> float:
+        """End-to-end latency from the planned send time."""
+        return self.done - self.planned
+
+    @property
+    def e2e_from_sent_s(self) -> float:
+        """End-to-end latency from the actual send time."""
+        return self.done - self.sent
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (streamed answers only)."""
+        if self.first_token is None or self.output_tokens < 2 or not self.itl:
+            return None
+        return (self.done - self.first_token) / (self.output_tokens - 1)

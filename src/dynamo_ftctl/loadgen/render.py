@@ -1,0 +1,62 @@
+"""Rich renderings of load results for people (the JSON form is `LoadReport.to_json`)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.loadgen.runner import LoadReport, Progress
+    from dynamo_ftctl.loadgen.stats import Distribution
+
+__all__ = ["render_progress", "render_report"]
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:,.2f}"  # NaN: no samples
+
+
+def render_report(report: LoadReport) -> Any:
+    """Throughput, counts and latency percentiles as rich tables."""
+    from rich.console import Group
+
+    from dynamo_ftctl.output import kv_table, table
+
+    s = report.summary
+    head: dict[str, Any] = {
+        "targets": ", ".join(report.config.targets),
+        "window_s": round(s.window_s, 3),
+        "requests_per_s": round(s.requests_per_s, 2),
+        "output_tokens_per_s": round(s.output_tokens_per_s, 1),
+        "completed": s.completed,
+        "failed": s.failed,
+        "migrated": s.migrated,
+        "errors_by_class": s.errors_by_class or "-",
+    }
+    if s.goodput_requests_per_s is not None:
+        head["goodput_requests_per_s"] = round(s.goodput_requests_per_s, 2)
+        head["slo_met"] = s.slo_met
+    if report.aborted:
+        head["aborted"] = report.aborted
+    dists: list[tuple[str, Distribution]] = [
+        ("ttft (from planned)", s.ttft_ms), ("ttft (from sent)", s.ttft_from_sent_ms),
+        ("itl", s.itl_ms), ("tpot", s.tpot_ms), ("e2e (from planned)", s.e2e_ms),
+        ("e2e (from sent)", s.e2e_from_sent_ms), ("queue (planned→sent)", s.queue_ms),
+    ]
+    rows = [(name, d.count, _ms(d.p50), _ms(d.p90), _ms(d.p95), _ms(d.p99), _ms(d.p99_9),
+             _ms(d.max)) for name, d in dists]
+    return Group(
+        kv_table("ftctl load", head),
+        table("latency (ms)", ["metric", "n", "p50", "p90", "p95", "p99", "p99.9", "max"],
+              rows, styles={"metric": "bold"}),
+    )
+
+
+def render_progress(progress: Progress, *, planned: int | None) -> str:
+    """One status line: rate, in flight, errors, recent p99 TTFT."""
+    total = f"/{planned}" if planned else ""
+    ttft = "-" if progress.ttft_p99_ms is None else f"{progress.ttft_p99_ms:,.1f} ms"
+    return (f"t={progress.t:6.1f}s  sent {progress.sent}{total}  "
+            f"done {progress.completed}  failed {progress.failed}  "
+            f"in flight {progress.in_flight}  {progress.completed_per_s:,.1f} req/s  "
+            f"p99 ttft {ttft}")

@@ -1,0 +1,400 @@
+"""Run a load: `run_load(config) -> LoadReport`, and `run_load_async` for callers in a loop.
+
+Open loop: the send times are planned before the first request (see
+`schedule.py`) and one scheduler task starts each request at its time, never
+waiting for earlier answers; a concurrency cap makes requests queue, and the
+queueing counts as latency. Closed loop: N users, each sending when its last
+answer ended. Every run is bounded by a duration and/or a request count, and
+each request by `timeout_s`. Drills watch a run through `on_event` and pass a
+`markers` list to which they append `(t, label)` fault markers while it runs
+(t in seconds since the run's start, given by the `started` event's `t0`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock, MonotonicClock
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.loadgen.config import LoadConfig
+from dynamo_ftctl.loadgen.record import RequestRecord
+from dynamo_ftctl.loadgen.schedule import plan_arrivals, trace_offsets
+from dynamo_ftctl.loadgen.stats import LoadSummary, percentile, summarize
+from dynamo_ftctl.loadgen.workload import PromptItem, RequestFactory, RequestSpec, load_prompts
+
+__all__ = [
+    "LoadEvent",
+    "LoadReport",
+    "Progress",
+    "Sender",
+    "describe_config",
+    "run_load",
+    "run_load_async",
+]
+
+# The last stretch before a planned send is spent yielding to the event loop
+# rather than in a timer: epoll rounds timeouts up to whole milliseconds, which
+# alone would cost up to 1 ms of schedule lag.
+_SPIN_S = 0.0015
+
+
+class Sender(Protocol):
+    """Sends one request and times it (the seam tests replace)."""
+
+    async def send(self, spec: RequestSpec, planned: float, *, warmup: bool,
+                   t0: float) -> RequestRecord:
+        """Send `spec`; times in the record are seconds since `t0`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot while a run goes on."""
+
+    t: float
+    sent: int
+    completed: int
+    failed: int
+    in_flight: int
+    completed_per_s: float
+    ttft_p99_ms: float | None
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    """Something a watcher of the run may want: start, progress, abort, end."""
+
+    kind: Literal["started", "progress", "aborted", "finished"]
+    t: float
+    t0: float
+    progress: Progress | None = None
+    message: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A finished run: its summary, every request, the markers, and why it stopped."""
+
+    config: LoadConfig
+    summary: LoadSummary
+    records: tuple[RequestRecord, ...]
+    markers: tuple[tuple[float, str], ...]
+    started_at: float
+    elapsed_s: float
+    model: str | None
+    aborted: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON summary (`--json`, `summary.json`): numbers first, then the setup."""
+        from dynamo_ftctl.output import to_jsonable
+
+        doc: dict[str, Any] = {"kind": "ftctl-load-report"}
+        doc.update(to_jsonable(self.summary))
+        doc["aborted"] = self.aborted
+        doc["started_at"] = self.started_at
+        doc["elapsed_s"] = self.elapsed_s
+        doc["model"] = self.model
+        doc["markers"] = [{"t_s": t, "label": label} for t, label in self.markers]
+        doc["config"] = describe_config(self.config)
+        return doc
+
+    def __rich__(self) -> Any:
+        from dynamo_ftctl.loadgen.render import render_report
+
+        return render_report(self)
+
+
+def describe_config(config: LoadConfig) -> dict[str, Any]:
+    """The setup of a run in JSON types."""
+    from dynamo_ftctl.output import to_jsonable
+
+    sched = config.schedule
+    wl = config.workload
+    return {
+        "targets": list(config.targets),
+        "loop": "open" if sched.open_loop else "closed",
+        "rate_per_s": sched.rate,
+        "ramp_to_per_s": sched.ramp_to,
+        "ramp_steps": sched.ramp_steps,
+        "users": sched.users,
+        "arrival": sched.arrival if sched.open_loop else None,
+        "burstiness": sched.burstiness,
+        "concurrency": sched.concurrency,
+        "seed": sched.seed,
+        "duration_s": config.duration_s,
+        "requests": config.requests,
+        "warmup_s": config.warmup_s,
+        "timeout_s": config.timeout_s,
+        "api": wl.api,
+        "stream": wl.stream,
+        "prompt_tokens": str(wl.prompt_tokens),
+        "max_tokens": str(wl.max_tokens),
+        "ignore_eos": wl.ignore_eos,
+        "min_tokens": wl.min_tokens,
+        "priority": wl.priority,
+        "prompt_file": wl.prompt_file,
+        "trace": wl.trace,
+        "slo": to_jsonable(config.slo),
+        "abort_error_rate": config.abort_error_rate,
+    }
+
+
+@dataclass
+class _Run:
+    """Mutable bookkeeping of one run (private to the runner)."""
+
+    config: LoadConfig
+    clock: Clock
+    t0: float
+    on_event: Callable[[LoadEvent], None] | None
+    records: list[RequestRecord] = field(default_factory=list)
+    sent: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    aborted: str | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def record(self, rec: RequestRecord) -> None:
+        self.records.append(rec)
+        if not rec.ok:
+            self.failed += 1
+        limit = self.config.abort_error_rate
+        finished = len(self.records)
+        if (limit is not None and self.aborted is None
+                and finished >= self.config.abort_min_requests
+                and self.failed / finished > limit):
+            self.aborted = (f"error rate {self.failed / finished:.1%} passed the limit "
+                            f"{limit:.1%} after {finished} requests")
+            self.stop.set()
+            self.emit("aborted", message=self.aborted)
+
+    def emit(self, kind: Literal["started", "progress", "aborted", "finished"], *,
+             progress: Progress | None = None, message: str | None = None) -> None:
+        if self.on_event is not None:
+            self.on_event(LoadEvent(kind=kind, t=self.clock.now() - self.t0, t0=self.t0,
+                                    progress=progress, message=message))
+
+
+async def _sleep_until(clock: Clock, deadline: float) -> None:
+    delay = deadline - clock.now()
+    if delay <= 0:
+        return
+    if not isinstance(clock, MonotonicClock):
+        await clock.asleep(delay)  # fake clocks jump straight to the deadline
+        return
+    if delay > _SPIN_S:
+        await clock.asleep(delay - _SPIN_S)
+    while clock.now() < deadline:
+        await asyncio.sleep(0)
+
+
+async def _open_loop(run: _Run, factory: RequestFactory, sender: Sender,
+                     offsets: Sequence[float]) -> None:
+    config = run.config
+    gate = (asyncio.Semaphore(config.schedule.concurrency)
+            if config.schedule.concurrency else None)
+    tasks: set[asyncio.Task[None]] = set()
+    warmup_s = config.warmup_s
+    t0 = run.t0
+
+    async def one(spec: RequestSpec, planned: float) -> None:
+        run.in_flight += 1
+        try:
+            if gate is None:
+                rec = await sender.send(spec, planned, warmup=planned < warmup_s, t0=t0)
+            else:
+                async with gate:
+                    rec = await sender.send(spec, planned, warmup=planned < warmup_s, t0=t0)
+        finally:
+            run.in_flight -= 1
+        run.record(rec)
+
+    for index, offset in enumerate(offsets):
+        spec = factory.build(index)
+        await _sleep_until(run.clock, t0 + offset)
+        if run.stop.is_set():
+            break
+        task = asyncio.create_task(one(spec, offset))
+        run.sent += 1
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await _drain(run, tasks)
+
+
+async def _closed_loop(run: _Run, factory: RequestFactory, sender: Sender) -> None:
+    config = run.config
+    users = config.schedule.users or 1
+    numbers = itertools.count()
+    clock = run.clock
+    t0 = run.t0
+
+    async def user() -> None:
+        while not run.stop.is_set():
+            index = next(numbers)
+            if config.requests is not None and index >= config.requests:
+                return
+            planned = clock.now() - t0
+            if config.duration_s is not None and planned >= config.duration_s:
+                return
+            spec = factory.build(index)
+            run.sent += 1
+            run.in_flight += 1
+            try:
+                rec = await sender.send(spec, planned, warmup=planned < config.warmup_s,
+                                        t0=t0)
+            finally:
+                run.in_flight -= 1
+            run.record(rec)
+
+    tasks = {asyncio.create_task(user()) for _ in range(users)}
+    await _drain(run, tasks)
+
+
+async def _drain(run: _Run, tasks: set[asyncio.Task[None]]) -> None:
+    """Wait for the tasks; on abort, cancel what is still in flight."""
+    pending: set[asyncio.Future[Any]] = set(tasks)
+    stopper: asyncio.Future[Any] = asyncio.ensure_future(run.stop.wait())
+    try:
+        while pending:
+            done, _ = await asyncio.wait({*pending, stopper},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            pending -= done
+            if run.stop.is_set():
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                return
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    raise error
+    finally:
+        stopper.cancel()
+
+
+async def _progress(run: _Run) -> None:
+    interval = run.config.progress_interval_s
+    seen = 0
+    last = run.clock.now()
+    while True:
+        await run.clock.asleep(interval)
+        now = run.clock.now()
+        recent = run.records[seen:]
+        seen = len(run.records)
+        ttfts = sorted(r.ttft_s for r in recent if r.ok and r.ttft_s is not None)
+        run.emit("progress", progress=Progress(
+            t=now - run.t0, sent=run.sent, completed=len(run.records) - run.failed,
+            failed=run.failed, in_flight=run.in_flight,
+            completed_per_s=sum(1 for r in recent if r.ok) / max(now - last, 1e-9),
+            ttft_p99_ms=percentile(ttfts, 99) * 1000 if ttfts else None,
+        ))
+        last = now
+
+
+async def _resolve_model(session: Any, target: str) -> str | None:
+    """The first model a target serves (`GET /v1/models`), or None if it will not say."""
+    import aiohttp
+
+    try:
+        async with session.get(target.rstrip("/") + "/v1/models",
+                               timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            doc = await resp.json(content_type=None)
+        data = doc.get("data") if isinstance(doc, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            model = data[0].get("id")
+            return model if isinstance(model, str) else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    return None
+
+
+def _plan(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[float]:
+    if config.workload.trace is not None:
+        assert items is not None
+        offsets = trace_offsets([it.timestamp or 0.0 for it in items])
+        if config.duration_s is not None:
+            offsets = [o for o in offsets if o < config.duration_s]
+        return offsets[: config.requests] if config.requests is not None else offsets
+    return plan_arrivals(config.schedule, duration_s=config.duration_s, count=config.requests)
+
+
+async def run_load_async(
+    config: LoadConfig, *,
+    on_event: Callable[[LoadEvent], None] | None = None,
+    markers: list[tuple[float, str]] | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    sender: Sender | None = None,
+) -> LoadReport:
+    """Run `config` in the running event loop and return its report."""
+    wl = config.workload
+    items: tuple[PromptItem, ...] | None = None
+    if wl.trace is not None:
+        items = load_prompts(wl.trace, trace=True)
+    elif wl.prompt_file is not None:
+        items = load_prompts(wl.prompt_file, trace=False)
+    if wl.trace is not None and not config.schedule.open_loop:
+        msg = "trace: a trace replays its own timestamps; use it with an open-loop rate"
+        raise InvalidInput(msg)
+    offsets = _plan(config, items) if config.schedule.open_loop or wl.trace else []
+    session: Any = None
+    model = wl.model
+    if sender is None:
+        import aiohttp
+
+        from dynamo_ftctl.loadgen.client import AiohttpSender
+
+        limit = config.schedule.concurrency or config.schedule.users or 0
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0,
+                                           ttl_dns_cache=None),
+            auto_decompress=False,
+        )
+        if model is None:
+            model = await _resolve_model(session, config.targets[0])
+        sender = AiohttpSender(session, timeout_s=config.timeout_s, now=clock.now)
+    factory = RequestFactory(wl, config.targets, seed=config.schedule.seed, model=model,
+                             items=items)
+    started_at = clock.wall()
+    run = _Run(config=config, clock=clock, t0=clock.now(), on_event=on_event)
+    run.emit("started")
+    ticker = asyncio.create_task(_progress(run)) if on_event is not None else None
+    try:
+        if config.schedule.open_loop:
+            await _open_loop(run, factory, sender, offsets)
+        else:
+            await _closed_loop(run, factory, sender)
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+        if session is not None:
+            await session.close()
+    elapsed = clock.now() - run.t0
+    records = tuple(sorted(run.records, key=lambda r: r.index))
+    planned = (sum(1 for o in offsets if o >= config.warmup_s) if config.schedule.open_loop
+               else sum(1 for r in records if not r.warmup))
+    summary = summarize(records, slo=config.slo, measure_from=config.warmup_s,
+                        planned_requests=planned)
+    report = LoadReport(
+        config=config, summary=summary, records=records,
+        markers=tuple(sorted(markers or ())), started_at=started_at, elapsed_s=elapsed,
+        model=model, aborted=run.aborted,
+    )
+    run.emit("finished")
+    return report
+
+
+def run_load(config: LoadConfig, *,
+             on_event: Callable[[LoadEvent], None] | None = None,
+             markers: list[tuple[float, str]] | None = None) -> LoadReport:
+    """Run `config` to completion in a new event loop and return its report."""
+    return asyncio.run(run_load_async(config, on_event=on_event, markers=markers))
+

@@ -1,0 +1,156 @@
+"""Request bodies: synthetic prompts of exact byte lengths, prompt files and traces.
+
+`RequestFactory.build(i)` returns the i-th request (target URL, body bytes,
+headers) so the send loop does no JSON work of its own. Prompt and trace
+files are JSONL; a bad line is refused as `file:line: key: message` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.loadgen.config import Length, Workload
+
+__all__ = ["PRIORITY_HEADER", "PromptItem", "RequestFactory", "RequestSpec", "load_prompts"]
+
+# The proxy reads a request's priority from this header (admission control).
+PRIORITY_HEADER = "x-ftctl-priority"
+_ALPHABET = string.ascii_lowercase + "     "  # about one space per six letters
+_MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+class PromptItem(BaseModel):
+    """One line of a prompt file or trace."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt: str | None = Field(None, description="Completion prompt text.")
+    messages: tuple[dict[str, Any], ...] | None = Field(None, description="Chat messages.")
+    max_tokens: int | None = Field(None, ge=1, description="Output tokens for this request.")
+    timestamp: float | None = Field(None, ge=0, description="Send time in a trace (seconds).")
+
+
+def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
+    """Read a JSONL prompt file (or a trace, whose lines need `timestamp`), sorted by time."""
+    try:
+        if path.stat().st_size > _MAX_FILE_BYTES:
+            msg = f"larger than {_MAX_FILE_BYTES >> 20} MiB"
+            raise InventoryError(msg, path=path)
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InventoryError(exc.strerror or str(exc), path=path) from None
+    except UnicodeDecodeError:
+        raise InventoryError("not UTF-8 text", path=path) from None
+    items: list[PromptItem] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            msg = f"not JSON: {exc.msg}"
+            raise InventoryError(msg, path=path, line=number) from None
+        try:
+            item = PromptItem.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(part) for part in first["loc"]) or None
+            raise InventoryError(first["msg"], path=path, line=number, key=key) from None
+        if (item.prompt is None) == (item.messages is None):
+            raise InventoryError("give exactly one of prompt or messages", path=path,
+                                 line=number, key="prompt")
+        if trace and item.timestamp is None:
+            raise InventoryError("a trace line needs a timestamp", path=path, line=number,
+                                 key="timestamp")
+        items.append(item)
+    if not items:
+        raise InventoryError("no prompts in file", path=path)
+    if trace:
+        items.sort(key=lambda it: it.timestamp or 0.0)
+    return tuple(items)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request ready to send."""
+
+    index: int
+    target: str
+    url: str
+    body: bytes
+    headers: dict[str, str]
+    max_tokens: int
+
+
+def _draw(rng: random.Random, length: Length) -> int:
+    return length.low if length.low == length.high else rng.randint(length.low, length.high)
+
+
+def synthetic_prompt(rng: random.Random, tokens: int) -> str:
+    """A prompt of exactly `tokens` ASCII bytes (= tokens for a byte tokenizer)."""
+    return "".join(rng.choices(_ALPHABET, k=tokens))
+
+
+class RequestFactory:
+    """Builds request i of a run: round-robin over targets, deterministic for a seed."""
+
+    def __init__(self, workload: Workload, targets: tuple[str, ...], *, seed: int = 0,
+                 model: str | None = None,
+                 items: tuple[PromptItem, ...] | None = None) -> None:
+        self.workload = workload
+        self.targets = targets
+        self.seed = seed
+        self.model = model if model is not None else workload.model
+        self.items = items
+        path = "/v1/chat/completions" if workload.api == "chat" else "/v1/completions"
+        self._urls = tuple(t.rstrip("/") + path for t in targets)
+        self._headers = {"content-type": "application/json"}
+        if workload.priority is not None:
+            self._headers[PRIORITY_HEADER] = workload.priority
+
+    def build(self, index: int) -> RequestSpec:
+        """The request numbered `index` (0-based)."""
+        wl = self.workload
+        rng = random.Random(self.seed * 1_000_003 + index)
+        body: dict[str, Any] = {}
+        if self.model is not None:
+            body["model"] = self.model
+        max_tokens = _draw(rng, wl.max_tokens)
+        if self.items is not None:
+            item = self.items[index % len(self.items)]
+            if item.max_tokens is not None:
+                max_tokens = item.max_tokens
+            prompt: str | None = item.prompt
+            messages = list(item.messages) if item.messages is not None else None
+        else:
+            prompt = synthetic_prompt(rng, _draw(rng, wl.prompt_tokens))
+            messages = None
+        if wl.api == "chat":
+            body["messages"] = messages or [{"role": "user", "content": prompt or ""}]
+        else:
+            if prompt is None:  # a chat line used for completions: join the contents
+                prompt = "\n".join(str(m.get("content", "")) for m in messages or [])
+            body["prompt"] = prompt
+        body["max_tokens"] = max_tokens
+        body["temperature"] = wl.temperature
+        body["stream"] = wl.stream
+        if wl.stream:
+            body["stream_options"] = {"include_usage": True}
+        if wl.ignore_eos:
+            body["ignore_eos"] = True
+        if wl.min_tokens is not None:
+            body["min_tokens"] = wl.min_tokens
+        slot = index % len(self.targets)
+        return RequestSpec(
+            index=index, target=self.targets[slot], url=self._urls[slot],
+            body=json.dumps(body, separators=(",", ":")).encode(),
+            headers=self._headers, max_tokens=max_tokens,
+        )
