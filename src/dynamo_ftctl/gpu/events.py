@@ -142,7 +142,15 @@ def count_xid(event: GpuEvent) -> None:
     """Count an Xid event in `ftctl_xid_events_total{gpu,xid}` (other kinds are ignored)."""
     if event.xid is None:
         return
-    from dynamo_ftctl.metrics import XID_EVENTS
-
     gpu = str(event.gpu) if event.gpu is not None else (event.pci_bus_id or "unknown")
-    XID_EVENTS.labels(gpu=gpu, xid=str(event.xid)).inc()
+    key = (gpu, event.xid)
+    child = _XID_CHILDREN.get(key)
+    if child is None:
+        from dynamo_ftctl.metrics import XID_EVENTS
+
+        # labels() costs ~10 µs; a storm of Xids on one GPU reuses the child.
+        child = _XID_CHILDREN[key] = XID_EVENTS.labels(gpu=gpu, xid=str(event.xid))
+    child.inc()
+
+
+_XID_CHILDREN: dict[tuple[str, int], Any] = {}

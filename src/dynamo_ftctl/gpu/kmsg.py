@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from dynamo_ftctl.clock import Clock
 from dynamo_ftctl.errors import InvalidInput, Unreachable
@@ -40,6 +41,7 @@ __all__ = [
     "KmsgParser",
     "KmsgWatcher",
     "XidLine",
+    "file_lines",
     "follow_file",
     "journal_lines",
     "kmsg_lines",
@@ -188,6 +190,22 @@ def parse_pci_map(spec: str) -> dict[str, int]:
 # -- sources -------------------------------------------------------------------------
 
 
+def _open(path: Path, *, binary: bool) -> IO[Any]:
+    try:
+        if binary:
+            return path.open("rb")
+        return path.open(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        msg = f"cannot read {path}: {exc.strerror or exc}"
+        raise InvalidInput(msg) from exc
+
+
+def file_lines(path: Path) -> Iterator[str]:
+    """Every line of a file, read once to its end (text mode: the fast path)."""
+    with _open(path, binary=False) as handle:
+        yield from handle
+
+
 def follow_file(
     path: Path, *, clock: Clock, poll_s: float = 0.01, follow: bool = True,
     stop: Callable[[], bool] = lambda: False,
@@ -198,16 +216,11 @@ def follow_file(
     is truncated or replaced (log rotation) is reopened from its start.
     `stop()` is checked whenever the reader is idle at the end of the file.
     """
+    if not follow:
+        yield from file_lines(path)
+        return
+    handle = _open(path, binary=True)
     try:
-        handle = path.open("rb")
-    except OSError as exc:
-        msg = f"cannot read {path}: {exc.strerror or exc}"
-        raise InvalidInput(msg) from exc
-    try:
-        if not follow:
-            for raw in handle:
-                yield raw.decode("utf-8", "replace")
-            return
         inode = os.fstat(handle.fileno()).st_ino
         pending = b""
         while True:
@@ -229,7 +242,7 @@ def follow_file(
                 current.st_ino != inode or current.st_size < handle.tell()
             ):
                 handle.close()
-                handle = path.open("rb")
+                handle = _open(path, binary=True)
                 inode = os.fstat(handle.fileno()).st_ino
                 pending = b""
                 continue
@@ -301,7 +314,9 @@ def source_lines(
         return journal_lines(follow=follow)
     if source == "-":
         return iter(sys.stdin)
-    return follow_file(Path(source), clock=clock, poll_s=poll_s, follow=follow, stop=stop)
+    if not follow:
+        return file_lines(Path(source))
+    return follow_file(Path(source), clock=clock, poll_s=poll_s, stop=stop)
 
 
 # -- the watcher -------------------------------------------------------------------------
