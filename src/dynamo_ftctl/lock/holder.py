@@ -1,0 +1,102 @@
+"""Hold a failover lock for exactly the life of a command (`ftctl lock acquire -- CMD`).
+
+With flock, the locked descriptor is made inheritable and this process execs
+the command (like `flock(1)`): the lock lives until the command's last copy of
+the descriptor closes, with no supervisor in between. With etcd, a lease needs
+a keep-alive, so the command runs as a child and is killed if the lease is lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.lock.flock import FlockLock
+from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
+from dynamo_ftctl.lock.settings import LockSettings, open_lock
+
+__all__ = ["LOCK_FD_ENV", "LOCK_TOKEN_ENV", "exec_holding", "hold_for_command", "run_holding"]
+
+# The command learns which descriptor holds the lock and its fencing token.
+LOCK_FD_ENV = "FTCTL_LOCK_FD"
+LOCK_TOKEN_ENV = "FTCTL_LOCK_TOKEN"  # noqa: S105 (a fencing token, not a secret)
+# How long a command gets to exit after SIGTERM when its etcd lease is lost.
+_TERM_GRACE_S = 5.0
+
+
+def _check_command(argv: Sequence[str]) -> None:
+    if not argv:
+        msg = "no command to run"
+        raise InvalidInput(msg)
+
+
+def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = None) -> None:
+    """Acquire `lock`, then replace this process with `argv`, the descriptor inherited.
+
+    Returns only by raising: `LockTimeout`, or `InvalidInput` when the command
+    cannot be executed (the lock is released then).
+    """
+    _check_command(argv)
+    lease = lock.acquire(timeout)
+    assert lease.fd is not None
+    os.set_inheritable(lease.fd, True)
+    env = {**os.environ, LOCK_FD_ENV: str(lease.fd), LOCK_TOKEN_ENV: str(lease.token)}
+    try:
+        os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
+    except OSError as exc:
+        lock.release()
+        msg = f"cannot run {argv[0]!r}: {exc.strerror}"
+        raise InvalidInput(msg) from exc
+
+
+def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None) -> int:
+    """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
+
+    An etcd lease lost while the child runs terminates the child (SIGTERM, then
+    SIGKILL after a grace period) and raises `LeaseLost`.
+    """
+    _check_command(argv)
+    lost = threading.Event()
+    set_on_lost = getattr(lock, "set_on_lost", None)
+    if set_on_lost is not None:
+        set_on_lost(lambda _exc: lost.set())
+    lease: Lease = lock.acquire(timeout)
+    env = {**os.environ, LOCK_TOKEN_ENV: str(lease.token)}
+    try:
+        try:
+            child = subprocess.Popen(list(argv), env=env)
+        except OSError as exc:
+            msg = f"cannot run {argv[0]!r}: {exc.strerror}"
+            raise InvalidInput(msg) from exc
+        def reap() -> None:
+            child.wait()
+            lost.set()
+
+        waiter = threading.Thread(target=reap, daemon=True)
+        waiter.start()
+        lost.wait()
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(_TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            msg = f"{lock.name}: lease lost; stopped {argv[0]!r}"
+            raise LeaseLost(msg)
+        return child.returncode
+    finally:
+        lock.release()
+
+
+def hold_for_command(settings: LockSettings, argv: Sequence[str],
+                     timeout: float | None = None) -> int:
+    """`ftctl lock acquire -- CMD`: exec CMD holding a flock, or supervise it holding etcd."""
+    if settings.backend == "flock":
+        assert settings.path is not None
+        exec_holding(FlockLock(settings.path, settings.engine_id), argv, timeout)
+    return run_holding(open_lock(settings), argv, timeout)

@@ -1,0 +1,116 @@
+"""What every failover lock backend promises, and the results it returns.
+
+A `FailoverLock` is held by at most one engine at a time. Each acquisition
+carries a fencing token that is strictly greater than every token issued
+before it, so storage that sees a token can refuse writes from an older holder.
+This module imports nothing heavy; `record_*` load prometheus_client only when
+a caller asked for metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from dynamo_ftctl.errors import CheckFailed
+
+__all__ = [
+    "FailoverLock",
+    "Lease",
+    "LeaseLost",
+    "LockStatus",
+    "OwnerInfo",
+    "record_acquired",
+    "record_released",
+]
+
+
+class LeaseLost(CheckFailed):
+    """The holder lost the lock (lease expired, lock file replaced): stop serving now."""
+
+
+@dataclass(frozen=True)
+class OwnerInfo:
+    """Who holds (or last held) a lock; `live` is False for data left by a dead holder."""
+
+    lock: str
+    backend: str
+    live: bool
+    engine_id: int | None = None
+    pid: int | None = None
+    host: str | None = None
+    acquired_at: float | None = None
+    token: int | None = None
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One successful acquisition: the fencing token and how long it took."""
+
+    lock: str
+    backend: str
+    engine_id: int
+    token: int
+    acquired_at: float
+    waited_s: float
+    fd: int | None = None
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """The answer of `ftctl lock owner|status`: held or free, and the owner data."""
+
+    lock: str
+    backend: str
+    held: bool
+    owner: OwnerInfo | None
+
+
+@runtime_checkable
+class FailoverLock(Protocol):
+    """A lock that at most one engine holds; see `FlockLock` and `EtcdLock`."""
+
+    @property
+    def name(self) -> str:
+        """The lock's name in messages and metrics (a path or an etcd key)."""
+        ...
+
+    @property
+    def is_held(self) -> bool:
+        """True while this object holds the lock (False once released or lost)."""
+        ...
+
+    def acquire(self, timeout: float | None = None) -> Lease:
+        """Block until the lock is held; `LockTimeout` after `timeout` seconds."""
+        ...
+
+    async def aacquire(self, timeout: float | None = None) -> Lease:
+        """`acquire` for asyncio: cancelling the task gives the lock up cleanly."""
+        ...
+
+    def release(self) -> None:
+        """Give the lock up (a no-op when not held)."""
+        ...
+
+    def owner(self) -> OwnerInfo | None:
+        """The current or last holder, or None when the lock has never been held."""
+        ...
+
+    def status(self) -> LockStatus:
+        """Held or free, with the owner data."""
+        ...
+
+
+def record_acquired(lease: Lease) -> None:
+    """Export the acquisition: `ftctl_lock_holder` = 1 and the wait in the histogram."""
+    from dynamo_ftctl.metrics import LOCK_ACQUIRE_SECONDS, LOCK_HOLDER
+
+    LOCK_ACQUIRE_SECONDS.observe(lease.waited_s)
+    LOCK_HOLDER.labels(lock=lease.lock, engine_id=str(lease.engine_id)).set(1)
+
+
+def record_released(lock: str, engine_id: int) -> None:
+    """Export the release: `ftctl_lock_holder` = 0."""
+    from dynamo_ftctl.metrics import LOCK_HOLDER
+
+    LOCK_HOLDER.labels(lock=lock, engine_id=str(engine_id)).set(0)
