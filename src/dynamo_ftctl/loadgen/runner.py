@@ -223,6 +223,9 @@ async def _open_loop(run: _Run, factory: RequestFactory, sender: Sender,
         run.sent += 1
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        # Let the new request start (and stamp its send) before planning the next; a
+        # scheduler that fell behind still yields once per request, so it can be stopped.
+        await asyncio.sleep(0)
     await _drain(run, tasks)
 
 
@@ -282,7 +285,8 @@ async def _progress(run: _Run) -> None:
     seen = 0
     last = run.clock.now()
     while True:
-        await run.clock.asleep(interval)
+        # Paced by the event loop's own timer: progress must not move a fake clock.
+        await asyncio.sleep(interval)
         now = run.clock.now()
         recent = run.records[seen:]
         seen = len(run.records)

@@ -49,8 +49,10 @@ def plan_arrivals(
     out: list[float] = []
     # The first request goes at t=0; each later one after a gap drawn at the current rate.
     t = 0.0
+    # Summed gaps drift by rounding (400 gaps of 1/200 add up to just under 2.0).
+    end = None if duration_s is None else duration_s - 1e-9
     while len(out) < limit:
-        if duration_s is not None and t >= duration_s:
+        if end is not None and t >= end:
             break
         out.append(t)
         rate = rate_at(schedule, t, duration_s)
