@@ -225,6 +225,29 @@ class ProxyConfig(_Model):
     listen: HostPort = "127.0.0.1:8000"
     migration_limit: int = Field(3, ge=0, le=100)
     busy: BusyThresholds = BusyThresholds()
+    stall_timeout_s: float = Field(
+        15.0, gt=0, description="A worker that sends no token for this long has failed.",
+    )
+    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout per worker.")
+    health_url: HttpUrl | None = Field(
+        None, description="Canary daemon base URL (GET /workers, POST /report); none: own breaker.",
+    )
+    reject_status: Literal[503, 529] = Field(
+        503, description="HTTP status when every worker is busy or a tier is shed.",
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) on a rejection.")
+    admin_token_env: str = Field(
+        "FTCTL_ADMIN_TOKEN", description="Variable holding the bearer token of POST /busy_threshold.",
+    )
+    scrape_interval_s: float = Field(
+        1.0, gt=0, description="Seconds between scrapes of workers' /metrics and the daemon.",
+    )
+    breaker_threshold: int = Field(
+        3, ge=1, description="Consecutive failures that open a worker's breaker (no daemon).",
+    )
+    breaker_recovery_s: float = Field(
+        60.0, gt=0, description="Seconds an open breaker waits before one trial request.",
+    )
 
 
 class Inventory(_Model):

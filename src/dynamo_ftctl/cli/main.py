@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
     "inventory": ("inventory", "Check, show and describe the cluster inventory."),
     "load": ("load", "Open-loop load with honest latencies, SLO sweeps, report compare."),
+    "proxy": ("proxy", "Migrating OpenAI front door: streams survive worker failures; sheds load."),
     "xid": ("xid", "Explain an NVIDIA Xid code, or list the catalog."),
 }
 

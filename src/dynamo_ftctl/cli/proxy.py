@@ -1,0 +1,70 @@
+"""`ftctl proxy`: the migrating, load-shedding front door over the inventory's workers."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from dynamo_ftctl.cli._common import JsonFlag, finish, load_inventory_for
+
+app = typer.Typer(
+    help=(
+        "Serve an OpenAI-compatible front door over the inventory's workers: streams broken "
+        "by a worker failure go on from another worker with no token lost or repeated, and "
+        "load is shed (503/529 + Retry-After) when every worker is busy.\n\n"
+        "Settings come from the inventory's `proxy:` section; flags override them."
+    ),
+    rich_markup_mode=None,
+)
+
+
+@app.command()
+def proxy(  # noqa: PLR0917 - typer passes every option positionally
+    ctx: typer.Context,
+    listen: Annotated[str | None, typer.Option(
+        "--listen", help="HOST:PORT to serve on (default: proxy.listen, 127.0.0.1:8000).")] = None,
+    migration_limit: Annotated[int | None, typer.Option(
+        "--migration-limit", min=0, max=100,
+        help="Continuations per request; 0 disables migration (default 3).")] = None,
+    stall_timeout: Annotated[float | None, typer.Option(
+        "--stall-timeout", min=0.001, help="Seconds without a token before a worker has failed.",
+    )] = None,
+    health_url: Annotated[str | None, typer.Option(
+        "--health-url", help="Canary daemon base URL (weights from GET /workers).")] = None,
+    reject_status: Annotated[int | None, typer.Option(
+        "--reject-status", help="503 or 529 when every worker is busy.")] = None,
+    json_: JsonFlag = False,
+) -> None:
+    """Run the migrating proxy until Ctrl-C.
+
+    Example: ftctl -i examples/local.yaml proxy --listen 127.0.0.1:8000 --stall-timeout 5
+    """
+    from pydantic import ValidationError
+
+    from dynamo_ftctl.errors import InvalidInput
+    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.migrate.proxy import serve
+
+    inventory = load_inventory_for(ctx)
+    overrides: dict[str, Any] = {
+        "listen": listen, "migration_limit": migration_limit, "stall_timeout_s": stall_timeout,
+        "health_url": health_url, "reject_status": reject_status,
+    }
+    data = inventory.proxy.model_dump()
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        config = ProxyConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        key = ".".join(str(p) for p in first["loc"])
+        msg = f"--{key.replace('_s', '').replace('_', '-')}: {first['msg']}"
+        raise InvalidInput(msg) from None
+
+    def ready(url: str) -> None:
+        sys.stderr.write(f"ftctl proxy: serving {len(inventory.workers)} workers on {url}\n")
+        sys.stderr.flush()
+
+    result = serve(inventory, config, on_ready=ready)
+    finish(ctx, result, json_flag=json_)

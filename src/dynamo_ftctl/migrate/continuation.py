@@ -1,0 +1,462 @@
+"""Continuation of a broken generation: the ledger of one client request.
+
+A `StreamLedger` sees every chunk a worker streams for one client request and
+keeps what a continuation needs: the prompt token ids and every generated
+token id (or, from servers that return no ids, the generated text). It turns
+upstream chunks into the chunks the client sees (one `id`, one `model`, one
+`created`, no second `role` delta, no per-worker usage), and builds the
+request that continues the generation on another worker:
+
+- completions: `prompt` = prompt ids + generated ids, the remaining
+  `max_tokens`, the same sampling parameters and seed;
+- chat: the conversation plus an assistant message holding the text so far,
+  with `continue_final_message: true` and `add_generation_prompt: false`;
+- servers without ids: the prompt text plus the generated text (the proxy says
+  so in the `x-ftctl-continuation: text` header and the migration metric).
+
+The ledger decides when a request must not be continued (`NotContinuable`):
+the output already reaches `max_tokens` or the model's maximum length (the
+client then gets `finish_reason: "length"`), or the migration limit is spent.
+
+Pure code: no I/O, no clock; the proxy (`migrate/proxy.py`) drives it.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "Endpoint",
+    "MalformedChunk",
+    "NotContinuable",
+    "RequestRejected",
+    "StreamLedger",
+    "Usage",
+    "prepare_request",
+]
+
+Endpoint = Literal["completions", "chat"]
+
+# Sampling parameters that must be carried unchanged into a continuation;
+# everything else in the client's body is carried too, these are just the ones
+# the ledger must never drop or rewrite.
+_LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+class MalformedChunk(ValueError):
+    """An upstream chunk that is not a valid completion chunk (garbage from a worker)."""
+
+
+class NotContinuable(Exception):
+    """The generation cannot go on elsewhere; `finish_reason` says how to end it cleanly.
+
+    `finish_reason` is "length" when the output reached max_tokens or the
+    model's maximum length (a clean end), None when the request must end with
+    an error (migration limit spent, n>1, ...).
+    """
+
+    def __init__(self, message: str, finish_reason: str | None = None) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
+class RequestRejected(ValueError):
+    """The client's body cannot be served by the migrating proxy (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of the whole client request, every token counted once."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    """Validate a client body and return a copy ready for the ledger.
+
+    Rejects what a single-stream continuation cannot serve (n > 1, best_of > 1)
+    and adds a random `seed` to sampled requests that have none, so that a
+    continuation samples from the same stream of random numbers.
+    """
+    if not isinstance(body, dict):
+        msg = "request body must be a JSON object"
+        raise RequestRejected(msg)
+    if endpoint == "completions" and "prompt" not in body:
+        msg = "missing 'prompt'"
+        raise RequestRejected(msg)
+    if endpoint == "chat" and not isinstance(body.get("messages"), list):
+        msg = "missing 'messages' (a list)"
+        raise RequestRejected(msg)
+    if endpoint == "completions":
+        prompt = body["prompt"]
+        batched = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        if batched and len(prompt) != 1:
+            msg = "the migrating proxy serves one prompt per request"
+            raise RequestRejected(msg)
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is not None and value != 1:
+            msg = f"the migrating proxy serves {key}=1 only (got {value!r})"
+            raise RequestRejected(msg)
+    out = dict(body)
+    if endpoint == "completions" and isinstance(out["prompt"], list) and out["prompt"] \
+            and isinstance(out["prompt"][0], list | str):
+        out["prompt"] = out["prompt"][0]
+    temperature = out.get("temperature")
+    sampled = temperature is None or (isinstance(temperature, int | float) and temperature > 0)
+    if sampled and out.get("seed") is None:
+        out["seed"] = secrets.randbelow(2**31)
+    return out
+
+
+def _choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
+    choices = doc.get("choices")
+    if not isinstance(choices, list):
+        raise MalformedChunk("chunk has no 'choices' list")
+    if not choices:
+        return None
+    first = choices[0]
+    if not isinstance(first, dict):
+        raise MalformedChunk("choice is not an object")
+    if len(choices) > 1 or first.get("index", 0) != 0:
+        raise MalformedChunk("more than one choice in a stream of n=1")
+    return first
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise MalformedChunk(f"{what} is not a list of integers")
+    return value
+
+
+@dataclass
+class StreamLedger:
+    """Everything one client request has received so far, across workers."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    migration_limit: int = 3
+    max_model_len: int | None = None
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_ids: list[int] | None = None
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: str = ""
+    generated_count: int = 0
+    ids_mode: bool = True
+    finish_reason: str | None = None
+    migrations: int = 0
+    attempt_tokens: int = 0
+    prompt_tokens_reported: int | None = None
+    logprobs: dict[str, Any] | None = None
+    _role_sent: bool = False
+    _prompt_ids_sent: bool = False
+    _fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
+            self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+        prompt = self.body.get("prompt")
+        if self.endpoint == "completions" and isinstance(prompt, list) and all(
+            isinstance(v, int) for v in prompt
+        ):
+            self.prompt_ids = list(prompt)
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def client_wants_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    @property
+    def client_streams(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def client_wants_usage(self) -> bool:
+        options = self.body.get("stream_options")
+        return not self.client_streams or (
+            isinstance(options, dict) and bool(options.get("include_usage"))
+        )
+
+    @property
+    def max_tokens(self) -> int | None:
+        for key in _LENGTH_KEYS:
+            value = self.body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    def _base_upstream(self) -> dict[str, Any]:
+        up = dict(self.body)
+        up["stream"] = True
+        up["stream_options"] = {"include_usage": True}
+        up["return_token_ids"] = True
+        return up
+
+    def first_request(self) -> dict[str, Any]:
+        """The body of the first upstream request (always streamed, with token ids)."""
+        return self._base_upstream()
+
+    def retry_request(self) -> dict[str, Any]:
+        """The body after a failure before any token: the first request again."""
+        return self._base_upstream()
+
+    def continuation_request(self) -> dict[str, Any]:
+        """The body that continues the generation on another worker.
+
+        Raises `NotContinuable` when the output is complete by length, the
+        model's context is full, or the migration limit is spent.
+        """
+        remaining = None
+        if self.max_tokens is not None:
+            remaining = self.max_tokens - self.generated_count
+            if remaining <= 0:
+                msg = "the output already reached max_tokens"
+                raise NotContinuable(msg, finish_reason="length")
+        if self.max_model_len is not None and self.prompt_ids is not None \
+                and len(self.prompt_ids) + self.generated_count >= self.max_model_len:
+            msg = (f"prompt + output ({len(self.prompt_ids) + self.generated_count} tokens) "
+                   f"reached the model's maximum length {self.max_model_len}")
+            raise NotContinuable(msg, finish_reason="length")
+        if self.migrations >= self.migration_limit:
+            msg = (f"migration limit reached ({self.migration_limit}); "
+                   f"the stream broke after {self.generated_count} tokens")
+            raise NotContinuable(msg)
+        up = self._base_upstream()
+        if remaining is not None:
+            for key in _LENGTH_KEYS:
+                if key in up:
+                    up[key] = remaining
+        if self.generated_count == 0:
+            return up
+        if self.endpoint == "completions":
+            if self.ids_mode and self.prompt_ids is not None:
+                up["prompt"] = [*self.prompt_ids, *self.generated_ids]
+            else:
+                prompt = self.body["prompt"]
+                if not isinstance(prompt, str):
+                    msg = "cannot continue a token-id prompt without the generated ids"
+                    raise NotContinuable(msg)
+                up["prompt"] = prompt + self.generated_text
+            return up
+        messages = copy.deepcopy(self.body["messages"])
+        if self.body.get("continue_final_message") and messages \
+                and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            last = messages[-1]
+            content = last.get("content") or ""
+            if not isinstance(content, str):
+                msg = "cannot continue an assistant message whose content is not text"
+                raise NotContinuable(msg)
+            last["content"] = content + self.generated_text
+        else:
+            messages.append({"role": "assistant", "content": self.generated_text})
+        up["messages"] = messages
+        up["continue_final_message"] = True
+        up["add_generation_prompt"] = False
+        return up
+
+    # ------------------------------------------------------------------ chunks
+
+    def start_attempt(self) -> None:
+        """A new upstream stream begins (first try, retry or continuation)."""
+        self.attempt_tokens = 0
+
+    def note_migration(self) -> None:
+        """Count one continuation on another worker."""
+        self.migrations += 1
+
+    def observe(self, doc: Any) -> dict[str, Any] | None:
+        """Record one upstream chunk; return the chunk to send to the client, or None.
+
+        Raises `MalformedChunk` for anything that is not a completion chunk,
+        including an SSE error event (`{"error": ...}`) and output past
+        `max_tokens` (an endless stream).
+        """
+        if not isinstance(doc, dict):
+            raise MalformedChunk("chunk is not a JSON object")
+        if "error" in doc:
+            error = doc["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise MalformedChunk(f"error event from worker: {message}")
+        choice = _choice_of(doc)
+        prompt_ids = doc.get("prompt_token_ids")
+        if choice is not None and prompt_ids is None:
+            prompt_ids = choice.get("prompt_token_ids")
+        if prompt_ids is not None and self.prompt_ids is None and self.migrations == 0:
+            self.prompt_ids = list(_int_list(prompt_ids, "prompt_token_ids"))
+        usage = doc.get("usage")
+        if isinstance(usage, dict) and self.prompt_tokens_reported is None \
+                and self.migrations == 0 and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_tokens_reported = usage["prompt_tokens"]
+        if choice is None:
+            return None  # the worker's usage chunk: the proxy sends its own at the end
+        return self._observe_choice(doc, choice)
+
+    def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any] | None:
+        if self.endpoint == "chat":
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                raise MalformedChunk("chat chunk without a 'delta' object")
+            text = delta.get("content")
+        else:
+            text = choice.get("text")
+        if text is not None and not isinstance(text, str):
+            raise MalformedChunk("chunk text is not a string")
+        ids = choice.get("token_ids")
+        new_ids = _int_list(ids, "token_ids") if ids is not None else None
+        if new_ids is None and text:
+            self.ids_mode = False
+        count = len(new_ids) if new_ids is not None else (1 if text else 0)
+        limit = self.max_tokens
+        if limit is not None and self.generated_count + count > limit:
+            raise MalformedChunk(f"worker sent more than max_tokens={limit} tokens")
+        if new_ids is not None:
+            self.generated_ids.extend(new_ids)
+        self.generated_count += count
+        self.attempt_tokens += count
+        if text:
+            self.generated_text += text
+        self._merge_logprobs(choice.get("logprobs"))
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            if not isinstance(finish, str):
+                raise MalformedChunk("finish_reason is not a string")
+            self.finish_reason = finish
+        return self._client_chunk(doc, choice, text, new_ids)
+
+    def _client_chunk(self, doc: dict[str, Any], choice: dict[str, Any], text: str | None,
+                      new_ids: list[int] | None) -> dict[str, Any] | None:
+        out_choice = dict(choice)
+        out_choice["index"] = 0
+        out_choice.pop("prompt_token_ids", None)
+        if not self.client_wants_ids:
+            out_choice.pop("token_ids", None)
+        if self.endpoint == "chat":
+            delta = dict(choice["delta"])
+            if "role" in delta:
+                if self._role_sent:
+                    del delta["role"]
+                else:
+                    self._role_sent = True
+            out_choice["delta"] = delta
+            empty = not delta and not text
+        else:
+            empty = not text
+        if empty and choice.get("finish_reason") is None and not new_ids \
+                and choice.get("logprobs") is None:
+            return None  # e.g. the second worker's role-only first chunk
+        out: dict[str, Any] = {
+            "id": self.request_id,
+            "object": doc.get("object", "chat.completion.chunk" if self.endpoint == "chat"
+                              else "text_completion"),
+            "created": self.created,
+            "model": self.body.get("model", doc.get("model")),
+            "choices": [out_choice],
+        }
+        if self._fingerprint is None and isinstance(doc.get("system_fingerprint"), str):
+            self._fingerprint = doc["system_fingerprint"]
+        if self._fingerprint is not None:
+            out["system_fingerprint"] = self._fingerprint
+        if self.client_wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
+            out["prompt_token_ids"] = self.prompt_ids
+            self._prompt_ids_sent = True
+        return out
+
+    def _merge_logprobs(self, logprobs: Any) -> None:
+        """Accumulate logprobs for a non-streamed answer (completions or chat layout)."""
+        if self.client_streams or not isinstance(logprobs, dict):
+            return
+        if self.logprobs is None:
+            self.logprobs = {}
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                self.logprobs.setdefault(key, []).extend(value)
+
+    # ------------------------------------------------------------------ endings
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def usage(self) -> Usage:
+        """Usage of the whole request, each token counted once."""
+        if self.prompt_ids is not None:
+            prompt = len(self.prompt_ids)
+        else:
+            prompt = self.prompt_tokens_reported or 0
+        return Usage(prompt_tokens=prompt, completion_tokens=self.generated_count)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The final `choices: []` chunk carrying the request's usage."""
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [],
+            "usage": self.usage().to_json(),
+        }
+
+    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+        """A chunk that ends the stream cleanly (e.g. "length" at the model's max length)."""
+        self.finish_reason = finish_reason
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.endpoint == "chat":
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [choice],
+        }
+
+    def response(self) -> dict[str, Any]:
+        """The whole non-streamed answer, assembled from every worker's chunks."""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+        }
+        if self.endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": self.generated_text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = self.generated_text
+            obj = "text_completion"
+        if self.client_wants_ids:
+            choice["token_ids"] = self.generated_ids
+        out: dict[str, Any] = {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [choice],
+            "usage": self.usage().to_json(),
+        }
+        if self.client_wants_ids and self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out

@@ -1,0 +1,752 @@
+"""The migrating proxy: an OpenAI-compatible front door that keeps streams alive.
+
+`build_app(inventory, config)` returns a Starlette ASGI app; `serve(...)` runs
+it under uvicorn. Upstream requests go through one aiohttp `ClientSession`
+(keep-alive pools per worker): aiohttp carried ~20x httpx's request rate at 32
+connections (DESIGN.md; re-measured by benchmarks/proxy.py).
+
+Every upstream request is streamed with token ids, even when the client asked
+for one JSON answer, so that a generation broken half-way can go on elsewhere
+(`continuation.StreamLedger`). A worker has failed when the connection is
+refused or reset, it answers 5xx, it sends anything that is not a valid
+completion chunk (bad JSON, an HTML page, an SSE error event, more tokens than
+asked for), the stream ends without a finish reason, or no token comes within
+`stall_timeout_s`. Nothing a failed worker sent reaches the client.
+
+Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health,
+/metrics; GET/POST /busy_threshold (POST needs the admin bearer token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.migrate.admission import (
+    BUSY_BODY,
+    Thresholds,
+    decide,
+    degradation_level,
+    is_busy,
+    parse_priority,
+    parse_worker_load,
+)
+from dynamo_ftctl.migrate.continuation import (
+    Endpoint,
+    MalformedChunk,
+    NotContinuable,
+    RequestRejected,
+    StreamLedger,
+    prepare_request,
+)
+from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
+from dynamo_ftctl.openai import SseDecoder, error_body, format_sse
+
+if TYPE_CHECKING:
+    import aiohttp
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.migrate.admission import WorkerLoad
+
+__all__ = ["MIGRATED_HEADER", "MigratingProxy", "build_app", "serve"]
+
+log = logging.getLogger("ftctl.proxy")
+
+MIGRATED_HEADER = "x-ftctl-migrated"
+CONTINUATION_HEADER = "x-ftctl-continuation"
+WORKER_HEADER = "x-ftctl-worker"
+PRIORITY_HEADER = "x-ftctl-priority"
+
+# A worker that streams this many events in a row without a token is babbling.
+_MAX_EVENTS_WITHOUT_TOKEN = 1000
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _dumps(doc: Any) -> bytes:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _openai_error(message: str, kind: str, code: int) -> dict[str, Any]:
+    return error_body(message, type=kind, code=code)
+
+
+class UpstreamFailure(Exception):
+    """The worker failed this attempt (the request may go on elsewhere)."""
+
+
+@dataclass(frozen=True)
+class UpstreamRefused(Exception):
+    """The worker refused the request itself (4xx): the client's problem, passed through."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+class ProxyError(Exception):
+    """A failure before any output: answered as an HTTP error."""
+
+    def __init__(self, status: int, body: dict[str, Any],
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+
+
+class StreamAborted(Exception):
+    """A failure after output began: ends the stream with an error event."""
+
+
+def _estimate_prompt_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
+    """Prompt length in tokens, exact for id prompts, ~4 bytes a token for text."""
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            return len(prompt)
+        return len(str(prompt)) // 4 + 1
+    size = 0
+    for message in body.get("messages", ()):
+        if isinstance(message, dict):
+            size += len(str(message.get("content") or "")) + 8
+    return size // 4 + 1
+
+
+class MigratingProxy:
+    """State and behaviour of one proxy process (routes are thin wrappers)."""
+
+    def __init__(self, inventory: Inventory, config: ProxyConfig, *,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self.inventory = inventory
+        self.config = config
+        self.clock = clock
+        self.router = Router(
+            (WorkerSlot(name=w.name, url=w.url, group=inventory.group_of(w), model=w.model)
+             for w in inventory.workers),
+            clock=clock, breaker_threshold=config.breaker_threshold,
+            recovery_s=config.breaker_recovery_s,
+        )
+        default = Thresholds(
+            active_decode_blocks_threshold=config.busy.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=config.busy.active_prefill_tokens_threshold,
+        )
+        self.thresholds: dict[str, Thresholds] = {w.model: default for w in inventory.workers}
+        self.loads: dict[str, WorkerLoad | None] = {w.name: None for w in inventory.workers}
+        self._prompt_tokens_seen = 0
+        self._prompts_seen = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._queued = 0
+        from dynamo_ftctl import metrics
+
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open the upstream connection pools and start the scrape loop."""
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=None)
+        self._session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, raise_for_status=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+        self._spawn(self._scrape_forever())
+
+    async def stop(self) -> None:
+        """Stop background work and close the pools."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            msg = "proxy not started"
+            raise RuntimeError(msg)
+        return self._session
+
+    # ------------------------------------------------------------------ scraping
+
+    async def _scrape_forever(self) -> None:
+        while True:
+            await self.scrape_once()
+            await self.clock.asleep(self.config.scrape_interval_s)
+
+    async def scrape_once(self) -> None:
+        """Scrape every worker's /metrics (and /v1/models until known) and the daemon."""
+        jobs = [self._scrape_worker(slot) for slot in self.router.slots.values()]
+        if self.config.health_url:
+            jobs.append(self._poll_daemon(self.config.health_url))
+        await asyncio.gather(*jobs, return_exceptions=True)
+        self.refresh_gauges()
+
+    async def _get(self, url: str) -> bytes:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=max(0.5, min(self.config.scrape_interval_s, 5.0)))
+        async with self.session.get(url, timeout=timeout) as resp:
+            if resp.status != 200:
+                msg = f"HTTP {resp.status}"
+                raise UpstreamFailure(msg)
+            return await resp.read()
+
+    async def _scrape_worker(self, slot: WorkerSlot) -> None:
+        if slot.max_model_len is None:
+            with contextlib.suppress(Exception):
+                doc = json.loads(await self._get(f"{slot.url}/v1/models"))
+                for entry in doc.get("data", ()):
+                    length = entry.get("max_model_len")
+                    if entry.get("id") == slot.model and isinstance(length, int):
+                        slot.max_model_len = length
+        try:
+            text = (await self._get(f"{slot.url}/metrics")).decode("utf-8", "replace")
+            self.loads[slot.name] = parse_worker_load(text)
+        except Exception:  # an unscrapable worker has no load figure; health decides
+            self.loads[slot.name] = None
+
+    async def _poll_daemon(self, base: str) -> None:
+        try:
+            weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
+        except Exception:  # daemon away: fall back on our own breaker
+            weights = {}
+        self.router.apply_daemon_weights(weights)
+
+    def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
+        base = self.config.health_url
+        if not base:
+            return
+
+        async def post() -> None:
+            import aiohttp
+
+            body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
+            with contextlib.suppress(Exception):
+                async with self.session.post(f"{base}/report", json=body,
+                                             timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                    await resp.read()
+
+        self._spawn(post())
+
+    # ------------------------------------------------------------------ admission
+
+    def thresholds_for(self, model: str) -> Thresholds:
+        return self.thresholds.get(model) or next(iter(self.thresholds.values()))
+
+    def _mean_prompt_tokens(self) -> float:
+        return self._prompt_tokens_seen / self._prompts_seen if self._prompts_seen else 0.0
+
+    def _refresh_busy(self, model: str | None) -> list[bool]:
+        flags = []
+        mean = self._mean_prompt_tokens()
+        for slot in self.router.routable(model):
+            slot.busy = is_busy(
+                self.loads.get(slot.name), self.thresholds_for(slot.model),
+                pending_prefill_tokens=slot.pending_prefill_tokens, mean_prompt_tokens=mean,
+            )
+            flags.append(slot.busy)
+        return flags
+
+    def level(self) -> int:
+        return degradation_level(self.router.healthy_capacity())
+
+    def refresh_gauges(self) -> None:
+        self.metrics.DEGRADATION_LEVEL.set(self.level())
+        for slot in self.router.slots.values():
+            self.metrics.CIRCUIT_BREAKER_STATE.labels(slot.name).set(
+                self.router.breaker_gauge(slot),
+            )
+
+    def admit(self, model: str | None, priority_header: str | None) -> None:
+        """Raise `ProxyError` (503/529 + Retry-After) when the request must be refused."""
+        priority = parse_priority(priority_header)
+        level = self.level()
+        self.metrics.DEGRADATION_LEVEL.set(level)
+        decision = decide(priority, level, self._refresh_busy(model))
+        if decision.admitted:
+            return
+        self.metrics.TASKS_REJECTED.labels(decision.reason, priority).inc()
+        status = self.config.reject_status
+        if decision.reason == "all_workers_busy":
+            body = dict(BUSY_BODY)
+        elif decision.reason == "no_healthy_worker":
+            body = {**BUSY_BODY, "message": "Service temporarily unavailable: "
+                    "no healthy worker, please retry later"}
+        else:
+            body = {**BUSY_BODY, "message": f"Service temporarily unavailable: {priority} "
+                    f"requests are shed at degradation level {level}, please retry later"}
+        body["code"] = status
+        raise ProxyError(status, body, {"Retry-After": str(self.config.retry_after_s)})
+
+    # ------------------------------------------------------------------ one attempt
+
+    async def _attempt(self, slot: WorkerSlot, path: str, body: dict[str, Any],
+                       ledger: StreamLedger) -> AsyncIterator[dict[str, Any]]:
+        """Stream one upstream request; yield client chunks; raise on any failure."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.stall_timeout_s)
+        headers = {"Content-Type": "application/json", "X-Request-Id": ledger.request_id}
+        stall = self.config.stall_timeout_s
+        now = self.clock.now
+        try:
+            async with self.session.post(f"{slot.url}{path}", data=_dumps(body),
+                                         headers=headers, timeout=timeout) as resp:
+                if resp.status >= 500 or resp.status == 429:
+                    msg = f"HTTP {resp.status} from {slot.name}"
+                    raise UpstreamFailure(msg)
+                if resp.status >= 400:
+                    raise UpstreamRefused(resp.status, await resp.read(),
+                                          resp.headers.get("Content-Type", "application/json"))
+                content_type = resp.headers.get("Content-Type", "")
+                if resp.status != 200 or not content_type.startswith("text/event-stream"):
+                    msg = f"{slot.name} answered HTTP {resp.status} {content_type or 'untyped'}, " \
+                          "not an event stream"
+                    raise UpstreamFailure(msg)
+                last_token = now()
+                idle_events = 0
+                decoder = SseDecoder()
+                done = False
+                async for piece in resp.content.iter_any():
+                    events = decoder.feed(piece)
+                    if not events and now() - last_token > stall:
+                        msg = f"{slot.name}: no token for {stall:g} s"
+                        raise UpstreamFailure(msg)
+                    for event in events:
+                        if event.is_done:
+                            done = True
+                            break
+                        before = ledger.generated_count
+                        chunk = ledger.observe(json.loads(event.data))
+                        if ledger.generated_count > before or ledger.finished:
+                            last_token = now()
+                            idle_events = 0
+                        else:
+                            idle_events += 1
+                            if idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
+                                    or now() - last_token > stall:
+                                msg = f"{slot.name}: events but no token for {stall:g} s"
+                                raise UpstreamFailure(msg)
+                        if chunk is not None:
+                            yield chunk
+                    if done:
+                        break
+                if not ledger.finished:
+                    msg = f"{slot.name}: stream ended without a finish reason"
+                    raise UpstreamFailure(msg)
+        except (UpstreamFailure, UpstreamRefused):
+            raise
+        except MalformedChunk as exc:
+            msg = f"{slot.name}: {exc}"
+            raise UpstreamFailure(msg) from None
+        except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+            kind = type(exc).__name__
+            msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
+            raise UpstreamFailure(msg) from None
+
+    # ------------------------------------------------------------------ migration
+
+    async def generate(self, ledger: StreamLedger, path: str) -> AsyncIterator[dict[str, Any]]:
+        """Client chunks of one request, across as many workers as it takes.
+
+        Raises `ProxyError` when nothing was produced, `StreamAborted` after.
+        """
+        model = ledger.body.get("model") if isinstance(ledger.body.get("model"), str) else None
+        failed_workers: set[str] = set()
+        failed_groups: set[str] = set()
+        body = ledger.first_request()
+        prompt_estimate = _estimate_prompt_tokens(ledger.endpoint, ledger.body)
+        yielded = False
+        failed_at: float | None = None
+        source_group = ""
+        method = ""
+        self._queued += 1
+        self.metrics.QUEUED_REQUESTS.set(self._queued)
+        queued = True
+        try:
+            while True:
+                slot = self.router.pick(
+                    model=model, exclude_workers=failed_workers, exclude_groups=failed_groups,
+                    avoid_busy=not failed_workers, last_resort=bool(failed_workers),
+                )
+                if slot is None:
+                    what = "no other healthy worker to continue on" if failed_workers \
+                        else "no worker available"
+                    if not yielded:
+                        raise ProxyError(502 if failed_workers else 503, _openai_error(
+                            f"Service unavailable: {what}", "service_unavailable",
+                            502 if failed_workers else 503))
+                    raise StreamAborted(f"stream broken after {ledger.generated_count} "
+                                        f"tokens and {what}")
+                if failed_at is not None:
+                    self.metrics.MIGRATION_TOTAL.labels(source_group, slot.group, method).inc()
+                if slot.max_model_len is not None:
+                    ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
+                                               slot.max_model_len)
+                ledger.start_attempt()
+                self.router.start(slot, prompt_estimate)
+                pending = prompt_estimate
+                try:
+                    async for chunk in self._attempt(slot, path, body, ledger):
+                        if pending:
+                            self.router.first_token(slot, pending)
+                            pending = 0
+                            if queued:
+                                queued = False
+                                self._queued -= 1
+                                self.metrics.QUEUED_REQUESTS.set(self._queued)
+                            if failed_at is not None:
+                                gap = self.clock.now() - failed_at
+                                self.metrics.MIGRATION_DURATION.observe(gap)
+                                failed_at = None
+                        yielded = True
+                        yield chunk
+                    self.router.record_success(slot)
+                    self._note_prompt(ledger)
+                    return
+                except UpstreamRefused as exc:
+                    if not yielded and not failed_workers:
+                        raise ProxyError(exc.status, self._refusal_body(exc)) from None
+                    self.router.record_success(slot)  # it answered; the continuation was refused
+                    message = exc.body.decode("utf-8", "replace")[:200]
+                    raise StreamAborted(f"continuation refused by {slot.name}: "
+                                        f"HTTP {exc.status} {message}") from None
+                except UpstreamFailure as exc:
+                    reason = str(exc)
+                    log.warning("worker failed: %s (after %d tokens)", reason,
+                                ledger.generated_count)
+                    self.router.record_failure(slot)
+                    self._report_failure(slot, reason)
+                    failed_workers.add(slot.name)
+                    failed_groups.add(slot.group)
+                    failed_at = self.clock.now()
+                    source_group = slot.group
+                    body, method = self._next_body(ledger, reason)
+                    if not body:
+                        yield ledger.finish_chunk("length")
+                        return
+                finally:
+                    self.router.finish(slot, pending)
+        finally:
+            if queued:
+                self._queued -= 1
+                self.metrics.QUEUED_REQUESTS.set(self._queued)
+
+    def _next_body(self, ledger: StreamLedger, reason: str) -> tuple[dict[str, Any], str]:
+        """The next upstream body and the migration method; ({}, "") ends with "length"."""
+        if ledger.generated_count == 0:
+            if ledger.migrations >= ledger.migration_limit:
+                raise self._give_up(ledger, f"{reason}; migration limit "
+                                    f"({ledger.migration_limit}) reached")
+            ledger.note_migration()
+            return ledger.retry_request(), "retry"
+        try:
+            body = ledger.continuation_request()
+        except NotContinuable as exc:
+            if exc.finish_reason is not None:
+                return {}, ""
+            raise self._give_up(ledger, f"{reason}; {exc}") from None
+        ledger.note_migration()
+        return body, "reprefill" if ledger.ids_mode else "text"
+
+    @staticmethod
+    def _give_up(ledger: StreamLedger, message: str) -> Exception:
+        if ledger.generated_count == 0 and not ledger.migrations:
+            return ProxyError(502, _openai_error(message, "worker_failed", 502))
+        return StreamAborted(message)
+
+    @staticmethod
+    def _refusal_body(exc: UpstreamRefused) -> dict[str, Any]:
+        try:
+            doc = json.loads(exc.body)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict):
+            return doc
+        return _openai_error(exc.body.decode("utf-8", "replace")[:500], "invalid_request_error",
+                             exc.status)
+
+    def _note_prompt(self, ledger: StreamLedger) -> None:
+        if ledger.prompt_ids is not None:
+            self._prompt_tokens_seen += len(ledger.prompt_ids)
+            self._prompts_seen += 1
+
+    # ------------------------------------------------------------------ HTTP handlers
+
+    async def handle_generation(self, request: Request, endpoint: Endpoint) -> Response:
+        """POST /v1/completions and /v1/chat/completions."""
+        from starlette.responses import Response, StreamingResponse
+
+        try:
+            raw = json.loads(await request.body())
+            body = prepare_request(endpoint, raw)
+        except (ValueError, RequestRejected) as exc:
+            return _json(400, _openai_error(f"invalid request: {exc}",
+                                            "invalid_request_error", 400))
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str) or not self.router.serves(model)):
+            return _json(404, _openai_error(f"The model {model!r} does not exist.",
+                                            "NotFoundError", 404))
+        try:
+            self.admit(model, request.headers.get(PRIORITY_HEADER))
+        except ProxyError as exc:
+            return _json(exc.status, exc.body, exc.headers)
+        ledger = StreamLedger(endpoint=endpoint, body=body,
+                              migration_limit=self.config.migration_limit)
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        chunks = self.generate(ledger, path)
+        if not ledger.client_streams:
+            try:
+                async for _ in chunks:
+                    pass
+            except ProxyError as exc:
+                return _json(exc.status, exc.body, exc.headers)
+            except StreamAborted as exc:
+                return _json(502, _openai_error(str(exc), "worker_failed", 502))
+            return Response(_dumps(ledger.response()), media_type="application/json",
+                            headers=self._answer_headers(ledger))
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ProxyError as exc:
+            return _json(exc.status, exc.body, exc.headers)
+        except StreamAborted as exc:
+            return _json(502, _openai_error(str(exc), "worker_failed", 502))
+        headers = self._answer_headers(ledger)
+        return StreamingResponse(self._sse_body(ledger, first, chunks),
+                                 media_type="text/event-stream", headers=headers)
+
+    @staticmethod
+    def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.request_id}
+        if ledger.migrations:
+            headers[MIGRATED_HEADER] = str(ledger.migrations)
+        if not ledger.ids_mode:
+            headers[CONTINUATION_HEADER] = "text"
+        return headers
+
+    async def _sse_body(self, ledger: StreamLedger, first: dict[str, Any] | None,
+                        chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield format_sse(first)
+            try:
+                async for chunk in chunks:
+                    yield format_sse(chunk)
+            except (StreamAborted, ProxyError) as exc:
+                message = str(exc) if isinstance(exc, StreamAborted) else str(exc.body)
+                yield format_sse(_openai_error(message, "worker_failed", 502))
+                yield _SSE_DONE
+                return
+            if ledger.client_wants_usage:
+                yield format_sse(ledger.usage_chunk())
+            if ledger.migrations:
+                # Headers left before the stream broke: say it in an SSE comment.
+                yield f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
+            yield _SSE_DONE
+        finally:
+            # The client went away (or we are done): close the upstream stream now.
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def handle_models(self) -> Response:
+        data = []
+        for model in dict.fromkeys(s.model for s in self.router.slots.values()):
+            lens = [s.max_model_len for s in self.router.slots.values()
+                    if s.model == model and s.max_model_len is not None]
+            entry: dict[str, Any] = {"id": model, "object": "model", "owned_by": "ftctl",
+                                     "created": 0}
+            if lens:
+                entry["max_model_len"] = min(lens)
+            data.append(entry)
+        return _json(200, {"object": "list", "data": data})
+
+    def health(self) -> dict[str, Any]:
+        """The proxy's own health: always fast, no upstream call."""
+        return {
+            "status": "ok",
+            "degradation_level": self.level(),
+            "workers": {
+                s.name: {"weight": round(self.router.weight(s), 3), "breaker": s.breaker,
+                         "busy": s.busy, "outstanding": s.outstanding}
+                for s in self.router.slots.values()
+            },
+        }
+
+    def busy_threshold_doc(self, model: str) -> dict[str, Any]:
+        t = self.thresholds_for(model)
+        return {"model": model,
+                "active_decode_blocks_threshold": t.active_decode_blocks_threshold,
+                "active_prefill_tokens_threshold": t.active_prefill_tokens_threshold}
+
+    async def handle_busy_threshold(self, request: Request) -> Response:
+        """GET (anyone) or POST (admin token) the busy thresholds of a model."""
+        if request.method == "GET":
+            model = request.query_params.get("model")
+            if model is not None:
+                if model not in self.thresholds:
+                    return _json(404, _openai_error(f"unknown model {model!r}", "not_found", 404))
+                return _json(200, self.busy_threshold_doc(model))
+            return _json(200, {"thresholds": [self.busy_threshold_doc(m)
+                                              for m in self.thresholds]})
+        denied = self._check_admin(request.headers.get("authorization"))
+        if denied is not None:
+            return denied
+        try:
+            doc = json.loads(await request.body())
+            if not isinstance(doc, dict):
+                msg = "expected a JSON object"
+                raise ValueError(msg)
+            model = doc.get("model", next(iter(self.thresholds)))
+            if model not in self.thresholds:
+                return _json(404, _openai_error(f"unknown model {model!r}", "not_found", 404))
+            current = self.thresholds[model]
+            unknown = set(doc) - {"model", "active_decode_blocks_threshold",
+                                  "active_prefill_tokens_threshold"}
+            if unknown:
+                msg = f"unknown keys {sorted(unknown)}"
+                raise ValueError(msg)
+            self.thresholds[model] = Thresholds(
+                active_decode_blocks_threshold=doc.get(
+                    "active_decode_blocks_threshold", current.active_decode_blocks_threshold),
+                active_prefill_tokens_threshold=doc.get(
+                    "active_prefill_tokens_threshold", current.active_prefill_tokens_threshold),
+            )
+        except ValueError as exc:
+            return _json(400, _openai_error(str(exc), "invalid_request_error", 400))
+        log.info("busy thresholds of %s now %s", model, self.thresholds[model])
+        return _json(200, self.busy_threshold_doc(model))
+
+    def _check_admin(self, authorization: str | None) -> Response | None:
+        token = os.environ.get(self.config.admin_token_env)
+        if not token:
+            return _json(403, _openai_error(
+                f"admin API disabled: ${self.config.admin_token_env} is not set",
+                "forbidden", 403))
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), token.encode()):
+            return _json(401, _openai_error("missing or wrong admin bearer token",
+                                            "unauthorized", 401))
+        return None
+
+
+def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Response:
+    from starlette.responses import Response
+
+    return Response(_dumps(doc), status_code=status, media_type="application/json",
+                    headers=dict(headers or {}))
+
+
+def build_app(inventory: Inventory, config: ProxyConfig, *,
+              clock: Clock = SYSTEM_CLOCK) -> Starlette:
+    """The proxy as a Starlette app; its lifespan opens and closes the upstream pools."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    proxy = MigratingProxy(inventory, config, clock=clock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.stop()
+
+    async def completions(request: Request) -> Response:
+        return await proxy.handle_generation(request, "completions")
+
+    async def chat(request: Request) -> Response:
+        return await proxy.handle_generation(request, "chat")
+
+    async def models(_: Request) -> Response:
+        return await proxy.handle_models()
+
+    async def health(_: Request) -> Response:
+        return _json(200, proxy.health())
+
+    async def metrics_route(_: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        proxy.refresh_gauges()
+        return Response(generate_latest(proxy.metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def busy_threshold(request: Request) -> Response:
+        return await proxy.handle_busy_threshold(request)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
+        Route("/busy_threshold", busy_threshold, methods=["GET", "POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = proxy
+    return app
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """What `serve` reports when the proxy stops."""
+
+    listen: str
+    workers: int
+    uptime_s: float
+
+
+def serve(inventory: Inventory, config: ProxyConfig, *,
+          on_ready: Callable[[str], None] | None = None) -> ServeResult:
+    """Run the proxy on `config.listen` until interrupted (blocking)."""
+    import uvicorn
+
+    host, _, port = config.listen.rpartition(":")
+    host = host.strip("[]")
+    app = build_app(inventory, config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=host, port=int(port), log_level="warning", access_log=False,
+        lifespan="on", timeout_graceful_shutdown=5,
+    ))
+    started = time.monotonic()
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if server.started and on_ready is not None:
+            sockets = [s for srv in server.servers for s in srv.sockets]
+            bound = sockets[0].getsockname() if sockets else (host, port)
+            on_ready(f"http://{bound[0]}:{bound[1]}")
+        await task
+
+    asyncio.run(run())
+    return ServeResult(listen=config.listen, workers=len(inventory.workers),
+                       uptime_s=round(time.monotonic() - started, 3))

@@ -1,0 +1,205 @@
+"""Routing: least outstanding requests, weighted by health, with a passive breaker.
+
+Each worker has a routing weight in [0, 1]. When the canary daemon runs, its
+`GET /workers` gives the weights (HEALTHY 1, SUSPICIOUS 0.5, UNHEALTHY and
+beyond 0); otherwise the proxy's own breaker does: `breaker_threshold`
+consecutive failures open it (weight 0), after `recovery_s` one trial request
+goes through (half-open, weight 0.5), a success closes it again.
+
+`pick` chooses the worker with the smallest (outstanding + 1) / weight among
+those not excluded (the workers and groups that already failed this request)
+and not busy; ties go round-robin so equal workers share the load. A worker
+with weight 0 is chosen only when nothing else is left for a continuation
+(`last_resort=True`): a stream broken half-way is worth a try on a suspect
+worker rather than an error.
+
+Pure code with a `Clock`; no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+
+__all__ = ["BreakerState", "Router", "WorkerSlot", "parse_daemon_weights"]
+
+BreakerState = Literal["closed", "open", "half_open"]
+_BREAKER_GAUGE = {"closed": 0, "open": 1, "half_open": 2}
+
+# Weights of the canary daemon's states (DESIGN.md: SUSPICIOUS routes at half weight).
+_STATE_WEIGHTS = {
+    "healthy": 1.0, "suspicious": 0.5, "unhealthy": 0.0, "draining": 0.0, "dead": 0.0,
+}
+
+
+@dataclass
+class WorkerSlot:
+    """The proxy's live view of one worker."""
+
+    name: str
+    url: str
+    group: str
+    model: str
+    outstanding: int = 0
+    pending_prefill_tokens: int = 0
+    consecutive_failures: int = 0
+    breaker: BreakerState = "closed"
+    opened_at: float = 0.0
+    trial_in_flight: bool = False
+    daemon_weight: float | None = None
+    busy: bool = False
+    max_model_len: int | None = None
+    failures: int = 0
+    successes: int = 0
+
+    def weight(self, now: float, recovery_s: float) -> float:
+        """Routing weight: the daemon's when known, else the breaker's."""
+        if self.breaker == "open" and now - self.opened_at >= recovery_s:
+            self.breaker = "half_open"
+        if self.breaker == "open":
+            return 0.0
+        own = (0.0 if self.trial_in_flight else 0.5) if self.breaker == "half_open" else 1.0
+        if self.daemon_weight is not None:
+            return min(own, self.daemon_weight) if own < 1.0 else self.daemon_weight
+        return own
+
+
+def parse_daemon_weights(doc: Any) -> dict[str, float]:
+    """Weights by worker name from the canary daemon's `GET /workers` JSON.
+
+    Accepts `{"workers": [{"name", "weight"|"state"}...]}`, a bare list of such
+    objects, or a mapping name -> {"weight"|"state"} / name -> number.
+    """
+    items: Iterable[tuple[str, Any]]
+    if isinstance(doc, dict) and isinstance(doc.get("workers"), list | dict):
+        doc = doc["workers"]
+    if isinstance(doc, list):
+        items = ((str(e.get("name", e.get("worker", ""))), e) for e in doc if isinstance(e, dict))
+    elif isinstance(doc, dict):
+        items = ((str(k), v) for k, v in doc.items())
+    else:
+        msg = "expected a list or mapping of workers"
+        raise ValueError(msg)
+    out: dict[str, float] = {}
+    for name, entry in items:
+        if not name:
+            continue
+        weight: Any = entry
+        if isinstance(entry, dict):
+            weight = entry.get("weight")
+            if weight is None and isinstance(entry.get("state"), str):
+                weight = _STATE_WEIGHTS.get(entry["state"].lower())
+        if isinstance(weight, int | float) and not isinstance(weight, bool):
+            out[name] = min(1.0, max(0.0, float(weight)))
+    return out
+
+
+class Router:
+    """Chooses workers and keeps their outstanding counts, breakers and weights."""
+
+    def __init__(
+        self, slots: Iterable[WorkerSlot], *, clock: Clock = SYSTEM_CLOCK,
+        breaker_threshold: int = 3, recovery_s: float = 60.0,
+    ) -> None:
+        self.slots: dict[str, WorkerSlot] = {s.name: s for s in slots}
+        self._order = list(self.slots)
+        self._clock = clock
+        self._threshold = breaker_threshold
+        self._recovery_s = recovery_s
+        self._rotation = itertools.count()
+
+    def weight(self, slot: WorkerSlot) -> float:
+        return slot.weight(self._clock.now(), self._recovery_s)
+
+    def routable(self, model: str | None = None) -> list[WorkerSlot]:
+        """Workers with a positive weight that serve `model` (any model when None)."""
+        return [
+            s for s in self.slots.values()
+            if (model is None or s.model == model) and self.weight(s) > 0
+        ]
+
+    def healthy_capacity(self) -> float:
+        """Sum of weights over the number of workers (1.0 when all are healthy)."""
+        if not self.slots:
+            return 0.0
+        return sum(self.weight(s) for s in self.slots.values()) / len(self.slots)
+
+    def serves(self, model: str) -> bool:
+        return any(s.model == model for s in self.slots.values())
+
+    def pick(
+        self, *, model: str | None = None, exclude_workers: Collection[str] = (),
+        exclude_groups: Collection[str] = (), avoid_busy: bool = True,
+        last_resort: bool = False,
+    ) -> WorkerSlot | None:
+        """The least loaded eligible worker, or None when there is none."""
+        start = next(self._rotation)
+        count = len(self._order)
+        best: WorkerSlot | None = None
+        best_score = float("inf")
+        fallback: WorkerSlot | None = None
+        for offset in range(count):
+            slot = self.slots[self._order[(start + offset) % count]]
+            if slot.name in exclude_workers or slot.group in exclude_groups:
+                continue
+            if model is not None and slot.model != model:
+                continue
+            weight = self.weight(slot)
+            if weight <= 0:
+                if last_resort and fallback is None:
+                    fallback = slot
+                continue
+            if avoid_busy and slot.busy:
+                continue
+            score = (slot.outstanding + 1) / weight
+            if score < best_score:
+                best, best_score = slot, score
+        if best is None:
+            best = fallback
+        if best is not None and best.breaker == "half_open":
+            best.trial_in_flight = True
+        return best
+
+    def start(self, slot: WorkerSlot, prompt_tokens: int) -> None:
+        """A request goes to `slot`."""
+        slot.outstanding += 1
+        slot.pending_prefill_tokens += prompt_tokens
+
+    def first_token(self, slot: WorkerSlot, prompt_tokens: int) -> None:
+        """The worker produced the first token: its prefill of that prompt is done."""
+        slot.pending_prefill_tokens = max(0, slot.pending_prefill_tokens - prompt_tokens)
+
+    def finish(self, slot: WorkerSlot, prompt_tokens_pending: int) -> None:
+        """The request left `slot` (success, failure or client disconnect)."""
+        slot.outstanding = max(0, slot.outstanding - 1)
+        slot.pending_prefill_tokens = max(0, slot.pending_prefill_tokens - prompt_tokens_pending)
+
+    def record_success(self, slot: WorkerSlot) -> None:
+        """A stream from `slot` ended well: close its breaker."""
+        slot.successes += 1
+        slot.consecutive_failures = 0
+        slot.trial_in_flight = False
+        slot.breaker = "closed"
+
+    def record_failure(self, slot: WorkerSlot) -> None:
+        """A stream from `slot` failed: count it; open the breaker at the threshold."""
+        slot.failures += 1
+        slot.consecutive_failures += 1
+        slot.trial_in_flight = False
+        if slot.breaker == "half_open" or slot.consecutive_failures >= self._threshold:
+            slot.breaker = "open"
+            slot.opened_at = self._clock.now()
+
+    def apply_daemon_weights(self, weights: Mapping[str, float]) -> None:
+        """Take the canary daemon's weights; workers it does not list keep their own."""
+        for name, slot in self.slots.items():
+            slot.daemon_weight = weights.get(name)
+
+    def breaker_gauge(self, slot: WorkerSlot) -> int:
+        """0 closed, 1 open, 2 half-open (for `dynamo_circuit_breaker_state`)."""
+        self.weight(slot)
+        return _BREAKER_GAUGE[slot.breaker]

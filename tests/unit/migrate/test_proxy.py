@@ -1,0 +1,445 @@
+"""The migrating proxy against scripted fake workers (aiohttp on loopback, port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from dynamo_ftctl.inventory import Inventory, ProxyConfig
+from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, build_app
+
+MODEL = "fake-model"
+
+
+def token_at(seed: int, position: int) -> int:
+    """The fake model's token at an absolute position: a byte 'A'..'Z'."""
+    return 65 + (seed * 7919 + position * 104729) % 26
+
+
+@dataclass
+class FakeWorker:
+    """A scripted OpenAI-compatible streaming worker."""
+
+    mode: str = "ok"
+    fail_after: int | None = None
+    max_model_len: int = 4096
+    with_ids: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    disconnects: int = 0
+    url: str = ""
+
+    def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            text = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"])
+            if not body.get("continue_final_message"):
+                text += "<assistant>"
+            return list(text.encode())
+        prompt = body["prompt"]
+        return list(prompt) if isinstance(prompt, list) else list(prompt.encode())
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path.endswith("chat/completions")
+        body = await request.json()
+        self.requests.append(body)
+        if self.mode == "html502":
+            return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
+                                content_type="text/html")
+        if self.mode == "html200":
+            return web.Response(text="<html>oops</html>", content_type="text/html")
+        prompt = self.prompt_ids(body, chat)
+        if len(prompt) >= self.max_model_len:
+            return web.json_response({"error": {"message": "prompt too long"}}, status=400)
+        seed = body.get("seed") or 0
+        max_tokens = body.get("max_tokens") or (self.max_model_len - len(prompt))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(doc: Any) -> None:
+            await resp.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+
+        first: dict[str, Any] = {"id": "up-1", "object": obj, "model": MODEL, "choices": []}
+        if chat:
+            first["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None}]
+            if self.with_ids:
+                first["prompt_token_ids"] = prompt
+            await send(first)
+        n = 0
+        try:
+            while True:
+                if self.fail_after is not None and n >= self.fail_after:
+                    if self.mode == "error_event":
+                        await send({"error": {"message": "engine died", "code": 500}})
+                        return resp
+                    if self.mode == "bad_json":
+                        await resp.write(b"data: {not json\n\n")
+                        return resp
+                    if self.mode == "no_finish":
+                        await resp.write(b"data: [DONE]\n\n")
+                        return resp
+                    if self.mode == "stall":
+                        await self.idle_until_disconnect(request)
+                    elif request.transport is not None:
+                        request.transport.close()
+                    return resp
+                position = len(prompt) + n
+                tid = token_at(seed, position)
+                n += 1
+                done = n >= max_tokens or position + 1 >= self.max_model_len
+                if self.mode == "endless":
+                    done = False
+                choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if done else None,
+                                          "logprobs": None}
+                if chat:
+                    choice["delta"] = {"content": chr(tid)}
+                else:
+                    choice["text"] = chr(tid)
+                if self.with_ids:
+                    choice["token_ids"] = [tid]
+                    if n == 1 and not chat:
+                        choice["prompt_token_ids"] = prompt
+                await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [choice]})
+                await asyncio.sleep(0)
+                if done:
+                    break
+            await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [],
+                        "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                  "total_tokens": len(prompt) + n}})
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.disconnects += 1
+            raise
+        return resp
+
+    async def idle_until_disconnect(self, request: web.Request) -> None:
+        """Send nothing until the client hangs up (bounded: 30 s)."""
+        for _ in range(3000):
+            if request.transport is None or request.transport.is_closing():
+                self.disconnects += 1
+                return
+            await asyncio.sleep(0.01)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": MODEL, "object": "model", "max_model_len": self.max_model_len}]})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n")
+
+
+@pytest.fixture
+def run() -> Callable[..., Any]:
+    """Run a coroutine on a fresh loop (no pytest-asyncio here)."""
+    def runner(coro: Any) -> Any:
+        return asyncio.run(asyncio.wait_for(coro, 60))
+    return runner
+
+
+class Cluster:
+    """Fake workers on loopback plus the proxy app, driven through httpx's ASGI transport."""
+
+    def __init__(self, workers: list[FakeWorker], **proxy: Any) -> None:
+        self.workers = workers
+        self.proxy_settings = proxy
+        self.runners: list[web.AppRunner] = []
+
+    async def __aenter__(self) -> Cluster:
+        for fake in self.workers:
+            app = web.Application()
+            app.router.add_post("/v1/completions", fake.handle)
+            app.router.add_post("/v1/chat/completions", fake.handle)
+            app.router.add_get("/v1/models", fake.models)
+            app.router.add_get("/metrics", fake.metrics)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = runner.addresses[0][1]
+            fake.url = f"http://127.0.0.1:{port}"
+            self.runners.append(runner)
+        inventory = Inventory.model_validate({
+            "cluster": "t",
+            "workers": [{"name": f"w{i}", "url": w.url, "model": MODEL}
+                        for i, w in enumerate(self.workers)],
+        })
+        settings = {"stall_timeout_s": 2.0, "scrape_interval_s": 0.05, **self.proxy_settings}
+        self.app = build_app(inventory, ProxyConfig.model_validate(settings))
+        self.proxy = self.app.state.proxy
+        await self.proxy.start()
+        await self.proxy.scrape_once()
+        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
+                                        base_url="http://proxy", timeout=30)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+        await self.proxy.stop()
+        for runner in self.runners:
+            await runner.cleanup()
+
+    async def stream(self, path: str, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> tuple[httpx.Response, list[Any]]:
+        events: list[Any] = []
+        async with self.client.stream("POST", path, json={**body, "stream": True},
+                                      headers=headers) as resp:
+            raw = b"".join([part async for part in resp.aiter_bytes()])
+        for block in raw.split(b"\n\n"):
+            if block.startswith(b"data: "):
+                data = block[6:]
+                events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+            elif block.startswith(b":"):
+                events.append(block.decode())
+        return resp, events
+
+
+def expected_text(prompt: str, seed: int, count: int) -> str:
+    start = len(prompt.encode())
+    return "".join(chr(token_at(seed, start + i)) for i in range(count))
+
+
+def stream_text(events: list[Any], chat: bool = False) -> str:
+    out = ""
+    for e in events:
+        if isinstance(e, dict) and e.get("choices"):
+            c = e["choices"][0]
+            out += (c["delta"].get("content") or "") if chat else c["text"]
+    return out
+
+
+BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 20, "temperature": 0.7,
+        "seed": 5, "stream_options": {"include_usage": True}}
+
+
+def test_stream_without_failure_passes_through(run: Callable[..., Any]) -> None:
+    """A healthy stream reaches the client unchanged, with the proxy's one id and usage."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(), FakeWorker()]) as c:
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert MIGRATED_HEADER not in resp.headers
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert events[-1] == "[DONE]"
+            assert events[-2]["usage"] == {"prompt_tokens": 11, "completion_tokens": 20,
+                                           "total_tokens": 31}
+            ids = {e["id"] for e in events if isinstance(e, dict)}
+            assert len(ids) == 1
+            assert all("token_ids" not in e["choices"][0] for e in events
+                       if isinstance(e, dict) and e["choices"])
+    run(go())
+
+
+@pytest.mark.parametrize("cut", [1, 7, 19])
+def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut: int) -> None:
+    """A worker dropping the connection after `cut` tokens: the client sees one identical stream."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=cut), FakeWorker()]) as c:
+            # make the breaking worker the router's first choice
+            c.proxy.router.slots["w1"].outstanding = 5
+            _, events = await c.stream("/v1/completions", BODY)
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            usage = events[-3]["usage"]
+            assert usage["completion_tokens"] == 20
+            assert events[-2] == f": {MIGRATED_HEADER}: 1"
+            continuation = c.workers[1].requests[-1]
+            assert continuation["prompt"][:11] == list(b"hello world")
+            assert len(continuation["prompt"]) == 11 + cut
+            assert continuation["max_tokens"] == 20 - cut
+            assert continuation["seed"] == 5
+    run(go())
+
+
+def test_chat_continuation_uses_continue_final_message(run: Callable[..., Any]) -> None:
+    """A chat stream broken midway goes on with the text so far as the final assistant message."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=6), FakeWorker()]) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 15, "temperature": 0}
+            _, events = await c.stream("/v1/chat/completions", body)
+            c.proxy.router.slots["w1"].outstanding = 0
+            text = stream_text(events, chat=True)
+            rendered = "<user>hi<assistant>"
+            assert text == "".join(chr(token_at(0, len(rendered) + i)) for i in range(15))
+            roles = [e for e in events if isinstance(e, dict) and e["choices"]
+                     and "role" in e["choices"][0]["delta"]]
+            assert len(roles) == 1
+            cont = c.workers[1].requests[-1]
+            assert cont["continue_final_message"] is True
+            assert cont["add_generation_prompt"] is False
+            assert cont["messages"][-1] == {"role": "assistant", "content": text[:6]}
+    run(go())
+
+
+def test_non_streaming_request_is_migrated(run: Callable[..., Any]) -> None:
+    """A non-streamed request broken midway still gets one complete JSON answer."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=4), FakeWorker()]) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
+            doc = resp.json()
+            assert resp.status_code == 200
+            assert resp.headers[MIGRATED_HEADER] == "1"
+            assert doc["choices"][0]["text"] == expected_text("hello world", 5, 20)
+            assert doc["choices"][0]["finish_reason"] == "length"
+            assert doc["usage"]["completion_tokens"] == 20
+    run(go())
+
+
+@pytest.mark.parametrize("mode", ["html502", "html200", "bad_json", "error_event", "no_finish",
+                                  "endless", "stall"])
+def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str) -> None:
+    """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client."""
+    async def go() -> None:
+        bad = FakeWorker(mode=mode, fail_after=3)
+        async with Cluster([bad, FakeWorker()], stall_timeout_s=0.3) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert all("error" not in e for e in events if isinstance(e, dict))
+            assert c.proxy.router.slots["w0"].failures == 1
+    run(go())
+
+
+def test_migration_limit_reached_ends_with_an_error_event(run: Callable[..., Any]) -> None:
+    """When every worker breaks, the stream ends with an error event and [DONE], no hang."""
+    async def go() -> None:
+        workers = [FakeWorker(fail_after=3) for _ in range(3)]
+        async with Cluster(workers, migration_limit=1) as c:
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert events[-1] == "[DONE]"
+            assert "migration limit reached (1)" in events[-2]["error"]["message"]
+            assert len(stream_text(events)) == 6
+    run(go())
+
+
+def test_migration_limit_zero_disables_migration(run: Callable[..., Any]) -> None:
+    """With migration_limit 0 a broken stream is not continued anywhere."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=3), FakeWorker(fail_after=3)],
+                           migration_limit=0) as c:
+            _, events = await c.stream("/v1/completions", BODY)
+            assert "error" in events[-2]
+            assert sum(len(w.requests) for w in c.workers) == 1
+    run(go())
+
+
+def test_max_length_reached_is_not_migrated(run: Callable[..., Any]) -> None:
+    """At the model's max length a broken stream ends with finish_reason length, not a retry."""
+    async def go() -> None:
+        prompt = "x" * 50
+        workers = [FakeWorker(fail_after=10, max_model_len=60), FakeWorker(max_model_len=60)]
+        async with Cluster(workers) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            _, events = await c.stream("/v1/completions", {**BODY, "prompt": prompt,
+                                                           "max_tokens": 100})
+            assert events[-3]["choices"][0]["finish_reason"] == "length"
+            assert len(stream_text(events)) == 10
+            assert not c.workers[1].requests
+    run(go())
+
+
+def test_connection_refused_is_retried_elsewhere(run: Callable[..., Any]) -> None:
+    """A worker that refuses connections costs a plain retry on another worker."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(), FakeWorker()]) as c:
+            await c.runners[0].cleanup()
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert c.proxy.router.slots["w0"].failures == 1
+    run(go())
+
+
+def test_worker_4xx_is_passed_to_the_client(run: Callable[..., Any]) -> None:
+    """A request the worker refuses (400) is the client's error, not a worker failure."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(max_model_len=5)]) as c:
+            resp = await c.client.post("/v1/completions", json=BODY)
+            assert resp.status_code == 400
+            assert resp.json()["error"]["message"] == "prompt too long"
+            assert c.proxy.router.slots["w0"].failures == 0
+    run(go())
+
+
+def test_text_fallback_for_workers_without_ids(run: Callable[..., Any]) -> None:
+    """Without token ids the proxy continues from text and says so in a header."""
+    async def go() -> None:
+        workers = [FakeWorker(fail_after=5, with_ids=False), FakeWorker(with_ids=False)]
+        async with Cluster(workers) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
+            assert resp.headers["x-ftctl-continuation"] == "text"
+            assert resp.json()["choices"][0]["text"] == expected_text("hello world", 5, 20)
+            assert c.workers[1].requests[-1]["prompt"] == "hello world" + \
+                expected_text("hello world", 5, 5)
+    run(go())
+
+
+def test_all_workers_busy_answers_503_with_retry_after(run: Callable[..., Any]) -> None:
+    """Every worker above the KV threshold: 503, Retry-After and the exact busy body."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(), FakeWorker()],
+                           busy={"active_decode_blocks_threshold": 0.05}) as c:
+            resp = await c.client.post("/v1/completions", json=BODY)
+            assert resp.status_code == 503
+            assert resp.headers["retry-after"] == "1"
+            assert resp.json() == {
+                "message": "Service temporarily unavailable: All workers are busy, please "
+                           "retry later",
+                "type": "service_unavailable", "code": 503}
+            ok = await c.client.post("/busy_threshold", json={
+                "model": MODEL, "active_decode_blocks_threshold": 0.5})
+            assert ok.status_code in (401, 403)
+    run(go())
+
+
+def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """POST /busy_threshold with the admin token lifts the rejection at once."""
+    monkeypatch.setenv("FTCTL_ADMIN_TOKEN", "s3cret")
+
+    async def go() -> None:
+        async with Cluster([FakeWorker()], reject_status=529,
+                           busy={"active_decode_blocks_threshold": 0.05}) as c:
+            assert (await c.client.post("/v1/completions", json=BODY)).status_code == 529
+            bad = await c.client.post("/busy_threshold", json={"model": MODEL},
+                                      headers={"Authorization": "Bearer nope"})
+            assert bad.status_code == 401
+            ok = await c.client.post(
+                "/busy_threshold", headers={"Authorization": "Bearer s3cret"},
+                json={"model": MODEL, "active_decode_blocks_threshold": 0.5})
+            assert ok.json() == {"model": MODEL, "active_decode_blocks_threshold": 0.5,
+                                 "active_prefill_tokens_threshold": 8192}
+            got = await c.client.get("/busy_threshold", params={"model": MODEL})
+            assert got.json()["active_decode_blocks_threshold"] == 0.5
+            assert (await c.client.post("/v1/completions", json=BODY)).status_code == 200
+    run(go())
+
+
+def test_metrics_and_health_are_served(run: Callable[..., Any]) -> None:
+    """/metrics carries the migration counter after a migration; /health names the workers."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()]) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            await c.stream("/v1/completions", BODY)
+            text = (await c.client.get("/metrics")).text
+            assert 'dynamo_migration_total{method="reprefill",source_group="w0",' \
+                   'target_group="w1"}' in text
+            health = (await c.client.get("/health")).json()
+            assert set(health["workers"]) == {"w0", "w1"}
+            models = (await c.client.get("/v1/models")).json()
+            assert models["data"][0]["max_model_len"] == 4096
+    run(go())
+
