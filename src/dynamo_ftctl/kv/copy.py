@@ -1,0 +1,687 @@
+"""Copy paged KV-cache blocks between caches on torch streams, and export/import them.
+
+A cache is a sequence of per-layer tensors whose dimension `block_dim` indexes
+blocks (vLLM: `[num_blocks, 2, block_size, kv_heads, head_dim]`, block_dim 0).
+`copy_blocks` moves the blocks `src_ids` of one cache to the blocks `dst_ids`
+of another, in pieces of (layer, chunk of blocks):
+
+1. gather the chunk into a contiguous staging buffer beside the source
+   (pinned host memory when the source is on the host and the copy crosses
+   to a device);
+2. copy the staging buffer to a staging buffer beside the destination with a
+   `non_blocking` copy on a dedicated copy stream (skipped when source and
+   destination share a device);
+3. scatter it into the destination blocks.
+
+Staging slots form a ring (`depth`, default 2) and every hand-over between
+streams or between a stream and the host goes through an event, so piece k+1
+is gathered while piece k is in flight, and a slot is reused only after the
+work that read it has finished. Device work is queued on dedicated streams
+(which first wait for the caller's current stream); `copy_blocks` returns a
+`CopyHandle` to wait on. On CPU tensors the same pipeline runs with host
+operations in place of streams (`HostOps`): there is no separate toy path.
+
+Per-block CRC-32 checksums are computed on export (`export_blocks`) and
+verified on import (`import_blocks`) before a single byte is written.
+
+This module must not know about HTTP or the wire format (`kv/wire.py`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from dynamo_ftctl.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "CopyHandle",
+    "CudaOps",
+    "Event",
+    "ExportedBlocks",
+    "HostOps",
+    "KVChecksumError",
+    "Piece",
+    "StreamOps",
+    "block_checksums",
+    "copy_blocks",
+    "export_blocks",
+    "import_blocks",
+    "run_pipeline",
+    "validate_block_ids",
+]
+
+# One staging slot per piece holds about this many bytes (rounded to whole
+# blocks). 1 MiB keeps the CPU staging ring inside a core's L2 cache; see
+# `ftctl kv bench` for the sweep that chose it.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+Kind = Literal["host", "device"]
+
+
+class KVChecksumError(InvalidInput):
+    """An imported block's bytes do not match the checksum computed at export."""
+
+
+# ---------------------------------------------------------------- stream seam
+
+
+class Event(Protocol):
+    """A point in a stream's work that the host or another stream can wait for."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the event has finished."""
+        ...
+
+    def query(self) -> bool:
+        """True when the work before the event has finished."""
+        ...
+
+
+class StreamOps(Protocol):
+    """The only seam between the pipeline and a device runtime (CUDA, host, fakes)."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A dedicated stream on `device` (None on the host)."""
+        ...
+
+    def join_current(self, stream: Any, device: torch.device) -> None:
+        """Make `stream` wait for the caller's current stream on `device`."""
+        ...
+
+    def run(self, stream: Any, work: Callable[[], None]) -> None:
+        """Queue device work (kernels) on `stream`."""
+        ...
+
+    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue `dst.copy_(src, non_blocking=True)` on `stream`."""
+        ...
+
+    def record(self, stream: Any) -> Event:
+        """An event after all work queued on `stream` so far."""
+        ...
+
+    def wait(self, stream: Any, event: Event) -> None:
+        """Make `stream` wait for `event` without blocking the host."""
+        ...
+
+    def staging(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
+    ) -> torch.Tensor:
+        """A staging buffer; `pinned` asks for page-locked host memory."""
+        ...
+
+    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the allocator that `tensor` is used on `stream` (keeps it from early reuse)."""
+        ...
+
+
+class _DoneEvent:
+    """The event of host work: it has finished by the time anyone can ask."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_DONE = _DoneEvent()
+
+
+class HostOps:
+    """Stream operations for CPU tensors: everything runs at once on the calling thread."""
+
+    def new_stream(self, device: torch.device) -> Any:  # noqa: ARG002 (protocol)
+        return None
+
+    def join_current(self, stream: Any, device: torch.device) -> None:  # noqa: ARG002
+        return None
+
+    def run(self, stream: Any, work: Callable[[], None]) -> None:  # noqa: ARG002 (protocol)
+        work()
+
+    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:  # noqa: ARG002
+        dst.copy_(src)
+
+    def record(self, stream: Any) -> Event:  # noqa: ARG002 (protocol)
+        return _DONE
+
+    def wait(self, stream: Any, event: Event) -> None:  # noqa: ARG002 (protocol)
+        return None
+
+    def staging(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
+    ) -> torch.Tensor:
+        import torch
+
+        del pinned  # no page-locking without a device to DMA to
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:  # noqa: ARG002 (protocol)
+        return None
+
+
+class CudaOps:
+    """Stream operations on CUDA: dedicated `torch.cuda.Stream`s, events, pinned staging."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        import torch
+
+        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def join_current(self, stream: Any, device: torch.device) -> None:
+        import torch
+
+        # The caller's kernels may still be writing the source blocks.
+        stream.wait_stream(torch.cuda.current_stream(device))
+
+    def _context(self, stream: Any) -> AbstractContextManager[Any]:
+        import torch
+
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    def run(self, stream: Any, work: Callable[[], None]) -> None:
+        with self._context(stream):
+            work()
+
+    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with self._context(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Event:
+        import torch
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    def wait(self, stream: Any, event: Event) -> None:
+        stream.wait_event(event)
+
+    def staging(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
+    ) -> torch.Tensor:
+        import torch
+
+        if device.type == "cpu":
+            return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.is_cuda and stream is not None:
+            tensor.record_stream(stream)
+
+
+# ------------------------------------------------------------------ the handle
+
+
+@dataclass
+class CopyHandle:
+    """A copy in flight: `wait()` blocks until every block has landed."""
+
+    blocks: int
+    bytes: int
+    pieces: int
+    events: tuple[Event, ...] = ()
+    # Staging buffers and index tensors used by queued work, kept alive until wait().
+    keep: list[Any] = field(default_factory=list, repr=False)
+
+    def done(self) -> bool:
+        """True when the copy has finished (never blocks)."""
+        return all(event.query() for event in self.events)
+
+    def wait(self) -> CopyHandle:
+        """Block until the copy has finished; returns self."""
+        for event in self.events:
+            event.synchronize()
+        self.keep.clear()
+        return self
+
+
+# ------------------------------------------------------------------ validation
+
+
+def validate_block_ids(ids: Sequence[int] | torch.Tensor, num_blocks: int, what: str) -> list[int]:
+    """Block ids as a list; out-of-range, duplicate or non-integer ids are `InvalidInput`."""
+    import torch
+
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            msg = f"{what}: block ids must be a 1-D integer tensor"
+            raise InvalidInput(msg)
+        values = [int(v) for v in ids.tolist()]
+    else:
+        values = []
+        for v in ids:
+            if isinstance(v, bool) or not isinstance(v, int):
+                msg = f"{what}: block id {v!r} is not an integer"
+                raise InvalidInput(msg)
+            values.append(v)
+    bad = [v for v in values if not 0 <= v < num_blocks]
+    if bad:
+        msg = f"{what}: block id {bad[0]} out of range [0, {num_blocks})"
+        raise InvalidInput(msg)
+    seen: set[int] = set()
+    for v in values:
+        if v in seen:
+            msg = f"{what}: duplicate block id {v}"
+            raise InvalidInput(msg)
+        seen.add(v)
+    return values
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _check_caches(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], block_dim: int,
+) -> None:
+    if not src or len(src) != len(dst):
+        msg = f"source has {len(src)} layers, destination {len(dst)} (need the same, >= 1)"
+        raise InvalidInput(msg)
+    for layer, (s, d) in enumerate(zip(src, dst, strict=True)):
+        if not -s.dim() <= block_dim < s.dim():
+            msg = f"layer {layer}: block_dim {block_dim} out of range for a {s.dim()}-D cache"
+            raise InvalidInput(msg)
+        s_block = s.shape[:block_dim] + s.shape[block_dim + 1:]
+        d_block = d.shape[:block_dim] + d.shape[block_dim + 1:]
+        if s.dtype != d.dtype or s_block != d_block or s.dim() != d.dim():
+            msg = (f"layer {layer}: source block {tuple(s_block)} {s.dtype} does not match "
+                   f"destination block {tuple(d_block)} {d.dtype}")
+            raise InvalidInput(msg)
+        for side, t, first in (("source", s, src[0]), ("destination", d, dst[0])):
+            if t.shape[block_dim] != first.shape[block_dim]:
+                msg = (f"{side} layer {layer}: {t.shape[block_dim]} blocks, "
+                       f"layer 0 has {first.shape[block_dim]}")
+                raise InvalidInput(msg)
+
+
+# ------------------------------------------------------------ views and pieces
+
+# Widest element types first: the gather/scatter kernels move one element per
+# step, so viewing a block's bytes as 16-byte elements cuts their work 8x for fp16.
+_WIDE_DTYPES = ("complex128", "int64", "int32", "int16", "uint8")
+
+
+def _fold_level(v: torch.Tensor) -> int:
+    """How many leading dims of `v` must stay so the rest folds into one contiguous dim."""
+    for keep in range(1, v.dim()):
+        try:
+            v.view(*v.shape[:keep], -1)
+        except RuntimeError:
+            continue
+        return keep
+    return v.dim()
+
+
+def _fold(v: torch.Tensor, keep: int) -> torch.Tensor:
+    return v.view(*v.shape[:keep], -1) if keep < v.dim() else v.unsqueeze(-1)
+
+
+def _widest(views: Sequence[torch.Tensor]) -> torch.dtype:
+    import torch
+
+    for name in _WIDE_DTYPES:
+        wide: torch.dtype = getattr(torch, name)
+        size = wide.itemsize
+        if all(
+            v.shape[-1] * v.element_size() % size == 0
+            and v.stride(-1) == 1
+            and v.storage_offset() * v.element_size() % size == 0
+            and all(st * v.element_size() % size == 0 for st in v.stride()[:-1])
+            for v in views
+        ):
+            return wide
+    return views[0].dtype  # the trailing dim is strided: keep the cache's own dtype
+
+
+def _as_rows(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], block_dim: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer with blocks on dim 0 and as many trailing bytes as possible in one dim.
+
+    Both sides get the same row shape (the coarsest fold that all of them
+    allow), viewed as the widest element type their strides permit.
+    """
+    src_v = [t.movedim(block_dim, 0) for t in src]
+    dst_v = [t.movedim(block_dim, 0) for t in dst]
+    keep = max(_fold_level(v) for v in (*src_v, *dst_v))
+    src_r = [_fold(v, keep) for v in src_v]
+    dst_r = [_fold(v, keep) for v in dst_v]
+    wide = _widest([*src_r, *dst_r])
+    return [r.view(wide) for r in src_r], [r.view(wide) for r in dst_r]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of the pipeline: a chunk of blocks of one layer."""
+
+    src: torch.Tensor  # the layer's source rows: blocks on dim 0
+    dst: torch.Tensor  # the layer's destination rows
+    src_ids: torch.Tensor  # on the source's device
+    dst_ids: torch.Tensor  # on the destination's device
+
+
+def _kind(device: torch.device) -> Kind:
+    return "host" if device.type == "cpu" else "device"
+
+
+# ----------------------------------------------------------------- the pipeline
+
+
+def run_pipeline(
+    pieces: Sequence[Piece],
+    *,
+    src_kind: Kind,
+    dst_kind: Kind,
+    ops: StreamOps,
+    depth: int = 2,
+    blocks: int = 0,
+    crossing: bool | None = None,
+) -> CopyHandle:
+    """Run gather → copy → scatter over `pieces` with a ring of `depth` staging slots.
+
+    `src_kind`/`dst_kind` say where each side lives ("host" work runs on the
+    calling thread, "device" work is queued on streams) and `crossing` whether
+    a copy between two staging buffers is needed (default: when the kinds or
+    devices differ); `copy_blocks` derives them from the tensors' devices,
+    tests pass them to drive fake streams.
+    """
+    import torch
+
+    if depth < 2:
+        msg = f"pipeline depth must be >= 2 (got {depth})"
+        raise InvalidInput(msg)
+    if not pieces:
+        return CopyHandle(blocks=0, bytes=0, pieces=0)
+    first = pieces[0]
+    src_device, dst_device = first.src.device, first.dst.device
+    if crossing is None:
+        crossing = src_kind != dst_kind or (src_kind == "device" and src_device != dst_device)
+    same = not crossing
+    row_shape = tuple(first.src.shape[1:])
+    dtype = first.src.dtype
+    slot_rows = max(len(p.src_ids) for p in pieces)
+    row_bytes = first.src[0].numel() * first.src.element_size()
+    keep: list[Any] = [pieces]
+
+    src_stream = ops.new_stream(src_device) if src_kind == "device" else None
+    if same:
+        dst_stream, copy_stream = src_stream, None
+    else:
+        dst_stream = ops.new_stream(dst_device) if dst_kind == "device" else None
+        copy_stream = ops.new_stream(src_device if src_kind == "device" else dst_device)
+    streams = [(s, d) for s, d in ((src_stream, src_device), (dst_stream, dst_device),
+                                   (copy_stream, src_device if src_kind == "device"
+                                    else dst_device)) if s is not None]
+    for stream, device in streams:
+        ops.join_current(stream, device)
+
+    shape = (slot_rows, *row_shape)
+    src_stage = [
+        ops.staging(shape, dtype, src_device, pinned=src_kind == "host" and not same)
+        for _ in range(depth)
+    ]
+    dst_stage = src_stage if same else [
+        ops.staging(shape, dtype, dst_device, pinned=dst_kind == "host") for _ in range(depth)
+    ]
+    keep += [src_stage, dst_stage]
+    for stream, _ in streams:
+        for buf in (*src_stage, *dst_stage):
+            ops.mark_used(buf, stream)
+
+    def gather(piece: Piece, buf: torch.Tensor) -> Callable[[], None]:
+        def work() -> None:
+            torch.index_select(piece.src, 0, piece.src_ids, out=buf)
+        return work
+
+    def scatter(piece: Piece, buf: torch.Tensor) -> Callable[[], None]:
+        def work() -> None:
+            piece.dst.index_copy_(0, piece.dst_ids, buf)
+        return work
+
+    copied: list[Event | None] = [None] * depth  # last transfer that read src slot / wrote dst slot
+    scattered: list[Event | None] = [None] * depth  # last device scatter that read dst slot
+    pending: tuple[Piece, torch.Tensor, Event] | None = None  # host scatter waiting for its copy
+
+    for index, piece in enumerate(pieces):
+        slot = index % depth
+        rows = len(piece.src_ids)
+        sbuf, dbuf = src_stage[slot][:rows], dst_stage[slot][:rows]
+        if same:
+            # One side, one stream (or the host): gather then scatter, in order.
+            def both(piece: Piece = piece, sbuf: torch.Tensor = sbuf) -> None:
+                gather(piece, sbuf)()
+                scatter(piece, sbuf)()
+
+            ops.run(src_stream, both)
+            continue
+
+        # 1. gather into the source slot, once the transfer that last read it is done.
+        previous = copied[slot]
+        if src_kind == "device":
+            if previous is not None:
+                ops.wait(src_stream, previous)
+            ops.run(src_stream, gather(piece, sbuf))
+            ops.wait(copy_stream, ops.record(src_stream))
+        else:
+            if previous is not None:
+                previous.synchronize()
+            gather(piece, sbuf)()
+
+        # 2. copy into the destination slot, once the scatter that last read it is done.
+        #    (A host scatter of this slot ran on an earlier iteration: depth >= 2.)
+        if dst_kind == "device" and scattered[slot] is not None:
+            ops.wait(copy_stream, scattered[slot])  # type: ignore[arg-type]
+        ops.transfer(copy_stream, dbuf, sbuf)
+        copied[slot] = ops.record(copy_stream)
+
+        # 3. scatter into the destination blocks.
+        if dst_kind == "device":
+            ops.wait(dst_stream, copied[slot])  # type: ignore[arg-type]
+            ops.run(dst_stream, scatter(piece, dbuf))
+            scattered[slot] = ops.record(dst_stream)
+        else:
+            # Scatter the previous piece now that this one is queued behind it.
+            if pending is not None:
+                _host_scatter(pending, scatter)
+            pending = (piece, dbuf, copied[slot])  # type: ignore[assignment]
+    if pending is not None:
+        _host_scatter(pending, scatter)
+
+    events = tuple(ops.record(stream) for stream, _ in streams)
+    total_blocks = blocks or sum(len(p.src_ids) for p in pieces)
+    return CopyHandle(
+        blocks=total_blocks,
+        bytes=sum(len(p.src_ids) for p in pieces) * row_bytes,
+        pieces=len(pieces),
+        events=events,
+        keep=keep,
+    )
+
+
+def _host_scatter(
+    pending: tuple[Piece, torch.Tensor, Event],
+    scatter: Callable[[Piece, torch.Tensor], Callable[[], None]],
+) -> None:
+    piece, dbuf, event = pending
+    event.synchronize()
+    scatter(piece, dbuf)()
+
+
+def _ops_for(src: torch.device, dst: torch.device) -> StreamOps:
+    return CudaOps() if "cuda" in (src.type, dst.type) else HostOps()
+
+
+def copy_blocks(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    src_ids: Sequence[int] | torch.Tensor,
+    dst_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_dim: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    depth: int = 2,
+    ops: StreamOps | None = None,
+) -> CopyHandle:
+    """Copy blocks `src_ids` of cache `src` to blocks `dst_ids` of cache `dst`.
+
+    Caches are sequences of per-layer tensors with blocks on `block_dim`; they
+    may live on the host or on CUDA devices (D2D, D2H, H2D). Block ids must be
+    in range and distinct; when `src` and `dst` share storage, the two id
+    lists must not overlap. Returns a handle; call `wait()` before reading the
+    destination (on CPU the copy has finished when this returns).
+    """
+    import torch
+
+    if chunk_bytes <= 0:
+        msg = f"chunk_bytes must be > 0 (got {chunk_bytes})"
+        raise InvalidInput(msg)
+    _check_caches(src, dst, block_dim)
+    dim = block_dim % src[0].dim()
+    s_ids = validate_block_ids(src_ids, src[0].shape[dim], "source")
+    d_ids = validate_block_ids(dst_ids, dst[0].shape[dim], "destination")
+    if len(s_ids) != len(d_ids):
+        msg = f"{len(s_ids)} source block ids but {len(d_ids)} destination block ids"
+        raise InvalidInput(msg)
+    if any(_same_storage(s, d) for s, d in zip(src, dst, strict=True)):
+        both = set(s_ids) & set(d_ids)
+        if both:
+            msg = f"source and destination share a cache and both name block {min(both)}"
+            raise InvalidInput(msg)
+    if not s_ids:
+        return CopyHandle(blocks=0, bytes=0, pieces=0)
+
+    src_rows, dst_rows = _as_rows(src, dst, dim)
+    row_bytes = src_rows[0][0].numel() * src_rows[0].element_size()
+    chunk = max(1, chunk_bytes // max(1, row_bytes))
+
+    src_device, dst_device = src[0].device, dst[0].device
+    s_index = torch.tensor(s_ids, dtype=torch.long).to(src_device)
+    d_index = torch.tensor(d_ids, dtype=torch.long).to(dst_device)
+    s_chunks = torch.split(s_index, chunk)
+    d_chunks = torch.split(d_index, chunk)
+    pieces = [
+        Piece(src=s, dst=d, src_ids=si, dst_ids=di)
+        for s, d in zip(src_rows, dst_rows, strict=True)
+        for si, di in zip(s_chunks, d_chunks, strict=True)
+    ]
+    return run_pipeline(
+        pieces, src_kind=_kind(src_device), dst_kind=_kind(dst_device),
+        ops=ops or _ops_for(src_device, dst_device), depth=depth, blocks=len(s_ids),
+    )
+
+
+# ------------------------------------------------------------ export / import
+
+
+@dataclass(frozen=True)
+class ExportedBlocks:
+    """Blocks taken out of a cache: host tensors per layer plus a CRC-32 per block.
+
+    `data[layer]` is contiguous `[n_blocks, *block_shape]` (blocks first, whatever
+    the cache's layout), so block i of a layer is one contiguous byte range.
+    The checksum of block i chains CRC-32 over its bytes in every layer, in order.
+    """
+
+    data: tuple[torch.Tensor, ...]
+    checksums: tuple[int, ...]
+    block_dim: int = 0
+
+    @property
+    def blocks(self) -> int:
+        """How many blocks were exported."""
+        return len(self.checksums)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes over all layers."""
+        return sum(t.numel() * t.element_size() for t in self.data)
+
+
+def block_checksums(data: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """CRC-32 per block of block-first host tensors (chained across layers)."""
+    if not data:
+        return ()
+    n = data[0].shape[0]
+    byte_rows = []
+    for layer in data:
+        if layer.device.type != "cpu" or not layer.is_contiguous() or layer.shape[0] != n:
+            msg = "checksums need contiguous host tensors with the same number of blocks"
+            raise InvalidInput(msg)
+        byte_rows.append(_byte_view(layer))
+    sums = []
+    for i in range(n):
+        crc = 0
+        for rows in byte_rows:
+            crc = zlib.crc32(rows[i], crc)
+        sums.append(crc)
+    return tuple(sums)
+
+
+def _byte_view(layer: torch.Tensor) -> Any:
+    import torch
+
+    # A zero-copy numpy view of the raw bytes (works for bf16/fp8 too).
+    return layer.reshape(layer.shape[0], -1).view(torch.uint8).numpy()
+
+
+def export_blocks(
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    block_dim: int = 0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> ExportedBlocks:
+    """Copy `block_ids` out of `caches` into host memory and checksum every block."""
+    import torch
+
+    if not caches:
+        msg = "a cache needs at least one layer"
+        raise InvalidInput(msg)
+    dim = block_dim % caches[0].dim()
+    count = len(block_ids)
+    data = tuple(
+        torch.empty((count, *c.movedim(dim, 0).shape[1:]), dtype=c.dtype) for c in caches
+    )
+    views = [t.movedim(0, dim) for t in data]
+    copy_blocks(
+        caches, views, block_ids, list(range(count)), block_dim=dim, chunk_bytes=chunk_bytes,
+    ).wait()
+    return ExportedBlocks(data=data, checksums=block_checksums(data), block_dim=dim)
+
+
+def import_blocks(
+    caches: Sequence[torch.Tensor],
+    block_ids: Sequence[int] | torch.Tensor,
+    exported: ExportedBlocks,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> CopyHandle:
+    """Verify every block's checksum, then copy the blocks into `block_ids` of `caches`.
+
+    Nothing is written when a checksum fails (`KVChecksumError`, exit 2).
+    """
+    if len(block_ids) != exported.blocks:
+        msg = f"{len(block_ids)} destination blocks for {exported.blocks} exported blocks"
+        raise InvalidInput(msg)
+    actual = block_checksums(exported.data)
+    for index, (want, got) in enumerate(zip(exported.checksums, actual, strict=True)):
+        if want != got:
+            msg = (f"exported block {index}: checksum mismatch "
+                   f"(expected {want:#010x}, got {got:#010x})")
+            raise KVChecksumError(msg)
+    views = [t.movedim(0, exported.block_dim) for t in exported.data]
+    return copy_blocks(
+        views, caches, list(range(exported.blocks)), block_ids, block_dim=exported.block_dim,
+        chunk_bytes=chunk_bytes,
+    )
