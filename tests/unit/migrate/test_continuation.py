@@ -1,0 +1,123 @@
+"""The continuation ledger: what a broken stream continues with, and when it must not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dynamo_ftctl.migrate.continuation import (
+    MalformedChunk,
+    NotContinuable,
+    RequestRejected,
+    StreamLedger,
+    prepare_request,
+)
+
+
+def chunk(text: str, ids: list[int], finish: str | None = None,
+          prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text, "token_ids": ids, "finish_reason": finish}
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+    return {"id": "up", "object": "text_completion", "model": "m", "choices": [choice]}
+
+
+def test_continuation_carries_prompt_and_generated_ids() -> None:
+    """prompt = prompt ids + generated ids, max_tokens reduced, seed and sampling kept."""
+    body = prepare_request("completions", {"model": "m", "prompt": "ab", "max_tokens": 5,
+                                           "temperature": 0.8, "top_p": 0.9, "seed": 3})
+    ledger = StreamLedger("completions", body)
+    ledger.observe(chunk("x", [120], prompt_ids=[97, 98]))
+    ledger.observe(chunk("y", [121]))
+    up = ledger.continuation_request()
+    assert up["prompt"] == [97, 98, 120, 121]
+    assert up["max_tokens"] == 3
+    assert (up["seed"], up["temperature"], up["top_p"]) == (3, 0.8, 0.9)
+    assert up["stream"] is True
+    assert up["return_token_ids"] is True
+
+
+def test_output_complete_by_length_is_not_continued() -> None:
+    """A stream broken after its last token ends with finish_reason length."""
+    ledger = StreamLedger("completions", {"prompt": [1, 2], "max_tokens": 1})
+    ledger.observe(chunk("x", [5]))
+    with pytest.raises(NotContinuable) as info:
+        ledger.continuation_request()
+    assert info.value.finish_reason == "length"
+
+
+def test_model_max_length_stops_migration() -> None:
+    """prompt + output at the model's max length: no continuation, a clean length finish."""
+    ledger = StreamLedger("completions", {"prompt": [1, 2, 3]}, max_model_len=5)
+    ledger.observe(chunk("a", [7]))
+    ledger.observe(chunk("b", [8]))
+    with pytest.raises(NotContinuable) as info:
+        ledger.continuation_request()
+    assert info.value.finish_reason == "length"
+
+
+def test_migration_limit_is_an_error_not_a_finish() -> None:
+    """Past the migration limit the request ends with an error (finish_reason None)."""
+    ledger = StreamLedger("completions", {"prompt": [1]}, migration_limit=1)
+    ledger.observe(chunk("a", [7]))
+    ledger.note_migration()
+    with pytest.raises(NotContinuable) as info:
+        ledger.continuation_request()
+    assert info.value.finish_reason is None
+
+
+def test_more_tokens_than_asked_is_garbage() -> None:
+    """A worker streaming past max_tokens is malformed (an endless stream)."""
+    ledger = StreamLedger("completions", {"prompt": [1], "max_tokens": 1})
+    ledger.observe(chunk("a", [7]))
+    with pytest.raises(MalformedChunk):
+        ledger.observe(chunk("b", [8]))
+
+
+@pytest.mark.parametrize("doc", [
+    [], {"choices": "x"}, {"error": {"message": "boom"}},
+    {"choices": [{"index": 0, "text": 5}]}, {"choices": [{"index": 0, "token_ids": ["a"]}]},
+    {"choices": [{"index": 0, "text": "a"}, {"index": 1, "text": "b"}]},
+])
+def test_malformed_chunks_are_refused(doc: Any) -> None:
+    """Anything but a one-choice completion chunk raises MalformedChunk."""
+    with pytest.raises(MalformedChunk):
+        StreamLedger("completions", {"prompt": [1]}).observe(doc)
+
+
+def test_client_chunks_have_one_id_and_hide_ids_unless_asked() -> None:
+    """Client chunks carry the proxy's id and no token ids unless return_token_ids was set."""
+    ledger = StreamLedger("completions", {"prompt": [1], "model": "m", "stream": True})
+    out = ledger.observe(chunk("a", [7]))
+    assert out is not None
+    assert out["id"] == ledger.request_id
+    assert "token_ids" not in out["choices"][0]
+    asked = StreamLedger("completions", {"prompt": [1], "return_token_ids": True})
+    first = asked.observe(chunk("a", [7]))
+    assert first is not None
+    assert first["choices"][0]["token_ids"] == [7]
+    assert first["prompt_token_ids"] == [1]
+
+
+def test_usage_counts_every_token_once_across_workers() -> None:
+    """Usage sums the generated tokens of every worker, prompt counted once."""
+    ledger = StreamLedger("completions", {"prompt": [1, 2], "max_tokens": 4})
+    ledger.observe(chunk("a", [7]))
+    ledger.note_migration()
+    ledger.start_attempt()
+    ledger.observe(chunk("b", [8]))
+    ledger.observe(chunk("c", [9], finish="length"))
+    assert ledger.usage().to_json() == {"prompt_tokens": 2, "completion_tokens": 3,
+                                        "total_tokens": 5}
+    assert ledger.response()["choices"][0]["text"] == "abc"
+
+
+def test_prepare_request_rejects_n_and_seeds_sampled_requests() -> None:
+    """n>1 is refused; a sampled request without a seed gets one; greedy stays seedless."""
+    with pytest.raises(RequestRejected):
+        prepare_request("completions", {"prompt": "x", "n": 2})
+    with pytest.raises(RequestRejected):
+        prepare_request("chat", {"messages": "hi"})
+    assert isinstance(prepare_request("completions", {"prompt": "x"})["seed"], int)
+    assert "seed" not in prepare_request("completions", {"prompt": "x", "temperature": 0})
