@@ -2,7 +2,8 @@
 
 aiohttp, not httpx, carries this hot path: on this machine one core drives
 about 10-20x more requests/s through aiohttp (benchmarks/http_clients.py).
-Low-level exceptions become the record's error class here, once.
+Low-level exceptions become the record's error class here, once. SSE framing
+and field extraction are `dynamo_ftctl.openai`'s, shared with proxy and canary.
 """
 
 from __future__ import annotations
@@ -11,10 +12,18 @@ import asyncio
 import itertools
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dynamo_ftctl.loadgen.record import MIGRATED_HEADER, RequestRecord, http_error_class
 from dynamo_ftctl.loadgen.workload import RequestSpec
+from dynamo_ftctl.openai import (
+    SseDecoder,
+    SseEvent,
+    extract_finish_reason,
+    extract_text,
+    extract_usage,
+    parse_error_body,
+)
 
 if TYPE_CHECKING:
     import aiohttp
@@ -34,19 +43,6 @@ def classify_exception(exc: BaseException, *, got_headers: bool) -> str:
                   | aiohttp.ClientOSError | ConnectionError):
         return "broken_stream" if got_headers else "connect"
     return "other"
-
-
-def _chunk_text(doc: dict[str, Any]) -> tuple[bool, bool]:
-    """(carries text, carries a finish reason) for one streamed chunk."""
-    choices = doc.get("choices") or ()
-    text = False
-    finished = False
-    for choice in choices:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            text = True
-        if choice.get("finish_reason"):
-            finished = True
-    return text, finished
 
 
 class AiohttpSender:
@@ -111,38 +107,63 @@ class AiohttpSender:
 
     async def _read_stream(self, resp: aiohttp.ClientResponse,
                            stamps: list[float]) -> tuple[str, str | None, int | None]:
-        """Read SSE events, stamping each one that carries text."""
+        """Read SSE events, stamping each one that carries text when its bytes arrived."""
         now = self._now
-        finished = False
-        usage_tokens: int | None = None
-        async for line in resp.content:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
+        decoder = SseDecoder()
+        state = _StreamState()
+        async for chunk in resp.content.iter_any():
             stamp = now()
-            try:
-                doc = json.loads(data)
-            except ValueError:
-                return "broken_stream", "malformed SSE data", usage_tokens
-            if not isinstance(doc, dict):
-                continue
-            if "error" in doc:
-                message = doc["error"]
-                if isinstance(message, dict):
-                    message = message.get("message", message)
-                return "broken_stream", f"SSE error event: {message}", usage_tokens
-            text, fin = _chunk_text(doc)
-            if text:
-                stamps.append(stamp)
-            finished = finished or fin
-            usage = doc.get("usage")
-            if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                usage_tokens = usage["completion_tokens"]
-        if not finished:
-            return "broken_stream", "stream ended before a finish reason", usage_tokens
-        return "ok", None, usage_tokens
+            for event in decoder.feed(chunk):
+                if state.take(event, stamp, stamps):
+                    return state.verdict()
+        for event in decoder.flush():
+            if state.take(event, now(), stamps):
+                break
+        return state.verdict()
+
+
+class _StreamState:
+    """What a stream said so far: finish reason, usage, or an error."""
+
+    __slots__ = ("done", "error", "finished", "usage_tokens")
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.done = False
+        self.error: str | None = None
+        self.usage_tokens: int | None = None
+
+    def take(self, event: SseEvent, stamp: float, stamps: list[float]) -> bool:
+        """Fold in one event; True when the stream is over (`[DONE]` or an error)."""
+        if event.is_done:
+            self.done = True
+            return True
+        try:
+            doc = json.loads(event.data)
+        except ValueError:
+            self.error = "malformed SSE data"
+            return True
+        if not isinstance(doc, dict):
+            return False
+        api_error = parse_error_body(doc)
+        if api_error is not None:
+            self.error = f"SSE error event: {api_error}"
+            return True
+        if extract_text(doc):
+            stamps.append(stamp)
+        if extract_finish_reason(doc):
+            self.finished = True
+        usage = extract_usage(doc)
+        if usage is not None and usage.completion_tokens:
+            self.usage_tokens = usage.completion_tokens
+        return False
+
+    def verdict(self) -> tuple[str, str | None, int | None]:
+        if self.error is not None:
+            return "broken_stream", self.error, self.usage_tokens
+        if not self.finished:
+            return "broken_stream", "stream ended before a finish reason", self.usage_tokens
+        return "ok", None, self.usage_tokens
 
 
 def _parse_body(raw: bytes) -> tuple[int | None, str | None]:
@@ -153,7 +174,5 @@ def _parse_body(raw: bytes) -> tuple[int | None, str | None]:
         return None, "response is not JSON"
     if not isinstance(doc, dict) or not doc.get("choices"):
         return None, "response has no choices"
-    usage = doc.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return int(usage["completion_tokens"]), None
-    return None, None
+    usage = extract_usage(doc)
+    return (usage.completion_tokens if usage is not None else None), None
