@@ -61,6 +61,8 @@ class _State:
     stall_until: float = 0.0
     script: Iterator[str] = field(default_factory=lambda: iter(()))
     gate: asyncio.Semaphore | None = None
+    # Server-side TTFT of each answered request (request read → first token written).
+    ttft_s: list[float] = field(default_factory=list)
 
 
 _REASONS = {200: "OK", 404: "Not Found", 400: "Bad Request"}
@@ -109,10 +111,13 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[st
     return method, path, headers, body
 
 
-async def _answer(state: _State, path: str, body: bytes,
-                  writer: asyncio.StreamWriter) -> bool:
+async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamWriter,
+                  received: float) -> bool:
     """Write one answer; False when the connection must be closed after it."""
     config = state.config
+    if path == "/stats":  # what the server measured, for the overhead benchmark
+        writer.write(_json_response(200, {"ttft_s": state.ttft_s, "served": state.served}))
+        return True
     if path in ("/health", "/v1/models"):
         writer.write(_json_response(200, {"status": "ok"}))
         return True
@@ -162,12 +167,16 @@ async def _answer(state: _State, path: str, body: bytes,
                "usage": {"prompt_tokens": 0, "completion_tokens": tokens,
                          "total_tokens": tokens}}
         writer.write(_json_response(200, doc, extra))
+        state.ttft_s.append(time.monotonic() - received)
         return True
     writer.write(_head(200, [("content-type", "text/event-stream"),
                              ("transfer-encoding", "chunked"), *extra]))
     last = tokens // 2 if action == "break" else tokens
     for index in range(last):
         writer.write(_chunk(_token_event(chat, index)))
+        if index == 0:
+            await writer.drain()
+            state.ttft_s.append(time.monotonic() - received)
         if config.itl_s:
             await writer.drain()
             await asyncio.sleep(config.itl_s)
@@ -191,7 +200,7 @@ async def _connection(state: _State, reader: asyncio.StreamReader,
                 _method, path, headers, body = await _read_request(reader)
             except (asyncio.IncompleteReadError, ConnectionError, ValueError):
                 return
-            keep = await _answer(state, path, body, writer)
+            keep = await _answer(state, path, body, writer, time.monotonic())
             await writer.drain()
             if not keep or headers.get("connection", "").lower() == "close":
                 return
