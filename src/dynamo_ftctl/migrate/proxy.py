@@ -747,6 +747,9 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
             on_ready(f"http://{bound[0]}:{bound[1]}")
         await task
 
-    asyncio.run(run())
+    # uvloop and httptools when installed (the `sim` extra): uvicorn's pure-Python h11
+    # parser and the default loop halve the proxy's request rate (benchmarks/proxy.py).
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        runner.run(run())
     return ServeResult(listen=config.listen, workers=len(inventory.workers),
                        uptime_s=round(time.monotonic() - started, 3))

@@ -1,0 +1,372 @@
+"""Figures of issue #9 for the migrating proxy (`make bench` runs this).
+
+1. Upstream client: a minimal forwarding hop with httpx vs aiohttp, same run.
+2. Overhead: TTFT and end-to-end through `ftctl proxy` vs straight to the
+   worker, 32 concurrent streams (goal: p50 TTFT ratio <= 1.10, <= 2 ms added).
+3. Throughput of the proxy pinned to one core with a trivial upstream (goal
+   >= 2,000 non-streamed requests/s, >= 20,000 streamed tokens/s).
+4. Migration stall: the extra client-visible gap at the failure point vs a
+   re-prefill of the same length on an idle worker (goal <= re-prefill + 20 ms).
+
+The upstream is a trivial scripted worker (this file, `upstream` mode): it
+streams `max_tokens` tokens with `--token-ms` between them and a prefill time
+of `--prefill-us` per prompt token; a text prompt starting with FAIL is cut
+after `--fail-after` tokens (continuations carry token ids, so they run on).
+The proxy runs pinned to CPU 0; upstream and client share the other core(s).
+Usage: python benchmarks/proxy.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+# ---------------------------------------------------------------- the trivial upstream
+
+def run_upstream(port: int, token_ms: float, prefill_us: float, fail_after: int) -> None:
+    from aiohttp import web
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100000}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:kv_cache_usage_perc 0.0\nvllm:num_requests_waiting 0\n")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["prompt"]
+        ids = prompt if isinstance(prompt, list) else list(prompt.encode())
+        n = int(body.get("max_tokens") or 16)
+        fail = isinstance(prompt, str) and prompt.startswith("FAIL")
+        if prefill_us:
+            await asyncio.sleep(len(ids) * prefill_us / 1e6)
+        if not body.get("stream"):
+            return web.json_response({"id": "x", "object": "text_completion", "model": "m",
+                                      "choices": [{"index": 0, "text": "a" * n,
+                                                   "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": len(ids),
+                                                "completion_tokens": n}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            if fail and i == fail_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            if token_ms and i:
+                await asyncio.sleep(token_ms / 1000)
+            choice = {"index": 0, "text": "a", "token_ids": [97],
+                      "finish_reason": "length" if i == n - 1 else None}
+            if i == 0:
+                choice["prompt_token_ids"] = ids
+            await resp.write(b"data: " + json.dumps(
+                {"id": "x", "object": "text_completion", "model": "m",
+                 "choices": [choice]}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def run_hop(port: int, upstream: str, client: str) -> None:
+    """A minimal starlette forwarder, to compare upstream clients on equal terms."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    state: dict[str, Any] = {}
+
+    async def startup() -> None:
+        if client == "httpx":
+            import httpx
+            state["c"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        else:
+            import aiohttp
+            state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def forward(request: Request) -> Response:
+        data = await request.body()
+        headers = {"Content-Type": "application/json"}
+        if client == "httpx":
+            r = await state["c"].post(f"{upstream}/v1/completions", content=data,
+                                      headers=headers)
+            return Response(r.content, media_type="application/json")
+        async with state["c"].post(f"{upstream}/v1/completions", data=data,
+                                   headers=headers) as r:
+            return Response(await r.read(), media_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await startup()
+        yield
+
+    app = Starlette(routes=[Route("/v1/completions", forward, methods=["POST"])],
+                    lifespan=lifespan)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False)
+
+
+# ---------------------------------------------------------------- processes
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, deadline_s: float = 20.0) -> None:
+    import httpx
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            httpx.get(url, timeout=0.5)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+        else:
+            return
+    msg = f"{url} did not come up in {deadline_s} s"
+    raise SystemExit(msg)
+
+
+def start(args: list[str], cpus: set[int], probe: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL)
+    try:
+        os.sched_setaffinity(proc.pid, cpus & os.sched_getaffinity(0) or os.sched_getaffinity(0))
+        wait_http(probe)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def upstream(token_ms: float = 0.0, prefill_us: float = 0.0,
+             fail_after: int = 10**9) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = start([PY, __file__, "upstream", str(port), str(token_ms), str(prefill_us),
+                  str(fail_after)], OTHER_CPUS, f"http://127.0.0.1:{port}/v1/models")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def proxy(urls: list[str], directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    inv = directory / f"inv-{port}.yaml"
+    workers = "".join(f"  - {{name: w{i}, url: '{u}', model: m}}\n" for i, u in enumerate(urls))
+    inv.write_text(f"cluster: bench\nworkers:\n{workers}proxy:\n  listen: 127.0.0.1:{port}\n"
+                   "  busy: {active_prefill_tokens_threshold: 100000000}\n")
+    proc = start([PY, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"], {0},
+                 f"http://127.0.0.1:{port}/health")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+CPUS = sorted(os.sched_getaffinity(0))
+OTHER_CPUS = set(CPUS[1:]) or set(CPUS)
+
+
+# ---------------------------------------------------------------- clients
+
+async def streams(url: str, body: dict[str, Any], concurrency: int,
+                  count: int) -> list[tuple[float, float, int, list[float]]]:
+    """(ttft, e2e, tokens, stamps) per request; `count` requests, `concurrency` at a time."""
+    import aiohttp
+
+    out: list[tuple[float, float, int, list[float]]] = []
+    queue = iter(range(count))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> None:
+            for _ in queue:
+                t0 = time.perf_counter()
+                stamps: list[float] = []
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            stamps.append(time.perf_counter() - t0)
+                out.append((stamps[0] if stamps else float("nan"),
+                            time.perf_counter() - t0, len(stamps), stamps))
+
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+    return out
+
+
+async def rate(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> float:
+    """Requests per second of `body` at `concurrency` for `seconds` (bounded loop)."""
+    import aiohttp
+
+    done = 0
+    end = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    if resp.status == 200:
+                        done += 1
+
+        start_t = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+        return done / (time.perf_counter() - start_t)
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+# ---------------------------------------------------------------- figures
+
+def figure_clients(seconds: float) -> None:
+    up, up_url = upstream()
+    try:
+        results = {}
+        for client in ("httpx", "aiohttp"):
+            port = free_port()
+            hop = start([PY, __file__, "hop", str(port), up_url, client], {0},
+                        f"http://127.0.0.1:{port}/docs-none")
+            try:
+                url = f"http://127.0.0.1:{port}"
+                asyncio.run(rate(url, {"prompt": "hi", "max_tokens": 4}, 32, 0.5))
+                results[client] = asyncio.run(rate(url, {"prompt": "hi", "max_tokens": 4},
+                                                   32, seconds))
+            finally:
+                stop(hop)
+        print(f"upstream client, forwarding hop on one core, 32 connections: "
+              f"httpx {results['httpx']:,.0f} req/s, aiohttp {results['aiohttp']:,.0f} req/s "
+              f"(aiohttp/httpx = {results['aiohttp'] / results['httpx']:.1f}x)")
+    finally:
+        stop(up)
+
+
+def figure_overhead(directory: Path, count: int) -> None:
+    up, up_url = upstream(token_ms=2.0)
+    px, px_url = proxy([up_url], directory)
+    try:
+        body = {"model": "m", "prompt": "hello " * 20, "max_tokens": 32, "stream": True,
+                "temperature": 0}
+        asyncio.run(streams(px_url, body, 32, 64))
+        asyncio.run(streams(up_url, body, 32, 64))
+        direct = asyncio.run(streams(up_url, body, 32, count))
+        via = asyncio.run(streams(px_url, body, 32, count))
+        d_ttft, v_ttft = p50([r[0] for r in direct]), p50([r[0] for r in via])
+        d_e2e, v_e2e = p50([r[1] for r in direct]), p50([r[1] for r in via])
+        print(f"overhead, 32 concurrent streams x {count} requests, 32 tokens at 2 ms/token: "
+              f"p50 TTFT direct {d_ttft * 1e3:.2f} ms, via proxy {v_ttft * 1e3:.2f} ms "
+              f"(ratio {v_ttft / d_ttft:.2f}, +{(v_ttft - d_ttft) * 1e3:.2f} ms); "
+              f"p50 end-to-end direct {d_e2e * 1e3:.1f} ms, via proxy {v_e2e * 1e3:.1f} ms "
+              f"(ratio {v_e2e / d_e2e:.2f})")
+    finally:
+        stop(px, up)
+
+
+def figure_throughput(directory: Path, seconds: float) -> None:
+    up, up_url = upstream()
+    px, px_url = proxy([up_url], directory)
+    try:
+        plain = {"model": "m", "prompt": "hi", "max_tokens": 1, "temperature": 0}
+        asyncio.run(rate(px_url, plain, 32, 0.5))
+        rps = asyncio.run(rate(px_url, plain, 32, seconds))
+        body = {"model": "m", "prompt": "hi", "max_tokens": 256, "stream": True,
+                "temperature": 0}
+        t0 = time.perf_counter()
+        res = asyncio.run(streams(px_url, body, 32, max(32, int(seconds * 40))))
+        tokens = sum(r[2] for r in res) / (time.perf_counter() - t0)
+        print(f"throughput, proxy pinned to one core, trivial upstream: "
+              f"{rps:,.0f} non-streamed requests/s (32 connections), "
+              f"{tokens:,.0f} streamed tokens/s (32 streams of 256 tokens)")
+    finally:
+        stop(px, up)
+
+
+def figure_stall(directory: Path, count: int) -> None:
+    prefill_us = 20.0  # 20 us per prompt token: a 1,000-token context re-prefills in 20 ms
+    token_ms = 2.0
+    fail_after = 40
+    a, a_url = upstream(token_ms=token_ms, prefill_us=prefill_us, fail_after=fail_after)
+    b, b_url = upstream(token_ms=token_ms, prefill_us=prefill_us, fail_after=fail_after)
+    px, px_url = proxy([a_url, b_url], directory)
+    try:
+        prompt = "FAIL" + "x" * 996
+        body = {"model": "m", "prompt": prompt, "max_tokens": 80, "stream": True,
+                "temperature": 0}
+        gaps: list[float] = []
+        for _ in range(count):
+            (rec,) = asyncio.run(streams(px_url, body, 1, 1))
+            stamps = rec[3]
+            if len(stamps) != 80:
+                msg = f"expected 80 tokens through the proxy, got {len(stamps)}"
+                raise SystemExit(msg)
+            gaps.append(stamps[fail_after] - stamps[fail_after - 1])
+        same = {"model": "m", "prompt": list(b"x" * (1000 + fail_after)), "max_tokens": 1,
+                "stream": True, "temperature": 0}
+        prefill = [asyncio.run(streams(b_url, same, 1, 1))[0][0] for _ in range(count)]
+        extra = p50(gaps) - token_ms / 1e3
+        print(f"migration stall, {count} runs, 1,000-token prompt cut after {fail_after} tokens: "
+              f"p50 extra gap {extra * 1e3:.1f} ms vs re-prefill of 1,040 tokens on an idle "
+              f"worker {p50(prefill) * 1e3:.1f} ms (extra - re-prefill = "
+              f"{(extra - p50(prefill)) * 1e3:+.1f} ms; goal <= +20 ms)")
+    finally:
+        stop(px, a, b)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "upstream":
+        run_upstream(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "hop":
+        run_hop(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter runs")
+    parser.add_argument("--only", choices=["clients", "overhead", "throughput", "stall"])
+    args = parser.parse_args()
+    seconds = 1.5 if args.quick else 4.0
+    print(f"benchmarks/proxy.py on {len(CPUS)} CPUs (proxy pinned to CPU 0); "
+          "noisy shared machine: run twice, take the median")
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        if args.only in (None, "clients"):
+            figure_clients(seconds)
+        if args.only in (None, "overhead"):
+            figure_overhead(directory, 128 if args.quick else 320)
+        if args.only in (None, "throughput"):
+            figure_throughput(directory, seconds)
+        if args.only in (None, "stall"):
+            figure_stall(directory, 5 if args.quick else 15)
+
+
+if __name__ == "__main__":
+    main()
