@@ -29,10 +29,13 @@ __all__ = ["COMMANDS", "app", "main"]
 
 # name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "failover": ("failover", "Run an engine as a shadow: sleep, wait for the lock, wake, serve."),
     "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
     "inventory": ("inventory", "Check, show and describe the cluster inventory."),
     "load": ("load", "Open-loop load with honest latencies, SLO sweeps, report compare."),
+    "lock": ("lock", "Acquire, inspect and release the primary/shadow failover lock."),
     "proxy": ("proxy", "Migrating OpenAI front door: streams survive worker failures; sheds load."),
+    "sim": ("sim", "Reference engine (tiny deterministic torch LLM server) and local cluster."),
     "xid": ("xid", "Explain an NVIDIA Xid code, or list the catalog."),
 }
 
