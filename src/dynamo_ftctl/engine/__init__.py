@@ -1,0 +1,16 @@
+"""`ftctl sim`: a deterministic tiny torch transformer behind an OpenAI-compatible server.
+
+In the spirit of Dynamo's mocker engine, but running a real (tiny) model so
+that KV caches, token ids, logprobs and faults are real:
+
+- `config`     engine configs (`ftctl-sim-tiny` and YAML files)
+- `tokenizer`  byte-level tokenizer with a few specials, exact round trip
+- `model`      decoder-only transformer (RoPE, RMSNorm, GQA), weights from a seed
+- `cache`      paged KV cache: fixed block pool, per-request block tables
+- `sampling`   greedy / temperature, top-k, top-p keyed by (seed, position)
+- `scheduler`  continuous batching: one batched forward per step
+- `server`     the starlette app: OpenAI API, health, metrics, sleep, KV, faults
+- `launcher`   start one worker or a whole local cluster as processes
+
+This package's `__init__` imports nothing: torch loads only where it is used.
+"""

@@ -1,0 +1,153 @@
+"""The async driver: runs `Engine.step` in a worker thread and fans tokens out to streams.
+
+One asyncio task loops while there is work: it takes the engine lock, runs one
+step in a single-thread executor (torch releases the GIL, so the event loop
+keeps serving HTTP meanwhile), and puts each token event on its request's
+queue. Everything that must see the engine between steps (KV export/import,
+sleep/wake) takes the same lock. The `slow` fault sleeps after each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+from dynamo_ftctl.engine.faults import FaultState
+from dynamo_ftctl.engine.scheduler import Engine, EngineRequest, TokenEvent
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.engine.metrics import EngineMetrics
+
+__all__ = ["AsyncEngine"]
+
+_log = logging.getLogger("ftctl.sim")
+T = TypeVar("T")
+
+
+class AsyncEngine:
+    """An `Engine` driven from asyncio: `generate` yields a request's token events."""
+
+    def __init__(self, engine: Engine, faults: FaultState, metrics: EngineMetrics) -> None:
+        self.engine = engine
+        self.faults = faults
+        self.metrics = metrics
+        self.lock = asyncio.Lock()
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ftctl-sim-engine")
+        self._task: asyncio.Task[None] | None = None
+        self.ready = False
+
+    async def start(self) -> None:
+        """Start the step loop."""
+        import torch
+
+        # Warm up kernels outside any request's latency: one forward of each shape family.
+        await self.run_locked(self._warm_up)
+        torch.set_grad_enabled(False)
+        self._task = asyncio.create_task(self._run(), name="ftctl-sim-steps")
+        self.ready = True
+
+    def _warm_up(self) -> None:
+        from dynamo_ftctl.engine.scheduler import RequestParams
+
+        for prompt_len in (1, 64):
+            request = self.engine.new_request([65] * prompt_len, RequestParams(max_tokens=2))
+            self.engine.submit(request)
+            while self.engine.has_work():
+                self.engine.step()
+
+    async def stop(self) -> None:
+        """Stop the step loop and the worker thread."""
+        self.ready = False
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def run_locked(self, fn: Callable[[], T]) -> T:
+        """Run `fn` in the engine thread between steps."""
+        loop = asyncio.get_running_loop()
+        async with self.lock:
+            return await loop.run_in_executor(self._executor, fn)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_work():
+                self._wake.clear()
+                if not self.engine.has_work():
+                    await self._wake.wait()
+            self.engine.corrupt_logits = self.faults.sdc
+            try:
+                async with self.lock:
+                    events = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception:
+                _log.exception("engine step failed; failing the running requests")
+                events = self._fail_all("engine step failed")
+            self._deliver(events)
+            delay = self.faults.delay_s
+            await (asyncio.sleep(delay) if delay > 0 else asyncio.sleep(0))
+
+    def _fail_all(self, reason: str) -> list[TokenEvent]:
+        events = []
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            events.append(TokenEvent(request_id, None, "abort", reason))
+        return events
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            queue = self._streams.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+            if event.token is not None:
+                self.metrics.generation_tokens.inc()
+            if event.finish_reason is not None:
+                self.metrics.request_success.labels(
+                    finished_reason=event.finish_reason).inc()
+
+    def fail(self, request_ids: list[str], reason: str) -> None:
+        """Tell these requests' streams that they ended with an error."""
+        self._deliver([TokenEvent(rid, None, "abort", reason) for rid in request_ids])
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenEvent]:
+        """Submit `request` and yield its events until it finishes (or the caller stops).
+
+        When the caller stops early (client gone, stream dropped by a fault), the
+        request is aborted and its KV blocks are retained for export a while.
+        """
+        async for event in self.follow(request, lambda: self.engine.submit(request)):
+            yield event
+
+    async def follow(
+        self, request: EngineRequest, start: Callable[[], object],
+    ) -> AsyncIterator[TokenEvent]:
+        """Register a stream for `request`, call `start`, then yield its events."""
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        finished = False
+        self.metrics.prompt_tokens.inc(len(request.token_ids) - request.num_cached)
+        try:
+            start()
+            self._wake.set()
+            while True:
+                event = await queue.get()
+                yield event
+                if event.finish_reason is not None or event.error is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.engine.abort(request.request_id, retain=True)
+                self._wake.set()
+
+    def wake_loop(self) -> None:
+        """Nudge the step loop (after an import or an abort)."""
+        self._wake.set()

@@ -1,0 +1,502 @@
+"""The engine core: requests, continuous batching, KV export/import, sleep.
+
+`Engine.step()` is one scheduler iteration: admit waiting requests while KV
+blocks last (FIFO; a request waits instead of failing), make room for running
+decodes (preempting the youngest running request when the pool is dry; it is
+recomputed later), run ONE batched forward over every scheduled sequence's new
+tokens (prefills and decodes together), sample, and return the token events.
+
+Threading: `submit` and `abort` may be called from any thread (they only touch
+locked inboxes); `step`, `export_kv`, `import_kv`, `sleep` and `wake` must be
+called by one thread at a time (the async driver serializes them).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from dynamo_ftctl.engine.cache import BlockAllocator, blocks_for
+from dynamo_ftctl.engine.config import EngineConfig
+from dynamo_ftctl.engine.model import AttentionPlan, KVPool, PrefillSpan, TinyTransformer
+from dynamo_ftctl.engine.sampling import SampledToken, SampleParams, sample_batch
+from dynamo_ftctl.engine.tokenizer import ByteTokenizer
+from dynamo_ftctl.errors import InvalidInput
+
+__all__ = ["Engine", "EngineRequest", "RequestParams", "RequestState", "TokenEvent"]
+
+# An aborted request (client gone, stream dropped) keeps its KV blocks this long so
+# that a migrating proxy can still export them; the pool reclaims them first when dry.
+RETAIN_S = 60.0
+
+
+class RequestState(Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Sampling and stopping parameters of one request."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    num_top: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The sampling state carried in a KV export."""
+        return {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "ignore_eos": self.ignore_eos,
+            "num_top": self.num_top, "stop_token_ids": list(self.stop_token_ids),
+        }
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One sequence: prompt ids, generated ids, its blocks and its state."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: RequestParams
+    seed: int = 0  # the effective sampling seed (params.seed or a random one)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    state: RequestState = RequestState.WAITING
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    retained_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - len(self.prompt_ids)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's news for one request: a token, a finish, or an error."""
+
+    request_id: str
+    token: SampledToken | None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Engine:
+    """The model, the paged cache and the continuous-batching scheduler."""
+
+    def __init__(
+        self, config: EngineConfig, seed: int = 0, device: str = "cpu",
+    ) -> None:
+        self.config = config
+        self.seed = seed
+        self.device = torch.device(device)
+        self.tokenizer = ByteTokenizer()
+        self.model = TinyTransformer(config, seed, self.device)
+        self.pool: KVPool | None = KVPool(config, self.device)
+        self.allocator = BlockAllocator(config.num_blocks)
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        self.retained: dict[str, EngineRequest] = {}
+        self.corrupt_logits = False
+        self.asleep = 0  # sleep level, 0 = awake
+        self._inbox: deque[EngineRequest] = deque()
+        self._aborts: deque[tuple[str, bool]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._block_arange = torch.arange(config.block_size, device=self.device)
+
+    # -- requests -----------------------------------------------------------
+
+    def new_request(
+        self, prompt_ids: list[int], params: RequestParams, request_id: str | None = None,
+    ) -> EngineRequest:
+        """A validated request (not yet submitted); `InvalidInput` when it cannot fit."""
+        c = self.config
+        if not prompt_ids:
+            msg = "the prompt is empty"
+            raise InvalidInput(msg)
+        bad = [t for t in prompt_ids if not 0 <= t < c.vocab_size]
+        if bad:
+            msg = f"token id {bad[0]} is out of range [0, {c.vocab_size})"
+            raise InvalidInput(msg)
+        total = len(prompt_ids) + params.max_tokens
+        if total > c.max_model_len:
+            msg = (
+                f"This model's maximum context length is {c.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} in the completion). Please reduce the length."
+            )
+            raise InvalidInput(msg)
+        if blocks_for(total, c.block_size) > c.num_blocks:
+            msg = (f"request needs {blocks_for(total, c.block_size)} KV blocks; the whole "
+                   f"cache has {c.num_blocks}")
+            raise InvalidInput(msg)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        return EngineRequest(rid, list(prompt_ids), params, seed=seed)
+
+    def submit(self, request: EngineRequest) -> None:
+        """Queue a request (thread-safe); it joins the batch at the next step."""
+        with self._inbox_lock:
+            self._inbox.append(request)
+
+    def abort(self, request_id: str, *, retain: bool = False) -> None:
+        """Stop a request at the next step (thread-safe); `retain` keeps its KV a while."""
+        with self._inbox_lock:
+            self._aborts.append((request_id, retain))
+
+    def has_work(self) -> bool:
+        """True when a step would do something."""
+        return bool(self.running or self.waiting or self._inbox or self._aborts)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for KV blocks or a batch slot."""
+        return len(self.waiting) + len(self._inbox)
+
+    # -- the step -------------------------------------------------------------
+
+    def _drain_inbox(self) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        with self._inbox_lock:
+            incoming = list(self._inbox)
+            self._inbox.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        for request in incoming:
+            if request.request_id in self.requests:
+                events.append(TokenEvent(request.request_id, None, "abort",
+                                         "a request with this id is already running"))
+                continue
+            self.requests[request.request_id] = request
+            self.waiting.append(request)
+        for request_id, retain in aborts:
+            live = self.requests.get(request_id)
+            if live is not None:
+                self._finish(live, "abort", retain=retain)
+                events.append(TokenEvent(request_id, None, "abort", "request aborted"))
+        now = time.monotonic()
+        for request_id, request in list(self.retained.items()):
+            if request.retained_until < now:
+                self._drop_retained(request_id)
+        return events
+
+    def _finish(self, request: EngineRequest, reason: str, *, retain: bool = False) -> None:
+        request.finish_reason = reason
+        if request.state is RequestState.RUNNING:
+            self.running.remove(request)
+        elif request.state is RequestState.WAITING:
+            self.waiting.remove(request)
+        request.state = RequestState.FINISHED
+        self.requests.pop(request.request_id, None)
+        if retain and request.block_table:
+            request.retained_until = time.monotonic() + RETAIN_S
+            self._drop_retained(request.request_id)
+            self.retained[request.request_id] = request
+        else:
+            self.allocator.release(request.block_table)
+            request.block_table = []
+
+    def _drop_retained(self, request_id: str) -> None:
+        old = self.retained.pop(request_id, None)
+        if old is not None:
+            self.allocator.release(old.block_table)
+            old.block_table = []
+
+    def _reserve(self, count: int) -> bool:
+        """Make `count` blocks free, dropping retained exports first."""
+        while self.allocator.free < count and self.retained:
+            self._drop_retained(next(iter(self.retained)))
+        return self.allocator.free >= count
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self.running.remove(request)
+        self.allocator.release(request.block_table)
+        request.block_table = []
+        request.num_cached = 0
+        request.state = RequestState.WAITING
+        self.waiting.appendleft(request)
+
+    def _grow(self, request: EngineRequest) -> bool:
+        """Give `request` blocks for all its tokens; False when the pool is short."""
+        need = blocks_for(len(request.token_ids), self.config.block_size) - len(
+            request.block_table)
+        if need <= 0:
+            return True
+        if not self._reserve(need):
+            return False
+        request.block_table.extend(self.allocator.allocate(need))
+        return True
+
+    def _schedule(self) -> list[EngineRequest]:
+        # Running decodes first, oldest first; the youngest is preempted when dry.
+        scheduled: list[EngineRequest] = []
+        for request in list(self.running):
+            if request.state is not RequestState.RUNNING:
+                continue  # preempted below by an older request
+            while not self._grow(request):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.state is RequestState.RUNNING:
+                scheduled.append(request)
+        budget = self.config.max_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            new_tokens = len(request.token_ids) - request.num_cached
+            if scheduled and new_tokens > budget:
+                break
+            if not self._grow(request):
+                break  # FIFO: wait for blocks to come back
+            self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            budget -= new_tokens
+        return scheduled
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler iteration; returns the token/finish events it produced."""
+        events = self._drain_inbox()
+        if self.asleep or self.pool is None:
+            return events
+        scheduled = self._schedule()
+        if not scheduled:
+            return events
+        with torch.inference_mode():
+            logits = self._forward(scheduled)
+            if self.corrupt_logits:
+                # Silent data corruption: plausible-looking but wrong tokens and logprobs.
+                logits = logits.flip(-1) * 0.7
+            params = [
+                SampleParams(r.params.temperature, r.params.top_p, r.params.top_k, r.seed,
+                             len(r.token_ids), r.params.num_top)
+                for r in scheduled
+            ]
+            sampled = sample_batch(logits, params)
+        max_len = self.config.max_model_len
+        for request, token in zip(scheduled, sampled, strict=True):
+            request.num_cached = len(request.token_ids)
+            request.token_ids.append(token.token_id)
+            reason = None
+            if not request.params.ignore_eos and (
+                token.token_id == self.tokenizer.eos_id
+                or token.token_id in request.params.stop_token_ids
+            ):
+                reason = "stop"
+            elif request.num_output >= request.params.max_tokens or len(
+                    request.token_ids) >= max_len:
+                reason = "length"
+            if reason is not None:
+                self._finish(request, reason)
+            events.append(TokenEvent(request.request_id, token, reason))
+        return events
+
+    def _forward(self, scheduled: list[EngineRequest]) -> torch.Tensor:
+        assert self.pool is not None
+        bs = self.config.block_size
+        dev = self.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        write_slots: list[torch.Tensor | int] = []
+        decode_rows: list[int] = []
+        decode_requests: list[EngineRequest] = []
+        prefills: list[PrefillSpan] = []
+        logit_rows: list[int] = []
+        for request in scheduled:
+            start, end = request.num_cached, len(request.token_ids)
+            row = len(tokens)
+            tokens.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            if end - start == 1:
+                block, offset = divmod(start, bs)
+                write_slots.append(request.block_table[block] * bs + offset)
+                decode_rows.append(row)
+                decode_requests.append(request)
+            else:
+                table = torch.tensor(request.block_table, dtype=torch.long, device=dev)
+                context = (table[:, None] * bs + self._block_arange).view(-1)[:end]
+                write_slots.append(context[start:end])
+                prefills.append(PrefillSpan(row, row + end - start, context, start))
+            logit_rows.append(len(tokens) - 1)
+        slots = torch.cat([
+            s if isinstance(s, torch.Tensor) else torch.tensor([s], dtype=torch.long, device=dev)
+            for s in write_slots
+        ]) if any(isinstance(s, torch.Tensor) for s in write_slots) else torch.tensor(
+            write_slots, dtype=torch.long, device=dev)
+        plan = AttentionPlan(None, None, None, tuple(prefills))
+        if decode_requests:
+            lengths = [r.num_cached + 1 for r in decode_requests]
+            width = max(len(r.block_table) for r in decode_requests)
+            tables = torch.tensor(
+                [r.block_table + [0] * (width - len(r.block_table)) for r in decode_requests],
+                dtype=torch.long, device=dev,
+            )
+            longest = max(lengths)
+            dec_slots = (tables[:, :, None] * bs + self._block_arange).view(
+                len(decode_requests), -1)[:, :longest]
+            mask = torch.arange(longest, device=dev)[None, :] < torch.tensor(
+                lengths, device=dev)[:, None]
+            plan = AttentionPlan(
+                torch.tensor(decode_rows, dtype=torch.long, device=dev), dec_slots, mask,
+                tuple(prefills),
+            )
+        return self.model.forward(
+            torch.tensor(tokens, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev), slots, plan, self.pool,
+            torch.tensor(logit_rows, dtype=torch.long, device=dev),
+        )
+
+    # -- KV export / import ---------------------------------------------------
+
+    def _find(self, request_id: str) -> EngineRequest | None:
+        return self.requests.get(request_id) or self.retained.get(request_id)
+
+    def export_kv(self, request_id: str) -> bytes:
+        """The request's token ids, sampling state and KV blocks in the wire format.
+
+        `InvalidInput` when no live or retained request has this id.
+        """
+        from dynamo_ftctl.kv.wire import KvHeader, KvLayout, encode_kv
+
+        request = self._find(request_id)
+        if request is None or self.pool is None:
+            msg = f"no running or retained request {request_id!r}"
+            raise InvalidInput(msg)
+        c = self.config
+        layout = KvLayout(c.n_layers, c.n_kv_heads, c.head_dim, c.block_size, c.dtype)
+        header = KvHeader(
+            layout=layout, model=c.name, request_id=request_id,
+            token_ids=tuple(request.token_ids), prompt_len=len(request.prompt_ids),
+            num_tokens=request.num_cached,
+            sampling={**request.params.to_json(), "seed": request.seed},
+        )
+        blocks = request.block_table[: header.num_blocks]
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        # (layers, n, bs, heads, dim) ×2 -> (n, layers, kv, bs, heads, dim): one block contiguous.
+        k = self.pool.block_view("k")[:, index]
+        v = self.pool.block_view("v")[:, index]
+        data = torch.stack((k, v), dim=1).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+        raw = data.view(torch.uint8).numpy() if data.numel() else None
+        views = [memoryview(raw[i]) for i in range(len(blocks))] if raw is not None else []
+        return encode_kv(header, views)
+
+    def import_kv(self, payload: bytes, request_id: str | None = None) -> EngineRequest:
+        """A request resumed from an export, its blocks copied into this cache; `submit` it.
+
+        `InvalidInput` when the export is damaged or does not fit this engine.
+        """
+        from dynamo_ftctl.kv.wire import decode_kv
+
+        decoded = decode_kv(payload)
+        header = decoded.header
+        c = self.config
+        lay = header.layout
+        mine = (c.n_layers, c.n_kv_heads, c.head_dim, c.block_size, c.dtype)
+        theirs = (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size, lay.dtype)
+        if mine != theirs:
+            msg = (f"KV import: layout {theirs} (layers, kv heads, head dim, block size, dtype) "
+                   f"does not match this engine's {mine}")
+            raise InvalidInput(msg)
+        s = header.sampling
+        try:
+            params = RequestParams(
+                max_tokens=int(s["max_tokens"]), temperature=float(s.get("temperature", 0.0)),
+                top_p=float(s.get("top_p", 1.0)), top_k=int(s.get("top_k", 0)),
+                seed=int(s["seed"]), ignore_eos=bool(s.get("ignore_eos", False)),
+                num_top=int(s.get("num_top", 0)),
+                stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            msg = f"KV import: bad sampling state: {exc}"
+            raise InvalidInput(msg) from None
+        ids = list(header.token_ids)
+        prompt = ids[: header.prompt_len]
+        request = self.new_request(prompt or ids[:1], params, request_id or header.request_id)
+        request.seed = params.seed or 0
+        request.token_ids = ids
+        remaining = params.max_tokens - request.num_output
+        if remaining <= 0 or header.num_tokens >= len(ids):
+            msg = "KV import: nothing left to generate for this request"
+            raise InvalidInput(msg)
+        if not self._reserve(blocks_for(len(ids), c.block_size)) or self.pool is None:
+            msg = "KV import: not enough free KV blocks on this engine"
+            raise InvalidInput(msg)
+        request.block_table = self.allocator.allocate(blocks_for(len(ids), c.block_size))
+        if header.num_blocks:
+            with warnings.catch_warnings():
+                # The buffer is read-only and only read: it is copied into the pool below.
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(decoded.data, dtype=torch.uint8)
+            dtype = self.pool.k.dtype
+            data = flat.view(dtype).view(header.num_blocks, c.n_layers, 2, c.block_size,
+                                         c.n_kv_heads, c.head_dim).to(self.device)
+            index = torch.tensor(request.block_table[: header.num_blocks], dtype=torch.long,
+                                 device=self.device)
+            self.pool.block_view("k")[:, index] = data[:, :, 0].permute(1, 0, 2, 3, 4)
+            self.pool.block_view("v")[:, index] = data[:, :, 1].permute(1, 0, 2, 3, 4)
+        request.num_cached = header.num_tokens
+        return request
+
+    # -- sleep / wake ------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> list[str]:
+        """Drop the KV cache (aborting every request) and offload (1) or drop (2) weights.
+
+        Returns the ids of the requests that were aborted.
+        """
+        self._drain_inbox()
+        aborted = [r.request_id for r in (*self.running, *self.waiting)]
+        for request_id in aborted:
+            self._finish(self.requests[request_id], "abort")
+        for request_id in list(self.retained):
+            self._drop_retained(request_id)
+        self.pool = None
+        if level >= 2:
+            self.model.drop()
+        elif self.device.type != "cpu":
+            self.model.to(torch.device("cpu"))
+        self.asleep = level
+        return aborted
+
+    def wake(self) -> None:
+        """Bring weights back (regenerated from the seed after level 2) and a fresh cache."""
+        if not self.asleep:
+            return
+        if self.asleep >= 2:
+            self.model.rebuild()
+        else:
+            self.model.to(self.device)
+        self.pool = KVPool(self.config, self.device)
+        self.allocator = BlockAllocator(self.config.num_blocks)
+        self.asleep = 0

@@ -1,0 +1,777 @@
+"""The `ftctl sim` HTTP server: OpenAI API, health, metrics, sleep/wake, KV and faults.
+
+Routes (vLLM-compatible where vLLM has them):
+
+    GET  /v1/models                 the served model, with `max_model_len`
+    POST /v1/completions            stream or not; prompt text or token ids
+    POST /v1/chat/completions       stream or not; `continue_final_message`
+    GET  /health                    200 serving, 503 starting or asleep
+    GET  /metrics                   Prometheus text, vLLM names
+    POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
+    GET  /admin/kv/{request_id}     KV export (`kv.wire` format); `?abort=true` stops it
+    POST /admin/kv/import           resume a request from an export (`?stream=false`)
+    POST /admin/fault, GET /admin/fault   fault injection (bearer token)
+
+Request ids: an `X-Request-Id` header names the request (the proxy and
+`ftctl migrate` address requests by it); the response carries it in the same
+header and as its `id`. JSON is written with ASCII escapes, so ids that are
+not UTF-8 travel as `\\udcXX` and come back exactly (see `tokenizer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.engine.config import EngineConfig
+from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_crash_lines
+from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
+from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.openai import DONE, error_body, format_sse
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from dynamo_ftctl.engine.driver import AsyncEngine
+    from dynamo_ftctl.engine.metrics import EngineMetrics
+    from dynamo_ftctl.engine.scheduler import Engine, EngineRequest, RequestParams
+
+__all__ = ["DroppedByFault", "ServerSettings", "ServerState", "create_app", "serve"]
+
+_log = logging.getLogger("ftctl.sim")
+REQUEST_ID_HEADER = "X-Request-Id"
+# vLLM clamps -inf logprobs to this so that JSON stays valid.
+_MIN_LOGPROB = -9999.0
+
+
+class DroppedByFault(Exception):
+    """Raised inside a stream to drop its connection (the `disconnect` fault)."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How to run one engine server."""
+
+    config: EngineConfig
+    seed: int = 0
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    admin_token: str | None = None
+    faults: tuple[FaultSpec, ...] = ()
+    pci_bus_id: str = "0000:3b:00"
+    pid_file: Path | None = None
+    threads: int | None = 1
+
+
+@dataclass
+class ServerState:
+    """Everything the handlers share."""
+
+    settings: ServerSettings
+    engine: Engine
+    driver: AsyncEngine
+    faults: FaultState
+    metrics: EngineMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+
+
+def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    from starlette.responses import Response
+
+    return Response(json.dumps(obj, separators=(",", ":")).encode(), status_code=status,
+                    media_type="application/json", headers=dict(headers or {}))
+
+
+def _error(message: str, status: int = 400, *, kind: str = "invalid_request_error",
+           param: str | None = None, headers: Mapping[str, str] | None = None) -> Response:
+    return _json(error_body(message, type=kind, param=param, code=status), status, headers)
+
+
+def _lp(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def _get(body: Mapping[str, Any], key: str, kinds: tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        msg = f"'{key}' must be {kinds[0].__name__}, got {value!r}"
+        raise _ParamError(msg, key)
+    if not isinstance(value, kinds):
+        msg = f"'{key}' must be {kinds[0].__name__}, got {value!r}"
+        raise _ParamError(msg, key)
+    return value
+
+
+class _ParamError(InvalidInput):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class _Options:
+    """Per-request options that the HTTP layer (not the engine) handles."""
+
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    stop: tuple[str, ...]
+    logprobs: int | None  # completions: top count; chat: top_logprobs (0 = chosen only)
+
+
+def _sampling(body: Mapping[str, Any], prompt_len: int, max_len: int,
+              default_max: int | None, num_top: int) -> RequestParams:
+    from dynamo_ftctl.engine.scheduler import RequestParams
+
+    if _get(body, "n", (int,), 1) != 1:
+        msg = "only n=1 is supported"
+        raise _ParamError(msg, "n")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max if default_max is not None else max(max_len - prompt_len, 1)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        msg = f"'max_tokens' must be a positive integer, got {max_tokens!r}"
+        raise _ParamError(msg, "max_tokens")
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    top_p = float(_get(body, "top_p", (int, float), 1.0))
+    top_k = int(_get(body, "top_k", (int,), 0))
+    if temperature < 0 or not 0 < top_p <= 1:
+        msg = "temperature must be >= 0 and top_p in (0, 1]"
+        raise _ParamError(msg, "temperature")
+    seed = _get(body, "seed", (int,), None)
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    return RequestParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        seed=seed, ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)), num_top=num_top,
+        stop_token_ids=tuple(int(t) for t in stop_ids),
+    )
+
+
+def _options(body: Mapping[str, Any], logprobs: int | None) -> _Options:
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(s for s in stop if s)
+    else:
+        msg = "'stop' must be a string or a list of strings"
+        raise _ParamError(msg, "stop")
+    stream_options = body.get("stream_options") or {}
+    return _Options(
+        stream=bool(_get(body, "stream", (bool,), False)),
+        include_usage=bool(isinstance(stream_options, dict)
+                           and stream_options.get("include_usage")),
+        return_token_ids=bool(_get(body, "return_token_ids", (bool,), False)),
+        stop=stops, logprobs=logprobs,
+    )
+
+
+class _StopFinder:
+    """Stop strings over a text stream; holds back text that may start a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out = self.pending[: min(hits)]
+            self.pending = ""
+            return out, True
+        if final or self.hold == 0:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+# ---------------------------------------------------------------------------
+# The generation core shared by completions, chat and KV import
+
+
+@dataclass
+class _Step:
+    """One token's rendering: its text delta and logprob entry."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+    finish_reason: str | None
+
+
+async def _steps(state: ServerState, request: EngineRequest, options: _Options,
+                 start: Callable[[], object], arrival: float) -> AsyncIterator[_Step]:
+    """Token steps of a request: detokenized, stop strings applied, faults enforced."""
+    detok = IncrementalDetokenizer()
+    stopper = _StopFinder(options.stop)
+    sent = 0
+    first = True
+    async for event in state.driver.follow(request, start):
+        if event.error is not None:
+            raise _StreamFailed(event.error)
+        token = event.token
+        if token is None:
+            continue
+        if first:
+            state.metrics.ttft.observe(time.monotonic() - arrival)
+            first = False
+        finish = event.finish_reason
+        text = detok.push(token.token_id)
+        if finish is not None:
+            text += detok.flush()
+        text, hit = stopper.feed(text, final=finish is not None)
+        if hit:
+            finish = "stop"
+        sent += 1
+        yield _Step(token.token_id, text, token.logprob, token.top, finish)
+        if finish is not None:
+            state.metrics.e2e.observe(time.monotonic() - arrival)
+            return
+        limit = state.faults.disconnect_after
+        if limit is not None and sent >= limit:
+            raise DroppedByFault(request.request_id)
+
+
+class _StreamFailed(Exception):
+    """The engine ended a request with an error (aborted, engine asleep)."""
+
+
+def _completion_logprobs(state: ServerState, steps: Sequence[_Step], offset: int) -> dict[str, Any]:
+    tok = state.engine.tokenizer
+    offsets = []
+    for step in steps:
+        offsets.append(offset)
+        offset += len(step.text)
+    return {
+        "tokens": [tok.token_text(s.token_id) for s in steps],
+        "token_logprobs": [_lp(s.logprob) for s in steps],
+        "top_logprobs": [{tok.token_text(i): _lp(v) for i, v in s.top} for s in steps],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(state: ServerState, steps: Sequence[_Step]) -> dict[str, Any]:
+    tok = state.engine.tokenizer
+    return {"content": [
+        {
+            "token": tok.token_text(s.token_id), "logprob": _lp(s.logprob),
+            "bytes": tok.token_bytes(s.token_id),
+            "top_logprobs": [
+                {"token": tok.token_text(i), "logprob": _lp(v), "bytes": tok.token_bytes(i)}
+                for i, v in s.top
+            ],
+        }
+        for s in steps
+    ]}
+
+
+def _usage(prompt_len: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+            "total_tokens": prompt_len + completion}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A validated generation request and how to answer it."""
+
+    request: EngineRequest
+    options: _Options
+    chat: bool
+    prompt_ids: list[int]
+    start: Callable[[], object]
+    arrival: float
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {REQUEST_ID_HEADER: request_id}
+
+
+async def _respond(state: ServerState, job: _Job) -> Response:
+    from starlette.responses import StreamingResponse
+
+    if job.options.stream:
+        return StreamingResponse(_sse(state, job), media_type="text/event-stream",
+                                 headers={**_headers(job.request.request_id),
+                                          "Cache-Control": "no-cache"})
+    steps: list[_Step] = []
+    try:
+        async for step in _steps(state, job.request, job.options, job.start, job.arrival):
+            steps.append(step)
+    except _StreamFailed as exc:
+        return _error(str(exc), 503, kind="service_unavailable",
+                      headers=_headers(job.request.request_id))
+    text = "".join(s.text for s in steps)
+    finish = steps[-1].finish_reason if steps else "abort"
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    if job.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        if job.options.logprobs is not None:
+            choice["logprobs"] = _chat_logprobs(state, steps)
+    else:
+        choice["text"] = text
+        if job.options.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(state, steps, 0)
+    if job.options.return_token_ids:
+        choice["token_ids"] = [s.token_id for s in steps]
+    body: dict[str, Any] = {
+        "id": job.request.request_id,
+        "object": "chat.completion" if job.chat else "text_completion",
+        "created": int(time.time()), "model": state.engine.config.name, "choices": [choice],
+        "usage": _usage(len(job.prompt_ids), len(steps)),
+    }
+    if job.options.return_token_ids:
+        if job.chat:
+            body["prompt_token_ids"] = job.prompt_ids
+        else:
+            choice["prompt_token_ids"] = job.prompt_ids
+    return _json(body, headers=_headers(job.request.request_id))
+
+
+async def _sse(state: ServerState, job: _Job) -> AsyncIterator[bytes]:
+    rid = job.request.request_id
+    model = state.engine.config.name
+    created = int(time.time())
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    count = 0
+    offset = 0
+
+    def chunk(choice: dict[str, Any], **top: Any) -> bytes:
+        return format_sse({"id": rid, "object": kind, "created": created, "model": model,
+                           "choices": [choice], **top})
+
+    if job.chat:
+        first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None}
+        extra = {"prompt_token_ids": job.prompt_ids} if job.options.return_token_ids else {}
+        yield chunk(first, **extra)
+    try:
+        async for step in _steps(state, job.request, job.options, job.start, job.arrival):
+            choice: dict[str, Any] = {"index": 0, "finish_reason": step.finish_reason}
+            if job.chat:
+                choice["delta"] = {"content": step.text}
+                if job.options.logprobs is not None:
+                    choice["logprobs"] = _chat_logprobs(state, [step])
+            else:
+                choice["text"] = step.text
+                if job.options.logprobs is not None:
+                    choice["logprobs"] = _completion_logprobs(state, [step], offset)
+                if job.options.return_token_ids and count == 0:
+                    choice["prompt_token_ids"] = job.prompt_ids
+            if job.options.return_token_ids:
+                choice["token_ids"] = [step.token_id]
+            offset += len(step.text)
+            count += 1
+            yield chunk(choice)
+    except _StreamFailed as exc:
+        yield format_sse(error_body(str(exc), type="service_unavailable", code=503))
+        return
+    if job.options.include_usage:
+        yield format_sse({"id": rid, "object": kind, "created": created, "model": model,
+                          "choices": [], "usage": _usage(len(job.prompt_ids), count)})
+    yield format_sse(DONE)
+
+
+# ---------------------------------------------------------------------------
+# Handlers
+
+
+def _asleep_response(state: ServerState) -> Response | None:
+    if state.engine.asleep or not state.driver.ready:
+        what = "asleep" if state.engine.asleep else "starting"
+        return _error(f"engine is {what}", 503, kind="service_unavailable")
+    return None
+
+
+async def _read_json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        msg = "request body is not valid JSON"
+        raise _ParamError(msg) from None
+    if not isinstance(body, dict):
+        msg = "request body must be a JSON object"
+        raise _ParamError(msg)
+    return body
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    given = request.headers.get(REQUEST_ID_HEADER, "").strip()
+    return given or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _check_model(state: ServerState, body: Mapping[str, Any]) -> Response | None:
+    model = body.get("model")
+    if model is not None and model != state.engine.config.name:
+        return _error(f"The model `{model}` does not exist.", 404, kind="NotFoundError",
+                      param="model")
+    return None
+
+
+async def _generate(state: ServerState, request: Request, *, chat: bool) -> Response:
+    arrival = time.monotonic()
+    busy = _asleep_response(state)
+    if busy is not None:
+        return busy
+    try:
+        body = await _read_json(request)
+        wrong = _check_model(state, body)
+        if wrong is not None:
+            return wrong
+        tok = state.engine.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) for m in messages):
+                msg = "'messages' must be a non-empty list of objects"
+                raise _ParamError(msg, "messages")
+            cont = bool(_get(body, "continue_final_message", (bool,), False))
+            add = bool(_get(body, "add_generation_prompt", (bool,), not cont))
+            if cont and add:
+                msg = "continue_final_message and add_generation_prompt cannot both be true"
+                raise _ParamError(msg, "continue_final_message")
+            prompt_ids = tok.apply_chat_template(
+                [{"role": str(m.get("role", "user")), "content": _content(m)} for m in messages],
+                add_generation_prompt=add, continue_final_message=cont,
+            )
+            logprobs = (int(_get(body, "top_logprobs", (int,), 0))
+                        if _get(body, "logprobs", (bool,), False) else None)
+            default_max = None
+        else:
+            prompt_ids = _prompt_ids(state, body.get("prompt"))
+            if _get(body, "echo", (bool,), False):
+                msg = "echo is not supported"
+                raise _ParamError(msg, "echo")
+            logprobs = _get(body, "logprobs", (int,), None)
+            default_max = 16  # OpenAI's default for /v1/completions
+        if logprobs is not None and not 0 <= logprobs <= 20:
+            msg = "logprobs must be between 0 and 20"
+            raise _ParamError(msg, "logprobs")
+        cfg = state.engine.config
+        params = _sampling(body, len(prompt_ids), cfg.max_model_len, default_max, logprobs or 0)
+        options = _options(body, logprobs)
+        rid = _request_id(request, "chatcmpl" if chat else "cmpl")
+        if rid in state.engine.requests:
+            return _error(f"request id {rid!r} is already running", 409,
+                          param=REQUEST_ID_HEADER)
+        engine_request = state.engine.new_request(prompt_ids, params, rid)
+    except _ParamError as exc:
+        return _error(str(exc), param=exc.param)
+    except InvalidInput as exc:
+        return _error(str(exc), param="prompt" if not chat else "messages")
+    job = _Job(engine_request, options, chat, prompt_ids,
+               lambda: state.engine.submit(engine_request), arrival)
+    return await _respond(state, job)
+
+
+def _content(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content
+                       if isinstance(p, dict) and p.get("type") == "text")
+    msg = "message 'content' must be a string or a list of text parts"
+    raise _ParamError(msg, "messages")
+
+
+def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
+    tok = state.engine.tokenizer
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tok.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    msg = "'prompt' must be a string or a non-empty list of token ids (one prompt)"
+    raise _ParamError(msg, "prompt")
+
+
+def _check_admin(state: ServerState, request: Request) -> Response | None:
+    token = state.settings.admin_token
+    if not token:
+        return _error("admin API disabled: no admin token configured on this engine", 403,
+                      kind="forbidden")
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
+                                                             token.encode()):
+        return _error("missing or wrong bearer token", 401, kind="unauthorized",
+                      headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+def _crash(spec: FaultSpec, pci_bus_id: str) -> None:
+    for line in xid_crash_lines(spec.xid, pci_bus_id):
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(spec.exit_code)
+
+
+def _hang(duration_s: float | None) -> None:
+    # Blocks the event loop: no request is answered, the process stays alive.
+    threading.Event().wait(duration_s)
+
+
+def apply_fault(state: ServerState, spec: FaultSpec) -> None:
+    """Act on a fault: schedule crash/hang on the event loop, record the others."""
+    loop = asyncio.get_running_loop()
+    # A short delay lets the admin call's own response leave first.
+    delay = spec.after_s + 0.05
+    if spec.kind == "crash":
+        loop.call_later(delay, _crash, spec, state.settings.pci_bus_id)
+    elif spec.kind == "hang":
+        loop.call_later(delay, _hang, spec.duration_s)
+    else:
+        state.faults.apply(spec)
+        state.engine.corrupt_logits = state.faults.sdc
+
+
+def create_app(state: ServerState) -> Starlette:
+    """The starlette app over a started or starting `ServerState`."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def models(_: Request) -> Response:
+        cfg = state.engine.config
+        return _json({"object": "list", "data": [{
+            "id": cfg.name, "object": "model", "created": state.created, "owned_by": "ftctl",
+            "root": cfg.name, "parent": None, "max_model_len": cfg.max_model_len,
+        }]})
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, chat=True)
+
+    async def health(_: Request) -> Response:
+        if not state.driver.ready:
+            return _json({"status": "starting"}, 503)
+        if state.engine.asleep:
+            return _json({"status": "asleep"}, 503)
+        return _json({"status": "ok"})
+
+    async def metrics(_: Request) -> Response:
+        engine = state.engine
+        state.metrics.running.set(engine.num_running)
+        state.metrics.waiting.set(engine.num_waiting)
+        state.metrics.kv_usage.set(engine.allocator.usage)
+        return Response(state.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def sleep(request: Request) -> Response:
+        try:
+            level = int(request.query_params.get("level", "1"))
+        except ValueError:
+            level = 0
+        if level not in (1, 2):
+            return _error("level must be 1 or 2", param="level")
+        aborted = await state.driver.run_locked(lambda: state.engine.sleep(level))
+        state.driver.fail(aborted, "engine is going to sleep")
+        return _json({"is_sleeping": True, "level": level, "aborted": len(aborted)})
+
+    async def wake_up(_: Request) -> Response:
+        await state.driver.run_locked(state.engine.wake)
+        return _json({"is_sleeping": False})
+
+    async def is_sleeping(_: Request) -> Response:
+        return _json({"is_sleeping": bool(state.engine.asleep)})
+
+    async def fault(request: Request) -> Response:
+        denied = _check_admin(state, request)
+        if denied is not None:
+            return denied
+        if request.method == "GET":
+            return _json(state.faults.to_json())
+        try:
+            spec = parse_fault(await _read_json(request))
+        except InvalidInput as exc:
+            return _error(str(exc))
+        apply_fault(state, spec)
+        return _json({"ok": True, "kind": spec.kind, "active": state.faults.to_json()})
+
+    async def kv_export(request: Request) -> Response:
+        denied = _check_admin(state, request)
+        if denied is not None:
+            return denied
+        rid = request.path_params["request_id"]
+        try:
+            data = await state.driver.run_locked(lambda: state.engine.export_kv(rid))
+        except InvalidInput as exc:
+            return _error(str(exc), 404, kind="NotFoundError")
+        if request.query_params.get("abort", "").lower() in ("1", "true", "yes"):
+            state.engine.abort(rid, retain=True)
+            state.driver.wake_loop()
+        return Response(data, media_type="application/octet-stream", headers=_headers(rid))
+
+    async def kv_import(request: Request) -> Response:
+        denied = _check_admin(state, request)
+        if denied is not None:
+            return denied
+        busy = _asleep_response(state)
+        if busy is not None:
+            return busy
+        arrival = time.monotonic()
+        payload = await request.body()
+        given = request.headers.get(REQUEST_ID_HEADER, "").strip() or None
+        try:
+            resumed = await state.driver.run_locked(
+                lambda: state.engine.import_kv(payload, given))
+        except InvalidInput as exc:
+            return _error(str(exc))
+        stream = request.query_params.get("stream", "true").lower() not in ("0", "false", "no")
+        num_top = resumed.params.num_top
+        options = _Options(stream=stream, include_usage=True, return_token_ids=True, stop=(),
+                           logprobs=num_top if num_top else None)
+        job = _Job(resumed, options, False, resumed.token_ids[: len(resumed.prompt_ids)],
+                   lambda: state.engine.submit(resumed), arrival)
+        return await _respond(state, job)
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        await state.driver.start()
+        for spec in state.settings.faults:
+            apply_fault(state, spec)
+        try:
+            yield
+        finally:
+            await state.driver.stop()
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/is_sleeping", is_sleeping, methods=["GET"]),
+        Route("/admin/fault", fault, methods=["GET", "POST"]),
+        Route("/admin/kv/import", kv_import, methods=["POST"]),
+        Route("/admin/kv/{request_id:path}", kv_export, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def build_state(settings: ServerSettings) -> ServerState:
+    """Build the model, cache and driver for `settings` (loads torch)."""
+    import torch
+
+    from dynamo_ftctl.engine.driver import AsyncEngine
+    from dynamo_ftctl.engine.metrics import EngineMetrics
+    from dynamo_ftctl.engine.scheduler import Engine
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        msg = f"--device {settings.device}: CUDA is not available on this machine"
+        raise InvalidInput(msg)
+    engine = Engine(settings.config, settings.seed, settings.device)
+    faults = FaultState()
+    metrics = EngineMetrics(settings.config.name)
+    return ServerState(settings, engine, AsyncEngine(engine, faults, metrics), faults, metrics)
+
+
+class _QuietDrops(logging.Filter):
+    """Keep uvicorn from logging a traceback for every stream the disconnect fault drops."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None:
+            if isinstance(exc, DroppedByFault):
+                return False
+            nested = getattr(exc, "exceptions", None)
+            if nested and any(isinstance(e, DroppedByFault) for e in nested):
+                return False
+            exc = exc.__cause__ or exc.__context__
+        return True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0: the kernel picks a free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        msg = f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        raise InvalidInput(msg) from None
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = None) -> int:
+    """Run the server in this thread until SIGINT/SIGTERM; `on_ready(url)` once serving."""
+    import uvicorn
+
+    state = build_state(settings)
+    app = create_app(state)
+    sock = bind_socket(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3,
+                            timeout_keep_alive=30)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                if settings.pid_file is not None:
+                    from dynamo_ftctl.output import write_atomic
+
+                    write_atomic(settings.pid_file, f"{os.getpid()}\n")
+                if on_ready is not None:
+                    on_ready(url)
+
+    server = _Server(config)
+    try:
+        server.run(sockets=[sock])
+    except FtctlError:
+        raise
+    finally:
+        sock.close()
+        if settings.pid_file is not None:
+            settings.pid_file.unlink(missing_ok=True)
+    return 0 if server.started else 1
