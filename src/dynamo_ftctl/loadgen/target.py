@@ -173,6 +173,8 @@ async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamW
                              ("transfer-encoding", "chunked"), *extra]))
     last = tokens // 2 if action == "break" else tokens
     for index in range(last):
+        if writer.is_closing():  # the client left (wrk stops mid-stream at its deadline)
+            return False
         writer.write(_chunk(_token_event(chat, index)))
         if index == 0:
             await writer.drain()
