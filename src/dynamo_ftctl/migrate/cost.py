@@ -298,7 +298,7 @@ def _size(n: float) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.4g} ms"
+    return f"{seconds * 1e3:.4g} ms" if seconds < 10 else f"{seconds:.4g} s"
 
 
 def plan_migration(

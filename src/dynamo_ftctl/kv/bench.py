@@ -1,0 +1,206 @@
+"""Bandwidth of the block copier against one contiguous `copy_` of the same bytes.
+
+The baseline is the best a copy of that many bytes can do on the same route
+(one `copy_` between two contiguous buffers: host memory, the device, or
+pinned host memory across the bus), measured in the same run and
+interleaved with the copier so that machine noise hits both alike. The
+figure that matters is the ratio. A chunk-size sweep shows how the staging
+slot size trades per-piece overhead against cache residency.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.kv.copy import DEFAULT_CHUNK_BYTES, copy_blocks
+from dynamo_ftctl.kv.layout import dtype_bytes
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Group
+
+__all__ = ["BenchRow", "KVBenchResult", "run_kv_bench"]
+
+# Routes a device can run; on CPU only host-to-host exists.
+CUDA_ROUTES = ("d2d", "d2h", "h2d")
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One measurement: the copier and the contiguous baseline on one route and size."""
+
+    route: str
+    blocks: int
+    layers: int
+    block_bytes: int  # one block of one layer
+    chunk_bytes: int
+    bytes: int
+    copier_s: float
+    contiguous_s: float
+    copier_gb_per_s: float
+    contiguous_gb_per_s: float
+    ratio: float  # copier bandwidth / contiguous bandwidth
+
+
+@dataclass(frozen=True)
+class KVBenchResult:
+    """Rows for each block count, then the chunk-size sweep."""
+
+    device: str
+    threads: int
+    repeats: int
+    rows: tuple[BenchRow, ...]
+    sweep: tuple[BenchRow, ...]
+
+    def __rich__(self) -> Group:
+        from rich.console import Group
+
+        from dynamo_ftctl.output import table
+
+        def render(title: str, rows: Sequence[BenchRow]) -> Any:
+            return table(
+                title,
+                ["route", "blocks", "layers", "block", "chunk", "MiB", "copier GB/s",
+                 "contiguous GB/s", "ratio"],
+                [(r.route, r.blocks, r.layers, f"{r.block_bytes // 1024} KiB",
+                  f"{r.chunk_bytes // 1024} KiB", round(r.bytes / 2**20, 1),
+                  round(r.copier_gb_per_s, 2), round(r.contiguous_gb_per_s, 2),
+                  round(r.ratio, 3)) for r in rows],
+            )
+
+        head = (f"device {self.device}, {self.threads} torch threads, median of "
+                f"{self.repeats} interleaved runs")
+        parts: list[Any] = [head, render("copier vs one contiguous copy_", self.rows)]
+        if self.sweep:
+            parts.append(render("chunk-size sweep", self.sweep))
+        return Group(*parts)
+
+
+def _timed(clock: Clock, work: Callable[[], None], sync: Callable[[], None]) -> float:
+    sync()
+    start = clock.now()
+    work()
+    sync()
+    return clock.now() - start
+
+
+def _measure(
+    *, route: str, device: torch.device, blocks: int, layers: int, block_shape: tuple[int, ...],
+    dtype: torch.dtype, chunk_bytes: int, repeats: int, clock: Clock, seed: int,
+) -> BenchRow:
+    import torch
+
+    cuda = torch.device("cuda") if device.type == "cuda" else None
+    src_dev = cuda if route in ("d2d", "d2h") and cuda else torch.device("cpu")
+    dst_dev = cuda if route in ("d2d", "h2d") and cuda else torch.device("cpu")
+    pin = cuda is not None
+    gen = torch.Generator().manual_seed(seed)
+    # Caches hold a quarter more blocks than are copied, ids drawn at random.
+    total = blocks + max(1, blocks // 4)
+
+    def cache(dev: torch.device) -> list[torch.Tensor]:
+        return [
+            torch.empty((total, *block_shape), dtype=dtype, device=dev,
+                        pin_memory=pin and dev.type == "cpu").fill_(layer)
+            for layer in range(layers)
+        ]
+
+    src, dst = cache(src_dev), cache(dst_dev)
+    src_ids = torch.randperm(total, generator=gen)[:blocks]
+    dst_ids = torch.randperm(total, generator=gen)[:blocks]
+    block_bytes = src[0][0].numel() * src[0].element_size()
+    nbytes = blocks * layers * block_bytes
+    flat = nbytes // 16 * 16
+    a = torch.empty(flat, dtype=torch.uint8, device=src_dev,
+                    pin_memory=pin and src_dev.type == "cpu")
+    b = torch.empty(flat, dtype=torch.uint8, device=dst_dev,
+                    pin_memory=pin and dst_dev.type == "cpu")
+    a.fill_(1)
+    b.fill_(0)
+
+    def sync() -> None:
+        if cuda is not None:
+            torch.cuda.synchronize()
+
+    def copier() -> None:
+        copy_blocks(src, dst, src_ids, dst_ids, chunk_bytes=chunk_bytes).wait()
+
+    def contiguous() -> None:
+        b.copy_(a, non_blocking=cuda is not None)
+
+    copier()
+    contiguous()  # warm caches, page in, start the allocator
+    copier_t, base_t = [], []
+    for _ in range(repeats):
+        copier_t.append(_timed(clock, copier, sync))
+        base_t.append(_timed(clock, contiguous, sync))
+    c, base = statistics.median(copier_t), statistics.median(base_t)
+    return BenchRow(
+        route=route, blocks=blocks, layers=layers, block_bytes=block_bytes,
+        chunk_bytes=chunk_bytes, bytes=nbytes, copier_s=c, contiguous_s=base,
+        copier_gb_per_s=nbytes / c / 1e9, contiguous_gb_per_s=flat / base / 1e9,
+        ratio=(nbytes / c) / (flat / base),
+    )
+
+
+def run_kv_bench(
+    *,
+    device: str = "cpu",
+    layers: int = 1,
+    blocks: Sequence[int] = (1000, 10_000, 100_000),
+    block_size: int = 16,
+    kv_heads: int = 1,
+    head_dim: int = 64,
+    dtype: str = "fp16",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    sweep_chunks: Sequence[int] = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20),
+    sweep_blocks: int = 10_000,
+    repeats: int = 5,
+    threads: int | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> KVBenchResult:
+    """Measure the copier against a contiguous copy for each block count, then sweep chunks.
+
+    Blocks are vLLM-shaped `[2, block_size, kv_heads, head_dim]` per layer
+    (default 16 × 1 × 64 fp16 = 4 KiB). On CUDA each size runs D2D, D2H and H2D.
+    """
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover (torch is in the sim extra)
+        msg = "ftctl kv needs torch: pip install 'dynamo-ftctl[sim]'"
+        raise InvalidInput(msg) from exc
+
+    if device not in ("cpu", "cuda"):
+        msg = f"--device must be cpu or cuda (got {device!r})"
+        raise InvalidInput(msg)
+    if device == "cuda" and not torch.cuda.is_available():
+        msg = "--device cuda: no CUDA device is available"
+        raise InvalidInput(msg)
+    if repeats < 1 or layers < 1 or any(n < 1 for n in blocks) or not blocks:
+        msg = "--repeats, --layers and every --blocks value must be >= 1"
+        raise InvalidInput(msg)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch_dtype = {1: torch.uint8, 2: torch.float16, 4: torch.float32}[dtype_bytes(dtype)]
+    shape = (2, block_size, kv_heads, head_dim)
+    dev = torch.device(device)
+    routes = CUDA_ROUTES if device == "cuda" else ("h2h",)
+    common: dict[str, Any] = {
+        "device": dev, "layers": layers, "block_shape": shape, "dtype": torch_dtype,
+        "repeats": repeats, "clock": clock,
+    }
+    rows = tuple(
+        _measure(route=route, blocks=n, chunk_bytes=chunk_bytes, seed=i, **common)
+        for i, n in enumerate(blocks) for route in routes
+    )
+    sweep = tuple(
+        _measure(route=route, blocks=sweep_blocks, chunk_bytes=size, seed=99, **common)
+        for size in sweep_chunks for route in routes
+    )
+    return KVBenchResult(device=device, threads=torch.get_num_threads(), repeats=repeats,
+                         rows=rows, sweep=sweep)

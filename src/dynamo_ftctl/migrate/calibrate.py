@@ -1,0 +1,550 @@
+"""Measure a worker's real rates and fit the cost model: the calibration file.
+
+`calibrate` times, on live workers:
+
+- **prefill**: time to the first token of a `max_tokens=1` completion at
+  several prompt lengths; fitted to `fixed + n·per_token + n²·per_token2`
+  (least squares over the non-negative models);
+- **KV transfer**: for an in-flight request of each length, the export from
+  the worker plus the import on the peer up to the first new token; fitted
+  to `setup + n·seconds_per_token`, i.e. a bandwidth of
+  `kv_bytes_per_token / seconds_per_token`.
+
+Both timings end at the first new token, so they include the same decode
+step and compare like with like. The result is a JSON file (written
+atomically) that `ftctl migrate plan --calibration`, `ftctl migrate request
+--method auto` and the proxy read back through `load_calibration`, with the
+usual `file:line: key: message` errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.kv.layout import KVGeometry
+from dynamo_ftctl.migrate.cost import (
+    GPUS,
+    Link,
+    MigrationPlan,
+    ModelPreset,
+    PlanTable,
+    PrefillModel,
+    crossovers,
+    link_preset,
+    model_preset,
+    plan_migration,
+    plan_table,
+)
+
+if TYPE_CHECKING:
+    import httpx
+    from rich.console import Group
+
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.migrate.transfer import Endpoint
+
+__all__ = [
+    "Calibration",
+    "CalibrationResult",
+    "PlanOverrides",
+    "calibrate",
+    "calibrate_workers",
+    "fit_prefill",
+    "fit_transfer",
+    "load_calibration",
+    "parse_lengths",
+    "plan_from_options",
+    "save_calibration",
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrefillFit(_Model):
+    """Prefill seconds = fixed_s + n·per_token_s + n²·per_token2_s."""
+
+    fixed_s: float = Field(ge=0, description="Seconds independent of the prompt length.")
+    per_token_s: float = Field(ge=0, description="Seconds per prompt token (linear term).")
+    per_token2_s: float = Field(0.0, ge=0, description="Seconds per squared token (attention).")
+
+
+class TransferFit(_Model):
+    """KV move seconds = setup_s + n·kv_bytes_per_token / bandwidth_bytes_per_s."""
+
+    setup_s: float = Field(ge=0, description="Fixed cost of one export + import.")
+    bandwidth_bytes_per_s: float = Field(gt=0, description="Effective export/import bandwidth.")
+
+
+class Sample(_Model):
+    """One measured point: context tokens and median seconds."""
+
+    tokens: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
+class Calibration(_Model):
+    """Measured rates of one worker (and its peer for KV moves)."""
+
+    version: int = Field(1, ge=1, le=1, description="File format version.")
+    worker: str = Field(min_length=1, description="Worker whose prefill was timed.")
+    peer: str = Field(min_length=1, description="Worker that imported the KV exports.")
+    model: str = Field(min_length=1, description="Served model id.")
+    layers: int = Field(ge=1, description="KV geometry from the export header.")
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    dtype_bytes: int = Field(ge=1)
+    block_size: int = Field(ge=1)
+    prefill: PrefillFit
+    transfer: TransferFit
+    prefill_samples: tuple[Sample, ...] = ()
+    transfer_samples: tuple[Sample, ...] = ()
+    measured_at: float = Field(0.0, ge=0, description="Unix time of the measurement.")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers."""
+        return self.geometry().bytes_per_token()
+
+    def geometry(self) -> KVGeometry:
+        """The worker's KV geometry."""
+        return KVGeometry(self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
+
+    def model_preset(self) -> ModelPreset:
+        """A model preset with this geometry (its FLOP fields unused: prefill is measured)."""
+        return ModelPreset(self.model, self.geometry(), q_heads=1, attn_dim=1, active_params=1.0,
+                           source=f"calibrated on {self.worker}")
+
+    def link(self) -> Link:
+        """The measured export/import path as a link."""
+        return Link(f"{self.worker}→{self.peer}", self.transfer.bandwidth_bytes_per_s,
+                    self.transfer.setup_s, per_gpu=True, description="measured")
+
+    def prefill_model(self) -> PrefillModel:
+        """The measured prefill model."""
+        p = self.prefill
+        return PrefillModel(per_token_s=p.per_token_s, per_token2_s=p.per_token2_s,
+                            fixed_s=p.fixed_s)
+
+    def crossovers(self) -> tuple[float, ...]:
+        """Context lengths where the measured KV move and re-prefill cost the same."""
+        per_token = self.kv_bytes_per_token / self.transfer.bandwidth_bytes_per_s
+        return crossovers(self.prefill_model(), self.transfer.setup_s, per_token)
+
+
+def load_calibration(path: Path) -> Calibration:
+    """Read a calibration file; errors name the file, line and key (exit 2)."""
+    from dynamo_ftctl.inventory import load_yaml_document, validation_error_to_inventory_error
+
+    data, located = load_yaml_document(path, what="a calibration mapping")
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error_to_inventory_error(exc, Calibration, located, path) from None
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    """Write a calibration file atomically (JSON)."""
+    from dynamo_ftctl.output import write_atomic
+
+    write_atomic(path, json.dumps(calibration.model_dump(mode="json"), indent=2) + "\n")
+
+
+# ------------------------------------------------------------------- fitting
+
+
+def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Least squares by the normal equations (at most 3 unknowns), None when singular."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-300:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(k)]
+
+
+def _fit_nonneg(xs: Sequence[float], ys: Sequence[float], powers: Sequence[int]) -> list[float]:
+    """Coefficients of Σ c_p·x^p with every c_p >= 0 and the least squared error."""
+    best: tuple[float, list[float]] | None = None
+    for size in range(1, len(powers) + 1):
+        for subset in itertools.combinations(powers, size):
+            if len(xs) < len(subset):
+                continue
+            # Scale x so that the normal equations stay well conditioned.
+            scale = max(*(abs(x) for x in xs), 1.0)
+            rows = [[(x / scale) ** p for p in subset] for x in xs]
+            coef = _solve(rows, list(ys))
+            if coef is None or any(c < 0 for c in coef):
+                continue
+            full = dict.fromkeys(powers, 0.0)
+            for p, c in zip(subset, coef, strict=True):
+                full[p] = c / scale**p
+            sse = sum((y - sum(full[p] * x**p for p in powers)) ** 2
+                      for x, y in zip(xs, ys, strict=True))
+            if best is None or sse < best[0]:
+                best = (sse, [full[p] for p in powers])
+    if best is None:
+        msg = "cannot fit the measurements (need at least one point per term)"
+        raise InvalidInput(msg)
+    return best[1]
+
+
+def fit_prefill(samples: Sequence[Sample]) -> PrefillFit:
+    """Fit fixed + n·per_token + n²·per_token2 (all >= 0) to (tokens, seconds) samples."""
+    f, lin, quad = _fit_nonneg([s.tokens for s in samples], [s.seconds for s in samples],
+                               (0, 1, 2))
+    if lin == 0 and quad == 0:
+        msg = "prefill time does not grow with the prompt length: cannot fit a rate"
+        raise InvalidInput(msg)
+    return PrefillFit(fixed_s=f, per_token_s=lin, per_token2_s=quad)
+
+
+def fit_transfer(samples: Sequence[Sample], kv_bytes_per_token: int) -> TransferFit:
+    """Fit setup + n·seconds_per_token (both >= 0) to KV-move samples."""
+    setup, per_token = _fit_nonneg([s.tokens for s in samples], [s.seconds for s in samples],
+                                   (0, 1))
+    # A move that does not slow down with size is bandwidth-unbound: cap at 1 PB/s.
+    bandwidth = kv_bytes_per_token / per_token if per_token > 0 else 1e15
+    return TransferFit(setup_s=setup, bandwidth_bytes_per_s=bandwidth)
+
+
+# --------------------------------------------------------------- measuring
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """Comma-separated positive prompt lengths (at least three, for the quadratic fit)."""
+    try:
+        values = tuple(sorted({int(v) for v in text.replace(" ", "").split(",") if v}))
+    except ValueError:
+        msg = f"--lengths: expected comma-separated integers, got {text!r}"
+        raise InvalidInput(msg) from None
+    if len(values) < 3 or values[0] < 1:
+        msg = "--lengths: give at least three distinct lengths >= 1"
+        raise InvalidInput(msg)
+    return values
+
+
+def prompt_ids(length: int, salt: int = 0) -> list[int]:
+    """A deterministic prompt of printable-ASCII byte tokens (valid for byte tokenizers)."""
+    return [32 + (i * 7 + salt) % 95 for i in range(length)]
+
+
+async def _served_model(client: httpx.AsyncClient, ep: Endpoint) -> tuple[str, int]:
+    from dynamo_ftctl.migrate.transfer import http_errors, refusal
+
+    async with http_errors("GET /v1/models", ep):
+        response = await client.get(f"{ep.url}/v1/models")
+    if response.status_code != 200:
+        raise refusal(ep, "GET /v1/models", response)
+    first = response.json()["data"][0]
+    return str(first["id"]), int(first.get("max_model_len") or 2048)
+
+
+async def time_prefill(
+    client: httpx.AsyncClient, ep: Endpoint, model: str, length: int, *, clock: Clock,
+    salt: int = 0,
+) -> float:
+    """Seconds to the first token of a `max_tokens=1` completion of `length` prompt tokens."""
+    from dynamo_ftctl.migrate.transfer import stream_completion
+    from dynamo_ftctl.openai import completion_request
+
+    body = completion_request(model, prompt_ids(length, salt), max_tokens=1, temperature=0.0,
+                              stream=True, return_token_ids=True)
+    cont = await stream_completion(client, ep, "prefill", "POST", f"{ep.url}/v1/completions",
+                                   clock=clock, json=body)
+    return cont.first_token_s
+
+
+async def start_in_flight(
+    client: httpx.AsyncClient, ep: Endpoint, model: str, length: int, *, max_tokens: int,
+    request_id: str, seed: int = 0, temperature: float = 0.0,
+) -> asyncio.Task[None]:
+    """Start a streaming request and return once its first token has arrived.
+
+    The returned task keeps reading the stream until the request ends (it is
+    exported and aborted next); cancel it when done.
+    """
+    from dynamo_ftctl.migrate.transfer import http_errors, refusal
+    from dynamo_ftctl.openai import SseDecoder, completion_request, parse_sse_event
+
+    body = completion_request(model, prompt_ids(length), max_tokens=max_tokens,
+                              temperature=temperature, seed=seed, stream=True,
+                              return_token_ids=True, extra={"ignore_eos": True})
+    first = asyncio.get_running_loop().create_future()
+
+    async def read() -> None:
+        try:
+            async with http_errors("start request", ep), client.stream(
+                "POST", f"{ep.url}/v1/completions", json=body,
+                headers={"X-Request-Id": request_id},
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise refusal(ep, "start request", response)
+                decoder = SseDecoder()
+                async for chunk in response.aiter_bytes():
+                    for event in decoder.feed(chunk):
+                        try:
+                            parsed = parse_sse_event(event)
+                        except FtctlError:  # the abort ends the stream with an error event
+                            parsed = None
+                        if parsed is not None and parsed.token_ids and not first.done():
+                            first.set_result(None)
+        except Exception as exc:  # handed to the waiter below
+            if not first.done():
+                first.set_exception(exc)
+            return
+        if not first.done():
+            first.set_exception(InvalidInput(f"{ep.name}: request ended before its first token"))
+
+    task = asyncio.create_task(read())
+    try:
+        await first
+    except BaseException:
+        task.cancel()
+        raise
+    return task
+
+
+async def time_kv_move(
+    client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *, model: str, length: int,
+    max_model_len: int, repeats: int, clock: Clock,
+) -> tuple[Sample, Sample, Sample, dict[str, int]]:
+    """Median export, import-to-first-token and their sum for a context of `length` tokens."""
+    from dynamo_ftctl.migrate.transfer import export_request, stream_completion
+
+    rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
+    max_tokens = max(2, min(64, max_model_len - length - 1))
+    reader = await start_in_flight(client, worker, model, length, max_tokens=max_tokens,
+                                   request_id=rid)
+    try:
+        state, _, _ = await export_request(client, worker, rid, abort=True, clock=clock)
+    finally:
+        reader.cancel()
+    exports, imports = [], []
+    for i in range(repeats):
+        _, payload, export_s = await export_request(client, worker, rid, abort=False, clock=clock)
+        moved = f"{rid}-import-{i}"
+        cont = await stream_completion(
+            client, peer, "KV import", "POST", f"{peer.admin_url}/admin/kv/import", clock=clock,
+            first_only=True, content=payload,
+            headers={**peer.admin_headers(), "X-Request-Id": moved,
+                     "Content-Type": "application/octet-stream"},
+        )
+        # Stop the imported copy: it would otherwise decode its remaining tokens.
+        await client.get(f"{peer.admin_url}/admin/kv/{moved}", params={"abort": "true"},
+                         headers=peer.admin_headers())
+        exports.append(export_s)
+        imports.append(cont.first_token_s)
+    tokens = len(state.token_ids)
+    e, i_ = statistics.median(exports), statistics.median(imports)
+    geometry = {"kv_bytes_per_token": state.kv_bytes_per_token}
+    return (Sample(tokens=tokens, seconds=e), Sample(tokens=tokens, seconds=i_),
+            Sample(tokens=tokens, seconds=statistics.median(
+                [a + b for a, b in zip(exports, imports, strict=True)])), geometry)
+
+
+async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> dict[str, int]:
+    from dynamo_ftctl.kv.wire import decode_kv
+    from dynamo_ftctl.migrate.transfer import http_errors, refusal
+
+    rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
+    reader = await start_in_flight(client, worker, model, 16, max_tokens=8, request_id=rid)
+    try:
+        async with http_errors("KV export", worker):
+            response = await client.get(f"{worker.admin_url}/admin/kv/{rid}",
+                                        params={"abort": "true"}, headers=worker.admin_headers())
+    finally:
+        reader.cancel()
+    if response.status_code != 200:
+        raise refusal(worker, "KV export", response)
+    lay = decode_kv(response.content).header.layout
+    from dynamo_ftctl.kv.layout import dtype_bytes
+
+    return {"layers": lay.num_layers, "kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
+            "dtype_bytes": dtype_bytes(lay.dtype), "block_size": lay.block_size}
+
+
+async def calibrate(
+    client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *,
+    lengths: Sequence[int], repeats: int = 3, clock: Clock = SYSTEM_CLOCK,
+) -> Calibration:
+    """Measure prefill at `lengths` and KV moves worker → peer; fit both models."""
+    model, max_len = await _served_model(client, worker)
+    usable = [n for n in lengths if n < max_len - 2]
+    if len(usable) < 3:
+        msg = f"--lengths: need three lengths below the model's maximum of {max_len} tokens"
+        raise InvalidInput(msg)
+    layout = await _layout(client, worker, model)
+    await time_prefill(client, worker, model, 8, clock=clock)  # warm-up
+    prefill_samples = []
+    for n in usable:
+        times = [await time_prefill(client, worker, model, n, clock=clock, salt=r)
+                 for r in range(repeats)]
+        prefill_samples.append(Sample(tokens=n, seconds=statistics.median(times)))
+    move_samples = []
+    for n in usable:
+        _, _, total, _ = await time_kv_move(client, worker, peer, model=model, length=n,
+                                            max_model_len=max_len, repeats=repeats, clock=clock)
+        move_samples.append(total)
+    geometry = KVGeometry(layout["layers"], layout["kv_heads"], layout["head_dim"],
+                          layout["dtype_bytes"])
+    return Calibration(
+        worker=worker.name, peer=peer.name, model=model, **layout,
+        prefill=fit_prefill(prefill_samples),
+        transfer=fit_transfer(move_samples, geometry.bytes_per_token()),
+        prefill_samples=tuple(prefill_samples), transfer_samples=tuple(move_samples),
+        measured_at=clock.wall(),
+    )
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """A calibration, where it was saved, and the crossover it predicts."""
+
+    path: Path
+    calibration: Calibration
+    crossover_tokens: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON."""
+        return {"path": str(self.path), "crossover_tokens": list(self.crossover_tokens),
+                "calibration": self.calibration.model_dump(mode="json")}
+
+    def __rich__(self) -> Group:
+        from rich.console import Group
+
+        from dynamo_ftctl.output import kv_table, table
+
+        c = self.calibration
+        moves = {s.tokens: s.seconds for s in c.transfer_samples}
+        rows = [(s.tokens, f"{s.seconds * 1e3:.2f}",
+                 f"{moves[s.tokens] * 1e3:.2f}" if s.tokens in moves else "-")
+                for s in c.prefill_samples]
+        summary = {
+            "saved": str(self.path),
+            "prefill": f"{c.prefill.fixed_s * 1e3:.3g} ms + n × {c.prefill.per_token_s * 1e6:.3g}"
+                       f" µs + n² × {c.prefill.per_token2_s * 1e9:.3g} ns",
+            "KV move": f"{c.transfer.setup_s * 1e3:.3g} ms + "
+                       f"{c.transfer.bandwidth_bytes_per_s / 1e9:.3g} GB/s "
+                       f"({c.kv_bytes_per_token} B/token)",
+            "crossover": ", ".join(f"{n} tokens" for n in self.crossover_tokens) or "none",
+        }
+        return Group(
+            kv_table(f"calibration of {c.worker} → {c.peer} ({c.model})", summary),
+            table("measured (median)", ["prompt tokens", "prefill ms", "KV move ms"], rows),
+        )
+
+
+def calibrate_workers(
+    inventory: Inventory, *, worker: str, peer: str | None, lengths: Sequence[int],
+    repeats: int, output: Path, timeout_s: float = 60.0,
+) -> CalibrationResult:
+    """Calibrate inventory workers and save the file (the CLI's entry)."""
+    import httpx
+
+    from dynamo_ftctl.migrate.transfer import endpoint_for
+
+    src = endpoint_for(inventory, worker)
+    dst = endpoint_for(inventory, peer) if peer else src
+
+    async def run() -> Calibration:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await calibrate(client, src, dst, lengths=lengths, repeats=repeats)
+
+    calibration = asyncio.run(run())
+    save_calibration(calibration, output)
+    return CalibrationResult(path=output, calibration=calibration,
+                             crossover_tokens=tuple(round(x) for x in calibration.crossovers()))
+
+
+# ------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True)
+class PlanOverrides:
+    """`ftctl migrate plan`'s options, for `plan_from_options`."""
+
+    model: str = "llama-3-70b"
+    tp: int = 1
+    tokens: int = 32768
+    link: str = "nvlink4"
+    bandwidth_gb_per_s: float | None = None
+    setup_ms: float | None = None
+    block_size: int = 16
+    dtype: str = "fp16"
+    gpu: str = "h100"
+    mfu: float = 0.5
+    prefill_tokens_per_s: float | None = None
+    calibration: Path | None = None
+    table: bool = False
+
+
+def plan_from_options(o: PlanOverrides) -> MigrationPlan | PlanTable:
+    """One plan (or a contexts × links table) from presets, overrides and a calibration.
+
+    A calibration replaces the model geometry, the prefill model and the link
+    with the measured ones; explicit overrides still win.
+    """
+    if o.bandwidth_gb_per_s is not None and o.bandwidth_gb_per_s <= 0:
+        msg = f"--bandwidth must be > 0 GB/s (got {o.bandwidth_gb_per_s})"
+        raise InvalidInput(msg)
+    if o.setup_ms is not None and o.setup_ms < 0:
+        msg = f"--setup-ms must be >= 0 (got {o.setup_ms})"
+        raise InvalidInput(msg)
+    gpu = GPUS.get(o.gpu.lower())
+    if gpu is None:
+        msg = f"unknown GPU {o.gpu!r} (known: {', '.join(GPUS)})"
+        raise InvalidInput(msg)
+    preset = model_preset(o.model).with_dtype(o.dtype)
+    link = link_preset(o.link)
+    prefill: PrefillModel | None = None
+    source = None
+    tp = o.tp
+    if o.calibration is not None:
+        cal = load_calibration(o.calibration)
+        preset, link, prefill, tp = cal.model_preset(), cal.link(), cal.prefill_model(), 1
+        source = f"calibrated ({o.calibration})"
+    if o.prefill_tokens_per_s is not None:
+        if o.prefill_tokens_per_s <= 0:
+            msg = "--prefill-tokens-per-s must be > 0"
+            raise InvalidInput(msg)
+        base = prefill or PrefillModel.from_flops(preset, tp, gpu, o.mfu)
+        prefill = replace(base, per_token_s=1.0 / o.prefill_tokens_per_s)
+        source = f"{o.prefill_tokens_per_s:g} tokens/s + attention term"
+    if o.bandwidth_gb_per_s is not None:
+        link = replace(link, bandwidth=o.bandwidth_gb_per_s * 1e9)
+    if o.setup_ms is not None:
+        link = replace(link, setup_s=o.setup_ms / 1e3)
+    if o.table:
+        from dynamo_ftctl.migrate.cost import LINKS
+
+        links = [link] if o.calibration or o.bandwidth_gb_per_s else list(LINKS.values())
+        if o.setup_ms is not None:
+            links = [replace(x, setup_s=o.setup_ms / 1e3) for x in links]
+        return plan_table(preset, tp=tp, links=links, block_size=o.block_size,
+                          prefill=prefill, gpu=gpu, mfu=o.mfu)
+    return plan_migration(preset, tp=tp, tokens=o.tokens, link=link, block_size=o.block_size,
+                          prefill=prefill, gpu=gpu, mfu=o.mfu, prefill_source=source)

@@ -1,0 +1,391 @@
+"""Move one in-flight request between workers: by KV transfer or by re-prefill.
+
+Both methods start the same way: the source's admin API exports the request
+(`GET /admin/kv/{id}?abort=true`, the `kv.wire` format), which stops it there
+and hands over its token ids, sampling state and KV blocks. Then either
+
+- **kv**: the export is posted to the target's `POST /admin/kv/import`, which
+  copies the blocks into its cache and continues decoding at once; or
+- **reprefill**: the target gets an ordinary `/v1/completions` request whose
+  prompt is every token so far, with the remaining `max_tokens` and the same
+  seed; it recomputes the cache and continues.
+
+Sampling keyed by (seed, position) makes both continue identically. With
+`method="auto"` a calibration (`migrate/calibrate.py`) decides through the
+cost model. The proxy calls `migrate_request` with its own client; the CLI
+calls `migrate_request_sync`.
+
+HTTP goes through one injected `httpx.AsyncClient` (the seam for tests);
+errors become `Unreachable` (no answer) or `InvalidInput` (refused).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import FtctlError, InvalidInput, Unreachable
+
+if TYPE_CHECKING:
+    import httpx
+    from rich.console import Group
+
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.kv.wire import KvHeader
+    from dynamo_ftctl.migrate.calibrate import Calibration
+    from dynamo_ftctl.migrate.cost import MigrationPlan
+
+__all__ = [
+    "Continuation",
+    "Endpoint",
+    "MigrationResult",
+    "RequestState",
+    "endpoint_for",
+    "export_request",
+    "http_errors",
+    "migrate_request",
+    "migrate_request_sync",
+    "refusal",
+    "reprefill_body",
+    "resume_by_kv",
+    "resume_by_reprefill",
+    "stream_completion",
+]
+
+Method = Literal["kv", "reprefill"]
+METHODS = ("auto", "kv", "reprefill")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where to reach one worker: its OpenAI URL, admin URL and bearer token."""
+
+    name: str
+    url: str
+    admin_url: str
+    token: str | None = field(default=None, repr=False)
+    group: str | None = None  # TP/PP group (metric labels); the name when None
+
+    def admin_headers(self) -> dict[str, str]:
+        """The Authorization header of the admin API (empty without a token)."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+
+def endpoint_for(inventory: Inventory, name: str) -> Endpoint:
+    """The endpoint of inventory worker `name`; the token comes from its `token_env`."""
+    worker = inventory.worker(name)
+    env = worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"
+    return Endpoint(name=worker.name, url=str(worker.url).rstrip("/"),
+                    admin_url=str(worker.admin_url).rstrip("/"), token=os.environ.get(env),
+                    group=inventory.group_of(worker))
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """What an export says about a request: its tokens, sampling and KV geometry."""
+
+    request_id: str
+    model: str
+    token_ids: tuple[int, ...]
+    prompt_len: int
+    num_cached: int
+    sampling: Mapping[str, Any]
+    kv_bytes_per_token: int
+    payload_bytes: int
+
+    @property
+    def generated(self) -> tuple[int, ...]:
+        """Tokens generated on the source before the move."""
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to generate."""
+        return int(self.sampling.get("max_tokens", 0)) - len(self.generated)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What the target generated after the move."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    first_token_s: float  # from sending the request to the first new token
+    total_s: float
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    """One request moved: how, how long each step took, and what came out."""
+
+    request_id: str
+    source: str
+    target: str
+    requested: str
+    method: Method
+    context_tokens: int
+    payload_bytes: int
+    export_s: float
+    move_s: float  # kv: export + import to first token; reprefill: prefill to first token
+    generated_before: tuple[int, ...]
+    continuation: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    plan: MigrationPlan | None = None
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """Every generated token: before the move on the source, then on the target."""
+        return self.generated_before + self.continuation
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (the plan included when auto decided)."""
+        from dataclasses import fields
+
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        doc["output_token_ids"] = self.output_token_ids
+        doc["plan"] = self.plan.to_json() if self.plan else None
+        return doc
+
+    def __rich__(self) -> Group:
+        from rich.console import Group
+
+        from dynamo_ftctl.output import kv_table
+
+        rows = {
+            "request": self.request_id,
+            "moved": f"{self.source} → {self.target} by {self.method}"
+                     f"{' (auto)' if self.requested == 'auto' else ''}",
+            "context": f"{self.context_tokens} tokens, {self.payload_bytes} bytes exported",
+            "export": f"{self.export_s * 1e3:.2f} ms",
+            "move": f"{self.move_s * 1e3:.2f} ms to the first new token",
+            "tokens": f"{len(self.generated_before)} before, {len(self.continuation)} after, "
+                      f"finish {self.finish_reason}",
+        }
+        return Group(kv_table("migration", rows), self.text)
+
+
+def _state_from_header(header: KvHeader, payload_bytes: int) -> RequestState:
+    lay = header.layout
+    return RequestState(
+        request_id=header.request_id, model=header.model, token_ids=tuple(header.token_ids),
+        prompt_len=header.prompt_len, num_cached=header.num_tokens,
+        sampling=dict(header.sampling),
+        kv_bytes_per_token=lay.block_bytes // lay.block_size, payload_bytes=payload_bytes,
+    )
+
+
+@asynccontextmanager
+async def http_errors(what: str, endpoint: Endpoint) -> AsyncIterator[None]:
+    import httpx
+
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        msg = f"{endpoint.name}: {what} timed out ({exc.__class__.__name__})"
+        raise Unreachable(msg) from None
+    except httpx.TransportError as exc:
+        msg = f"{endpoint.name}: {what} failed: {exc.__class__.__name__}: {exc}"
+        raise Unreachable(msg) from None
+
+
+def refusal(endpoint: Endpoint, what: str, response: httpx.Response) -> FtctlError:
+    try:
+        detail = response.json().get("error", {}).get("message", response.text)
+    except ValueError:
+        detail = response.text
+    msg = f"{endpoint.name}: {what} refused ({response.status_code}): {str(detail)[:200]}"
+    if response.status_code >= 500:
+        return Unreachable(msg)
+    return InvalidInput(msg)
+
+
+async def export_request(
+    client: httpx.AsyncClient, source: Endpoint, request_id: str, *, abort: bool = True,
+    clock: Clock = SYSTEM_CLOCK,
+) -> tuple[RequestState, bytes, float]:
+    """Export `request_id` from `source` (stopping it there when `abort`).
+
+    Returns the decoded state, the raw payload and the seconds the export took.
+    """
+    from dynamo_ftctl.kv.wire import decode_kv
+
+    start = clock.now()
+    async with http_errors("KV export", source):
+        response = await client.get(
+            f"{source.admin_url}/admin/kv/{request_id}",
+            params={"abort": "true"} if abort else None, headers=source.admin_headers(),
+        )
+    elapsed = clock.now() - start
+    if response.status_code != 200:
+        raise refusal(source, f"KV export of {request_id!r}", response)
+    payload = response.content
+    decoded = decode_kv(payload)
+    return _state_from_header(decoded.header, len(payload)), payload, elapsed
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, endpoint: Endpoint, what: str, method: str, url: str, *,
+    clock: Clock, first_only: bool = False, **kwargs: Any,
+) -> Continuation:
+    """POST/GET a streaming completion and collect it (up to the first token if `first_only`)."""
+    from dynamo_ftctl.openai import SseDecoder, StreamAccumulator, parse_sse_event
+
+    acc = StreamAccumulator()
+    first: float | None = None
+    start = clock.now()
+    async with http_errors(what, endpoint), client.stream(method, url, **kwargs) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise refusal(endpoint, what, response)
+        decoder = SseDecoder()
+        async for chunk in response.aiter_bytes():
+            for event in decoder.feed(chunk):
+                parsed = parse_sse_event(event)
+                if parsed is not None and parsed.token_ids and first is None:
+                    first = clock.now() - start
+                acc.add(parsed)
+            if acc.done or (first_only and first is not None):
+                break
+    total = clock.now() - start
+    return Continuation(
+        token_ids=tuple(acc.token_ids), text=acc.text, finish_reason=acc.finish_reason,
+        first_token_s=total if first is None else first, total_s=total,
+    )
+
+
+async def resume_by_kv(
+    client: httpx.AsyncClient, target: Endpoint, payload: bytes, request_id: str,
+    *, clock: Clock = SYSTEM_CLOCK,
+) -> Continuation:
+    """Import an export on `target` and collect the continuation it streams."""
+    return await stream_completion(
+        client, target, "KV import", "POST", f"{target.admin_url}/admin/kv/import", clock=clock,
+        content=payload,
+        headers={**target.admin_headers(), "X-Request-Id": request_id,
+                 "Content-Type": "application/octet-stream"},
+    )
+
+
+def reprefill_body(state: RequestState) -> dict[str, Any]:
+    """The `/v1/completions` body that recomputes the cache and continues the request."""
+    from dynamo_ftctl.openai import completion_request
+
+    s = state.sampling
+    extra: dict[str, Any] = {"ignore_eos": bool(s.get("ignore_eos", False))}
+    if s.get("top_k"):
+        extra["top_k"] = int(s["top_k"])
+    if s.get("stop_token_ids"):
+        extra["stop_token_ids"] = [int(t) for t in s["stop_token_ids"]]
+    return completion_request(
+        state.model, list(state.token_ids), max_tokens=state.remaining,
+        temperature=float(s.get("temperature", 0.0)), top_p=float(s.get("top_p", 1.0)),
+        seed=int(s["seed"]), stream=True, return_token_ids=True, extra=extra,
+    )
+
+
+async def resume_by_reprefill(
+    client: httpx.AsyncClient, target: Endpoint, state: RequestState, request_id: str,
+    *, clock: Clock = SYSTEM_CLOCK,
+) -> Continuation:
+    """Re-prefill every token so far on `target` and collect the continuation."""
+    return await stream_completion(
+        client, target, "re-prefill", "POST", f"{target.url}/v1/completions", clock=clock,
+        json=reprefill_body(state), headers={"X-Request-Id": request_id},
+    )
+
+
+def choose_method(state: RequestState, calibration: Calibration) -> MigrationPlan:
+    """The cost model's plan for this request under measured rates."""
+    from dynamo_ftctl.migrate.cost import plan_migration
+
+    return plan_migration(
+        calibration.model_preset(), tp=1,
+        tokens=len(state.token_ids), link=calibration.link(), block_size=1,
+        prefill=calibration.prefill_model(), prefill_source="calibrated",
+    )
+
+
+async def migrate_request(
+    client: httpx.AsyncClient,
+    source: Endpoint,
+    target: Endpoint,
+    request_id: str,
+    *,
+    method: str = "auto",
+    calibration: Calibration | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+) -> MigrationResult:
+    """Stop `request_id` on `source` and continue it on `target` by KV transfer or re-prefill."""
+    if method not in METHODS:
+        msg = f"--method must be one of {', '.join(METHODS)} (got {method!r})"
+        raise InvalidInput(msg)
+    if method == "auto" and calibration is None:
+        msg = "--method auto needs a calibration file (ftctl migrate calibrate)"
+        raise InvalidInput(msg)
+    if source.name == target.name:
+        msg = f"source and target are the same worker ({source.name})"
+        raise InvalidInput(msg)
+    state, payload, export_s = await export_request(client, source, request_id, clock=clock)
+    if state.remaining <= 0:
+        msg = f"request {request_id!r} has nothing left to generate"
+        raise InvalidInput(msg)
+    plan = None
+    chosen: Method
+    if method == "auto":
+        assert calibration is not None
+        plan = choose_method(state, calibration)
+        chosen = plan.decision
+    else:
+        chosen = "kv" if method == "kv" else "reprefill"
+    if chosen == "kv":
+        cont = await resume_by_kv(client, target, payload, request_id, clock=clock)
+        move_s = export_s + cont.first_token_s
+    else:
+        cont = await resume_by_reprefill(client, target, state, request_id, clock=clock)
+        move_s = cont.first_token_s
+    from dynamo_ftctl import metrics
+
+    metrics.MIGRATION_TOTAL.labels(source.group or source.name, target.group or target.name,
+                                   chosen).inc()
+    metrics.MIGRATION_DURATION.observe(move_s)
+    return MigrationResult(
+        request_id=request_id, source=source.name, target=target.name, requested=method,
+        method=chosen, context_tokens=len(state.token_ids), payload_bytes=state.payload_bytes,
+        export_s=export_s, move_s=move_s, generated_before=state.generated,
+        continuation=cont.token_ids, text=cont.text, finish_reason=cont.finish_reason, plan=plan,
+    )
+
+
+def migrate_request_sync(
+    inventory: Inventory,
+    *,
+    request_id: str,
+    source: str,
+    target: str,
+    method: str = "auto",
+    calibration: Path | None = None,
+    timeout_s: float = 60.0,
+) -> MigrationResult:
+    """`migrate_request` for inventory workers, with its own HTTP client (the CLI's entry)."""
+    import asyncio
+
+    import httpx
+
+    from dynamo_ftctl.migrate.calibrate import load_calibration
+
+    cal = load_calibration(calibration) if calibration is not None else None
+    src, dst = endpoint_for(inventory, source), endpoint_for(inventory, target)
+
+    async def run() -> MigrationResult:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await migrate_request(client, src, dst, request_id, method=method,
+                                         calibration=cal)
+
+    return asyncio.run(run())
