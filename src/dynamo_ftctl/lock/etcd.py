@@ -310,16 +310,44 @@ class EtcdLock:
             self._wait_deleted(revision + 1, remaining)
 
     async def aacquire(self, timeout: float | None = None) -> Lease:
-        """`acquire` in a worker thread; a cancelled task never keeps the lock."""
-        task = asyncio.ensure_future(asyncio.to_thread(self.acquire, timeout))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            def give_back(done: asyncio.Future[Lease]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.release()
+        """`acquire` in a daemon thread; a cancelled task never keeps the lock.
 
-            task.add_done_callback(give_back)
+        Not `asyncio.to_thread`: `asyncio.run` joins its executor at exit, and a
+        waiter watching the key forever would keep the process from exiting.
+        """
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[Lease] = loop.create_future()
+        abandoned = threading.Event()
+
+        def settle(lease: Lease | None, error: BaseException | None) -> None:
+            if landed.done():
+                return
+            if error is not None:
+                landed.set_exception(error)
+            else:
+                assert lease is not None
+                landed.set_result(lease)
+
+        def work() -> None:
+            try:
+                lease = self.acquire(timeout)
+            except BaseException as exc:  # handed to the awaiting task
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(settle, None, exc)
+                return
+            if abandoned.is_set():
+                self.release()
+                return
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, lease, None)
+
+        threading.Thread(target=work, name="ftctl-etcd-acquire", daemon=True).start()
+        try:
+            return await landed
+        except asyncio.CancelledError:
+            abandoned.set()
+            if landed.done() and not landed.cancelled() and landed.exception() is None:
+                self.release()
             raise
 
     def release(self) -> None:
