@@ -166,7 +166,7 @@ def test_cli_request_and_bad_calibration_exit_codes(pair: tuple[Any, Any], tmp_p
         proc = subprocess.run(
             [sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "migrate", "request",
              "--request-id", "cli-move", "--from", "a", "--to", "b", "--method", "kv", "--json"],
-            capture_output=True, text=True, env=env, timeout=120,
+            check=False, capture_output=True, text=True, env=env, timeout=120,
         )
         task.cancel()
         loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
@@ -183,7 +183,7 @@ def test_cli_request_and_bad_calibration_exit_codes(pair: tuple[Any, Any], tmp_p
     proc = subprocess.run(
         [sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "migrate", "request",
          "--request-id", "x", "--from", "a", "--to", "b", "--calibration", str(bad)],
-        capture_output=True, text=True, env=env, timeout=60,
+        check=False, capture_output=True, text=True, env=env, timeout=60,
     )
     assert proc.returncode == 2
     assert f"{bad}:" in proc.stderr
