@@ -18,6 +18,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def kv() -> None:
+    """Paged KV blocks: copier bandwidth and the chunk-size sweep."""
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.replace(" ", "").split(",") if v]

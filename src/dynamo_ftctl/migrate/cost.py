@@ -398,13 +398,15 @@ class PlanTable:
         for i, tokens in enumerate(self.contexts):
             row: list[Any] = [tokens, _ms(self.plans[i * width].reprefill_s)]
             for plan in self.plans[i * width:(i + 1) * width]:
-                mark = "KV" if plan.decision == "kv" else "re-prefill"
-                row.append(f"{_ms(plan.transfer_s)} → {mark}")
+                cell = _ms(plan.transfer_s)
+                row.append(cell if plan.decision == "kv" else f"({cell})")
             rows.append(row)
-        return table(
+        out = table(
             f"{self.model}, TP={self.tp}: KV transfer time per link vs re-prefill",
             ["tokens", "re-prefill", *self.links], rows,
         )
+        out.caption = "(parenthesised: re-prefill is faster than the transfer)"
+        return out
 
 
 DEFAULT_CONTEXTS = (128, 1024, 4096, 16384, 32768, 131072)
