@@ -168,6 +168,7 @@ class StreamLedger:
     attempt_tokens: int = 0
     prompt_tokens_reported: int | None = None
     logprobs: dict[str, Any] | None = None
+    workers: list[str] = field(default_factory=list)
     _role_sent: bool = False
     _prompt_ids_sent: bool = False
     _fingerprint: str | None = None
@@ -278,9 +279,11 @@ class StreamLedger:
 
     # ------------------------------------------------------------------ chunks
 
-    def start_attempt(self) -> None:
-        """A new upstream stream begins (first try, retry or continuation)."""
+    def start_attempt(self, worker: str = "") -> None:
+        """A new upstream stream begins on `worker` (first try, retry or continuation)."""
         self.attempt_tokens = 0
+        if worker:
+            self.workers.append(worker)
 
     def note_migration(self) -> None:
         """Count one continuation on another worker."""

@@ -75,7 +75,9 @@ _SSE_DONE = b"data: [DONE]\n\n"
 
 
 def _dumps(doc: Any) -> bytes:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    # ASCII-escaped: byte-level engines put undecodable bytes in text as lone
+    # surrogates (\udcfc), which only an escaped JSON string can carry back.
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _openai_error(message: str, kind: str, code: int) -> dict[str, Any]:
@@ -303,7 +305,7 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ one attempt
 
-    async def _attempt(self, slot: WorkerSlot, path: str, body: dict[str, Any],
+    async def _attempt(self, slot: WorkerSlot, path: str, body: bytes,
                        ledger: StreamLedger) -> AsyncIterator[list[dict[str, Any]]]:
         """Stream one upstream request; yield batches of client chunks; raise on any failure."""
         import aiohttp
@@ -314,7 +316,7 @@ class MigratingProxy:
         stall = self.config.stall_timeout_s
         now = self.clock.now
         try:
-            async with self.session.post(f"{slot.url}{path}", data=_dumps(body),
+            async with self.session.post(f"{slot.url}{path}", data=body,
                                          headers=headers, timeout=timeout) as resp:
                 if resp.status >= 500 or resp.status == 429:
                     msg = f"HTTP {resp.status} from {slot.name}"
@@ -421,11 +423,11 @@ class MigratingProxy:
                 if slot.max_model_len is not None:
                     ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
                                                slot.max_model_len)
-                ledger.start_attempt()
+                ledger.start_attempt(slot.name)
                 self.router.start(slot, prompt_estimate)
                 pending = prompt_estimate
                 try:
-                    async for batch in self._attempt(slot, path, body, ledger):
+                    async for batch in self._attempt(slot, path, _dumps(body), ledger):
                         if pending:
                             self.router.first_token(slot, pending)
                             pending = 0
@@ -557,7 +559,8 @@ class MigratingProxy:
 
     @staticmethod
     def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
-        headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.request_id}
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.request_id,
+                   WORKER_HEADER: ",".join(ledger.workers)}
         if ledger.migrations:
             headers[MIGRATED_HEADER] = str(ledger.migrations)
         if not ledger.ids_mode:

@@ -1,0 +1,432 @@
+"""The migrating proxy as a real process in front of real `ftctl sim` workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import yaml
+
+from dynamo_ftctl.openai import iter_sse_events
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.engine.launcher import SimWorker
+
+pytestmark = pytest.mark.integration
+
+PROXY_ADMIN_TOKEN = "proxy-test-token"
+MODEL = "ftctl-sim-tiny"
+
+
+@dataclass
+class ProxyProcess:
+    """A running proxy: its URL, process and log file."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _wait_for_url(proxy_log: Path, proc: subprocess.Popen[bytes], deadline_s: float) -> str:
+    """The URL the proxy prints once it serves (a condition with a deadline)."""
+    end = time.monotonic() + deadline_s
+    pattern = re.compile(r"serving \d+ workers on (http://\S+)")
+    while time.monotonic() < end:
+        match = pattern.search(proxy_log.read_text(errors="replace"))
+        if match:
+            return match.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    msg = f"proxy did not start: {proxy_log.read_text(errors='replace')[-2000:]}"
+    raise AssertionError(msg)
+
+
+ProxyFactory = Callable[..., ProxyProcess]
+
+
+@pytest.fixture
+def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
+    """Start `ftctl proxy` over [(name, url), ...] with `proxy:` settings; stopped at teardown."""
+    started: list[ProxyProcess] = []
+
+    def factory(workers: list[tuple[str, str]], **settings: Any) -> ProxyProcess:
+        index = len(started)
+        inventory = {
+            "cluster": "proxy-test",
+            "workers": [{"name": n, "url": u, "model": MODEL} for n, u in workers],
+            "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
+                      "stall_timeout_s": 5.0, **settings},
+        }
+        path = tmp_path / f"inventory-{index}.yaml"
+        path.write_text(yaml.safe_dump(inventory))
+        log = tmp_path / f"proxy-{index}.log"
+        env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_ADMIN_TOKEN}
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
+                stdout=subprocess.DEVNULL, stderr=sink, env=env,
+            )
+        proxy = ProxyProcess(url="", proc=proc, log=log)
+        started.append(proxy)
+        proxy.url = _wait_for_url(log, proc, 30.0)
+        return proxy
+
+    try:
+        yield factory
+    finally:
+        for proxy in started:
+            proxy.stop()
+
+
+def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
+    """Poll `check` until it holds; fail naming `what` after `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(0.02)
+    msg = f"timed out after {deadline_s} s waiting for {what}"
+    raise AssertionError(msg)
+
+
+def proxy_knows_max_len(proxy: ProxyProcess) -> bool:
+    """True once the proxy learnt every worker's max_model_len (first scrape done)."""
+    try:
+        doc = httpx.get(f"{proxy.url}/v1/models", timeout=2).json()
+    except httpx.HTTPError:
+        return False
+    return all("max_model_len" in entry for entry in doc["data"])
+
+
+MAX_TOKENS = 24
+
+
+def set_fault(worker: SimWorker, fault: dict[str, Any]) -> None:
+    resp = httpx.post(f"{worker.url}/admin/fault", json=fault, timeout=5,
+                      headers={"Authorization": f"Bearer {worker.admin_token}"})
+    assert resp.status_code == 200, resp.text
+
+
+def request_body(i: int) -> tuple[str, dict[str, Any]]:
+    """Request i: completions or chat, greedy or seeded sampling, with token ids."""
+    endpoint = "/v1/chat/completions" if i % 2 else "/v1/completions"
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "return_token_ids": True}
+    if (i // 2) % 2:
+        body |= {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i}
+    else:
+        body |= {"temperature": 0.0}
+    prompt = f"Request {i}: why do streams need to survive worker failures?"
+    if endpoint == "/v1/completions":
+        body["prompt"] = prompt
+    else:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    return endpoint, body
+
+
+def reference(worker: SimWorker, endpoint: str, body: dict[str, Any]) -> tuple[list[int], str]:
+    """Token ids and text of the fault-free run, straight from a worker."""
+    doc = httpx.post(f"{worker.url}{endpoint}", json={**body, "stream": False}, timeout=60).json()
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return choice["token_ids"], text
+
+
+@dataclass
+class Streamed:
+    """What a client saw of one streamed answer."""
+
+    status: int
+    headers: dict[str, str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    error: str | None = None
+    migrated: int = 0
+    done: bool = False
+    usage: dict[str, int] | None = None
+    request_ids: set[str] = field(default_factory=set)
+
+
+def stream(proxy: ProxyProcess, endpoint: str, body: dict[str, Any],
+           on_chunk: Any = None, headers: dict[str, str] | None = None) -> Streamed:
+    """Stream a request through the proxy and collect everything the client sees."""
+    payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{proxy.url}{endpoint}", json=payload, timeout=60,
+                      headers=headers) as resp:
+        out = Streamed(status=resp.status_code, headers=dict(resp.headers))
+        raw = b""
+        for piece in resp.iter_bytes():
+            raw += piece
+            if on_chunk is not None:
+                on_chunk(out, raw)
+    for line in raw.split(b"\n"):
+        if line.startswith(b": x-ftctl-migrated:"):
+            out.migrated = int(line.rsplit(b":", 1)[1])
+    for event in iter_sse_events([raw]):
+        if event.is_done:
+            out.done = True
+            continue
+        doc = json.loads(event.data)
+        if "error" in doc:
+            out.error = doc["error"]["message"]
+            continue
+        out.request_ids.add(doc["id"])
+        if doc.get("usage"):
+            out.usage = doc["usage"]
+        for choice in doc["choices"]:
+            out.ids.extend(choice.get("token_ids") or [])
+            delta = choice.get("delta")
+            out.text += (delta.get("content") or "") if delta is not None else choice["text"]
+            out.finish = choice.get("finish_reason") or out.finish
+    return out
+
+
+def test_hundred_streams_with_a_worker_failing_at_a_random_token_are_identical(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """100 streams, each with workers dropping it at a random token: outputs equal fault-free."""
+    workers = [sim_worker_factory(name=f"w{i}") for i in range(3)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers], breaker_threshold=100000,
+                          migration_limit=3)
+    wait_until(lambda: proxy_knows_max_len(proxy), 20, "the proxy's first scrape")
+    specs = [request_body(i) for i in range(100)]
+    with ThreadPoolExecutor(8) as pool:
+        expected = list(pool.map(lambda spec: reference(workers[0], *spec), specs))
+    rng = random.Random(9)
+    cuts = [rng.randint(1, MAX_TOKENS - 1) for _ in specs]
+    migrated = 0
+    # Requests that share a cut point run together (8 at a time) under one fault setting:
+    # every worker drops its streams after `cut` tokens of their own when three hops cover
+    # the output; else two of them do and the third is clean (exclusion finds it).
+    for cut in sorted(set(cuts)):
+        faulty = set(range(3)) if 3 * cut >= MAX_TOKENS else set(rng.sample(range(3), 2))
+        for index, worker in enumerate(workers):
+            set_fault(worker, {"kind": "disconnect", "after_tokens": cut} if index in faulty
+                      else {"kind": "clear"})
+        batch = [i for i, c in enumerate(cuts) if c == cut]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: stream(proxy, *specs[i]), batch))
+        for i, got in zip(batch, results, strict=True):
+            assert got.error is None, (i, cut, got.error)
+            assert (got.ids, got.text) == expected[i], f"request {i} (cut at {cut}) differs"
+            assert got.finish == "length"
+            assert got.done
+            assert len(got.request_ids) == 1
+            assert got.usage is not None
+            assert got.usage["completion_tokens"] == MAX_TOKENS
+            migrated += got.migrated > 0
+    # About 90% start on a worker that breaks; all of those must have been migrated.
+    assert migrated >= 70, migrated
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    assert 'dynamo_migration_total{method="reprefill"' in metrics
+
+
+def test_sigkilled_worker_mid_stream_is_continued_identically(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """SIGKILL of the serving worker mid-stream: the client's stream goes on unchanged."""
+    workers = [sim_worker_factory(name=f"k{i}") for i in range(3)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers])
+    by_name = {w.name: w for w in workers}
+    for endpoint, body in (request_body(0), request_body(3)):
+        live = [w for w in workers if w.alive]
+        ids, text = reference(live[0], endpoint, {**body, "max_tokens": 40})
+        for worker in live:
+            set_fault(worker, {"kind": "slow", "delay_ms": 15})
+        killed: list[str] = []
+
+        def kill_after_five(out: Streamed, raw: bytes, killed: list[str] = killed) -> None:
+            if not killed and raw.count(b'"token_ids"') >= 5:
+                name = out.headers["x-ftctl-worker"].split(",")[-1]
+                by_name[name].kill()
+                killed.append(name)
+
+        got = stream(proxy, endpoint, {**body, "max_tokens": 40}, on_chunk=kill_after_five)
+        assert killed, "the stream ended before the kill"
+        assert got.error is None
+        assert (got.ids, got.text) == (ids, text)
+        assert got.migrated >= 1  # plus a plain retry when the dead worker was tried first
+
+
+def test_migration_limit_reached_ends_with_a_clean_error(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """Every worker breaking and migration_limit 1: an error event and [DONE], never a hang."""
+    workers = [sim_worker_factory(name=f"l{i}") for i in range(2)]
+    for worker in workers:
+        set_fault(worker, {"kind": "disconnect", "after_tokens": 3})
+    proxy = proxy_factory([(w.name, w.url) for w in workers], migration_limit=1)
+    got = stream(proxy, *request_body(0))
+    assert got.status == 200
+    assert got.done
+    assert got.error is not None
+    assert "migration limit reached (1)" in got.error
+    assert len(got.ids) == 6
+
+
+def test_client_disconnect_cancels_the_upstream_request(
+    sim_worker: SimWorker, proxy_factory: ProxyFactory,
+) -> None:
+    """A client leaving mid-stream makes the worker's running request go away."""
+    set_fault(sim_worker, {"kind": "slow", "delay_ms": 50})
+    proxy = proxy_factory([("w", sim_worker.url)])
+    endpoint, body = request_body(0)
+    with httpx.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
+                      json={**body, "stream": True, "max_tokens": 400}) as resp:
+        for _ in resp.iter_bytes():
+            break
+
+    def running() -> float:
+        text = httpx.get(f"{sim_worker.url}/metrics", timeout=5).text
+        line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+        return float(line.rsplit(" ", 1)[1])
+
+    wait_until(lambda: running() == 0, 10, "the worker to drop the abandoned request")
+
+
+@contextmanager
+def fake_daemon(weights: dict[str, float]) -> Iterator[tuple[str, list[Any]]]:
+    """A stand-in canary daemon: GET /workers from `weights`, POST /report recorded."""
+    reports: list[Any] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"workers": [{"name": n, "weight": w}
+                                           for n, w in weights.items()]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", 0))
+            reports.append(json.loads(self.rfile.read(length)))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", reports
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+LEVEL_WEIGHTS = {
+    0: (1.0, 1.0, 1.0, 1.0),
+    1: (1.0, 1.0, 1.0, 0.0),
+    2: (1.0, 1.0, 0.0, 0.0),
+    3: (1.0, 0.0, 0.0, 0.0),
+    4: (0.5, 0.0, 0.0, 0.0),
+}
+
+
+def test_priority_shedding_order_under_each_degradation_level(
+    sim_worker: SimWorker, proxy_factory: ProxyFactory,
+) -> None:
+    """With daemon weights giving levels 0-4: best_effort shed first, then standard; premium kept."""
+    names = ["d0", "d1", "d2", "d3"]
+    weights = dict.fromkeys(names, 1.0)
+    with fake_daemon(weights) as (daemon_url, _):
+        proxy = proxy_factory([(n, sim_worker.url) for n in names], health_url=daemon_url)
+        seen: dict[int, dict[str, int]] = {}
+        for level, values in LEVEL_WEIGHTS.items():
+            weights.update(zip(names, values, strict=True))
+            wait_until(lambda level=level: httpx.get(f"{proxy.url}/health", timeout=5)
+                       .json()["degradation_level"] == level, 10, f"degradation level {level}")
+            seen[level] = {}
+            for tier in ("premium", "standard", "best_effort"):
+                resp = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                                  headers={"x-ftctl-priority": tier},
+                                  json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                seen[level][tier] = resp.status_code
+                if resp.status_code == 503:
+                    assert resp.headers["retry-after"] == "1"
+    assert seen == {
+        0: {"premium": 200, "standard": 200, "best_effort": 200},
+        1: {"premium": 200, "standard": 200, "best_effort": 503},
+        2: {"premium": 200, "standard": 200, "best_effort": 503},
+        3: {"premium": 200, "standard": 503, "best_effort": 503},
+        4: {"premium": 200, "standard": 503, "best_effort": 503},
+    }
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    assert 'dynamo_tasks_rejected_total{priority="best_effort",reason="degradation_level_1"}' \
+        in metrics
+
+
+def test_overload_answers_503_then_a_runtime_threshold_change_admits(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """KV cache above the threshold under a load loop: 503 + body; raising it admits again."""
+    worker = sim_worker_factory(name="b0", model_config="ftctl-sim-tiny-small-cache")
+    set_fault(worker, {"kind": "slow", "delay_ms": 20})
+    proxy = proxy_factory([("b0", worker.url)],
+                          busy={"active_decode_blocks_threshold": 0.3})
+    # 4 x (96 + 100) tokens overfill the 24-block (384-token) cache of this preset.
+    load = {"model": MODEL, "prompt": "fault tolerance " * 6, "max_tokens": 100,
+            "temperature": 0}
+    small = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    answers: list[httpx.Response] = []
+
+    def probe() -> bool:
+        answers.append(httpx.post(f"{proxy.url}/v1/completions", json=small, timeout=30))
+        return answers[-1].status_code == 503
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(httpx.post, f"{worker.url}/v1/completions", json=load,
+                               timeout=60) for _ in range(4)]
+        wait_until(probe, 20, "the proxy to report all workers busy")  # bounded load loop
+        rejected = answers[-1]
+        assert rejected.headers["retry-after"] == "1"
+        assert rejected.json() == {
+            "message": "Service temporarily unavailable: All workers are busy, please retry "
+                       "later", "type": "service_unavailable", "code": 503}
+        denied = httpx.post(f"{proxy.url}/busy_threshold", timeout=5,
+                            json={"model": MODEL, "active_decode_blocks_threshold": 1.0})
+        assert denied.status_code == 401
+        changed = httpx.post(f"{proxy.url}/busy_threshold", timeout=5,
+                             headers={"Authorization": f"Bearer {PROXY_ADMIN_TOKEN}"},
+                             json={"model": MODEL, "active_decode_blocks_threshold": 1.0})
+        assert changed.status_code == 200
+        assert httpx.get(f"{proxy.url}/busy_threshold", params={"model": MODEL},
+                         timeout=5).json()["active_decode_blocks_threshold"] == 1.0
+        assert httpx.post(f"{proxy.url}/v1/completions", json=small, timeout=30) \
+            .status_code == 200
+        set_fault(worker, {"kind": "clear"})
+        for future in futures:
+            future.result(timeout=60)
