@@ -430,3 +430,75 @@ def test_overload_answers_503_then_a_runtime_threshold_change_admits(
         set_fault(worker, {"kind": "clear"})
         for future in futures:
             future.result(timeout=60)
+
+
+@contextmanager
+def garbage_worker(mode: str) -> Iterator[str]:
+    """A broken 'worker': an HTML 502 page, SSE with bad JSON, or an endless tokenless stream."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if mode == "html502":
+                body = b"<html><body><h1>502 Bad Gateway</h1></body></html>"
+                self.send_response(502)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if mode == "bad_json":
+                self.wfile.write(b'data: {"choices": [{"text": "oops"\n\ndata: [DONE]\n\n')
+                return
+            deadline = time.monotonic() + 30  # endless, but bounded for the test's sake
+            try:
+                while time.monotonic() < deadline:
+                    self.wfile.write(b": keep-alive\n\ndata: {\"choices\": []}\n\n")
+                    self.wfile.flush()
+                    time.sleep(0.01)
+            except OSError:
+                return
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("mode", ["html502", "bad_json", "endless"])
+def test_garbage_from_a_worker_is_a_failure_never_output(
+    shared_sim_worker: SimWorker, proxy_factory: ProxyFactory, mode: str,
+) -> None:
+    """HTML 502 pages, bad JSON and endless tokenless streams are failures, not client output."""
+    endpoint, body = request_body(2)
+    expected = reference(shared_sim_worker, endpoint, body)
+    with garbage_worker(mode) as bad_url:
+        proxy = proxy_factory([("bad", bad_url), ("good", shared_sim_worker.url)],
+                              stall_timeout_s=1.0, breaker_threshold=100)
+        for _ in range(4):  # round-robin: at least two of them start on the bad worker
+            got = stream(proxy, endpoint, body)
+            assert got.error is None
+            assert (got.ids, got.text) == expected
+    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    assert 'dynamo_migration_total{method="retry",source_group="bad",target_group="good"}' \
+        in metrics
