@@ -181,10 +181,12 @@ def upstream(token_ms: float = 0.0, prefill_us: float = 0.0,
     return proc, f"http://127.0.0.1:{port}"
 
 
-def proxy(urls: list[str], directory: Path) -> tuple[subprocess.Popen[bytes], str]:
+def proxy(urls: list[str], directory: Path,
+          model: str = "m") -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     inv = directory / f"inv-{port}.yaml"
-    workers = "".join(f"  - {{name: w{i}, url: '{u}', model: m}}\n" for i, u in enumerate(urls))
+    workers = "".join(f"  - {{name: w{i}, url: '{u}', model: {model}}}\n"
+                      for i, u in enumerate(urls))
     inv.write_text(f"cluster: bench\nworkers:\n{workers}proxy:\n  listen: 127.0.0.1:{port}\n"
                    "  busy: {active_prefill_tokens_threshold: 100000000}\n")
     proc = start([PY, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"], {0},
@@ -301,11 +303,45 @@ def figure_overhead(directory: Path, count: int) -> None:
         stop(px, up)
 
 
+def figure_overhead_sim(directory: Path, count: int) -> None:
+    """The same comparison against a real `ftctl sim` worker (prefill and decode are real)."""
+    from dynamo_ftctl.engine.launcher import start_worker
+
+    worker = start_worker("bench-sim", timeout_s=120)
+    try:
+        os.sched_setaffinity(worker.pid, OTHER_CPUS)
+        px, px_url = proxy([worker.url], directory, model="ftctl-sim-tiny")
+        try:
+            body = {"model": "ftctl-sim-tiny", "prompt": "hello " * 40, "max_tokens": 32,
+                    "stream": True, "temperature": 0}
+            asyncio.run(streams(px_url, body, 32, 32))
+            direct = asyncio.run(streams(worker.url, body, 32, count))
+            via = asyncio.run(streams(px_url, body, 32, count))
+            d_ttft, v_ttft = p50([r[0] for r in direct]), p50([r[0] for r in via])
+            d_e2e, v_e2e = p50([r[1] for r in direct]), p50([r[1] for r in via])
+            print(f"overhead vs a real ftctl sim worker, 32 concurrent streams x {count}, "
+                  f"240-token prompt, 32 tokens: p50 TTFT direct {d_ttft * 1e3:.1f} ms, via "
+                  f"proxy {v_ttft * 1e3:.1f} ms (ratio {v_ttft / d_ttft:.2f}, "
+                  f"{(v_ttft - d_ttft) * 1e3:+.1f} ms); p50 end-to-end direct "
+                  f"{d_e2e * 1e3:.0f} ms, via proxy {v_e2e * 1e3:.0f} ms "
+                  f"(ratio {v_e2e / d_e2e:.2f})")
+        finally:
+            stop(px)
+    finally:
+        worker.stop()
+
+
 def figure_throughput(directory: Path, seconds: float) -> None:
     up, up_url = upstream()
     px, px_url = proxy([up_url], directory)
+    port = free_port()
+    hop = start([PY, __file__, "hop", str(port), up_url, "aiohttp"], {0},
+                f"http://127.0.0.1:{port}/none")
     try:
         plain = {"model": "m", "prompt": "hi", "max_tokens": 1, "temperature": 0}
+        hop_url = f"http://127.0.0.1:{port}"
+        asyncio.run(rate(hop_url, plain, 32, 0.5))
+        hop_rps = asyncio.run(rate(hop_url, plain, 32, seconds))
         asyncio.run(rate(px_url, plain, 32, 0.5))
         cpu0, t0 = cpu_seconds(px.pid), time.perf_counter()
         rps = asyncio.run(rate(px_url, plain, 32, seconds))
@@ -319,11 +355,13 @@ def figure_throughput(directory: Path, seconds: float) -> None:
         busy_tok = (cpu_seconds(px.pid) - cpu0) / wall
         print(f"throughput, proxy pinned to one core, trivial upstream: "
               f"{rps:,.0f} non-streamed requests/s (32 connections; proxy core "
-              f"{busy_rps:.0%} busy), {tokens:,.0f} streamed tokens/s (32 streams of 256 "
+              f"{busy_rps:.0%} busy; a bare starlette+aiohttp forwarding hop on the same core: "
+              f"{hop_rps:,.0f} req/s, proxy/hop = {rps / hop_rps:.2f}), "
+              f"{tokens:,.0f} streamed tokens/s (32 streams of 256 "
               f"tokens; proxy core {busy_tok:.0%} busy). Below 100% busy, the upstream and "
               "client sharing the other core are the limit, not the proxy")
     finally:
-        stop(px, up)
+        stop(px, up, hop)
 
 
 def figure_stall(directory: Path, count: int) -> None:
@@ -366,7 +404,7 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs")
-    parser.add_argument("--only", choices=["clients", "overhead", "throughput", "stall"])
+    parser.add_argument("--only", choices=["clients", "overhead", "sim", "throughput", "stall"])
     args = parser.parse_args()
     seconds = 1.5 if args.quick else 4.0
     print(f"benchmarks/proxy.py on {len(CPUS)} CPUs (proxy pinned to CPU 0); "
@@ -377,6 +415,8 @@ def main() -> None:
             figure_clients(seconds)
         if args.only in (None, "overhead"):
             figure_overhead(directory, 128 if args.quick else 320)
+        if args.only in (None, "sim"):
+            figure_overhead_sim(directory, 64 if args.quick else 160)
         if args.only in (None, "throughput"):
             figure_throughput(directory, seconds)
         if args.only in (None, "stall"):

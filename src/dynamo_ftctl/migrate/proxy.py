@@ -72,6 +72,8 @@ PRIORITY_HEADER = "x-ftctl-priority"
 # A worker that streams this many events in a row without a token is babbling.
 _MAX_EVENTS_WITHOUT_TOKEN = 1000
 _SSE_DONE = b"data: [DONE]\n\n"
+# How long to wait for the end of an upstream body after its [DONE].
+_DRAIN_S = 0.1
 
 
 def _dumps(doc: Any) -> bytes:
@@ -370,6 +372,12 @@ class MigratingProxy:
                         raise failure
                     if done:
                         break
+                if done and not resp.content.is_eof():
+                    # Read the chunked terminator so the connection goes back to the
+                    # pool (an unread body closes it: a new TCP connection per request).
+                    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                        async with asyncio.timeout(_DRAIN_S):
+                            await resp.content.read()
                 if not ledger.finished:
                     msg = f"{slot.name}: stream ended without a finish reason"
                     raise UpstreamFailure(msg)
