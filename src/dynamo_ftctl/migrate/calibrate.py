@@ -186,7 +186,13 @@ def _solve(rows: list[list[float]], ys: list[float]) -> list[float] | None:
 
 
 def _fit_nonneg(xs: Sequence[float], ys: Sequence[float], powers: Sequence[int]) -> list[float]:
-    """Coefficients of Σ c_p·x^p with every c_p >= 0 and the least squared error."""
+    """Coefficients of Σ c_p·x^p with every c_p >= 0 and the least relative squared error.
+
+    Relative error (each point weighted by 1/y) keeps the short prompts, whose
+    times are small, from being ignored next to the long ones: the crossover
+    usually sits among the short ones.
+    """
+    weights = [1.0 / y if y > 0 else 1.0 for y in ys]
     best: tuple[float, list[float]] | None = None
     for size in range(1, len(powers) + 1):
         for subset in itertools.combinations(powers, size):
@@ -194,15 +200,16 @@ def _fit_nonneg(xs: Sequence[float], ys: Sequence[float], powers: Sequence[int])
                 continue
             # Scale x so that the normal equations stay well conditioned.
             scale = max(*(abs(x) for x in xs), 1.0)
-            rows = [[(x / scale) ** p for p in subset] for x in xs]
-            coef = _solve(rows, list(ys))
+            rows = [[w * (x / scale) ** p for p in subset]
+                    for x, w in zip(xs, weights, strict=True)]
+            coef = _solve(rows, [w * y for y, w in zip(ys, weights, strict=True)])
             if coef is None or any(c < 0 for c in coef):
                 continue
             full = dict.fromkeys(powers, 0.0)
             for p, c in zip(subset, coef, strict=True):
                 full[p] = c / scale**p
-            sse = sum((y - sum(full[p] * x**p for p in powers)) ** 2
-                      for x, y in zip(xs, ys, strict=True))
+            sse = sum((w * (y - sum(full[p] * x**p for p in powers))) ** 2
+                      for x, y, w in zip(xs, ys, weights, strict=True))
             if best is None or sse < best[0]:
                 best = (sse, [full[p] for p in powers])
     if best is None:
@@ -331,39 +338,42 @@ async def start_in_flight(
 async def time_kv_move(
     client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *, model: str, length: int,
     max_model_len: int, repeats: int, clock: Clock,
-) -> tuple[Sample, Sample, Sample, dict[str, int]]:
-    """Median export, import-to-first-token and their sum for a context of `length` tokens."""
+) -> tuple[Sample, Sample, Sample]:
+    """Median export, import-to-first-token and their sum for a context of `length` tokens.
+
+    Each repeat moves a fresh in-flight request exactly as a migration does: export
+    with abort from the running worker, import on the peer up to its first token.
+    """
     from dynamo_ftctl.migrate.transfer import export_request, stream_completion
 
-    rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
-    max_tokens = max(2, min(64, max_model_len - length - 1))
-    reader = await start_in_flight(client, worker, model, length, max_tokens=max_tokens,
-                                   request_id=rid)
-    try:
-        state, _, _ = await export_request(client, worker, rid, abort=True, clock=clock)
-    finally:
-        reader.cancel()
-    exports, imports = [], []
-    for i in range(repeats):
-        _, payload, export_s = await export_request(client, worker, rid, abort=False, clock=clock)
-        moved = f"{rid}-import-{i}"
+    max_tokens = max(2, min(128, max_model_len - length - 1))
+    exports, imports, tokens = [], [], []
+    for _ in range(repeats):
+        rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
+        reader = await start_in_flight(client, worker, model, length, max_tokens=max_tokens,
+                                       request_id=rid)
+        try:
+            state, payload, export_s = await export_request(client, worker, rid, abort=True,
+                                                            clock=clock)
+        finally:
+            reader.cancel()
         cont = await stream_completion(
             client, peer, "KV import", "POST", f"{peer.admin_url}/admin/kv/import", clock=clock,
             first_only=True, content=payload,
-            headers={**peer.admin_headers(), "X-Request-Id": moved,
+            headers={**peer.admin_headers(), "X-Request-Id": rid,
                      "Content-Type": "application/octet-stream"},
         )
         # Stop the imported copy: it would otherwise decode its remaining tokens.
-        await client.get(f"{peer.admin_url}/admin/kv/{moved}", params={"abort": "true"},
+        await client.get(f"{peer.admin_url}/admin/kv/{rid}", params={"abort": "true"},
                          headers=peer.admin_headers())
         exports.append(export_s)
         imports.append(cont.first_token_s)
-    tokens = len(state.token_ids)
-    e, i_ = statistics.median(exports), statistics.median(imports)
-    geometry = {"kv_bytes_per_token": state.kv_bytes_per_token}
-    return (Sample(tokens=tokens, seconds=e), Sample(tokens=tokens, seconds=i_),
-            Sample(tokens=tokens, seconds=statistics.median(
-                [a + b for a, b in zip(exports, imports, strict=True)])), geometry)
+        tokens.append(len(state.token_ids))
+    n = round(statistics.median(tokens))
+    return (Sample(tokens=n, seconds=statistics.median(exports)),
+            Sample(tokens=n, seconds=statistics.median(imports)),
+            Sample(tokens=n, seconds=statistics.median(
+                [a + b for a, b in zip(exports, imports, strict=True)])))
 
 
 async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> dict[str, int]:
@@ -371,7 +381,7 @@ async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> di
     from dynamo_ftctl.migrate.transfer import http_errors, refusal
 
     rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
-    reader = await start_in_flight(client, worker, model, 16, max_tokens=8, request_id=rid)
+    reader = await start_in_flight(client, worker, model, 16, max_tokens=128, request_id=rid)
     try:
         async with http_errors("KV export", worker):
             response = await client.get(f"{worker.admin_url}/admin/kv/{rid}",
@@ -398,17 +408,23 @@ async def calibrate(
         msg = f"--lengths: need three lengths below the model's maximum of {max_len} tokens"
         raise InvalidInput(msg)
     layout = await _layout(client, worker, model)
-    await time_prefill(client, worker, model, 8, clock=clock)  # warm-up
-    prefill_samples = []
+    # Warm both paths (allocator, caches, connections) before anything is timed.
+    await time_prefill(client, worker, model, usable[-1], clock=clock)
+    await time_kv_move(client, worker, peer, model=model, length=usable[0],
+                       max_model_len=max_len, repeats=1, clock=clock)
+    prefill_samples, move_samples = [], []
     for n in usable:
-        times = [await time_prefill(client, worker, model, n, clock=clock, salt=r)
-                 for r in range(repeats)]
-        prefill_samples.append(Sample(tokens=n, seconds=statistics.median(times)))
-    move_samples = []
-    for n in usable:
-        _, _, total, _ = await time_kv_move(client, worker, peer, model=model, length=n,
-                                            max_model_len=max_len, repeats=repeats, clock=clock)
-        move_samples.append(total)
+        # One prefill then one KV move per repeat, so that drift in machine load hits
+        # both curves alike.
+        prefills, moves = [], []
+        for r in range(repeats):
+            prefills.append(await time_prefill(client, worker, model, n, clock=clock, salt=r))
+            moves.append(await time_kv_move(client, worker, peer, model=model, length=n,
+                                            max_model_len=max_len, repeats=1, clock=clock))
+        prefill_samples.append(Sample(tokens=n, seconds=statistics.median(prefills)))
+        move_samples.append(Sample(
+            tokens=round(statistics.median(m[2].tokens for m in moves)),
+            seconds=statistics.median(m[2].seconds for m in moves)))
     geometry = KVGeometry(layout["layers"], layout["kv_heads"], layout["head_dim"],
                           layout["dtype_bytes"])
     return Calibration(
