@@ -20,6 +20,7 @@ import enum
 import json
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -150,7 +151,9 @@ def _start_engine(argv: Sequence[str]) -> subprocess.Popen[bytes]:
         raise InvalidInput(msg)
     try:
         # preexec_fn is safe here: no other thread of ours runs yet (see run_failover).
-        return subprocess.Popen(list(argv), preexec_fn=_die_with_parent)  # noqa: PLW1509
+        # The engine's stdout goes to our stderr: with --json, stdout carries only state lines.
+        return subprocess.Popen(list(argv), stdout=sys.stderr.fileno(),
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509
     except OSError as exc:
         msg = f"cannot start engine {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc

@@ -1,0 +1,227 @@
+"""`ftctl failover run` with real engine processes on loopback: states, handover, failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+FAKE_ENGINE = Path(__file__).with_name("fake_engine.py")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Wrapper:
+    """One `ftctl failover run` process and the state lines it printed."""
+
+    proc: subprocess.Popen[str]
+    health_port: int
+    engine_url: str
+    lines: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def wait_state(self, state: str, timeout: float = 60.0) -> dict[str, Any]:
+        """The first state line with `state`, waiting at most `timeout` s."""
+        for line in self.seen:
+            if line["state"] == state:
+                return line
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no {state} within {timeout} s; saw {self.seen}"
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if line["state"] == state:
+                return line
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=5)
+
+
+WrapperFactory = Callable[..., Wrapper]
+
+
+@pytest.fixture
+def start_wrapper(tmp_path: Path) -> Iterator[WrapperFactory]:
+    """Start `failover run` processes sharing tmp_path/failover.lock; all killed at teardown."""
+    started: list[Wrapper] = []
+
+    def start(engine_id: int, engine: list[str], engine_url: str, *extra: str) -> Wrapper:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", "failover", "run", "--json",
+             "--engine-id", str(engine_id), "--health-port", str(port),
+             "--path", str(tmp_path / "failover.lock"), "--engine-url", engine_url, *extra,
+             "--", *engine],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        wrapper = Wrapper(proc, port, engine_url)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                wrapper.lines.put(json.loads(raw))
+
+        threading.Thread(target=pump, daemon=True).start()
+        started.append(wrapper)
+        return wrapper
+
+    try:
+        yield start
+    finally:
+        for wrapper in started:
+            if wrapper.proc.poll() is None:
+                wrapper.proc.kill()
+            wrapper.proc.wait(10)
+            for stream in (wrapper.proc.stdout, wrapper.proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def fake_engine(port: int, *args: str) -> list[str]:
+    return [sys.executable, str(FAKE_ENGINE), str(port), *args]
+
+
+def stderr_of(wrapper: Wrapper) -> str:
+    assert wrapper.proc.stderr is not None
+    return wrapper.proc.stderr.read()
+
+
+def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFactory) -> None:
+    """Primary goes ACTIVE, shadow sleeps in STANDBY (200); killing the primary engine hands over."""
+    p_port, s_port = free_port(), free_port()
+    primary = start_wrapper(0, fake_engine(p_port), f"http://127.0.0.1:{p_port}")
+    active = primary.wait_state("ACTIVE")
+    assert active["token"] == 1
+    shadow = start_wrapper(1, fake_engine(s_port), f"http://127.0.0.1:{s_port}")
+    shadow.wait_state("STANDBY")
+    response = shadow.health()
+    assert response.status_code == 200
+    assert response.json()["state"] == "STANDBY"
+    assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 503
+
+    os.kill(active["engine_pid"], signal.SIGKILL)
+    assert primary.proc.wait(30) == 1
+    assert "exited with code -9" in stderr_of(primary)
+    taken = shadow.wait_state("ACTIVE", timeout=30)
+    assert taken["token"] == 2
+    assert shadow.health().json()["state"] == "ACTIVE"
+    assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 200
+    metrics = httpx.get(f"http://127.0.0.1:{shadow.health_port}/metrics", timeout=5).text
+    assert 'ftctl_lock_holder{engine_id="1"' in metrics
+    assert "ftctl_lock_acquire_seconds_count 1.0" in metrics
+
+
+def test_init_answers_503_and_engine_death_exits_non_zero(start_wrapper: WrapperFactory) -> None:
+    """An engine that never gets healthy keeps the wrapper in INIT (503); its death exits 1."""
+    engine = [sys.executable, "-c", "import time; time.sleep(120)"]
+    wrapper = start_wrapper(0, engine, f"http://127.0.0.1:{free_port()}")
+    init = wrapper.wait_state("INIT")
+    deadline = time.monotonic() + 30
+    while True:  # the health server starts right after the engine
+        try:
+            response = wrapper.health()
+            break
+        except httpx.ConnectError:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert response.status_code == 503
+    assert response.json()["state"] == "INIT"
+    os.kill(init["engine_pid"], signal.SIGKILL)
+    assert wrapper.proc.wait(30) == 1
+
+
+def test_wake_timeout_exits_1_with_a_clear_error(start_wrapper: WrapperFactory) -> None:
+    """An engine slower to wake than --wake-timeout makes the wrapper exit 1 and say so."""
+    port = free_port()
+    wrapper = start_wrapper(0, fake_engine(port, "--wake-delay", "5"),
+                            f"http://127.0.0.1:{port}", "--wake-timeout", "0.3")
+    wrapper.wait_state("WAKING")
+    assert wrapper.proc.wait(30) == 1
+    assert "did not wake within 0.3 s" in stderr_of(wrapper)
+
+
+def test_sigterm_stops_engine_and_frees_the_lock(
+    start_wrapper: WrapperFactory, tmp_path: Path,
+) -> None:
+    """SIGTERM stops the engine, releases the lock and exits 0."""
+    port = free_port()
+    wrapper = start_wrapper(0, fake_engine(port, "--no-is-sleeping"), f"http://127.0.0.1:{port}")
+    active = wrapper.wait_state("ACTIVE")
+    wrapper.proc.send_signal(signal.SIGTERM)
+    assert wrapper.proc.wait(30) == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(active["engine_pid"], 0)
+    status = subprocess.run(
+        [sys.executable, "-m", "dynamo_ftctl", "lock", "status", "-p",
+         str(tmp_path / "failover.lock")], capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert status.returncode == 1
+
+
+def test_wrapper_killed_takes_its_engine_with_it(start_wrapper: WrapperFactory) -> None:
+    """SIGKILL of the wrapper kills the engine too (no engine serves without the lock)."""
+    port = free_port()
+    wrapper = start_wrapper(0, fake_engine(port), f"http://127.0.0.1:{port}")
+    active = wrapper.wait_state("ACTIVE")
+    wrapper.proc.kill()
+    wrapper.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.kill(active["engine_pid"], 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "engine outlived its wrapper"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_two_sim_engines_shadow_takes_over_and_serves(start_wrapper: WrapperFactory) -> None:
+    """With two `ftctl sim` engines, killing the active one makes the shadow ACTIVE and serving."""
+    ports = free_port(), free_port()
+
+    def start(i: int) -> Wrapper:
+        engine = [sys.executable, "-m", "dynamo_ftctl", "sim", "serve", "--port", str(ports[i])]
+        return start_wrapper(i, engine, f"http://127.0.0.1:{ports[i]}")
+
+    primary = start(0)
+    first = primary.wait_state("ACTIVE", timeout=120)  # before the shadow starts: no race
+    wrappers = [primary, start(1)]
+    wrappers[1].wait_state("STANDBY", timeout=120)
+    body = {"model": "ftctl-sim-tiny", "prompt": "hello", "max_tokens": 4}
+    served = httpx.post(f"{wrappers[0].engine_url}/v1/completions", json=body, timeout=30)
+    assert served.status_code == 200, served.text
+    asleep = httpx.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
+    assert asleep.status_code == 503
+
+    os.kill(first["engine_pid"], signal.SIGKILL)
+    assert wrappers[0].proc.wait(30) == 1
+    wrappers[1].wait_state("ACTIVE", timeout=60)
+    response = httpx.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"]
