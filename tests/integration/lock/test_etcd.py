@@ -1,0 +1,191 @@
+"""EtcdLock against a real etcd (Debian `etcd-server`) on free loopback ports."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dynamo_ftctl.errors import LockTimeout
+from dynamo_ftctl.lock import EtcdLock, LeaseLost
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("etcd") is None,
+                       reason="etcd binary missing (Debian package etcd-server; make debs)"),
+]
+
+TTL = 2  # etcd's smallest useful lease TTL (its minimum is 1.5 x the election timeout)
+
+HOLDER = """
+import sys
+from dynamo_ftctl.lock import EtcdLock
+lock = EtcdLock([sys.argv[1]], sys.argv[2], 7, ttl_s=float(sys.argv[3]))
+print(lock.acquire(30).token, flush=True)
+sys.stdin.read()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[str]:
+    """A single-member etcd on free loopback ports with a temp data dir; killed at teardown."""
+    client, peer = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    log = (tmp_path / "etcd.log").open("wb")
+    proc = subprocess.Popen(
+        ["etcd", "--name", "t", "--data-dir", str(tmp_path / "etcd"),
+         "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+         "--initial-cluster", f"t={peer_url}", "--log-level", "error"],
+        stdout=log, stderr=log,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"{client_url}/health", timeout=1).json().get("health") == "true":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "etcd did not become healthy in 30 s"
+            time.sleep(0.05)
+        yield client_url
+    finally:
+        proc.kill()
+        proc.wait(10)
+        log.close()
+
+
+class Partition(httpx.BaseTransport):
+    """A real transport that can be cut off for keep-alives, like a network partition."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+        self.cut = threading.Event()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.cut.is_set() and request.url.path == "/v3/lease/keepalive":
+            raise httpx.ConnectError("partitioned", request=request)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_acquire_release_and_tokens_are_create_revisions(etcd: str) -> None:
+    """Acquire writes the key with a lease; the token is its create revision and grows."""
+    lock = EtcdLock([etcd], "/t/a", 3, ttl_s=TTL)
+    lease = lock.acquire(timeout=5)
+    owner = lock.owner()
+    assert owner is not None
+    assert (owner.live, owner.engine_id, owner.token) == (True, 3, lease.token)
+    assert lock.is_held
+    lock.release()
+    assert lock.owner() is None
+    again = lock.acquire(timeout=5)
+    assert again.token > lease.token
+    lock.close()
+
+
+def test_contention_times_out_then_wakes_on_release(etcd: str) -> None:
+    """A second engine times out (exit 4) while the key is held and is woken by its deletion."""
+    first = EtcdLock([etcd], "/t/b", 0, ttl_s=TTL)
+    second = EtcdLock([etcd], "/t/b", 1, ttl_s=TTL)
+    first_lease = first.acquire(5)
+    with pytest.raises(LockTimeout) as info:
+        second.acquire(timeout=0.3)
+    assert "engine 0" in str(info.value)
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.append(second.acquire(10).token))
+    thread.start()
+    first.close()
+    thread.join(15)
+    assert len(got) == 1
+    assert got[0] > first_lease.token
+    second.close()
+
+
+def test_killed_holder_lease_expires_and_waiter_acquires_within_ttl(etcd: str) -> None:
+    """SIGKILL of the holding process: its lease expires and the waiter holds within TTL + 1 s."""
+    with subprocess.Popen([sys.executable, "-c", HOLDER, etcd, "/t/c", str(TTL)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None
+            token = int(holder.stdout.readline())
+            waiter = EtcdLock([etcd], "/t/c", 1, ttl_s=TTL)
+            with pytest.raises(LockTimeout):
+                waiter.acquire(timeout=0.1)
+            holder.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            lease = waiter.acquire(timeout=TTL + 5)
+            took = time.monotonic() - killed
+        finally:
+            holder.kill()
+            holder.wait(10)
+    assert took <= TTL + 1, took
+    assert lease.token > token
+    waiter.close()
+
+
+def test_partitioned_holder_is_told_before_the_new_token_exists(etcd: str) -> None:
+    """With keep-alives cut, the holder learns it lost the lease before a waiter gets the key."""
+    partition = Partition()
+    told: list[tuple[float, LeaseLost]] = []
+    holder = EtcdLock([etcd], "/t/d", 0, ttl_s=TTL, transport=partition,
+                      on_lost=lambda exc: told.append((time.monotonic(), exc)))
+    old = holder.acquire(5)
+    waiter = EtcdLock([etcd], "/t/d", 1, ttl_s=TTL)
+    partition.cut.set()
+    lease = waiter.acquire(timeout=TTL * 3)
+    acquired_at = time.monotonic()
+    assert told, "holder was never told"
+    assert told[0][0] < acquired_at
+    assert lease.token > old.token
+    assert not holder.is_held
+    with pytest.raises(LeaseLost):
+        holder.ensure_held()
+    waiter.close()
+    holder.close()
+
+
+def test_cli_status_with_etcd_backend(etcd: str) -> None:
+    """`ftctl lock status --backend etcd` exits 0 while held, 1 when free."""
+    argv = [sys.executable, "-m", "dynamo_ftctl", "lock", "status", "--backend", "etcd",
+            "--endpoint", etcd, "--key", "/t/e"]
+    assert subprocess.run(argv, capture_output=True, timeout=60, check=False).returncode == 1
+    lock = EtcdLock([etcd], "/t/e", 2, ttl_s=TTL)
+    lock.acquire(5)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0
+    assert "engine 2" in proc.stdout
+    lock.close()
+
+
+def test_cli_acquire_runs_the_command_holding_the_lease(etcd: str) -> None:
+    """`lock acquire --backend etcd -- CMD` holds the key while CMD runs and frees it after."""
+    status = (f"{sys.executable} -m dynamo_ftctl lock status --backend etcd --endpoint {etcd} "
+              "--key /t/f; echo rc=$?")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--backend", "etcd",
+         "--endpoint", etcd, "--key", "/t/f", "--ttl", str(TTL), "--", "sh", "-c", status],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "rc=0" in proc.stdout
+    assert EtcdLock([etcd], "/t/f").owner() is None
