@@ -237,7 +237,8 @@ class ProxyConfig(_Model):
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) on a rejection.")
     admin_token_env: str = Field(
-        "FTCTL_ADMIN_TOKEN", description="Variable holding the bearer token of POST /busy_threshold.",
+        "FTCTL_ADMIN_TOKEN",
+        description="Variable holding the bearer token of POST /busy_threshold.",
     )
     scrape_interval_s: float = Field(
         1.0, gt=0, description="Seconds between scrapes of workers' /metrics and the daemon.",
