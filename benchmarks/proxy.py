@@ -364,6 +364,8 @@ def figure_throughput(directory: Path, seconds: float) -> None:
               f"{tokens:,.0f} streamed tokens/s (32 streams of 256 "
               f"tokens; proxy core {busy_tok:.0%} busy). Below 100% busy, the upstream and "
               "client sharing the other core are the limit, not the proxy")
+        print(f"  per proxy CPU-second (one core's capacity): {rps / busy_rps:,.0f} "
+              f"non-streamed requests, {tokens / busy_tok:,.0f} streamed tokens")
     finally:
         stop(px, up, hop)
 
