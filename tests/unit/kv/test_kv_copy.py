@@ -241,6 +241,7 @@ class LazyOps:
         self.log: list[str] = []
         self.streams: list[FakeStream] = []
         self.pinned: list[bool] = []
+        self.released: list[Any] = []
         self.drop_waits = drop_waits
 
     def new_stream(self, device: Any) -> FakeStream:
@@ -278,6 +279,9 @@ class LazyOps:
 
     def mark_used(self, tensor: Any, stream: Any) -> None:
         return None
+
+    def release(self, buffers: Any) -> None:
+        self.released.extend(buffers)
 
 
 def pieces_for(src: list[Any], dst: list[Any], sids: list[int], dids: list[int],
@@ -373,3 +377,34 @@ def test_cuda_copies_on_streams() -> None:
     other = [torch.zeros_like(t) for t in gpu]
     copy_blocks(gpu, other, sids, sids).wait()
     assert all(torch.equal(o[sids], g[sids]) for o, g in zip(other, gpu, strict=True))
+
+
+def test_host_staging_is_recycled_between_copies() -> None:
+    """CPU copies hand their staging slots back to the pool, and the next copy reuses them."""
+    from dynamo_ftctl.kv.copy import STAGING_POOL
+
+    src, dst = make_cache(1, 40, seed=31), make_cache(1, 40, seed=32)
+    row_bytes = src[0][0].numel() * src[0].element_size()
+    first = copy_blocks(src, dst, list(range(8)), list(range(8, 16)), chunk_bytes=4 * row_bytes)
+    assert first.release is None  # released already: host work is done on return
+    rows = src[0].view(40, -1).view(torch.complex128).shape[1]
+    taken = STAGING_POOL.take((4, rows), torch.complex128, pinned=False)
+    STAGING_POOL.give(taken)
+    again = STAGING_POOL.take((4, rows), torch.complex128, pinned=False)
+    assert again is taken  # the pooled buffer, not a fresh allocation
+    STAGING_POOL.give(again)
+
+
+def test_device_staging_is_released_only_after_wait() -> None:
+    """Queued device work keeps its staging until wait(); then it goes back exactly once."""
+    src, dst = make_cache(1, 8), make_cache(1, 8, seed=1)
+    ops = LazyOps()
+    handle = run_pipeline(pieces_for(src, dst, [0, 1, 2], [3, 4, 5], chunk=1),
+                          src_kind="device", dst_kind="host", ops=ops, depth=2)
+    handle_dev = run_pipeline(pieces_for(src, dst, [0, 1], [6, 7], chunk=1),
+                              src_kind="host", dst_kind="device", ops=ops, depth=2)
+    assert ops.released == []
+    handle.wait()
+    handle_dev.wait()
+    handle_dev.wait()
+    assert len(ops.released) == 8  # 2 source + 2 destination slots per copy, once each
