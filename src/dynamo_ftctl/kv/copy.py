@@ -504,6 +504,10 @@ def run_pipeline(
     for stream, _ in streams:
         for buf in (*src_stage, *dst_stage):
             ops.mark_used(buf, stream)
+    # Index tensors were made on the caller's stream; ours read them later.
+    for piece in pieces:
+        ops.mark_used(piece.src_ids, src_stream)
+        ops.mark_used(piece.dst_ids, dst_stream)
 
     def gather(piece: Piece, buf: torch.Tensor) -> Callable[[], None]:
         def work() -> None:
