@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -394,7 +394,7 @@ class MigratingProxy:
     # ------------------------------------------------------------------ migration
 
     async def generate(self, ledger: StreamLedger,
-                       path: str) -> AsyncIterator[list[dict[str, Any]]]:
+                       path: str) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Batches of client chunks of one request, across as many workers as it takes.
 
         Raises `ProxyError` when nothing was produced, `StreamAborted` after.
@@ -521,8 +521,9 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ HTTP handlers
 
-    async def handle_generation(self, request: Request,
-                                endpoint: Endpoint) -> Response | EventStreamResponse:
+    async def handle_generation(
+        self, request: Request, endpoint: Endpoint,
+    ) -> Response | EventStreamResponse | CollectedResponse:
         """POST /v1/completions and /v1/chat/completions."""
         from starlette.responses import Response
 
@@ -545,15 +546,21 @@ class MigratingProxy:
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         chunks = self.generate(ledger, path)
         if not ledger.client_streams:
-            try:
-                async for _ in chunks:
-                    pass
-            except ProxyError as exc:
-                return _json(exc.status, exc.body, exc.headers)
-            except StreamAborted as exc:
-                return _json(502, _openai_error(str(exc), "worker_failed", 502))
-            return Response(_dumps(ledger.response()), media_type="application/json",
-                            headers=self._answer_headers(ledger))
+
+            async def collect() -> Response:
+                try:
+                    async for _ in chunks:
+                        pass
+                except ProxyError as exc:
+                    return _json(exc.status, exc.body, exc.headers)
+                except StreamAborted as exc:
+                    return _json(502, _openai_error(str(exc), "worker_failed", 502))
+                finally:
+                    await chunks.aclose()
+                return Response(_dumps(ledger.response()), media_type="application/json",
+                                headers=self._answer_headers(ledger))
+
+            return CollectedResponse(collect)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
@@ -680,14 +687,46 @@ class MigratingProxy:
         return None
 
 
-class EventStreamResponse:
-    """A lean ASGI response for an SSE body that cancels the body when the client leaves.
+class _Departure:
+    """Set by `cancel_on_disconnect` when the client has gone."""
 
-    Starlette's StreamingResponse does the same with an anyio task group per
-    response; one watcher task and a cancel is cheaper on the hot path, and the
-    cancellation reaches the upstream request at once (DESIGN: client disconnect
-    cancels the upstream request).
+    def __init__(self) -> None:
+        self.active = True
+        self.left = False
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(receive: Any) -> AsyncIterator[_Departure]:
+    """Cancel the current task when the client disconnects; the block then ends quietly.
+
+    One watcher task per request: cheaper on the hot path than Starlette's anyio
+    task group, and the cancellation reaches the upstream request at once
+    (issue #9: a client disconnect cancels the upstream request).
     """
+    task = asyncio.current_task()
+    departure = _Departure()
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if departure.active and task is not None:
+            departure.left = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield departure
+    except asyncio.CancelledError:
+        if not departure.left or task is None:
+            raise
+        task.uncancel()  # the client left: a normal end for us
+    finally:
+        departure.active = False
+        watcher.cancel()
+
+
+class EventStreamResponse:
+    """A lean ASGI response for an SSE body, cancelled when the client leaves."""
 
     def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
         self.body = body
@@ -696,35 +735,30 @@ class EventStreamResponse:
         ]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # noqa: ARG002
-        task = asyncio.current_task()
-        streaming = True
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if streaming and task is not None:
-                left = True
-                task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left or task is None:
-                raise
-            task.uncancel()  # the client left: a normal end for us
+            async with cancel_on_disconnect(receive):
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": self.raw_headers})
+                async for chunk in self.body:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            streaming = False
-            watcher.cancel()
             aclose = getattr(self.body, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class CollectedResponse:
+    """A non-streamed answer built inside the ASGI call, cancelled when the client leaves."""
+
+    def __init__(self, build: Callable[[], Awaitable[Response]]) -> None:
+        self.build = build
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with cancel_on_disconnect(receive):
+            response = await self.build()
+            await response(scope, receive, send)
 
 
 def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Response:
@@ -751,10 +785,10 @@ def build_app(inventory: Inventory, config: ProxyConfig, *,
         finally:
             await proxy.stop()
 
-    async def completions(request: Request) -> Response | EventStreamResponse:
+    async def completions(request: Request) -> Response | EventStreamResponse | CollectedResponse:
         return await proxy.handle_generation(request, "completions")
 
-    async def chat(request: Request) -> Response | EventStreamResponse:
+    async def chat(request: Request) -> Response | EventStreamResponse | CollectedResponse:
         return await proxy.handle_generation(request, "chat")
 
     async def models(_: Request) -> Response:

@@ -443,3 +443,51 @@ def test_metrics_and_health_are_served(run: Callable[..., Any]) -> None:
             assert models["data"][0]["max_model_len"] == 4096
     run(go())
 
+
+
+def _http_scope(path: str) -> dict[str, Any]:
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "headers": [(b"content-type", b"application/json")],
+            "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000),
+            "root_path": ""}
+
+
+async def _until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for a condition with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not check():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
+                                                        streamed: bool) -> None:
+    """A client that leaves mid-generation (streamed or not) makes the proxy drop upstream."""
+    async def go() -> None:
+        slow = FakeWorker(mode="stall", fail_after=2)
+        async with Cluster([slow], stall_timeout_s=20) as c:
+            left = asyncio.Event()
+            messages = [{"type": "http.request", "more_body": False,
+                         "body": json.dumps({**BODY, "stream": streamed}).encode()}]
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop()
+                await left.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            call = asyncio.ensure_future(c.app(_http_scope("/v1/completions"), receive, send))
+            await _until(lambda: bool(slow.requests))
+            left.set()
+            await asyncio.wait({call}, timeout=3)  # no outside cancel: the proxy must end it
+            assert call.done()
+            await _until(lambda: slow.disconnects == 1)
+            assert c.proxy.router.slots["w0"].outstanding == 0
+    run(go())
