@@ -491,3 +491,46 @@ def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
             await _until(lambda: slow.disconnects == 1)
             assert c.proxy.router.slots["w0"].outstanding == 0
     run(go())
+
+
+def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[..., Any]) -> None:
+    """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report."""
+    async def go() -> None:
+        reports: list[Any] = []
+        weights = {"w0": 1.0, "w1": 1.0, "w2": 0.0}
+
+        async def workers(_: web.Request) -> web.Response:
+            return web.json_response({"workers": [{"name": n, "weight": w}
+                                                  for n, w in weights.items()]})
+
+        async def report(request: web.Request) -> web.Response:
+            reports.append(await request.json())
+            return web.Response(status=204)
+
+        daemon = web.Application()
+        daemon.router.add_get("/workers", workers)
+        daemon.router.add_post("/report", report)
+        runner = web.AppRunner(daemon)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
+            async with Cluster(fakes, health_url=url) as c:
+                assert c.proxy.router.healthy_capacity() == pytest.approx(2 / 3)
+                c.proxy.router.slots["w1"].outstanding = 5
+                _, events = await c.stream("/v1/completions", BODY)
+                c.proxy.router.slots["w1"].outstanding = 0
+                assert stream_text(events) == expected_text("hello world", 5, 20)
+                assert not fakes[2].requests
+                await _until(lambda: bool(reports))
+                assert reports[0]["worker"] == "w0"
+                assert reports[0]["ok"] is False
+                assert reports[0]["source"] == "proxy"
+                text = (await c.client.get("/metrics")).text
+                count = next(line for line in text.splitlines()
+                             if line.startswith("dynamo_migration_duration_seconds_count"))
+                assert float(count.rsplit(" ", 1)[1]) >= 1
+        finally:
+            await runner.cleanup()
+    run(go())
