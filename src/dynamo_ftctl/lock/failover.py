@@ -5,9 +5,9 @@
 The engine runs as a child that dies with this process (PR_SET_PDEATHSIG), and
 this process holds the lock, so an engine never serves without it. The health
 port answers 503 in INIT and 200 in STANDBY, WAKING and ACTIVE, with the state
-as JSON, and serves `/metrics`. Engine death at any point exits non-zero (the
-lock goes with the process); a wake that takes longer than `wake_timeout_s`
-exits 1. The endpoints are vLLM's sleep mode (`POST /sleep?level=1`,
+as JSON (`/active`: 200 only in ACTIVE), and serves `/metrics`. Engine death at
+any point exits non-zero (the lock goes with the process); a wake that takes
+longer than `wake_timeout_s` exits 1. The endpoints are vLLM's sleep mode (`POST /sleep?level=1`,
 `POST /wake_up`, `GET /is_sleeping`), which `ftctl sim` implements too.
 """
 
@@ -84,7 +84,11 @@ class StateChange:
 
 
 class HealthServer:
-    """The health port: 503 in INIT and STOPPED, 200 otherwise, JSON state; `/metrics`."""
+    """The health port: 503 in INIT and STOPPED, 200 otherwise, JSON state; `/metrics`.
+
+    `/active` answers 200 only in ACTIVE: a readiness probe that routes traffic
+    to the engine holding the lock.
+    """
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], StateChange],
                  *, metrics: bool = True) -> None:
@@ -100,7 +104,10 @@ class HealthServer:
                     self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
                     return
                 state = snapshot()
-                ok = state.state not in (EngineState.INIT, EngineState.STOPPED)
+                if self.path.split("?", 1)[0] == "/active":  # readiness: route to the holder
+                    ok = state.state is EngineState.ACTIVE
+                else:
+                    ok = state.state not in (EngineState.INIT, EngineState.STOPPED)
                 from dynamo_ftctl.output import to_jsonable
 
                 body = json.dumps(to_jsonable(state)).encode()

@@ -122,6 +122,9 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     response = shadow.health()
     assert response.status_code == 200
     assert response.json()["state"] == "STANDBY"
+    active_url = "http://127.0.0.1:{}/active"
+    assert httpx.get(active_url.format(shadow.health_port), timeout=5).status_code == 503
+    assert httpx.get(active_url.format(primary.health_port), timeout=5).status_code == 200
     assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 503
 
     os.kill(active["engine_pid"], signal.SIGKILL)

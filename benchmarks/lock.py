@@ -1,0 +1,306 @@
+"""Failover lock figures (issue 5): handoff latency, safety soak, failover time.
+
+1. Handoff latency, holder SIGKILLed -> waiter holds the lock, 500 trials each:
+   an ftctl `FlockLock` waiter (blocking flock in a helper thread; the time is
+   taken when `acquire` returns, owner data written and fsynced) beside
+   `flock(1)` (the time is printed by `date`, which flock execs once it holds).
+   Both wait on a lock held by a bare Python flock holder; the kill is sent only once the
+   kernel lists the waiter as blocked (/proc/locks). Goal: ftctl p99 <= 2 ms.
+2. Safety soak: 3 contender processes acquire/hold/release in a loop while
+   random ones are SIGKILLed and restarted, until 2,000 acquisitions; each
+   holder creates an O_EXCL sentinel file, so two holders at once would
+   collide (a sentinel left by a dead holder is recognised by its pid).
+   Must be 0 overlaps and no repeated fencing token.
+3. Failover time with `ftctl sim`: two `ftctl failover run` engines; the active
+   engine is SIGKILLed; time to the first successful completion from the
+   shadow (goal <= 1 s). A few trials; median.
+
+The machine is shared and has 2 cores: run it a couple of times and take the median.
+Usage: python benchmarks/lock.py [--trials 500] [--cycles 2000] [--failovers 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+WAITER = """
+import sys, time
+from dynamo_ftctl.lock import FlockLock
+lock = FlockLock(sys.argv[1], 1)
+lock.acquire()
+print(f"{time.time():.9f}", flush=True)
+"""
+
+# The holder both waiters wait on: a bare flock (flock(1) forks its command,
+# which inherits the locked descriptor, so killing flock(1) alone frees nothing).
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(1000)
+"""
+
+CONTENDER = """
+import os, random, sys, time
+from dynamo_ftctl.lock import FlockLock
+path, sentinel = sys.argv[1], sys.argv[2]
+lock = FlockLock(path, int(sys.argv[3]))
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+while True:
+    lease = lock.acquire()
+    while True:
+        try:
+            fd = os.open(sentinel, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            break
+        except FileExistsError:
+            try:
+                other = int(open(sentinel).read() or 0)
+            except (OSError, ValueError):
+                other = 0
+            if other and alive(other):
+                print(f"OVERLAP {lease.token} {other}", flush=True)
+                sys.exit(3)
+            os.unlink(sentinel)  # left by a holder that was killed while holding
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    print(lease.token, flush=True)
+    time.sleep(random.random() * 0.002)
+    os.unlink(sentinel)
+    lock.release()
+"""
+
+
+def blocked_waiters(path: Path) -> int:
+    inode = path.stat().st_ino
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines()
+               if "->" in line and f":{inode} " in line)
+
+
+def wait_blocked(path: Path, deadline_s: float = 10.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while blocked_waiters(path) < 1:
+        if time.monotonic() > deadline:
+            msg = "waiter never blocked"
+            raise RuntimeError(msg)
+        time.sleep(0.0005)
+
+
+def one_handoff(path: Path, waiter_argv: list[str]) -> float:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    holder.stdout.readline()
+    waiter = subprocess.Popen(waiter_argv, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_blocked(path)
+        t0 = time.time()
+        holder.send_signal(signal.SIGKILL)
+        out, _ = waiter.communicate(timeout=30)
+        return float(out.strip()) - t0
+    finally:
+        for proc in (holder, waiter):
+            proc.kill()
+            proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def handoff(trials: int, workdir: Path) -> None:
+    path = workdir / "handoff.lock"
+    path.touch()
+    cases = {
+        "ftctl FlockLock": [sys.executable, "-c", WAITER, str(path)],
+        "flock(1)": ["flock", str(path), "date", "+%s.%N"],
+    }
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(trials):  # interleaved: noise hits both alike
+        for name, argv in cases.items():
+            samples[name].append(one_handoff(path, argv) * 1000)
+    print(f"\n1. handoff latency, holder SIGKILLed -> waiter holds ({trials} trials, ms)")
+    print(f"{'waiter':<18}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}")
+    for name, values in samples.items():
+        print(f"{name:<18}{pct(values, 0.5):>8.3f}{pct(values, 0.9):>8.3f}"
+              f"{pct(values, 0.99):>8.3f}{max(values):>8.3f}")
+    ratio = pct(samples["ftctl FlockLock"], 0.5) / pct(samples["flock(1)"], 0.5)
+    p99 = pct(samples["ftctl FlockLock"], 0.99)
+    print(f"ftctl/flock(1) p50 ratio {ratio:.2f}; ftctl p99 {p99:.3f} ms "
+          f"(goal <= 2 ms: {'met' if p99 <= 2 else 'NOT met'}; the 50 ms polling loop it "
+          "replaces: ~25 ms mean, 50 ms worst, DESIGN.md)")
+
+
+def soak(cycles: int, workdir: Path, time_limit_s: float = 600.0) -> None:
+    path, sentinel = workdir / "soak.lock", workdir / "soak.sentinel"
+    tokens: list[int] = []
+    overlaps: list[str] = []
+    guard = threading.Lock()
+    kills = 0
+
+    def spawn(index: int) -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", CONTENDER, str(path), str(sentinel),
+                                 str(index)], stdout=subprocess.PIPE, text=True)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                with guard:
+                    if line.startswith("OVERLAP"):
+                        overlaps.append(line.strip())
+                    else:
+                        tokens.append(int(line))
+
+        threading.Thread(target=pump, daemon=True).start()
+        return proc
+
+    procs = [spawn(i) for i in range(3)]
+    started = time.monotonic()
+    try:
+        while True:
+            with guard:
+                done = len(tokens) >= cycles
+            if done or time.monotonic() - started > time_limit_s:
+                break
+            time.sleep(random.uniform(0.005, 0.05))
+            victim = random.randrange(3)
+            procs[victim].kill()
+            procs[victim].wait()
+            kills += 1
+            procs[victim] = spawn(victim)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    elapsed = time.monotonic() - started
+    with guard:
+        got = list(tokens)
+    repeats = len(got) - len(set(got))
+    print(f"\n2. safety soak: 3 contenders, {kills} random SIGKILLs, {len(got)} acquisitions "
+          f"in {elapsed:.1f} s")
+    print(f"overlapping holders (O_EXCL sentinel): {len(overlaps)}   repeated tokens: {repeats}"
+          f"   token range {min(got)}..{max(got)}   "
+          f"{'OK' if not overlaps and not repeats else 'FAILED'}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Engine:
+    """One `ftctl failover run` wrapping `ftctl sim serve`."""
+
+    def __init__(self, engine_id: int, lock: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", "failover", "run", "--json", "--engine-id",
+             str(engine_id), "--health-port", str(free_port()), "--path", str(lock),
+             "--engine-url", self.url, "--", sys.executable, "-m", "dynamo_ftctl", "sim",
+             "serve", "--port", str(self.port)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        self.engine_pid = 0
+
+    def wait_state(self, state: str, timeout: float = 180.0) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            doc = json.loads(line)
+            self.engine_pid = doc["engine_pid"]
+            if doc["state"] == state:
+                return
+            if time.monotonic() > deadline:
+                break
+        msg = f"engine never reached {state}"
+        raise RuntimeError(msg)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def failover(trials: int, workdir: Path) -> None:
+    lock = workdir / "failover.lock"
+    body = {"model": "ftctl-sim-tiny", "prompt": "hello", "max_tokens": 1}
+    times: list[float] = []
+    active = Engine(0, lock)
+    engines = [active]
+    try:
+        active.wait_state("ACTIVE")
+        with httpx.Client(timeout=5) as client:
+            for trial in range(trials):
+                shadow = Engine(trial + 1, lock)
+                engines.append(shadow)
+                shadow.wait_state("STANDBY")
+                t0 = time.monotonic()
+                os.kill(active.engine_pid, signal.SIGKILL)
+                deadline = t0 + 30
+                while time.monotonic() < deadline:
+                    try:
+                        if client.post(f"{shadow.url}/v1/completions",
+                                       json=body).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                times.append(time.monotonic() - t0)
+                active.proc.wait(30)
+                active = shadow
+    finally:
+        for engine in engines:
+            engine.stop()
+    print(f"\n3. failover time with ftctl sim (primary engine SIGKILLed -> first completion "
+          f"from the shadow), {trials} trials")
+    print("seconds: " + ", ".join(f"{t:.3f}" for t in times)
+          + f"   median {statistics.median(times):.3f} s "
+          f"(goal <= 1 s: {'met' if statistics.median(times) <= 1 else 'NOT met'})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=500)
+    parser.add_argument("--cycles", type=int, default=2000)
+    parser.add_argument("--failovers", type=int, default=3)
+    parser.add_argument("--only", choices=["handoff", "soak", "failover"])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="ftctl-lock-bench-") as raw:
+        workdir = Path(raw)
+        if args.only in (None, "handoff"):
+            handoff(args.trials, workdir)
+        if args.only in (None, "soak"):
+            soak(args.cycles, workdir)
+        if args.only in (None, "failover"):
+            failover(args.failovers, workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
