@@ -188,4 +188,6 @@ def test_cli_acquire_runs_the_command_holding_the_lease(etcd: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "rc=0" in proc.stdout
-    assert EtcdLock([etcd], "/t/f").owner() is None
+    probe = EtcdLock([etcd], "/t/f")
+    assert probe.owner() is None
+    probe.close()
