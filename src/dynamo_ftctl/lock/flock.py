@@ -236,8 +236,13 @@ class FlockLock:
 
     def _take(self, fd: int, started: float) -> Lease:
         acquired_at = self._clock.wall()
-        token = _write_owner(fd, engine_id=self._engine_id, pid=os.getpid(),
-                             acquired_at=acquired_at)
+        try:
+            token = _write_owner(fd, engine_id=self._engine_id, pid=os.getpid(),
+                                 acquired_at=acquired_at)
+        except OSError as exc:  # disk full, read-only volume: do not keep a lock without a token
+            os.close(fd)
+            msg = f"{self.name}: cannot write owner data: {exc.strerror}"
+            raise InvalidInput(msg) from exc
         lease = Lease(
             lock=self.name, backend=BACKEND, engine_id=self._engine_id, token=token,
             acquired_at=acquired_at, waited_s=max(0.0, self._clock.now() - started), fd=fd,
