@@ -36,6 +36,7 @@ __all__ = [
     "CanaryConfig",
     "EtcdConfig",
     "Group",
+    "InjectConfig",
     "Inventory",
     "Launch",
     "LockConfig",
@@ -136,6 +137,23 @@ class ProcessRef(_Model):
     pid: int | None = Field(None, gt=0, description="A fixed pid (tests, static hosts).")
 
 
+class InjectConfig(_Model):
+    """How `ftctl inject` reaches a worker: which injectors, and where they write."""
+
+    injectors: tuple[Literal["signal", "http", "kmsg", "dcgm", "net"], ...] = Field(
+        ("signal", "http"), description="Injectors allowed on this worker, in preference order.",
+    )
+    kmsg_path: Path = Field(
+        Path("/dev/kmsg"), description="Kernel log the kmsg injector writes Xid lines to.",
+    )
+    pci_bus_id: str = Field(
+        "0000:3b:00", description="PCI bus id named in injected Xid lines (no GPU: a stand-in).",
+    )
+    netproxy: HttpUrl | None = Field(
+        None, description="Control URL of the TCP fault proxy in front of this worker.",
+    )
+
+
 class SimLaunch(_Model):
     """Start this worker as an `ftctl sim` engine with `--local` / `ftctl sim cluster`."""
 
@@ -169,6 +187,9 @@ class Worker(_Model):
     process: ProcessRef | None = None
     faults: tuple[FaultName, ...] = Field((), description="Faults `ftctl inject` may use here.")
     protected: bool = Field(False, description="Refuse every fault injection on this worker.")
+    inject: InjectConfig = Field(
+        InjectConfig(), description="Injectors `ftctl inject` may use on this worker.",
+    )
     launch: Launch | None = None
 
     @property

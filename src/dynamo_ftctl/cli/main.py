@@ -31,6 +31,7 @@ __all__ = ["COMMANDS", "app", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "failover": ("failover", "Run an engine as a shadow: sleep, wait for the lock, wake, serve."),
     "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
+    "inject": ("inject", "Inject a fault into an inventory worker (safely), revert, net proxy."),
     "inventory": ("inventory", "Check, show and describe the cluster inventory."),
     "kv": ("kv", "Paged KV block copier: bandwidth vs a contiguous copy, chunk sweep."),
     "load": ("load", "Open-loop load with honest latencies, SLO sweeps, report compare."),

@@ -1,0 +1,569 @@
+"""Fault injection: plan a fault on one inventory worker, apply it, revert it.
+
+`plan_injection` is where safety lives: only workers in the inventory, only
+faults in their `faults` allowlist, never a `protected` worker, and only
+through the injectors the worker's `inject.injectors` allows. It resolves
+everything (pid, URL, token variable, log line, command) into `Step`s, so
+`--dry-run` prints exactly what `run_injection` would do. Refusals are
+`InvalidInput` (exit 2) raised before anything is touched.
+
+`run_injection` writes the revert record first, applies the steps, appends to
+the audit log, counts `ftctl_faults_injected_total`, and with a duration
+waits and reverts (also on Ctrl-C). `revert_pending` applies the records a
+crashed or duration-less injection left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.faults.audit import (
+    AuditRecord,
+    append_audit,
+    default_audit_path,
+    default_state_dir,
+    who_am_i,
+    write_record,
+)
+from dynamo_ftctl.faults.catalog import FAULTS, fault_names, is_known_fault
+from dynamo_ftctl.faults.injectors import DCGM_XID_FIELD, Injectors, Step, xid_kmsg_line
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+
+    from dynamo_ftctl.inventory import Inventory, Worker
+
+__all__ = [
+    "FaultListing",
+    "InjectOptions",
+    "InjectionPlan",
+    "InjectionResult",
+    "RevertResult",
+    "check_confirmation",
+    "list_faults",
+    "pending_reverts",
+    "plan_injection",
+    "revert_pending",
+    "run_injection",
+]
+
+# DCGM_FI_DEV_ECC_DBE_VOL_TOTAL and DCGM_FI_DEV_CLOCK_THROTTLE_REASONS (dcgm_fields.h);
+# 0x40 is DCGM_CLOCKS_THROTTLE_REASON_HW_THERMAL.
+_DCGM_ECC_DBE_FIELD = 312
+_DCGM_THROTTLE_FIELD = 112
+_THROTTLE_HW_THERMAL = 0x40
+
+
+def _text(lines: Sequence[str]) -> RenderableType:
+    """Lines printed as they are: never wrapped, so a dry run shows each step exactly."""
+    from rich.text import Text
+
+    return Text("\n".join(lines), no_wrap=True, overflow="ignore")
+
+
+@dataclass(frozen=True)
+class InjectOptions:
+    """Knobs of one injection (CLI flags; drills set them per timeline entry)."""
+
+    pid: int | None = None
+    kmsg_path: Path | None = None
+    gpuid: int | None = None
+    delay_ms: float = 50.0
+    jitter_ms: float = 0.0
+    after_tokens: int = 20
+    rate_kbps: float = 64.0
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class InjectionPlan:
+    """What injecting `fault` into `worker` does, step by step, and how it is undone."""
+
+    fault: str
+    worker: str
+    summary: str
+    destructive: bool
+    steps: tuple[Step, ...]
+    reverts: tuple[Step, ...] = ()
+    duration_s: float | None = None
+
+    def lines(self) -> list[str]:
+        """The plan as the lines `--dry-run` prints."""
+        out = [f"inject {self.fault} into {self.worker}: {self.summary}"]
+        out += [f"  {i}. {step.describe()}" for i, step in enumerate(self.steps, 1)]
+        if self.reverts:
+            when = (f"after {self.duration_s:g} s" if self.duration_s is not None
+                    else "on `ftctl inject revert`")
+            out.append(f"  revert {when}:")
+            out += [f"  {i}. {step.describe()}" for i, step in enumerate(self.reverts, 1)]
+        else:
+            out.append("  revert: none (the fault ends the process; restart it)")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON (`--dry-run --json`, drill reports)."""
+        return {"fault": self.fault, "worker": self.worker, "summary": self.summary,
+                "destructive": self.destructive, "duration_s": self.duration_s,
+                "steps": [s.to_json() for s in self.steps],
+                "reverts": [s.to_json() for s in self.reverts]}
+
+    def __rich__(self) -> RenderableType:
+        return _text(self.lines())
+
+
+@dataclass(frozen=True)
+class InjectionResult:
+    """What an injection did: its record id, each step's outcome, and the revert."""
+
+    id: str
+    plan: InjectionPlan
+    outcomes: tuple[str, ...]
+    reverted: bool
+    pending_revert: Path | None
+    audit_log: Path
+
+    def to_json(self) -> dict[str, Any]:
+        """The result as JSON."""
+        return {"id": self.id, **self.plan.to_json(), "outcomes": list(self.outcomes),
+                "reverted": self.reverted,
+                "pending_revert": str(self.pending_revert) if self.pending_revert else None,
+                "audit_log": str(self.audit_log)}
+
+    def __rich__(self) -> RenderableType:
+        lines = [f"injected {self.plan.fault} into {self.plan.worker} ({self.id})"]
+        lines += [f"  {s.describe()}: {o}" for s, o in zip(self.plan.steps, self.outcomes,
+                                                         strict=False)]
+        if self.reverted:
+            lines.append("  reverted")
+        elif self.pending_revert is not None:
+            lines.append(f"  in force until `ftctl inject revert {self.id}`")
+        return _text(lines)
+
+
+@dataclass(frozen=True)
+class RevertResult:
+    """The pending reverts applied by `ftctl inject revert`."""
+
+    reverted: tuple[dict[str, Any], ...]
+    failed: tuple[dict[str, Any], ...] = ()
+
+    def __rich__(self) -> RenderableType:
+        if not self.reverted and not self.failed:
+            return "nothing to revert"
+        lines = [f"reverted {r['fault']} on {r['worker']} ({r['id']})" for r in self.reverted]
+        lines += [f"FAILED to revert {r['fault']} on {r['worker']} ({r['id']}): {r['error']}"
+                  for r in self.failed]
+        return _text(lines)
+
+
+@dataclass(frozen=True)
+class FaultListing:
+    """The fault catalog (`ftctl inject --list`)."""
+
+    faults: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    def __rich__(self) -> RenderableType:
+        from dynamo_ftctl.output import table
+
+        return table("faults", ["fault", "destructive", "effect"],
+                     [(f["name"], "yes" if f["destructive"] else "no", f["summary"])
+                      for f in self.faults])
+
+
+def list_faults() -> FaultListing:
+    """Every fault name with its effect; Xid faults follow the Xid catalog."""
+    from dynamo_ftctl.faults.xid import XID_CATALOG
+
+    rows: list[dict[str, Any]] = [
+        {"name": s.name, "destructive": s.destructive, "summary": s.summary}
+        for s in FAULTS.values()
+    ]
+    for code in sorted(XID_CATALOG):
+        info = XID_CATALOG[code]
+        rows.append({"name": f"xid{code}", "destructive": info.effect != "log",
+                     "summary": f"{info.meaning} (effect: {info.effect})"})
+    return FaultListing(tuple(rows))
+
+
+# ---------------------------------------------------------------------------
+# planning
+
+
+class _Target:
+    """One worker's resolved reach: pid, admin URL, log path, GPUs."""
+
+    def __init__(self, inventory: Inventory, worker: Worker, options: InjectOptions) -> None:
+        self.inventory = inventory
+        self.worker = worker
+        self.options = options
+        self.allowed = worker.inject.injectors
+
+    def has(self, kind: str) -> bool:
+        return kind in self.allowed
+
+    def pid(self, *, required: bool) -> int | None:
+        if self.options.pid is not None:
+            return self.options.pid
+        ref = self.worker.process
+        if ref is not None and ref.pid is not None:
+            return ref.pid
+        if ref is not None and ref.pid_file is not None:
+            path = self.inventory.resolve(ref.pid_file)
+            try:
+                text = path.read_text().strip()
+            except OSError as exc:
+                if not required:
+                    return None
+                msg = f"worker {self.worker.name}: cannot read pid file {path}: {exc.strerror}"
+                raise InvalidInput(msg) from None
+            if text.isdigit() and int(text) > 0:
+                return int(text)
+            if required:
+                msg = f"worker {self.worker.name}: pid file {path} holds no pid: {text[:40]!r}"
+                raise InvalidInput(msg)
+            return None
+        if required:
+            msg = (f"worker {self.worker.name}: no pid (set process.pid_file in the inventory "
+                   "or pass --pid)")
+            raise InvalidInput(msg)
+        return None
+
+    def signal(self, name: str) -> Step:
+        pid = self.pid(required=True)
+        return Step("signal", str(pid), {"signal": name})
+
+    def http(self, body: dict[str, Any]) -> Step:
+        token_env = self.worker.admin.token_env if self.worker.admin else "FTCTL_ADMIN_TOKEN"
+        return Step("http", f"{self.worker.admin_url}/admin/fault",
+                    {"body": body, "token_env": token_env})
+
+    def kmsg(self, xid: int) -> Step:
+        path = self.options.kmsg_path or self.worker.inject.kmsg_path
+        pid = self.pid(required=False)
+        process = _process_name(pid) if pid is not None else self.worker.name
+        line = xid_kmsg_line(xid, self.worker.inject.pci_bus_id,
+                             pid if pid is not None else "'N/A'", process)
+        return Step("kmsg", str(path), {"line": line})
+
+    def gpus(self) -> tuple[int, ...]:
+        if self.options.gpuid is not None:
+            return (self.options.gpuid,)
+        if self.worker.gpus:
+            return self.worker.gpus
+        msg = f"worker {self.worker.name}: no GPU for dcgmi (set gpus in the inventory or --gpuid)"
+        raise InvalidInput(msg)
+
+    def dcgm(self, field_id: int, value: int) -> list[Step]:
+        return [Step("dcgm", "dcgmi", {"argv": [
+            "dcgmi", "test", "--inject", "--gpuid", str(g), "-f", str(field_id),
+            "-v", str(value)]}) for g in self.gpus()]
+
+    def net(self, method: str, path: str, body: dict[str, Any] | None = None) -> Step:
+        url = self.worker.inject.netproxy
+        if url is None:
+            msg = (f"worker {self.worker.name}: no TCP fault proxy in front of it "
+                   "(set inject.netproxy to its control URL)")
+            raise InvalidInput(msg)
+        return Step("net", f"{url}{path}", {"method": method, "body": body})
+
+    def need(self, fault: str, *kinds: str) -> None:
+        if not any(self.has(k) for k in kinds):
+            msg = (f"worker {self.worker.name}: fault {fault!r} needs the "
+                   f"{' or '.join(kinds)} injector; its injectors: {', '.join(self.allowed)}")
+            raise InvalidInput(msg)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "python3"
+    except OSError:
+        return "python3"
+
+
+_CLEAR = {"kind": "clear"}
+
+
+def _plan_steps(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
+    """(summary, steps, reverts) for one fault on one worker."""
+    o = t.options
+    if fault in ("kill", "term"):
+        t.need(fault, "signal")
+        name = "SIGKILL" if fault == "kill" else "SIGTERM"
+        return FAULTS[fault].summary, [t.signal(name)], []
+    if fault == "hang":
+        if t.has("signal"):
+            return FAULTS[fault].summary, [t.signal("SIGSTOP")], [t.signal("SIGCONT")]
+        t.need(fault, "http")
+        body: dict[str, Any] = {"kind": "hang"}
+        if o.duration_s is not None:
+            body["duration_s"] = o.duration_s
+        return "block the engine's event loop (admin hang)", [t.http(body)], []
+    if fault in ("slow", "disconnect", "sdc"):
+        t.need(fault, "http")
+        body = {"kind": fault}
+        if fault == "slow":
+            body["delay_ms"] = o.delay_ms
+        if fault == "disconnect":
+            body["after_tokens"] = o.after_tokens
+        return FAULTS[fault].summary, [t.http(body)], [t.http(_CLEAR)]
+    if fault == "thermal":
+        t.need(fault, "http")
+        steps = [t.http({"kind": "slow", "delay_ms": o.delay_ms})]
+        reverts = [t.http(_CLEAR)]
+        if t.has("dcgm"):
+            steps += t.dcgm(_DCGM_THROTTLE_FIELD, _THROTTLE_HW_THERMAL)
+            reverts += t.dcgm(_DCGM_THROTTLE_FIELD, 0)
+        return FAULTS[fault].summary, steps, reverts
+    if fault == "ecc":
+        t.need(fault, "kmsg", "dcgm")
+        # Xid 63: a row marked for remapping, what a rising ECC count logs on A100+.
+        steps = [t.kmsg(63)] if t.has("kmsg") else []
+        if t.has("dcgm"):
+            steps += t.dcgm(_DCGM_ECC_DBE_FIELD, 1)
+        return FAULTS[fault].summary, steps, []
+    if fault.startswith("net-"):
+        return _plan_net(fault, t)
+    if fault.startswith("xid"):
+        return _plan_xid(fault, int(fault[3:]), t)
+    msg = (f"fault {fault!r} is a load pattern, not an injection: run it with `ftctl load` "
+           "or a drill's load profile")
+    raise InvalidInput(msg)
+
+
+def _plan_net(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
+    t.need(fault, "net")
+    o = t.options
+    toxics: dict[str, dict[str, Any]] = {
+        "net-latency": {"kind": "latency", "latency_ms": o.delay_ms, "jitter_ms": o.jitter_ms},
+        "net-reset": {"kind": "reset_peer", "timeout_ms": 0},
+        "net-blackhole": {"kind": "blackhole"},
+        "net-bandwidth": {"kind": "bandwidth", "rate_kbps": o.rate_kbps},
+    }
+    toxic = toxics[fault]
+    name = f"ftctl-{fault}"
+    toxic["name"] = name
+    steps = [t.net("POST", "/toxics", toxic)]
+    if fault == "net-blackhole":
+        steps.append(t.net("POST", "/toxics", {**toxic, "name": f"{name}-up",
+                                               "direction": "upstream"}))
+        return (FAULTS[fault].summary, steps,
+                [t.net("DELETE", f"/toxics/{name}"), t.net("DELETE", f"/toxics/{name}-up")])
+    return FAULTS[fault].summary, steps, [t.net("DELETE", f"/toxics/{name}")]
+
+
+def _plan_xid(fault: str, xid: int, t: _Target) -> tuple[str, list[Step], list[Step]]:
+    from dynamo_ftctl.faults.xid import lookup_xid
+
+    info = lookup_xid(xid)
+    logs: list[Step] = []
+    if t.has("kmsg"):
+        logs.append(t.kmsg(xid))
+    if t.has("dcgm"):
+        logs += t.dcgm(DCGM_XID_FIELD, xid)
+    summary = f"Xid {xid} {info.meaning} (effect: {info.effect})"
+    if info.effect == "log":
+        t.need(fault, "kmsg", "dcgm")
+        return summary, logs, []
+    if info.effect == "crash":
+        # The sim engine prints the Xid line itself and exits; otherwise SIGKILL after the log.
+        if t.has("http"):
+            return summary, [*logs, t.http({"kind": "crash", "xid": xid})], []
+        t.need(fault, "http", "signal")
+        return summary, [*logs, t.signal("SIGKILL")], []
+    if info.effect == "hang":
+        if t.has("signal"):
+            return summary, [*logs, t.signal("SIGSTOP")], [t.signal("SIGCONT")]
+        t.need(fault, "http", "signal")
+        body: dict[str, Any] = {"kind": "hang"}
+        if t.options.duration_s is not None:
+            body["duration_s"] = t.options.duration_s
+        return summary, [*logs, t.http(body)], []
+    # "request": only requests in flight fail; the engine keeps serving new ones.
+    t.need(fault, "http")
+    return (summary, [*logs, t.http({"kind": "disconnect", "after_tokens": 0})],
+            [t.http(_CLEAR)])
+
+
+def _fault_is_destructive(fault: str) -> bool:
+    if fault in FAULTS:
+        return FAULTS[fault].destructive
+    from dynamo_ftctl.faults.xid import lookup_xid
+
+    return lookup_xid(int(fault[3:])).effect != "log"
+
+
+def plan_injection(inventory: Inventory, worker_name: str, fault: str,
+                   options: InjectOptions | None = None) -> InjectionPlan:
+    """Resolve `fault` on `worker_name` into steps; `InvalidInput` when it is not allowed."""
+    options = options or InjectOptions()
+    if not is_known_fault(fault):
+        import difflib
+
+        close = difflib.get_close_matches(fault, fault_names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        msg = f"unknown fault {fault!r}{hint}; `ftctl inject --list` shows the catalog"
+        raise InvalidInput(msg)
+    worker = inventory.worker(worker_name)
+    if worker.protected:
+        msg = f"worker {worker.name} is protected: fault injection refused"
+        raise InvalidInput(msg)
+    if fault not in worker.faults:
+        allowed = ", ".join(worker.faults) or "none"
+        msg = (f"fault {fault!r} is not in worker {worker.name}'s faults allowlist "
+               f"({allowed})")
+        raise InvalidInput(msg)
+    if options.duration_s is not None and options.duration_s <= 0:
+        msg = "--duration must be positive"
+        raise InvalidInput(msg)
+    summary, steps, reverts = _plan_steps(fault, _Target(inventory, worker, options))
+    return InjectionPlan(
+        fault=fault, worker=worker.name, summary=summary,
+        destructive=_fault_is_destructive(fault), steps=tuple(steps), reverts=tuple(reverts),
+        duration_s=options.duration_s,
+    )
+
+
+def check_confirmation(plan: InjectionPlan, *, yes: bool, interactive: bool) -> bool:
+    """True when the user must be asked; `InvalidInput` when no one can be asked."""
+    if not plan.destructive or yes:
+        return False
+    if interactive:
+        return True
+    msg = (f"{plan.fault} is destructive and stdin is not a terminal: pass --yes to "
+           f"inject it into {plan.worker}")
+    raise InvalidInput(msg)
+
+
+# ---------------------------------------------------------------------------
+# applying and reverting
+
+
+def _reverts_dir(state_dir: Path) -> Path:
+    return state_dir / "reverts"
+
+
+def _audit(path: Path, clock: Clock, plan_fault: str, worker: str, *, result: str,
+           steps: Sequence[Step], action: str) -> None:
+    append_audit(path, AuditRecord(
+        who=who_am_i(), when=AuditRecord.now(clock.wall()), what=plan_fault, target=worker,
+        result=result, action=action, detail=tuple(s.describe() for s in steps),
+    ))
+
+
+def _apply_reverts(injectors: Injectors, steps: Sequence[Step]) -> list[str]:
+    """Run every revert step, even after one fails; the errors, if any."""
+    errors: list[str] = []
+    for step in steps:
+        try:
+            injectors.execute(step)
+        except FtctlError as exc:
+            errors.append(f"{step.describe()}: {exc}")
+    return errors
+
+
+def run_injection(
+    plan: InjectionPlan, *, injectors: Injectors | None = None, audit_log: Path | None = None,
+    state_dir: Path | None = None, clock: Clock = SYSTEM_CLOCK,
+) -> InjectionResult:
+    """Apply a plan: revert record first, steps, audit, metric; wait and revert if timed."""
+    from dynamo_ftctl.metrics import FAULTS_INJECTED
+
+    injectors = injectors or Injectors()
+    audit_log = audit_log or default_audit_path()
+    state_dir = state_dir or default_state_dir()
+    ident = f"{int(clock.wall() * 1000)}-{os.getpid()}-{plan.worker}-{plan.fault}"
+    record: Path | None = None
+    if plan.reverts:
+        record = _reverts_dir(state_dir) / f"{ident}.json"
+        write_record(record, {"id": ident, "fault": plan.fault, "worker": plan.worker,
+                              "created": clock.wall(), "duration_s": plan.duration_s,
+                              "reverts": [s.to_json() for s in plan.reverts]})
+    outcomes: list[str] = []
+    try:
+        for step in plan.steps:
+            outcomes.append(injectors.execute(step))
+    except FtctlError as exc:
+        # Half-applied: undo what can be undone, then report the failure.
+        _apply_reverts(injectors, plan.reverts)
+        if record is not None:
+            record.unlink(missing_ok=True)
+        _audit(audit_log, clock, plan.fault, plan.worker, result=f"failed: {exc}",
+               steps=plan.steps, action="inject")
+        raise
+    _audit(audit_log, clock, plan.fault, plan.worker, result="ok", steps=plan.steps,
+           action="inject")
+    FAULTS_INJECTED.labels(fault=plan.fault, worker=plan.worker).inc()
+    if plan.duration_s is None or not plan.reverts:
+        return InjectionResult(ident, plan, tuple(outcomes), reverted=False,
+                               pending_revert=record, audit_log=audit_log)
+    try:
+        clock.sleep(plan.duration_s)
+    finally:
+        # Ctrl-C during the wait still reverts: the finally runs before the interrupt leaves.
+        errors = _apply_reverts(injectors, plan.reverts)
+        _audit(audit_log, clock, plan.fault, plan.worker,
+               result="ok" if not errors else "failed: " + "; ".join(errors),
+               steps=plan.reverts, action="revert")
+        if not errors and record is not None:
+            record.unlink(missing_ok=True)
+    if errors:
+        msg = (f"revert of {plan.fault} on {plan.worker} failed: {'; '.join(errors)} "
+               f"(record kept: {record}; retry with `ftctl inject revert --all`)")
+        raise FtctlError(msg)
+    return InjectionResult(ident, plan, tuple(outcomes), reverted=True, pending_revert=None,
+                           audit_log=audit_log)
+
+
+def pending_reverts(state_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Revert records still on disk, oldest first."""
+    folder = _reverts_dir(state_dir or default_state_dir())
+    out: list[dict[str, Any]] = []
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads(path.read_text())
+            doc["path"] = str(path)
+            out.append(doc)
+    return out
+
+
+def revert_pending(
+    ids: Sequence[str] = (), *, all_: bool = False, injectors: Injectors | None = None,
+    audit_log: Path | None = None, state_dir: Path | None = None, clock: Clock = SYSTEM_CLOCK,
+) -> RevertResult:
+    """Apply pending revert records (those named, or all); each applied record is removed."""
+    if not ids and not all_:
+        msg = "name the injections to revert, or pass --all"
+        raise InvalidInput(msg)
+    injectors = injectors or Injectors()
+    audit_log = audit_log or default_audit_path()
+    records = pending_reverts(state_dir)
+    if ids:
+        known = {r["id"] for r in records}
+        missing = [i for i in ids if i not in known]
+        if missing:
+            msg = f"no pending revert {missing[0]!r} (`ftctl inject revert --list` shows them)"
+            raise InvalidInput(msg)
+        records = [r for r in records if r["id"] in ids]
+    done: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for rec in records:
+        steps = [Step.from_json(s) for s in rec["reverts"]]
+        errors = _apply_reverts(injectors, steps)
+        summary = {"id": rec["id"], "fault": rec["fault"], "worker": rec["worker"]}
+        _audit(audit_log, clock, rec["fault"], rec["worker"],
+               result="ok" if not errors else "failed: " + "; ".join(errors), steps=steps,
+               action="revert")
+        if errors:
+            failed.append({**summary, "error": "; ".join(errors)})
+        else:
+            Path(rec["path"]).unlink(missing_ok=True)
+            done.append(summary)
+    return RevertResult(tuple(done), tuple(failed))

@@ -1,0 +1,196 @@
+"""The five injectors: how one planned step reaches a worker.
+
+A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
+`Injectors.execute` carries it out through one seam per side effect:
+
+    signal  os.kill(pid, SIGKILL | SIGTERM | SIGSTOP | SIGCONT)
+    http    POST {admin_url}/admin/fault with a bearer token read from the
+            environment variable the inventory names (httpx, one shot)
+    kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
+            /dev/kmsg (or a file, for tests), so GPU health agents fire
+    dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid)
+    net     the TCP fault proxy's control API (POST/DELETE /toxics)
+
+Low-level failures become `FtctlError`s here, once: a vanished pid or a
+refused connection is `Unreachable` (exit 3), a rejected request is
+`InvalidInput` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from dynamo_ftctl.errors import InvalidInput, Unreachable
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
+
+InjectorKind = Literal["signal", "http", "kmsg", "dcgm", "net"]
+_HTTP_TIMEOUT_S = 5.0
+_DCGMI_TIMEOUT_S = 15.0
+# DCGM field 230 is DCGM_FI_DEV_XID_ERRORS (dcgm_fields.h): the last Xid seen on the GPU.
+DCGM_XID_FIELD = 230
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing an injector does: a signal, a request, a log line or a command."""
+
+    injector: InjectorKind
+    target: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """Exactly what executing this step does, for `--dry-run` and the audit log."""
+        if self.injector == "signal":
+            return f"kill -{self.data['signal'].removeprefix('SIG')} {self.target}"
+        if self.injector == "http":
+            body = json.dumps(self.data["body"], separators=(",", ":"))
+            return (f"POST {self.target} {body} "
+                    f"(Authorization: Bearer ${self.data['token_env']})")
+        if self.injector == "kmsg":
+            return f"append to {self.target}: {self.data['line']}"
+        if self.injector == "dcgm":
+            return "run: " + " ".join(self.data["argv"])
+        method = self.data["method"]
+        payload = self.data.get("body")
+        return f"{method} {self.target}" + (
+            f" {json.dumps(payload, separators=(',', ':'))}" if payload is not None else "")
+
+    def to_json(self) -> dict[str, Any]:
+        """The step as a JSON object (revert records, reports)."""
+        return {"injector": self.injector, "target": self.target, "data": dict(self.data),
+                "describe": self.describe()}
+
+    @staticmethod
+    def from_json(doc: Mapping[str, Any]) -> Step:
+        """A step read back from a revert record."""
+        return Step(injector=doc["injector"], target=str(doc["target"]), data=doc["data"])
+
+
+def xid_kmsg_line(xid: int, pci_bus_id: str, pid: int | str, process: str) -> str:
+    """The kernel's Xid line, as the NVIDIA driver prints it (`pid='N/A'` when unknown)."""
+    from dynamo_ftctl.faults.xid import lookup_xid
+
+    meaning = lookup_xid(xid).meaning
+    return f"NVRM: Xid (PCI:{pci_bus_id}): {xid}, pid={pid}, name={process}, {meaning}"
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=_DCGMI_TIMEOUT_S,
+                          check=False)
+
+
+@dataclass
+class Injectors:
+    """Executes steps; every side effect goes through a replaceable seam."""
+
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    transport: httpx.BaseTransport | None = None
+    kill: Callable[[int, int], None] = os.kill
+    run_command: Callable[[list[str]], subprocess.CompletedProcess[str]] = _run
+
+    def execute(self, step: Step) -> str:
+        """Carry out one step; returns a short outcome ("ok", "HTTP 200", …)."""
+        handler = {
+            "signal": self._signal, "http": self._http, "kmsg": self._kmsg,
+            "dcgm": self._dcgm, "net": self._net,
+        }[step.injector]
+        return handler(step)
+
+    def _signal(self, step: Step) -> str:
+        pid = int(step.target)
+        name = str(step.data["signal"])
+        try:
+            self.kill(pid, signal.Signals[name].value)
+        except ProcessLookupError:
+            msg = f"no process with pid {pid} (already gone?)"
+            raise Unreachable(msg) from None
+        except PermissionError:
+            msg = f"not allowed to signal pid {pid} (run as its user or root)"
+            raise InvalidInput(msg) from None
+        return f"sent {name}"
+
+    def _client(self) -> httpx.Client:
+        import httpx
+
+        return httpx.Client(transport=self.transport, timeout=_HTTP_TIMEOUT_S)
+
+    def _request(self, method: str, url: str, body: Any, headers: dict[str, str]) -> str:
+        import httpx
+
+        try:
+            with self._client() as client:
+                response = client.request(method, url, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            msg = f"{method} {url}: {type(exc).__name__}: {exc}"
+            raise Unreachable(msg) from None
+        if response.status_code >= 500:
+            msg = f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
+            raise Unreachable(msg)
+        if response.status_code >= 400:
+            msg = f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
+            raise InvalidInput(msg)
+        return f"HTTP {response.status_code}"
+
+    def _http(self, step: Step) -> str:
+        env = str(step.data["token_env"])
+        token = self.environ.get(env)
+        if not token:
+            msg = f"the admin token variable ${env} is not set (the inventory names it)"
+            raise InvalidInput(msg)
+        return self._request("POST", step.target, step.data["body"],
+                             {"Authorization": f"Bearer {token}"})
+
+    def _net(self, step: Step) -> str:
+        return self._request(str(step.data["method"]), step.target, step.data.get("body"), {})
+
+    def _kmsg(self, step: Step) -> str:
+        path = Path(step.target)
+        line = str(step.data["line"])
+        try:
+            is_device = stat.S_ISCHR(path.stat().st_mode)
+        except FileNotFoundError:
+            is_device = False
+        # /dev/kmsg takes one record per write; "<4>" is KERN_WARNING, the driver's level.
+        record = (f"<4>{line}\n" if is_device else f"{line}\n").encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | (0 if is_device else os.O_CREAT),
+                         0o644)
+            try:
+                os.write(fd, record)
+            finally:
+                os.close(fd)
+        except PermissionError:
+            msg = f"not allowed to write {path} (kernel log needs root or CAP_SYSLOG)"
+            raise InvalidInput(msg) from None
+        except OSError as exc:
+            msg = f"cannot write {path}: {exc.strerror or exc}"
+            raise Unreachable(msg) from None
+        return f"wrote {len(record)} bytes"
+
+    def _dcgm(self, step: Step) -> str:
+        argv = [str(a) for a in step.data["argv"]]
+        try:
+            done = self.run_command(argv)
+        except FileNotFoundError:
+            msg = "dcgmi not found on PATH (install DCGM, or drop 'dcgm' from the injectors)"
+            raise Unreachable(msg) from None
+        except subprocess.TimeoutExpired:
+            msg = f"{' '.join(argv)}: no answer within {_DCGMI_TIMEOUT_S:g} s"
+            raise Unreachable(msg) from None
+        if done.returncode != 0:
+            detail = (done.stderr or done.stdout).strip().splitlines()
+            msg = f"{' '.join(argv)}: exit {done.returncode}: {detail[-1] if detail else ''}"
+            raise Unreachable(msg)
+        return "ok"
