@@ -120,7 +120,7 @@ def parse_toxic(body: Any) -> Toxic:
     return Toxic(name=name, kind=kind, direction=direction, **values)
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: live connections sit in a set
 class _Connection:
     client: asyncio.StreamWriter
     upstream: asyncio.StreamWriter | None = None

@@ -1,0 +1,232 @@
+"""The TCP fault proxy measured on loopback: each toxic does what it says, within bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy, Toxic, parse_toxic
+
+pytestmark = pytest.mark.integration
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+def _sender(size: int) -> Handler:
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)
+        writer.write(b"x" * size)
+        await writer.drain()
+        writer.close()
+
+    return send
+
+
+def run(handler: Handler, body: Callable[[NetProxy], Awaitable[Any]]) -> Any:
+    """Start an upstream and a proxy on free loopback ports, run `body`, stop both."""
+
+    async def main() -> Any:
+        upstream = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = upstream.sockets[0].getsockname()[1]
+        proxy = await NetProxy("127.0.0.1", port, seed=1).start()
+        try:
+            return await asyncio.wait_for(body(proxy), 60)
+        finally:
+            await proxy.stop()
+            upstream.close()
+
+    return asyncio.run(main())
+
+
+async def _rtts(port: int, count: int) -> list[float]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = []
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            writer.write(b"ping")
+            await writer.drain()
+            assert await reader.readexactly(4) == b"ping"
+            out.append(time.perf_counter() - start)
+    finally:
+        writer.close()
+    return out
+
+
+def test_latency_adds_within_2ms() -> None:
+    """A 25 ms downstream latency toxic adds 25 ms ± 2 ms to the median round trip."""
+
+    async def body(proxy: NetProxy) -> tuple[float, float]:
+        base = statistics.median(await _rtts(proxy.port, 30))
+        proxy.add_toxic(Toxic("lat", "latency", latency_ms=25))
+        slow = statistics.median(await _rtts(proxy.port, 30))
+        return base, slow
+
+    base, slow = run(_echo, body)
+    added_ms = (slow - base) * 1000
+    assert abs(added_ms - 25) <= 2, f"added {added_ms:.2f} ms"
+
+
+def test_latency_jitter_stays_in_its_range_and_keeps_order() -> None:
+    """latency 20 ± 10 ms: every round trip adds 10-30 ms (+ slack) and bytes keep order."""
+
+    async def body(proxy: NetProxy) -> list[float]:
+        proxy.add_toxic(Toxic("lat", "latency", latency_ms=20, jitter_ms=10))
+        return await _rtts(proxy.port, 40)
+
+    rtts = [r * 1000 for r in run(_echo, body)]
+    assert min(rtts) >= 10
+    assert max(rtts) <= 30 + 15  # slack for a loaded 2-core machine
+    assert statistics.pstdev(rtts) > 1  # jitter really varies
+
+
+def test_bandwidth_within_10_percent() -> None:
+    """A 256 KiB/s bandwidth toxic delivers 192 KiB at 256 KiB/s ± 10%."""
+    size = 192 * 1024
+
+    async def body(proxy: NetProxy) -> float:
+        proxy.add_toxic(Toxic("bw", "bandwidth", rate_kbps=256))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        start = time.perf_counter()
+        writer.write(b"g")
+        await writer.drain()
+        data = await reader.read(-1)
+        elapsed = time.perf_counter() - start
+        writer.close()
+        assert len(data) == size
+        return size / 1024 / elapsed
+
+    rate = run(_sender(size), body)
+    assert abs(rate - 256) <= 25.6, f"{rate:.1f} KiB/s"
+
+
+def test_reset_peer_resets_live_connections() -> None:
+    """Adding reset_peer resets a connection already open; the client sees a reset or EOF."""
+
+    async def body(proxy: NetProxy) -> bytes | str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"ping")
+        await writer.drain()
+        assert await reader.readexactly(4) == b"ping"
+        proxy.add_toxic(Toxic("rst", "reset_peer"))
+        try:
+            return await asyncio.wait_for(reader.read(10), 5)
+        except ConnectionResetError:
+            return "reset"
+        finally:
+            writer.close()
+
+    assert run(_echo, body) in ("reset", b"")
+
+
+def test_blackhole_never_answers_until_removed() -> None:
+    """A blackhole swallows requests (no answer within 300 ms); removing it restores echo."""
+
+    async def body(proxy: NetProxy) -> None:
+        proxy.add_toxic(Toxic("bh", "blackhole", direction="upstream"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"lost")
+        await writer.drain()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(reader.read(4), 0.3)
+        assert proxy.remove_toxic("bh")
+        writer.write(b"seen")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"seen"
+        writer.close()
+
+    run(_echo, body)
+
+
+def test_slice_splits_and_delays_writes() -> None:
+    """slice 100 B every 2 ms: 4,000 bytes arrive intact, no sooner than 39 gaps later."""
+
+    async def body(proxy: NetProxy) -> float:
+        proxy.add_toxic(Toxic("sl", "slice", size_bytes=100, delay_us=2000))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        start = time.perf_counter()
+        writer.write(b"g")
+        await writer.drain()
+        data = await reader.read(-1)
+        writer.close()
+        assert data == b"x" * 4000
+        return time.perf_counter() - start
+
+    assert run(_sender(4000), body) >= 39 * 0.002
+
+
+def test_limit_data_closes_after_n_bytes() -> None:
+    """limit_data 1,000 B: the client gets exactly 1,000 bytes of 10,000, then EOF."""
+
+    async def body(proxy: NetProxy) -> int:
+        proxy.add_toxic(Toxic("lim", "limit_data", bytes=1000))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"g")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(-1), 10)
+        writer.close()
+        return len(data)
+
+    assert run(_sender(10_000), body) == 1000
+
+
+def test_control_api_adds_lists_and_clears() -> None:
+    """The HTTP control API adds a toxic, lists it, rejects a bad one, removes and clears."""
+
+    async def body(proxy: NetProxy) -> None:
+        control = await ControlServer(proxy).start()
+        try:
+            async with aiohttp.ClientSession(control.url) as http:
+                async with http.post("/toxics", json={"name": "l", "kind": "latency",
+                                                      "latency_ms": 5}) as r:
+                    assert r.status == 201
+                async with http.post("/toxics", json={"kind": "bandwidth"}) as r:
+                    assert r.status == 400
+                    assert "rate_kbps" in (await r.json())["error"]
+                async with http.post("/toxics", json={"kind": "blackhole"}) as r:
+                    assert r.status == 201
+                async with http.get("/toxics") as r:
+                    names = [t["name"] for t in (await r.json())["toxics"]]
+                    assert names == ["l", "blackhole_downstream"]
+                async with http.delete("/toxics/l") as r:
+                    assert r.status == 200
+                async with http.delete("/toxics/l") as r:
+                    assert r.status == 404
+                async with http.delete("/toxics") as r:
+                    assert (await r.json())["removed"] == 1
+            assert proxy.toxics() == ()
+        finally:
+            await control.stop()
+
+    run(_echo, body)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"kind": "nope"}, "unknown toxic kind"),
+    ({"kind": "latency", "latency_ms": -1}, "non-negative"),
+    ({"kind": "latency", "direction": "sideways"}, "direction"),
+    ({"kind": "latency", "speed": 1}, "unknown toxic field"),
+    ({"kind": "slice"}, "size_bytes"),
+])
+def test_bad_toxics_are_refused(body: dict[str, Any], message: str) -> None:
+    """Malformed toxics are refused with a message naming the field."""
+    with pytest.raises(InvalidInput, match=message):
+        parse_toxic(body)
