@@ -62,11 +62,19 @@ path, sentinel = sys.argv[1], sys.argv[2]
 lock = FlockLock(path, int(sys.argv[3]))
 
 def alive(pid):
+    # Can `pid` still run user code? Not if it is a zombie, exiting (PF_EXITING:
+    # its files, and so its flock, are released before it becomes a zombie) or
+    # has SIGKILL pending.
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
     except OSError:
         return False
+    sigkill = 1 << 8
+    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return fields[0] not in "ZX" and not int(fields[6]) & 0x4 and not pending & sigkill
 
 while True:
     lease = lock.acquire()
