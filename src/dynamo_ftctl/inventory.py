@@ -43,6 +43,7 @@ __all__ = [
     "ProcessRef",
     "ProxyConfig",
     "SimLaunch",
+    "TransitionAction",
     "Worker",
     "format_key_path",
     "inventory_json_schema",
@@ -206,6 +207,34 @@ class Group(_Model):
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree.")
 
 
+HealthStateName = Literal["healthy", "suspicious", "unhealthy", "draining", "dead"]
+
+
+class TransitionAction(_Model):
+    """What the canary daemon does when a worker enters one of `on` (HTTP call or command)."""
+
+    on: tuple[HealthStateName, ...] = Field(
+        ("unhealthy",), min_length=1, description="States whose entry triggers the action.",
+    )
+    http: HttpUrl | None = Field(
+        None, description="POST {worker, state, previous, reason} as JSON to this URL.",
+    )
+    token_env: str | None = Field(
+        None, description="Variable holding a bearer token for the HTTP call.",
+    )
+    command: tuple[str, ...] | None = Field(
+        None, min_length=1,
+        description="argv to run with FTCTL_WORKER, FTCTL_STATE, FTCTL_PREVIOUS_STATE set.",
+    )
+    timeout_s: float = Field(10.0, gt=0, description="Give up on the action after this long.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TransitionAction:
+        if (self.http is None) == (self.command is None):
+            raise KeyedValueError(("http",), "give exactly one of 'http' or 'command'")
+        return self
+
+
 class CanaryConfig(_Model):
     """Canary probing and the health state machine."""
 
@@ -215,6 +244,31 @@ class CanaryConfig(_Model):
     set: str | None = Field(None, description="Canary set YAML, relative to the inventory.")
     latency_spike_factor: float = Field(3.0, gt=1.0)
     ema_alpha: float = Field(0.1, gt=0.0, le=1.0)
+    failure_threshold: int = Field(
+        3, ge=1, le=100, description="Consecutive failures that make a worker UNHEALTHY.",
+    )
+    recovery_s: float = Field(
+        60.0, gt=0, description="Seconds an open breaker waits before one half-open trial.",
+    )
+    dead_after_trials: int = Field(
+        2, ge=1, le=100,
+        description="Failed half-open trials before DEAD (the first one moves to DRAINING).",
+    )
+    concurrency: int = Field(
+        256, ge=1, le=10000, description="Probes in flight at once in the daemon.",
+    )
+    listen: HostPort = Field(
+        "127.0.0.1:8090", description="Daemon HTTP address (/workers, /report, /metrics).",
+    )
+    state_file: str | None = Field(
+        None, description="Latency baseline file (default: $XDG_STATE_HOME/ftctl/canary.json).",
+    )
+    transition_log: str | None = Field(
+        None, description="Append every state transition here as a JSON line.",
+    )
+    actions: tuple[TransitionAction, ...] = Field(
+        (), description="HTTP calls or commands run on state transitions.",
+    )
 
 
 class EtcdConfig(_Model):

@@ -1,0 +1,182 @@
+"""`ftctl canary`: canary probes (one-shot), the health daemon (--watch), record a set."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, resolve_inventory_path
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory import Inventory
+
+app = typer.Typer(
+    help=(
+        "Canary requests with known answers: catch workers that look alive but are broken.\n\n"
+        "One-shot (Kubernetes exec probe, cron): ftctl canary --worker w3 (or --all, or --url "
+        "URL --set FILE without an inventory). Exit 0 healthy, 1 unhealthy (token mismatch, "
+        "logit drift, latency spike, garbage answer), 3 unreachable or timed out, 2 bad input.\n\n"
+        "Daemon: ftctl canary --watch probes every worker each canary.interval_s, keeps the "
+        "state machine and breakers, serves GET /workers, POST /report, /metrics, /health."
+    ),
+    invoke_without_command=True,
+    no_args_is_help=False,
+    rich_markup_mode=None,
+)
+
+SetOption = Annotated[
+    Path | None,
+    typer.Option("--set", help="Canary set YAML (default: the inventory's canary.set).",
+                 show_default=False),
+]
+
+
+def _inventory(ctx: typer.Context, *, required: bool) -> Inventory | None:
+    """The inventory, or None when none was named and ./ftctl.yaml does not exist."""
+    from dynamo_ftctl.cli._common import global_options
+    from dynamo_ftctl.inventory import load_inventory
+
+    named = global_options(ctx).inventory is not None or os.environ.get("FTCTL_INVENTORY")
+    path = resolve_inventory_path(ctx)
+    if not required and not named and not path.exists():
+        return None
+    return load_inventory(path)
+
+
+def _print_transition(record: Any) -> None:
+    from dynamo_ftctl.output import emit_line
+
+    emit_line(record)
+
+
+@app.callback()
+def canary(  # noqa: PLR0917 - typer passes every option positionally
+    ctx: typer.Context,
+    worker: Annotated[
+        list[str] | None,
+        typer.Option("--worker", "-w", help="Inventory worker to probe (repeatable).",
+                     show_default=False),
+    ] = None,
+    all_workers: Annotated[bool, typer.Option("--all", help="Probe every worker.")] = False,
+    url: Annotated[
+        str | None,
+        typer.Option("--url", help="Probe this OpenAI-compatible base URL (no inventory).",
+                     show_default=False),
+    ] = None,
+    set_path: SetOption = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", min=0.001, help="Per-request timeout in seconds "
+                     "(default: canary.timeout_s).", show_default=False),
+    ] = None,
+    state_file: Annotated[
+        Path | None,
+        typer.Option("--state-file", help="Latency baseline file (default: canary.state_file, "
+                     "then $XDG_STATE_HOME/ftctl/canary.json).", show_default=False),
+    ] = None,
+    no_state: Annotated[
+        bool, typer.Option("--no-state", help="No latency baseline (no spike verdicts)."),
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Run the health daemon over every worker."),
+    ] = False,
+    listen: Annotated[
+        str | None,
+        typer.Option("--listen", help="Daemon HOST:PORT (default: canary.listen; port 0: any).",
+                     show_default=False),
+    ] = None,
+    json_: JsonFlag = False,
+) -> None:
+    """Probe workers once (exit 0/1/3), or run the health daemon with --watch.
+
+    Example: ftctl -i examples/local.yaml canary --worker w1
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    as_json = json_mode(ctx, json_)
+    if watch:
+        _watch(ctx, set_path=set_path, listen=listen, state_file=state_file,
+               use_state=not no_state, as_json=as_json)
+        return
+    from dynamo_ftctl.health.run import run_canary
+
+    inventory = _inventory(ctx, required=url is None)
+    report = run_canary(inventory, workers=worker or (), all_workers=all_workers, url=url,
+                        set_path=set_path, state_file=state_file, use_state=not no_state,
+                        timeout_s=timeout)
+    finish(ctx, report, json_flag=as_json, code=report.exit_code)
+
+
+def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,
+           state_file: Path | None, use_state: bool, as_json: bool) -> None:
+    from dynamo_ftctl.health.run import watch_fleet
+
+    inventory = _inventory(ctx, required=True)
+    assert inventory is not None
+    live = not as_json and sys.stdout.isatty()
+
+    def ready(url: str) -> None:
+        sys.stderr.write(f"canary daemon: {len(inventory.workers)} workers, serving {url}\n")
+        sys.stderr.flush()
+
+    summary = watch_fleet(inventory, set_path=set_path, listen=listen, state_file=state_file,
+                          use_state=use_state, on_transition=None if live else _print_transition,
+                          on_action=None if live else _print_transition, on_ready=ready,
+                          live=live)
+    sys.stderr.write(f"canary daemon stopped after {summary.rounds} rounds, "
+                     f"{summary.probes} probes, {summary.transitions} transitions\n")
+
+
+@app.command()
+def record(  # noqa: PLR0917 - typer passes every option positionally
+    ctx: typer.Context,
+    worker: Annotated[
+        str | None,
+        typer.Option("--worker", "-w", help="Inventory worker known to be good.",
+                     show_default=False),
+    ] = None,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Or a base URL (needs --model).",
+                                 show_default=False),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model id (default: the worker's).",
+                                 show_default=False),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", "-o", help="Where to write (default: canaries/<model>.yaml).",
+                     show_default=False),
+    ] = None,
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=2, help="Runs per prompt; all must agree."),
+    ] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 8,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", help="NAME=TEXT (repeatable; default: a built-in set).",
+                     show_default=False),
+    ] = None,
+    json_: JsonFlag = False,
+) -> None:
+    """Record a golden canary set from a good worker (refuses if answers differ).
+
+    Example: ftctl -i examples/local.yaml canary record -w w1 -o canaries/ftctl-sim-tiny.yaml
+    """
+    from dynamo_ftctl.health.run import record_set
+
+    prompts = []
+    for item in prompt or ():
+        name, sep, text = item.partition("=")
+        if not sep or not name or not text:
+            msg = f"--prompt expects NAME=TEXT, got {item!r}"
+            raise typer.BadParameter(msg, param_hint="--prompt")
+        prompts.append((name, text))
+    inventory = _inventory(ctx, required=url is None)
+    result = record_set(inventory, worker=worker, url=url, model=model, out=out,
+                        repeats=repeats, max_tokens=max_tokens, prompts=prompts or None)
+    finish(ctx, result, json_flag=json_)

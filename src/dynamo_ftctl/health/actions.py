@@ -1,0 +1,116 @@
+"""Transition actions: what the daemon does when a worker changes state.
+
+An action from the inventory (`canary.actions`) is an HTTP POST (for example a
+drain endpoint) carrying the transition as JSON, or a command run with
+`FTCTL_WORKER`, `FTCTL_STATE`, `FTCTL_PREVIOUS_STATE` and `FTCTL_REASON` in its
+environment. Each is bounded by its `timeout_s`; a command past it is killed.
+An action never raises: its outcome is returned (and logged as a JSON line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from dynamo_ftctl.health.state import Transition
+    from dynamo_ftctl.inventory import TransitionAction
+
+__all__ = ["ActionOutcome", "actions_for", "run_action"]
+
+
+@dataclass(frozen=True)
+class ActionOutcome:
+    """What one action did."""
+
+    worker: str
+    state: str
+    action: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "action", "worker": self.worker, "state": self.state,
+                "action": self.action, "ok": self.ok, "detail": self.detail}
+
+
+def actions_for(
+    actions: tuple[TransitionAction, ...], transition: Transition,
+) -> list[TransitionAction]:
+    """The actions whose `on` names the state just entered."""
+    return [a for a in actions if transition.state.value in a.on]
+
+
+def _describe(action: TransitionAction) -> str:
+    if action.http is not None:
+        return f"POST {action.http}"
+    return " ".join(action.command or ())
+
+
+async def run_action(
+    action: TransitionAction, transition: Transition, *, session: aiohttp.ClientSession,
+) -> ActionOutcome:
+    """Run one action for one transition; never raises."""
+    name = _describe(action)
+
+    def outcome(ok: bool, detail: str) -> ActionOutcome:
+        return ActionOutcome(transition.worker, transition.state.value, name, ok, detail)
+
+    try:
+        if action.http is not None:
+            return outcome(*await _post(action, transition, session))
+        return outcome(*await _command(action, transition))
+    except Exception as exc:  # an action must not take the daemon down
+        return outcome(False, f"{exc.__class__.__name__}: {exc}")
+
+
+async def _post(action: TransitionAction, transition: Transition,
+                session: aiohttp.ClientSession) -> tuple[bool, str]:
+    import aiohttp
+
+    headers = {}
+    if action.token_env:
+        token = os.environ.get(action.token_env)
+        if not token:
+            return False, f"${action.token_env} is not set"
+        headers["Authorization"] = f"Bearer {token}"
+    assert action.http is not None
+    try:
+        async with session.post(action.http, json=transition.to_json(), headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=action.timeout_s)) as resp:
+            await resp.read()
+            return 200 <= resp.status < 300, f"HTTP {resp.status}"
+    except TimeoutError:
+        return False, f"no answer within {action.timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        return False, f"{exc.__class__.__name__}: {exc}"
+
+
+async def _command(action: TransitionAction, transition: Transition) -> tuple[bool, str]:
+    argv = list(action.command or ())
+    env = {**os.environ, "FTCTL_WORKER": transition.worker, "FTCTL_STATE": transition.state.value,
+           "FTCTL_PREVIOUS_STATE": transition.previous.value, "FTCTL_REASON": transition.reason}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as exc:
+        return False, f"cannot run {argv[0]!r}: {exc.strerror or exc}"
+    try:
+        async with asyncio.timeout(action.timeout_s):
+            _, err = await proc.communicate()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return False, f"killed after {action.timeout_s:g} s"
+    if proc.returncode == 0:
+        return True, "exit 0"
+    last = (err or b"").decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    return False, f"exit {proc.returncode}: {last[0][:200]}"

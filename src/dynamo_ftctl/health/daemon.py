@@ -1,0 +1,527 @@
+"""The health daemon (`ftctl canary --watch`): probes, passive signals, state, HTTP API.
+
+`HealthDaemon` is the engine, usable from Python and driven in tests by a fake
+clock and a fake transport:
+
+- every `interval_s` it probes each worker whose breaker allows it, at most
+  `concurrency` probes in flight (one aiohttp session: 1,000 workers within
+  one interval from one process, see benchmarks/canary.py);
+- a failure that leaves a worker SUSPICIOUS triggers an immediate confirmation
+  probe, so a dead worker reaches UNHEALTHY in `failure_threshold` fast probes
+  instead of `failure_threshold` intervals;
+- passive signals (`report`: the proxy's failed request or broken stream, the
+  GPU watcher's Xid for a worker's GPUs) count as failures at once and also
+  trigger a confirmation probe;
+- each transition updates the metrics, is handed to `on_transition` (the JSON
+  line log) and runs the inventory's actions.
+
+`create_app` serves `GET /workers`, `POST /report`, `GET /metrics`, `GET /health`.
+`run_daemon` runs both under uvicorn until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.health.actions import ActionOutcome, actions_for, run_action
+from dynamo_ftctl.health.baseline import Baselines, BaselineStore
+from dynamo_ftctl.health.probe import ProbeResult, ProbeTarget, aprobe_worker
+from dynamo_ftctl.health.state import (
+    BreakerState,
+    HealthState,
+    MachineConfig,
+    SignalSource,
+    Transition,
+    WorkerHealth,
+)
+from dynamo_ftctl.health.transport import AiohttpTransport, AsyncTransport
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from dynamo_ftctl.health.canaryset import CanarySet
+    from dynamo_ftctl.inventory import CanaryConfig, Inventory
+
+__all__ = [
+    "DaemonSummary",
+    "HealthDaemon",
+    "ReportOutcome",
+    "WatchedWorker",
+    "create_app",
+    "run_daemon",
+    "watched_workers",
+]
+
+
+@dataclass(frozen=True)
+class WatchedWorker:
+    """A worker the daemon watches: where to probe it and which GPUs it uses."""
+
+    target: ProbeTarget
+    node: str = "localhost"
+    gpus: tuple[int, ...] = ()
+
+
+def watched_workers(inventory: Inventory) -> list[WatchedWorker]:
+    """Every inventory worker."""
+    return [WatchedWorker(ProbeTarget(w.name, w.url, w.model), w.node, w.gpus)
+            for w in inventory.workers]
+
+
+@dataclass
+class _Entry:
+    worker: WatchedWorker
+    health: WorkerHealth
+    last: ProbeResult | None = None
+    last_at: float | None = None
+    probes: int = 0
+    in_flight: bool = False
+    published: tuple[HealthState, BreakerState] | None = None
+
+
+@dataclass(frozen=True)
+class ReportOutcome:
+    """What a passive report did."""
+
+    accepted: bool
+    workers: tuple[str, ...]
+    states: dict[str, str] = field(default_factory=dict)
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "workers": list(self.workers),
+                "states": self.states, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class DaemonSummary:
+    """What `run_daemon` returns when stopped."""
+
+    listen: str
+    workers: int
+    rounds: int
+    probes: int
+    transitions: int
+    states: dict[str, int]
+
+
+class HealthDaemon:
+    """Probes, passive signals and per-worker state machines (see the module docstring)."""
+
+    def __init__(
+        self, workers: Sequence[WatchedWorker], canary_set: CanarySet, config: CanaryConfig, *,
+        clock: Clock = SYSTEM_CLOCK, transport: AsyncTransport | None = None,
+        baselines: Baselines | None = None,
+        on_transition: Callable[[Transition], None] | None = None,
+        on_action: Callable[[ActionOutcome], None] | None = None,
+        metrics: bool = True,
+    ) -> None:
+        if not workers:
+            msg = "the canary daemon needs at least one worker"
+            raise InvalidInput(msg)
+        self.canary_set = canary_set
+        self.config = config
+        self.clock = clock
+        self._own_transport = transport is None
+        self.transport: AsyncTransport = transport or AiohttpTransport(
+            concurrency=config.concurrency)
+        self.baselines = baselines or Baselines()
+        self.on_transition = on_transition
+        self.on_action = on_action
+        machine = MachineConfig.from_canary(config)
+        self.entries: dict[str, _Entry] = {
+            w.target.name: _Entry(w, WorkerHealth(w.target.name, machine, clock))
+            for w in workers
+        }
+        self._limit = asyncio.Semaphore(config.concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.rounds = 0
+        self.probes = 0
+        self.transitions = 0
+        self._metrics = metrics
+        if metrics:
+            for entry in self.entries.values():
+                self._publish(entry)
+
+    # ------------------------------------------------------------------ probing
+
+    def start_round(self) -> int:
+        """Start a probe of every worker that is idle and whose breaker allows one."""
+        self.rounds += 1
+        started = 0
+        for entry in self.entries.values():
+            started += self._spawn_probe(entry)
+        return started
+
+    async def probe_round(self) -> int:
+        """One round, waiting for it and every confirmation probe it caused."""
+        started = self.start_round()
+        await self.settle()
+        return started
+
+    async def settle(self) -> None:
+        """Wait until no probe or action is in flight."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _spawn(self, job: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _spawn_probe(self, entry: _Entry) -> bool:
+        if entry.in_flight or not entry.health.allow_probe():
+            if self._metrics:
+                self._publish(entry)
+            return False
+        entry.in_flight = True
+        if self._metrics:
+            self._publish(entry)
+        self._spawn(self._probe(entry))
+        return True
+
+    async def _probe(self, entry: _Entry) -> None:
+        try:
+            async with self._limit:
+                result = await aprobe_worker(
+                    entry.worker.target, self.canary_set, self.config,
+                    transport=self.transport, baselines=self.baselines, clock=self.clock,
+                )
+        finally:
+            entry.in_flight = False
+        self.probes += 1
+        entry.probes += 1
+        entry.last = result
+        entry.last_at = self.clock.wall()
+        if self._metrics:
+            from dynamo_ftctl.metrics import HEALTH_CHECK_DURATION
+
+            HEALTH_CHECK_DURATION.labels(entry.worker.target.name).observe(result.wall_s)
+        self._apply(entry, entry.health.record(result.healthy, result.reason, "probe"))
+        if not result.healthy:
+            self._confirm(entry)
+
+    def _confirm(self, entry: _Entry) -> None:
+        # Still counting failures with the breaker closed: ask again now, not next interval.
+        health = entry.health
+        if health.breaker is BreakerState.CLOSED and health.consecutive_failures > 0:
+            self._spawn_probe(entry)
+
+    # ------------------------------------------------------------------ passive signals
+
+    def report(self, body: Mapping[str, Any]) -> ReportOutcome:
+        """A passive signal: `{"worker", "ok", "reason", "source"}` or a GPU event."""
+        source = body.get("source", "proxy")
+        if source not in ("proxy", "gpu", "probe"):
+            msg = f"'source' must be proxy or gpu, got {source!r}"
+            raise InvalidInput(msg)
+        names = self._report_targets(body)
+        ok = body.get("ok", False)
+        if not isinstance(ok, bool):
+            msg = "'ok' must be true or false"
+            raise InvalidInput(msg)
+        if source == "gpu" and body.get("actionable") is False:
+            return ReportOutcome(False, names, detail="GPU event needs no action")
+        reason = str(body.get("reason") or ("ok" if ok else f"reported by {source}"))[:300]
+        sig: SignalSource = "gpu" if source == "gpu" else "proxy"
+        states = {}
+        for name in names:
+            entry = self.entries[name]
+            self._apply(entry, entry.health.record(ok, f"{source}: {reason}", sig))
+            if not ok:
+                self._confirm(entry)
+            states[name] = entry.health.state.value
+        return ReportOutcome(True, names, states)
+
+    def _report_targets(self, body: Mapping[str, Any]) -> tuple[str, ...]:
+        names: list[str] = []
+        if isinstance(body.get("worker"), str):
+            names.append(body["worker"])
+        workers = body.get("workers")
+        if isinstance(workers, list):
+            names.extend(str(w) for w in workers)
+        if not names and "gpu" in body:
+            node, gpu = body.get("node"), body.get("gpu")
+            names = [n for n, e in self.entries.items()
+                     if (node is None or e.worker.node == node)
+                     and isinstance(gpu, int) and gpu in e.worker.gpus]
+        if not names:
+            msg = "a report names a 'worker', 'workers', or a 'node' and 'gpu'"
+            raise InvalidInput(msg)
+        unknown = [n for n in names if n not in self.entries]
+        if unknown:
+            msg = f"unknown worker {unknown[0]!r}"
+            raise InvalidInput(msg)
+        return tuple(dict.fromkeys(names))
+
+    # ------------------------------------------------------------------ transitions
+
+    def _apply(self, entry: _Entry, transition: Transition | None) -> None:
+        if self._metrics:
+            self._publish(entry)
+        if transition is None:
+            return
+        self.transitions += 1
+        if self.on_transition is not None:
+            self.on_transition(transition)
+        session = getattr(self.transport, "session", None)
+        for action in actions_for(self.config.actions, transition):
+            if session is None:
+                continue
+            self._spawn(self._act(action, transition, session))
+
+    async def _act(self, action: Any, transition: Transition, session: Any) -> None:
+        outcome = await run_action(action, transition, session=session)
+        if self.on_action is not None:
+            self.on_action(outcome)
+
+    def _publish(self, entry: _Entry) -> None:
+        key = (entry.health.state, entry.health.breaker)
+        if entry.published == key:
+            return
+        from dynamo_ftctl.metrics import CIRCUIT_BREAKER_STATE, WORKER_STATUS
+
+        name = entry.worker.target.name
+        for state in HealthState:
+            WORKER_STATUS.labels(name, state.value).set(1 if state is key[0] else 0)
+        CIRCUIT_BREAKER_STATE.labels(name).set(key[1].gauge)
+        entry.published = key
+
+    # ------------------------------------------------------------------ views
+
+    def snapshot(self) -> dict[str, Any]:
+        """`GET /workers`: states, weights, breakers and last results."""
+        rows = []
+        for name, entry in self.entries.items():
+            health = entry.health
+            last = entry.last
+            rows.append({
+                "name": name, "url": entry.worker.target.url, "state": health.state.value,
+                "weight": health.weight, "breaker": health.breaker.value,
+                "consecutive_failures": health.consecutive_failures,
+                "retry_in_s": health.retry_in(), "reason": health.last_reason,
+                "probes": entry.probes,
+                "last": None if last is None else {
+                    "at": entry.last_at, "verdict": last.verdict, "kind": last.kind,
+                    "reason": last.reason, "latency_s": last.latency_s,
+                    "baseline_s": last.baseline_s,
+                },
+            })
+        return {"updated": self.clock.wall(), "interval_s": self.config.interval_s,
+                "workers": rows}
+
+    def counts(self) -> dict[str, int]:
+        """Workers per state."""
+        out = {s.value: 0 for s in HealthState}
+        for entry in self.entries.values():
+            out[entry.health.state.value] += 1
+        return out
+
+    def render(self) -> Any:
+        """A rich table of the fleet (the live view)."""
+        from dynamo_ftctl.output import table
+
+        colour = {"healthy": "green", "suspicious": "yellow", "unhealthy": "red",
+                  "draining": "magenta", "dead": "bold red"}
+        rows = []
+        for name, entry in self.entries.items():
+            h = entry.health
+            last = entry.last
+            latency = f"{last.latency_s * 1000:.0f} ms" if last and last.latency_s else "-"
+            rows.append((name, f"[{colour[h.state.value]}]{h.state.value.upper()}[/]", h.weight,
+                         h.breaker.value, latency, h.last_reason[:70]))
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts().items() if v)
+        return table(f"canary daemon: {len(self.entries)} workers ({counts})",
+                     ["worker", "state", "weight", "breaker", "latency", "reason"], rows)
+
+    async def aclose(self) -> None:
+        """Cancel what is in flight and close the transport if it is ours."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._own_transport and isinstance(self.transport, AiohttpTransport):
+            await self.transport.close()
+
+    async def run(self, stop: asyncio.Event, *, on_round: Callable[[], None] | None = None) -> None:
+        """Start a round every `interval_s` until `stop` is set."""
+        next_tick = self.clock.now()
+        while not stop.is_set():
+            self.start_round()
+            if on_round is not None:
+                on_round()
+            next_tick += self.config.interval_s
+            delay = max(0.0, next_tick - self.clock.now())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+
+# ---------------------------------------------------------------------- HTTP API
+
+
+def create_app(daemon: HealthDaemon) -> Starlette:
+    """The daemon's HTTP API (starlette)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    async def workers(_: Request) -> Response:
+        return JSONResponse(daemon.snapshot())
+
+    async def report(request: Request) -> Response:
+        raw = await request.body()
+        if len(raw) > 65536:
+            return JSONResponse({"error": "report body over 64 KiB"}, status_code=413)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return JSONResponse({"error": "body is not JSON"}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
+        try:
+            outcome = daemon.report(body)
+        except InvalidInput as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse(outcome.to_json())
+
+    async def metrics(_: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        from dynamo_ftctl.metrics import REGISTRY
+
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok", "workers": daemon.counts(),
+                             "rounds": daemon.rounds, "probes": daemon.probes})
+
+    return Starlette(routes=[
+        Route("/workers", workers, methods=["GET"]),
+        Route("/report", report, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ])
+
+
+def _bind(listen: str) -> socket.socket:
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, int(port)))
+    except OSError as exc:
+        sock.close()
+        msg = f"cannot listen on {listen}: {exc.strerror or exc}"
+        raise InvalidInput(msg) from None
+    sock.listen(1024)
+    return sock
+
+
+def run_daemon(
+    inventory: Inventory, canary_set: CanarySet, config: CanaryConfig, *,
+    listen: str | None = None, store: BaselineStore | None = None,
+    on_transition: Callable[[Transition], None] | None = None,
+    on_action: Callable[[ActionOutcome], None] | None = None,
+    on_ready: Callable[[str], None] | None = None, live: bool = False,
+) -> DaemonSummary:
+    """Run the daemon and its HTTP API until SIGINT/SIGTERM (blocking)."""
+    import uvicorn
+
+    sock = _bind(listen or config.listen)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    log_file = None
+    if config.transition_log:
+        path = inventory.resolve(config.transition_log)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = path.open("a", buffering=1, encoding="utf-8")
+        except OSError as exc:
+            sock.close()
+            msg = f"{path}: cannot open the transition log: {exc.strerror or exc}"
+            raise InvalidInput(msg) from None
+
+    def transition(t: Transition) -> None:
+        if log_file is not None:
+            log_file.write(json.dumps(t.to_json(), separators=(",", ":")) + "\n")
+        if on_transition is not None:
+            on_transition(t)
+
+    baselines = store.load() if store is not None else Baselines()
+
+    async def main() -> DaemonSummary:
+        daemon = HealthDaemon(watched_workers(inventory), canary_set, config,
+                              baselines=baselines, on_transition=transition, on_action=on_action)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(daemon), log_level="warning", access_log=False, lifespan="off",
+            loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=2,
+        ))
+        server.config.load()
+        server.lifespan = server.config.lifespan_class(server.config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.startup(sockets=[sock])
+        serving = asyncio.ensure_future(server.main_loop())
+        if on_ready is not None:
+            on_ready(url)
+        saver = _every_interval(daemon, store)
+        try:
+            if live:
+                await _run_live(daemon, stop, saver)
+            else:
+                await daemon.run(stop, on_round=saver)
+        finally:
+            server.should_exit = True
+            await serving
+            await server.shutdown(sockets=[sock])
+            await daemon.aclose()
+            if store is not None:
+                store.merge(daemon.baselines)
+        return DaemonSummary(url, len(daemon.entries), daemon.rounds, daemon.probes,
+                             daemon.transitions, daemon.counts())
+
+    try:
+        return asyncio.run(main())
+    finally:
+        sock.close()
+        if log_file is not None:
+            log_file.close()
+
+
+def _every_interval(daemon: HealthDaemon, store: BaselineStore | None) -> Callable[[], None]:
+    def save() -> None:
+        # Baselines reach the state file once per round (one-shot probes read them).
+        if store is not None and daemon.rounds > 1:
+            with contextlib.suppress(InvalidInput, OSError):
+                store.merge(daemon.baselines)
+    return save
+
+
+async def _run_live(daemon: HealthDaemon, stop: asyncio.Event, saver: Callable[[], None]) -> None:
+    from rich.live import Live
+
+    from dynamo_ftctl.output import stdout_console
+
+    with Live(daemon.render(), console=stdout_console(), refresh_per_second=2,
+              transient=False) as view:
+        runner = asyncio.ensure_future(daemon.run(stop, on_round=saver))
+        try:
+            while not stop.is_set():
+                view.update(daemon.render())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+        finally:
+            await runner
+

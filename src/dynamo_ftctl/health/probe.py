@@ -1,0 +1,338 @@
+"""Canary probes: send a set to a worker, judge every answer, return a `ProbeResult`.
+
+`probe_worker` is the one-shot probe (Kubernetes exec probes, cron): blocking,
+`http.client` underneath, the latency baseline read and updated in the shared
+state file. `aprobe_worker` is the same probe for the daemon (aiohttp, the
+baseline in memory). Both retry transient errors (a connection lost mid-answer)
+`max_retries` times; a refusal or a timeout is a verdict, not retried, so a dead
+or hung worker costs one timeout, not three.
+
+Verdicts: `healthy` (exit 0); `unhealthy` (exit 1: wrong tokens or text, logit
+drift, latency spike, a garbage answer); `unreachable` (exit 3: refused, reset,
+no answer within the timeout). `ProbeReport` folds several workers into one
+exit code: 1 if any answered wrongly, else 3 if any did not answer, else 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import ExitCode, InvalidInput
+from dynamo_ftctl.health.baseline import Baselines, BaselineStore, LatencyVerdict
+from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
+from dynamo_ftctl.health.judge import (
+    BadResponse,
+    CheckKind,
+    Mismatch,
+    Verdict,
+    build_request,
+    judge_answer,
+    parse_answer,
+)
+from dynamo_ftctl.health.transport import (
+    AsyncTransport,
+    HttpClientTransport,
+    HttpReply,
+    SyncTransport,
+    TransportError,
+)
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory import CanaryConfig
+
+__all__ = [
+    "ProbeReport",
+    "ProbeResult",
+    "ProbeTarget",
+    "PromptCheck",
+    "aprobe_worker",
+    "probe_worker",
+    "probe_workers",
+]
+
+ProbeVerdict = Literal["healthy", "unhealthy", "unreachable"]
+_BACKOFF_S = 0.05
+
+
+@dataclass(frozen=True)
+class ProbeTarget:
+    """A worker to probe: its name (the baseline key), base URL and served model."""
+
+    name: str
+    url: str
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptCheck:
+    """One prompt's outcome."""
+
+    prompt: str
+    kind: CheckKind
+    reason: str
+    latency_s: float | None
+    attempts: int
+    mismatch: Mismatch | None = None
+    top_logprob: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the answer matched."""
+        return self.kind == "ok"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One worker's verdict."""
+
+    worker: str
+    url: str
+    verdict: ProbeVerdict
+    kind: CheckKind
+    reason: str
+    latency_s: float | None
+    baseline_s: float | None
+    wall_s: float
+    checks: tuple[PromptCheck, ...]
+    mismatch: Mismatch | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """True for a healthy verdict."""
+        return self.verdict == "healthy"
+
+    @property
+    def exit_code(self) -> int:
+        """0 healthy, 1 unhealthy, 3 unreachable."""
+        return {"healthy": ExitCode.OK, "unhealthy": ExitCode.FAILED,
+                "unreachable": ExitCode.UNREACHABLE}[self.verdict]
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    """The verdicts of one `ftctl canary` run."""
+
+    results: tuple[ProbeResult, ...]
+    wall_s: float
+    canary_set: str
+    state_file: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        """1 if any worker answered wrongly, else 3 if any did not answer, else 0."""
+        verdicts = {r.verdict for r in self.results}
+        if "unhealthy" in verdicts:
+            return int(ExitCode.FAILED)
+        if "unreachable" in verdicts:
+            return int(ExitCode.UNREACHABLE)
+        return int(ExitCode.OK)
+
+    def to_json(self) -> dict[str, Any]:
+        from dynamo_ftctl.output import to_jsonable
+
+        return {
+            "healthy": self.exit_code == 0, "exit_code": self.exit_code,
+            "wall_s": round(self.wall_s, 4), "canary_set": self.canary_set,
+            "state_file": self.state_file,
+            "workers": [to_jsonable(r) for r in self.results],
+        }
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.text import Text
+
+        from dynamo_ftctl.output import table
+
+        rows = []
+        for r in self.results:
+            latency = f"{r.latency_s * 1000:.0f} ms" if r.latency_s is not None else "-"
+            baseline = f"{r.baseline_s * 1000:.0f} ms" if r.baseline_s is not None else "-"
+            rows.append((r.worker, r.verdict.upper(), latency, baseline, r.reason))
+        styles = {"verdict": "bold"}
+        out = table(None, ["worker", "verdict", "latency", "baseline", "reason"], rows,
+                    styles=styles)
+        word = {0: "healthy", 1: "unhealthy", 3: "unreachable"}[self.exit_code]
+        footer = Text(f"{word} (exit {self.exit_code}) in {self.wall_s * 1000:.0f} ms")
+        return Group(out, footer)
+
+
+# ---------------------------------------------------------------------------
+# Shared steps
+
+
+def _check_model(target: ProbeTarget, canary_set: CanarySet) -> None:
+    if target.model is not None and target.model != canary_set.model:
+        msg = (f"worker {target.name!r} serves {target.model!r} but the canary set is for "
+               f"{canary_set.model!r}; pass --set with the right set")
+        raise InvalidInput(msg)
+
+
+def _judge(prompt: CanaryPrompt, reply: HttpReply) -> tuple[Verdict, float | None]:
+    try:
+        answer = parse_answer(reply)
+    except BadResponse as exc:
+        return Verdict("bad_response", str(exc)), None
+    return judge_answer(prompt, answer), answer.top_logprob
+
+
+def _failed_transport(prompt: CanaryPrompt, exc: TransportError, attempts: int) -> PromptCheck:
+    kind: CheckKind = "unreachable" if exc.unreachable else "bad_response"
+    return PromptCheck(prompt.name, kind, exc.message, None, attempts)
+
+
+def _conclude(
+    target: ProbeTarget, checks: list[PromptCheck], wall_s: float, baselines: Baselines,
+    config: CanaryConfig,
+) -> ProbeResult:
+    failed = next((c for c in checks if not c.ok), None)
+    if failed is not None:
+        verdict: ProbeVerdict = "unreachable" if failed.kind == "unreachable" else "unhealthy"
+        latencies = [c.latency_s for c in checks if c.latency_s is not None]
+        entry = baselines.entries.get(target.name)
+        return ProbeResult(
+            target.name, target.url, verdict, failed.kind, f"{failed.prompt}: {failed.reason}",
+            sum(latencies) if latencies else None, entry.ema_s if entry else None, wall_s,
+            tuple(checks), failed.mismatch,
+        )
+    latency = sum(c.latency_s or 0.0 for c in checks)
+    judged: LatencyVerdict = baselines.judge(target.name, latency, config.latency_spike_factor)
+    if judged.spike:
+        return ProbeResult(target.name, target.url, "unhealthy", "latency_spike", judged.reason,
+                           latency, judged.baseline_s, wall_s, tuple(checks))
+    baselines.update(target.name, latency, config.ema_alpha)
+    reason = f"{len(checks)} prompts ok"
+    if judged.baseline_s is None:
+        reason += " (latency baseline building)"
+    return ProbeResult(target.name, target.url, "healthy", "ok", reason, latency,
+                       judged.baseline_s, wall_s, tuple(checks))
+
+
+def _timeout(prompt: CanaryPrompt, config: CanaryConfig) -> float:
+    return prompt.timeout_s if prompt.timeout_s is not None else config.timeout_s
+
+
+# ---------------------------------------------------------------------------
+# One-shot (blocking)
+
+
+def _probe_prompt(
+    target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig, *,
+    transport: SyncTransport, clock: Clock,
+) -> PromptCheck:
+    path, body = build_request(canary_set, prompt)
+    attempts = 0
+    while True:
+        attempts += 1
+        start = clock.now()
+        try:
+            reply = transport.post_json(target.url + path, body, timeout_s=_timeout(prompt, config))
+        except TransportError as exc:
+            if exc.transient and attempts <= config.max_retries:
+                clock.sleep(_BACKOFF_S * 2 ** (attempts - 1))
+                continue
+            return _failed_transport(prompt, exc, attempts)
+        latency = clock.now() - start
+        if reply.status in (429, 502, 503, 504) and attempts <= config.max_retries:
+            clock.sleep(_BACKOFF_S * 2 ** (attempts - 1))
+            continue
+        verdict, top = _judge(prompt, reply)
+        return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
+                           verdict.mismatch, top)
+
+
+def _run_prompts_sync(
+    target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig,
+    transport: SyncTransport, clock: Clock,
+) -> list[PromptCheck]:
+    checks: list[PromptCheck] = []
+    for prompt in canary_set.prompts:
+        check = _probe_prompt(target, canary_set, prompt, config, transport=transport, clock=clock)
+        checks.append(check)
+        if check.kind == "unreachable":
+            break  # a dead or hung worker costs one timeout, not one per prompt
+    return checks
+
+
+def probe_worker(
+    target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig, *,
+    transport: SyncTransport | None = None, clock: Clock = SYSTEM_CLOCK,
+    store: BaselineStore | None = None,
+) -> ProbeResult:
+    """Probe one worker once (blocking); the baseline lives in `store` when given."""
+    return probe_workers([target], canary_set, config, transport=transport, clock=clock,
+                         store=store).results[0]
+
+
+def probe_workers(
+    targets: Sequence[ProbeTarget], canary_set: CanarySet, config: CanaryConfig, *,
+    transport: SyncTransport | None = None, clock: Clock = SYSTEM_CLOCK,
+    store: BaselineStore | None = None, set_name: str = "",
+) -> ProbeReport:
+    """Probe workers one after another; the state file is locked only to judge latency."""
+    for target in targets:
+        _check_model(target, canary_set)
+    transport = transport or HttpClientTransport()
+    started = clock.now()
+    results = []
+    for target in targets:
+        begin = clock.now()
+        checks = _run_prompts_sync(target, canary_set, config, transport, clock)
+        wall = clock.now() - begin
+        if store is None:
+            results.append(_conclude(target, checks, wall, Baselines(), config))
+            continue
+        # Hold the lock only for the read-judge-update-write, never across requests.
+        with store.locked() as baselines:
+            results.append(_conclude(target, checks, wall, baselines, config))
+    return ProbeReport(tuple(results), clock.now() - started,
+                       set_name, str(store.path) if store else None)
+
+
+# ---------------------------------------------------------------------------
+# Daemon (async)
+
+
+async def _aprobe_prompt(
+    target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig, *,
+    transport: AsyncTransport, clock: Clock,
+) -> PromptCheck:
+    path, body = build_request(canary_set, prompt)
+    attempts = 0
+    while True:
+        attempts += 1
+        start = clock.now()
+        try:
+            reply = await transport.post_json(target.url + path, body,
+                                              timeout_s=_timeout(prompt, config))
+        except TransportError as exc:
+            if exc.transient and attempts <= config.max_retries:
+                await clock.asleep(_BACKOFF_S * 2 ** (attempts - 1))
+                continue
+            return _failed_transport(prompt, exc, attempts)
+        latency = clock.now() - start
+        if reply.status in (429, 502, 503, 504) and attempts <= config.max_retries:
+            await clock.asleep(_BACKOFF_S * 2 ** (attempts - 1))
+            continue
+        verdict, top = _judge(prompt, reply)
+        return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
+                           verdict.mismatch, top)
+
+
+async def aprobe_worker(
+    target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig, *,
+    transport: AsyncTransport, baselines: Baselines, clock: Clock = SYSTEM_CLOCK,
+) -> ProbeResult:
+    """Probe one worker once (the daemon); `baselines` is updated in memory."""
+    begin = clock.now()
+    checks: list[PromptCheck] = []
+    for prompt in canary_set.prompts:
+        check = await _aprobe_prompt(target, canary_set, prompt, config,
+                                     transport=transport, clock=clock)
+        checks.append(check)
+        if check.kind == "unreachable":
+            break
+    return _conclude(target, checks, clock.now() - begin, baselines, config)

@@ -1,0 +1,89 @@
+"""`ftctl canary record`: capture a golden canary set from a worker known to be good.
+
+Each prompt is sent `repeats` times at temperature 0; the recording is refused
+(`CheckFailed`, exit 1) when the answers disagree, because a golden answer that
+is not reproducible would flag healthy workers. The top-logprob range is the
+observed range widened by `LOGPROB_MARGIN` (float noise across batch shapes and
+kernels moves logprobs a little without changing the argmax).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dynamo_ftctl.errors import CheckFailed, Unreachable
+from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
+from dynamo_ftctl.health.judge import Answer, BadResponse, build_request, parse_answer
+from dynamo_ftctl.health.transport import HttpClientTransport, SyncTransport, TransportError
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.health.probe import ProbeTarget
+
+__all__ = ["DEFAULT_PROMPTS", "LOGPROB_MARGIN", "record_canary_set"]
+
+LOGPROB_MARGIN = 0.05
+
+# Short, varied prompts: facts, code, arithmetic, a list (different attention patterns).
+DEFAULT_PROMPTS: tuple[tuple[str, str], ...] = (
+    ("capital", "The capital of France is"),
+    ("code", "def fibonacci(n):\n    "),
+    ("count", "1, 2, 3, 4, 5,"),
+)
+
+
+def _ask(target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt,
+         transport: SyncTransport, timeout_s: float) -> Answer:
+    path, body = build_request(canary_set, prompt)
+    try:
+        reply = transport.post_json(target.url + path, body, timeout_s=timeout_s)
+    except TransportError as exc:
+        msg = f"worker {target.name!r}: {exc.message}"
+        raise Unreachable(msg) from None
+    try:
+        return parse_answer(reply)
+    except BadResponse as exc:
+        msg = f"worker {target.name!r}, prompt {prompt.name!r}: {exc}"
+        raise CheckFailed(msg) from None
+
+
+def record_canary_set(
+    target: ProbeTarget, *, model: str, prompts: Sequence[tuple[str, str]] = DEFAULT_PROMPTS,
+    max_tokens: int = 8, repeats: int = 3, timeout_s: float = 10.0,
+    endpoint: str = "completions", transport: SyncTransport | None = None,
+) -> CanarySet:
+    """Send every prompt `repeats` times and return the set of their agreed answers."""
+    transport = transport or HttpClientTransport()
+    draft = CanarySet.model_validate({
+        "model": model, "endpoint": endpoint,
+        "prompts": [{"name": n, "prompt": p, "max_tokens": max_tokens, "expected_text": ""}
+                    for n, p in prompts],
+    })
+    recorded = []
+    for prompt in draft.prompts:
+        # Ask for logprobs while recording: the range is part of the golden answer.
+        asking = prompt.model_copy(update={"expected_top_logprob_range": (-1.0, 0.0)})
+        answers = [_ask(target, draft, asking, transport, timeout_s) for _ in range(repeats)]
+        first = answers[0]
+        for index, other in enumerate(answers[1:], start=2):
+            if (other.token_ids, other.text) != (first.token_ids, first.text):
+                msg = (f"worker {target.name!r} gave different answers to prompt "
+                       f"{prompt.name!r} (run 1: {first.text!r}, run {index}: {other.text!r}); "
+                       "refusing to record a golden answer that does not repeat")
+                raise CheckFailed(msg)
+        tops = [a.top_logprob for a in answers if a.top_logprob is not None]
+        low_high = (
+            (round(min(tops) - LOGPROB_MARGIN, 4), round(min(max(tops) + LOGPROB_MARGIN, 0.0), 4))
+            if len(tops) == len(answers) and all(t > -1e6 for t in tops) else None
+        )
+        recorded.append(CanaryPrompt(
+            name=prompt.name, prompt=prompt.prompt, max_tokens=max_tokens,
+            expected_token_ids=first.token_ids, expected_text=first.text,
+            expected_top_logprob_range=low_high, timeout_s=None,
+        ))
+    return CanarySet(
+        model=model, endpoint=draft.endpoint, recorded_from=f"{target.name} ({target.url})",
+        recorded_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
+        prompts=tuple(recorded),
+    )
