@@ -30,6 +30,7 @@ __all__ = ["COMMANDS", "app", "main"]
 # name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
 COMMANDS: dict[str, tuple[str, str]] = {
     "canary": ("canary", "Canary probes with known answers (exit 0/1/3), health daemon, record."),
+    "drill": ("drill", "Run a chaos drill: hypothesis, load + fault timeline, rollbacks, report."),
     "failover": ("failover", "Run an engine as a shadow: sleep, wait for the lock, wake, serve."),
     "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
     "inject": ("inject", "Inject a fault into an inventory worker (safely), revert, net proxy."),

@@ -1,0 +1,47 @@
+"""`ftctl drill scenario.yaml`: run a chaos drill and report whether the cluster held."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode
+
+app = typer.Typer(
+    help=(
+        "Run a chaos drill: hypothesis before, method (load + timeline of faults), "
+        "rollbacks (always), hypothesis after. Exit 0 when the hypothesis holds before "
+        "and after, 1 when it does not, 2 for an invalid scenario.\n\n"
+        "Example: ftctl drill drills/worker-crash.yaml --local"
+    ),
+    rich_markup_mode=None,
+)
+
+
+@app.command()
+def drill(  # noqa: PLR0917 - typer passes every option positionally
+    ctx: typer.Context,
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see drills/).")],
+    local: Annotated[bool, typer.Option(
+        "--local", help="Start the scenario's workers (ftctl sim), fault proxies and the "
+        "migrating proxy on loopback first; stop them all after.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Report folder (default: drill-reports/<scenario>-<time>).")] = None,
+    no_plot: Annotated[bool, typer.Option("--no-plot", help="Skip timeline.png.")] = False,
+    json_: JsonFlag = False,
+) -> None:
+    """Run one drill scenario; writes report.json, report.md and timeline.png."""
+    from dynamo_ftctl.faults.drill import run_drill
+
+    quiet = json_mode(ctx, json_)
+
+    def log(line: str) -> None:
+        if not quiet:
+            sys.stderr.write(f"drill: {line}\n")
+            sys.stderr.flush()
+
+    report = run_drill(scenario, local=local, out_dir=out, log=log, plot=not no_plot)
+    finish(ctx, report, json_flag=json_, code=0 if report.passed else 1)

@@ -1,0 +1,650 @@
+"""Run a chaos drill: hypothesis before → method → rollbacks (always) → hypothesis after.
+
+`run_drill(path, local=...)` is the library behind `ftctl drill`. With
+`local`, it first starts the scenario's inventory on loopback — `ftctl sim`
+engines (launcher), a TCP fault proxy in front of each worker whose injectors
+include `net`, and the migrating proxy as its own process — on free ports, and
+stops them all at the end, whatever happens. The method runs the load
+generator (`run_load_async`) and, in the same event loop, the timeline of
+injections (through `faults.inject`, so the allowlist, audit log and revert
+records apply) and probes, while a poller records each worker's state.
+Rollbacks run in a `finally`: even on Ctrl-C or a failed step.
+
+The report (`DrillReport`) counts requests sent, failed and migrated, tokens
+lost or duplicated, TTFT before and after the first fault, and every probe;
+`faults/drill_report.py` writes it as JSON, Markdown and a PNG timeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import FtctlError, Unreachable
+from dynamo_ftctl.faults.scenario import (
+    METRIC_KINDS,
+    Probe,
+    Scenario,
+    TimelineEntry,
+    load_scenario,
+)
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.engine.launcher import LocalCluster
+    from dynamo_ftctl.faults.drill_report import DrillReport
+    from dynamo_ftctl.faults.netproxy import NetProxy
+    from dynamo_ftctl.health.canaryset import CanarySet
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.loadgen.runner import LoadReport
+
+__all__ = ["ProbeOutcome", "TimelineEvent", "run_drill"]
+
+_POLL_S = 0.2  # worker-state sampling period for the timeline
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """One probe's verdict at one phase."""
+
+    name: str
+    kind: str
+    phase: str
+    passed: bool
+    detail: str
+    t_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """Something the method did at `t_s` seconds into the load."""
+
+    t_s: float
+    label: str
+    result: str
+
+
+@dataclass
+class _Run:
+    """Mutable state of one drill while it runs."""
+
+    scenario: Scenario
+    inventory: Inventory
+    out_dir: Path
+    clock: Clock
+    env: dict[str, str]
+    target_url: str
+    pids: dict[str, int] = field(default_factory=dict)
+    events: list[TimelineEvent] = field(default_factory=list)
+    probes: list[ProbeOutcome] = field(default_factory=list)
+    states: list[tuple[float, str, str]] = field(default_factory=list)
+    rollbacks: list[str] = field(default_factory=list)
+    canary_set: CanarySet | None = None
+    t0: float | None = None
+    log: Callable[[str], None] = lambda _: None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# ---------------------------------------------------------------------------
+# the local cluster: sim engines, net fault proxies, the migrating proxy
+
+
+class _LoopThread:
+    """An event loop in a thread for the TCP fault proxies (the drill's own loop runs load)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                       name="ftctl-netproxy")
+        self.thread.start()
+
+    def call(self, coro: Any, timeout_s: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@dataclass
+class _Local:
+    """What `--local` started, so that everything is stopped."""
+
+    cluster: LocalCluster | None = None
+    proxy: subprocess.Popen[bytes] | None = None
+    netproxies: list[NetProxy] = field(default_factory=list)
+    controls: list[Any] = field(default_factory=list)
+    loop: _LoopThread | None = None
+    launch_inventory: Inventory | None = None
+
+    def stop(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.send_signal(signal.SIGTERM)
+            try:
+                self.proxy.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait(timeout=5)
+        if self.loop is not None:
+            for control in self.controls:
+                with contextlib.suppress(Exception):
+                    self.loop.call(control.stop())
+            for proxy in self.netproxies:
+                with contextlib.suppress(Exception):
+                    self.loop.call(proxy.stop())
+            self.loop.close()
+        if self.cluster is not None:
+            self.cluster.stop(timeout_s=3)
+
+
+def _wait_http_ok(url: str, deadline: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            msg = f"{url}: the process exited with code {proc.returncode}"
+            raise Unreachable(msg)
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)  # polling a condition with a deadline, not waiting for time
+    msg = f"{url} did not answer 200 in time"
+    raise Unreachable(msg)
+
+
+def _start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
+                 local: _Local) -> Inventory:
+    """Start the inventory on free loopback ports; return the inventory the drill routes by."""
+    from dynamo_ftctl.engine.launcher import start_cluster
+    from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy
+    from dynamo_ftctl.inventory import parse_inventory
+
+    launch_workers = []
+    route_workers = []
+    for worker in inventory.workers:
+        sim_url = f"http://127.0.0.1:{_free_port()}"
+        launch_workers.append(worker.model_copy(update={"url": sim_url, "process": None}))
+        route_workers.append((worker, sim_url))
+    launch = inventory.model_copy(update={"workers": tuple(launch_workers)})
+    local.launch_inventory = launch
+    local.cluster = start_cluster(launch, state_dir=out_dir / "cluster", env=env)
+    routed = []
+    for worker, sim_url in route_workers:
+        url = sim_url
+        inject = worker.inject
+        if "net" in worker.inject.injectors:
+            if local.loop is None:
+                local.loop = _LoopThread()
+            port = int(sim_url.rsplit(":", 1)[1])
+            proxy = local.loop.call(NetProxy("127.0.0.1", port).start())
+            control = local.loop.call(ControlServer(proxy).start())
+            local.netproxies.append(proxy)
+            local.controls.append(control)
+            url = f"http://127.0.0.1:{proxy.port}"
+            inject = inject.model_copy(update={"netproxy": control.url})
+        admin = (worker.admin.model_copy(update={"url": sim_url}) if worker.admin else None)
+        data = worker.model_dump(by_alias=True, exclude_none=True, mode="json")
+        data.update({"url": url, "inject": inject.model_dump(mode="json", exclude_none=True)})
+        data.pop("process", None)
+        data["admin"] = (admin.model_dump(mode="json", exclude_none=True) if admin
+                         else {"url": sim_url})
+        routed.append(data)
+    doc = inventory.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc["workers"] = routed
+    proxy_port = _free_port()
+    doc["proxy"]["listen"] = f"127.0.0.1:{proxy_port}"
+    import yaml
+
+    path = out_dir / "inventory.yaml"
+    text = yaml.safe_dump(doc, sort_keys=False)
+    path.write_text(text)
+    routing = parse_inventory(text, path)
+    local.proxy = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=(out_dir / "proxy.log").open("wb"), env={**os.environ, **env},
+        start_new_session=True,
+    )
+    _wait_http_ok(f"http://127.0.0.1:{proxy_port}/health", time.monotonic() + 60, local.proxy)
+    return routing
+
+
+# ---------------------------------------------------------------------------
+# probes
+
+
+def _probe_workers(run: _Run, probe: Probe) -> list[str]:
+    return list(probe.workers) or [w.name for w in run.inventory.workers]
+
+
+def _workers_healthy(run: _Run, probe: Probe) -> tuple[bool, str]:
+    import httpx
+
+    deadline = time.monotonic() + probe.within_s
+    waiting = _probe_workers(run, probe)
+    while True:
+        down = []
+        for name in waiting:
+            url = run.inventory.worker(name).admin_url
+            try:
+                ok = httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if not ok:
+                down.append(name)
+        if not down:
+            return True, f"all of {', '.join(waiting)} answer /health 200"
+        if time.monotonic() >= deadline:
+            return False, f"not healthy within {probe.within_s:g} s: {', '.join(down)}"
+        waiting = down
+        time.sleep(0.1)  # re-check a condition until its deadline
+
+
+def _canary(run: _Run, probe: Probe) -> tuple[bool, str]:
+    from dynamo_ftctl.health.probe import ProbeTarget, probe_worker
+    from dynamo_ftctl.health.record import record_canary_set
+
+    names = _probe_workers(run, probe)
+    if run.canary_set is None:
+        if run.inventory.canary.set is not None:
+            from dynamo_ftctl.health.canaryset import load_canary_set
+
+            run.canary_set = load_canary_set(run.inventory.resolve(run.inventory.canary.set))
+        else:
+            # No golden set named: record one from the first worker of the fresh cluster.
+            first = run.inventory.workers[0]
+            run.canary_set = record_canary_set(
+                ProbeTarget(first.name, first.admin_url, first.model), model=first.model)
+    deadline = time.monotonic() + probe.within_s
+    while True:
+        verdicts = {}
+        for name in names:
+            worker = run.inventory.worker(name)
+            result = probe_worker(ProbeTarget(name, worker.admin_url, worker.model),
+                                  run.canary_set, run.inventory.canary)
+            verdicts[name] = (result.verdict, result.reason)
+        want = probe.expect
+        bad = {n: v for n, v in verdicts.items() if (v[0] == "healthy") != (want == "healthy")}
+        if not bad:
+            return True, "; ".join(f"{n}: {v[0]}" for n, v in verdicts.items())
+        if time.monotonic() >= deadline:
+            return False, "; ".join(f"{n}: {v[0]} ({v[1]})" for n, v in bad.items())
+        time.sleep(0.2)  # re-probe until the deadline
+
+
+def _state_probe(run: _Run, probe: Probe, phase: str, t_s: float | None = None) -> ProbeOutcome:
+    check = _workers_healthy if probe.kind == "workers_healthy" else _canary
+    try:
+        passed, detail = check(run, probe)
+    except FtctlError as exc:
+        passed, detail = False, str(exc)
+    outcome = ProbeOutcome(probe.name, probe.kind, phase, passed, detail, t_s)
+    run.log(f"{phase}: {probe.name}: {'ok' if passed else 'FAILED'} ({detail})")
+    return outcome
+
+
+def load_counts(report: LoadReport, max_tokens: int) -> dict[str, Any]:
+    """Requests sent/failed/migrated/rejected and tokens lost/duplicated of a load run.
+
+    Drill loads ask for exactly `max_tokens` tokens (ignore_eos), so a completed
+    answer with fewer lost some, and one with more repeated some.
+    """
+    measured = [r for r in report.records if not r.warmup]
+    ok = [r for r in measured if r.ok]
+    lost = sum(max(0, max_tokens - r.output_tokens) for r in ok)
+    duplicated = sum(max(0, r.output_tokens - max_tokens) for r in ok)
+    rejected = sum(1 for r in measured if r.status in (503, 529))
+    return {"sent": len(measured), "completed": len(ok), "failed": len(measured) - len(ok),
+            "migrated": sum(1 for r in measured if r.migrated), "rejected": rejected,
+            "tokens_lost": lost, "tokens_duplicated": duplicated,
+            "error_rate": (len(measured) - len(ok)) / len(measured) if measured else 0.0}
+
+
+def _metric_probe(probe: Probe, counts: dict[str, Any], ttft_p99: float | None) -> ProbeOutcome:
+    assert probe.max is not None
+    value: float | None
+    if probe.kind == "ttft_p99_ms":
+        value = ttft_p99
+    elif probe.kind == "rejected_min":
+        value = float(counts["rejected"])
+        passed = value >= probe.max
+        return ProbeOutcome(probe.name, probe.kind, "after", passed,
+                            f"{value:g} rejected (need ≥ {probe.max:g})")
+    else:
+        value = float(counts[probe.kind])
+    if value is None:
+        return ProbeOutcome(probe.name, probe.kind, "after", False, "no measurement")
+    return ProbeOutcome(probe.name, probe.kind, "after", value <= probe.max,
+                        f"{value:.4g} (tolerance ≤ {probe.max:g})")
+
+
+# ---------------------------------------------------------------------------
+# the method
+
+
+def _inject(run: _Run, entry: TimelineEntry) -> str:
+    from dynamo_ftctl.faults.inject import InjectOptions, plan_injection, run_injection
+    from dynamo_ftctl.faults.injectors import Injectors
+
+    assert entry.fault is not None
+    assert entry.worker is not None
+    options = InjectOptions(
+        pid=run.pids.get(entry.worker), delay_ms=entry.delay_ms, jitter_ms=entry.jitter_ms,
+        after_tokens=entry.after_tokens, rate_kbps=entry.rate_kbps, duration_s=entry.duration_s,
+        kmsg_path=run.out_dir / "kmsg.log" if run.pids else None,
+    )
+    plan = plan_injection(run.inventory, entry.worker, entry.fault, options)
+    result = run_injection(plan, injectors=Injectors(environ={**os.environ, **run.env}),
+                           audit_log=run.out_dir / "audit.jsonl",
+                           state_dir=run.out_dir / "state", clock=run.clock)
+    return "; ".join(result.outcomes) + ("; reverted" if result.reverted else "")
+
+
+async def _timeline(run: _Run, started: asyncio.Event,
+                    markers: list[tuple[float, str]]) -> None:
+    await started.wait()
+    assert run.t0 is not None
+    entries = sorted(run.scenario.method.timeline, key=lambda e: e.at_s)
+    timed: list[asyncio.Future[None]] = []  # injections that revert themselves later
+    for entry in entries:
+        await run.clock.asleep(run.t0 + entry.at_s - run.clock.now())
+        t = run.clock.now() - run.t0
+        if entry.probe is not None:
+            outcome = await asyncio.to_thread(_state_probe, run, entry.probe, "during", t)
+            run.probes.append(outcome)
+            label = f"probe {entry.probe.name}"
+            run.events.append(TimelineEvent(round(t, 3), label,
+                                            "ok" if outcome.passed else "failed"))
+            continue
+        label = f"{entry.fault} {entry.worker}"
+        markers.append((t, label))
+        # Thread: an injection with a duration waits, and the load must go on meanwhile.
+        task = asyncio.to_thread(_inject, run, entry)
+        if entry.duration_s is not None:
+            timed.append(asyncio.ensure_future(_record(run, t, label, task)))
+        else:
+            await _record(run, t, label, task)
+        run.log(f"t={t:.2f}s {label}")
+    await asyncio.gather(*timed)
+
+
+async def _record(run: _Run, t: float, label: str, task: Any) -> None:
+    try:
+        result = await task
+    except FtctlError as exc:
+        result = f"failed: {exc}"
+    run.events.append(TimelineEvent(round(t, 3), label, result))
+
+
+async def _poll_states(run: _Run, started: asyncio.Event, stop: asyncio.Event) -> None:
+    import aiohttp
+
+    await started.wait()
+    assert run.t0 is not None
+    timeout = aiohttp.ClientTimeout(total=_POLL_S * 2)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def one(name: str, url: str) -> tuple[str, str]:
+            try:
+                async with session.get(f"{url}/health") as response:
+                    return name, "up" if response.status == 200 else f"http {response.status}"
+            except (aiohttp.ClientError, TimeoutError):
+                return name, "down"
+
+        while not stop.is_set():
+            t = run.clock.now() - run.t0
+            results = await asyncio.gather(*(one(w.name, w.admin_url)
+                                             for w in run.inventory.workers))
+            run.states.extend((round(t, 3), name, state) for name, state in results)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _POLL_S)
+
+
+async def _method(run: _Run) -> LoadReport | None:
+    from dynamo_ftctl.loadgen.config import Length, LoadConfig, Schedule, Workload
+    from dynamo_ftctl.loadgen.runner import LoadEvent, run_load_async
+
+    method = run.scenario.method
+    started = asyncio.Event()
+    stop = asyncio.Event()
+    markers: list[tuple[float, str]] = []
+    poller = asyncio.ensure_future(_poll_states(run, started, stop))
+    try:
+        if method.load is None:
+            run.t0 = run.clock.now()
+            started.set()
+            await _timeline(run, started, markers)
+            await run.clock.asleep(method.settle_s)
+            return None
+        load = method.load
+
+        def on_event(event: LoadEvent) -> None:
+            if event.kind == "started":
+                run.t0 = event.t0
+                started.set()
+
+        targets = ((run.target_url,) if load.via == "proxy"
+                   else tuple(w.url for w in run.inventory.workers))
+        config = LoadConfig(
+            targets=targets,
+            schedule=Schedule(rate=load.rate, arrival="poisson", seed=load.seed,
+                              concurrency=load.concurrency),
+            workload=Workload(model=run.inventory.workers[0].model,
+                              prompt_tokens=Length.fixed(load.prompt_tokens),
+                              max_tokens=Length.fixed(load.max_tokens), stream=load.stream,
+                              ignore_eos=True, priority=load.priority),
+            duration_s=load.duration_s, timeout_s=load.timeout_s,
+        )
+        timeline = asyncio.ensure_future(_timeline(run, started, markers))
+        try:
+            report = await run_load_async(config, on_event=on_event, markers=markers)
+            await asyncio.wait_for(timeline, timeout=max(5.0, run.scenario.timeout_s))
+        finally:
+            timeline.cancel()
+        await run.clock.asleep(method.settle_s)
+        return report
+    finally:
+        stop.set()
+        await poller
+
+
+# ---------------------------------------------------------------------------
+# rollbacks
+
+
+def _rollback(run: _Run, local: _Local) -> None:
+    from dynamo_ftctl.faults.inject import revert_pending
+    from dynamo_ftctl.faults.injectors import Injectors
+
+    for rollback in run.scenario.rollbacks:
+        try:
+            if rollback.action == "revert_faults":
+                result = revert_pending(
+                    all_=True, injectors=Injectors(environ={**os.environ, **run.env}),
+                    audit_log=run.out_dir / "audit.jsonl", state_dir=run.out_dir / "state")
+                done = ", ".join(f"{r['fault']} {r['worker']}" for r in result.reverted)
+                failed = ", ".join(f"{r['fault']} {r['worker']}: {r['error']}"
+                                   for r in result.failed)
+                text = f"reverted: {done or 'nothing pending'}"
+                run.rollbacks.append(text + (f"; FAILED: {failed}" if failed else ""))
+            elif local.cluster is not None:
+                run.rollbacks.append(_restart_dead(run, local))
+        except (FtctlError, OSError) as exc:
+            run.rollbacks.append(f"{rollback.action} failed: {exc}")
+        run.log(f"rollback: {run.rollbacks[-1]}")
+
+
+def _restart_dead(run: _Run, local: _Local) -> str:
+    from dynamo_ftctl.engine.launcher import start_worker
+
+    assert local.cluster is not None
+    assert local.launch_inventory is not None
+    restarted = []
+    for worker in local.launch_inventory.workers:
+        process = local.cluster.workers.get(worker.name)
+        if process is None:
+            continue
+        if process.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)  # a SIGSTOPped engine resumes
+            continue
+        process.stop(timeout_s=0)
+        sim = worker.launch.sim if worker.launch else None
+        if sim is None:
+            continue
+        port = int(worker.url.rsplit(":", 1)[1])
+        token_env = worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"
+        new = start_worker(
+            worker.name, port=port, seed=sim.seed, model_config=sim.model_config_name,
+            args=(*sim.args, "--served-model-name", worker.model),
+            pid_file=local.cluster.state_dir / f"{worker.name}.pid",
+            log_path=local.cluster.state_dir / f"{worker.name}.restarted.log",
+            admin_token_env=token_env, env=run.env, timeout_s=60,
+        )
+        local.cluster.workers[worker.name] = new
+        run.pids[worker.name] = new.pid
+        restarted.append(worker.name)
+    return f"restarted: {', '.join(restarted) or 'none needed'}"
+
+
+# ---------------------------------------------------------------------------
+# the drill
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """SIGALRM bounds the whole drill (main thread only; elsewhere unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(*_: object) -> None:
+        msg = f"the drill ran past its timeout_s of {seconds:g} s"
+        raise Unreachable(msg)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _ttft_split(report: LoadReport | None, first_fault: float | None) -> dict[str, Any]:
+    from dynamo_ftctl.loadgen.stats import percentile
+
+    if report is None:
+        return {}
+    measured = [r for r in report.records if not r.warmup and r.ttft_s is not None]
+    all_ms = [r.ttft_s * 1000 for r in measured if r.ttft_s is not None]
+    before = [r.ttft_s * 1000 for r in measured
+              if r.ttft_s is not None and (first_fault is None or r.planned < first_fault)]
+    after = [r.ttft_s * 1000 for r in measured
+             if r.ttft_s is not None and first_fault is not None and r.planned >= first_fault]
+
+    def p(values: list[float], q: float) -> float | None:
+        return round(percentile(sorted(values), q), 2) if values else None
+
+    return {"ttft_p50_ms": p(all_ms, 50), "ttft_p99_ms": p(all_ms, 99),
+            "ttft_p99_before_fault_ms": p(before, 99), "ttft_p99_after_fault_ms": p(after, 99)}
+
+
+def run_drill(
+    path: Path | str, *, local: bool = False, out_dir: Path | None = None,
+    clock: Clock = SYSTEM_CLOCK, log: Callable[[str], None] | None = None,
+    plot: bool = True,
+) -> DrillReport:
+    """Run one scenario end to end and write its report files under `out_dir`."""
+    from dynamo_ftctl.faults.drill_report import DrillReport, write_report
+
+    path = Path(path)
+    scenario, inventory = load_scenario(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall()))
+    out = out_dir or Path("drill-reports") / f"{path.stem}-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    env = {}
+    if local:
+        for worker in inventory.workers:
+            env[worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"] = token
+    run = _Run(scenario=scenario, inventory=inventory, out_dir=out, clock=clock, env=env,
+               target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None))
+    started_at = clock.wall()
+    local_run = _Local()
+    report: LoadReport | None = None
+    error: str | None = None
+    interrupted = False
+    before_ok = False
+    try:
+        with _deadline(scenario.timeout_s):
+            try:
+                if local:
+                    run.inventory = _start_local(inventory, out, env, local_run)
+                    run.target_url = f"http://{run.inventory.proxy.listen}"
+                    assert local_run.cluster is not None
+                    run.pids = {w.name: w.pid for w in local_run.cluster}
+                state_probes = [p for p in scenario.hypothesis.probes
+                                if p.kind not in METRIC_KINDS]
+                before = [_state_probe(run, p, "before") for p in state_probes]
+                run.probes.extend(before)
+                before_ok = all(p.passed for p in before)
+                if before_ok:
+                    report = asyncio.run(_method(run))
+            except KeyboardInterrupt:
+                interrupted = True
+                error = "interrupted"
+            except FtctlError as exc:
+                error = str(exc)
+            finally:
+                _rollback(run, local_run)
+            if before_ok and not interrupted:
+                run.probes.extend(_state_probe(run, p, "after") for p in state_probes)
+    except FtctlError as exc:
+        error = error or str(exc)
+    finally:
+        local_run.stop()
+    first_fault = min((e.at_s for e in scenario.method.timeline if e.fault), default=None)
+    latency = _ttft_split(report, first_fault)
+    counts: dict[str, Any] = {}
+    if report is not None and scenario.method.load is not None:
+        counts = load_counts(report, scenario.method.load.max_tokens)
+        for probe in scenario.hypothesis.probes:
+            if probe.kind in METRIC_KINDS:
+                run.probes.append(_metric_probe(probe, counts, latency.get("ttft_p99_ms")))
+    passed = (before_ok and error is None
+              and (report is not None or scenario.method.load is None)
+              and all(p.passed for p in run.probes))
+    drill = DrillReport(
+        scenario=str(path), title=scenario.title, local=local, passed=bool(passed),
+        started_at=started_at, elapsed_s=round(clock.wall() - started_at, 3),
+        error=error, counts=counts, latency=latency, probes=tuple(run.probes),
+        events=tuple(sorted(run.events, key=lambda e: e.t_s)), rollbacks=tuple(run.rollbacks),
+        states=tuple(run.states), out_dir=out,
+        records=tuple(
+            (r.planned, r.done, r.ttft_s, r.ok, r.status) for r in report.records
+        ) if report is not None else (),
+    )
+    drill = write_report(drill, plot=plot)
+    if interrupted:
+        raise KeyboardInterrupt
+    return drill

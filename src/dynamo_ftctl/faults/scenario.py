@@ -1,0 +1,189 @@
+"""Chaos-drill scenarios: the YAML a drill runs, as frozen pydantic models.
+
+A scenario names its inventory, a steady-state hypothesis (probes with
+tolerances), a method (a load profile and a timeline of faults and probes at
+offsets) and rollbacks. `load_scenario` validates it with the inventory's
+one-line `file:line: key: message` errors, and checks every timeline entry
+against the inventory: the worker exists, the fault is in its allowlist, the
+worker is not protected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.inventory import (
+    FaultName,
+    Inventory,
+    KeyedValueError,
+    Name,
+    load_inventory,
+    load_yaml_document,
+    validation_error_to_inventory_error,
+)
+
+__all__ = [
+    "Hypothesis",
+    "LoadProfile",
+    "Method",
+    "Probe",
+    "Rollback",
+    "Scenario",
+    "TimelineEntry",
+    "load_scenario",
+]
+
+StateProbeKind = Literal["workers_healthy", "canary"]
+MetricProbeKind = Literal[
+    "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
+]
+METRIC_KINDS: tuple[str, ...] = (
+    "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
+)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Probe(_Model):
+    """One check of the steady state, with its tolerance.
+
+    State probes (`workers_healthy`, `canary`) run before and after the method;
+    metric probes judge the method's load: `error_rate`, `failed`,
+    `ttft_p99_ms`, `tokens_lost`, `tokens_duplicated` must be ≤ `max`;
+    `rejected_min` needs at least `max` rejections (503/529) — for overload drills.
+    """
+
+    name: str = Field(min_length=1)
+    kind: StateProbeKind | MetricProbeKind
+    workers: tuple[Name, ...] = Field((), description="Workers to probe (default: all).")
+    within_s: float = Field(10.0, gt=0, le=600, description="State probes: time to pass.")
+    max: float | None = Field(None, ge=0, description="Metric probes: the tolerance.")
+    expect: Literal["healthy", "unhealthy"] = "healthy"
+
+    @model_validator(mode="after")
+    def _tolerance(self) -> Probe:
+        if self.kind in METRIC_KINDS and self.max is None:
+            raise KeyedValueError(("max",), f"a {self.kind} probe needs a tolerance 'max'")
+        return self
+
+
+class Hypothesis(_Model):
+    """The steady state: what must hold before and after the method."""
+
+    probes: tuple[Probe, ...] = Field(min_length=1)
+
+
+class LoadProfile(_Model):
+    """Open-loop load from the load generator while the timeline runs."""
+
+    rate: float = Field(8.0, gt=0, le=10_000, description="Requests per second (Poisson).")
+    duration_s: float = Field(15.0, gt=0, le=3600)
+    prompt_tokens: int = Field(16, ge=1, le=32_768)
+    max_tokens: int = Field(48, ge=1, le=32_768)
+    stream: bool = True
+    via: Literal["proxy", "workers"] = Field("proxy", description="Send through the proxy.")
+    timeout_s: float = Field(30.0, gt=0)
+    priority: str | None = None
+    concurrency: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+class TimelineEntry(_Model):
+    """At `at_s` into the method: inject `fault` into `worker`, or run a `probe`."""
+
+    at_s: float = Field(ge=0)
+    fault: FaultName | None = None
+    worker: Name | None = None
+    duration_s: float | None = Field(None, gt=0, description="Revert after this long.")
+    delay_ms: float = Field(50.0, ge=0)
+    jitter_ms: float = Field(0.0, ge=0)
+    after_tokens: int = Field(20, ge=0)
+    rate_kbps: float = Field(64.0, gt=0)
+    probe: Probe | None = None
+
+    @model_validator(mode="after")
+    def _one_thing(self) -> TimelineEntry:
+        if (self.fault is None) == (self.probe is None):
+            raise KeyedValueError(("fault",), "give either a fault (with a worker) or a probe")
+        if self.fault is not None and self.worker is None:
+            raise KeyedValueError(("worker",), "a fault needs the worker to inject it into")
+        return self
+
+
+class Method(_Model):
+    """What the drill does: a load profile and a timeline."""
+
+    load: LoadProfile | None = None
+    timeline: tuple[TimelineEntry, ...] = Field(min_length=1)
+    settle_s: float = Field(1.0, ge=0, le=600, description="Wait after the last entry.")
+
+
+class Rollback(_Model):
+    """Undo the method: revert every fault still in force; restart dead local workers."""
+
+    action: Literal["revert_faults", "restart_workers"]
+
+
+class Scenario(_Model):
+    """One chaos drill."""
+
+    title: str = Field(min_length=1)
+    description: str = ""
+    inventory: str = Field(description="Inventory YAML, relative to the scenario file.")
+    timeout_s: float = Field(300.0, gt=0, le=7200, description="Bound on the whole drill.")
+    hypothesis: Hypothesis
+    method: Method
+    rollbacks: tuple[Rollback, ...] = (
+        Rollback(action="revert_faults"), Rollback(action="restart_workers"),
+    )
+
+
+def _check_against_inventory(scenario: Scenario, inventory: Inventory, path: Path,
+                             line_of: object) -> None:
+    names = {w.name for w in inventory.workers}
+
+    def fail(loc: tuple[str | int, ...], message: str) -> InventoryError:
+        from dynamo_ftctl.inventory import format_key_path
+
+        line = line_of(loc) if callable(line_of) else None
+        return InventoryError(message, path=path, line=line, key=format_key_path(loc))
+
+    for index, probe in enumerate(scenario.hypothesis.probes):
+        for worker in probe.workers:
+            if worker not in names:
+                loc = ("hypothesis", "probes", index, "workers")
+                raise fail(loc, f"no worker named {worker!r} in {inventory.source}")
+    for index, entry in enumerate(scenario.method.timeline):
+        if entry.worker is None or entry.fault is None:
+            continue
+        where: tuple[str | int, ...] = ("method", "timeline", index, "worker")
+        if entry.worker not in names:
+            raise fail(where, f"no worker named {entry.worker!r} in {inventory.source}")
+        target = inventory.worker(entry.worker)
+        if target.protected:
+            raise fail(where, f"worker {target.name} is protected: fault injection refused")
+        if entry.fault not in target.faults:
+            raise fail(("method", "timeline", index, "fault"),
+                       f"fault {entry.fault!r} is not in worker {target.name}'s allowlist")
+
+
+def load_scenario(path: Path | str) -> tuple[Scenario, Inventory]:
+    """Read and validate a scenario and its inventory; errors name file, line and key."""
+    path = Path(path)
+    _, located = load_yaml_document(path, what="a drill scenario mapping")
+    try:
+        scenario = Scenario.model_validate(located.data)
+    except ValidationError as exc:
+        raise validation_error_to_inventory_error(exc, Scenario, located, path) from None
+    inventory_path = Path(scenario.inventory)
+    if not inventory_path.is_absolute():
+        inventory_path = path.parent / inventory_path
+    inventory = load_inventory(inventory_path)
+    _check_against_inventory(scenario, inventory, path, located.line_of)
+    return scenario, inventory
