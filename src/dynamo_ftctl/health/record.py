@@ -83,7 +83,8 @@ def record_canary_set(
             expected_top_logprob_range=low_high, timeout_s=None,
         ))
     return CanarySet(
-        model=model, endpoint=draft.endpoint, recorded_from=f"{target.name} ({target.url})",
+        model=model, endpoint=draft.endpoint,
+        recorded_from=target.url if target.name == target.url else f"{target.name} ({target.url})",
         recorded_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         prompts=tuple(recorded),
     )

@@ -1,0 +1,202 @@
+"""The health daemon with fake workers and a fake clock: rounds, confirmation, reports, API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dynamo_ftctl.clock import FakeClock
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.health.daemon import HealthDaemon, WatchedWorker, create_app
+from dynamo_ftctl.health.probe import ProbeTarget
+from dynamo_ftctl.health.state import HealthState, Transition
+from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
+from dynamo_ftctl.metrics import REGISTRY
+from dynamo_ftctl.migrate.routing import parse_daemon_weights
+
+from .fakes import SET, AsyncFakeWorkers, corrupt, good, refused
+
+
+def fleet(prefix: str, count: int) -> list[WatchedWorker]:
+    return [WatchedWorker(ProbeTarget(f"{prefix}{i}", f"http://{prefix}{i}", "m"), "node-a", (i,))
+            for i in range(count)]
+
+
+def daemon_for(prefix: str, count: int, fake: AsyncFakeWorkers, clock: FakeClock,
+               **config: object) -> tuple[HealthDaemon, list[Transition]]:
+    seen: list[Transition] = []
+    daemon = HealthDaemon(fleet(prefix, count), SET, CanaryConfig(**config),  # type: ignore[arg-type]
+                          clock=clock, transport=fake, on_transition=seen.append)
+    return daemon, seen
+
+
+def status(worker: str, state: str) -> float | None:
+    return REGISTRY.get_sample_value("dynamo_worker_status", {"worker": worker, "state": state})
+
+
+def test_a_round_probes_everyone_and_confirms_failures_at_once() -> None:
+    """One round: healthy workers stay, a corrupt one is confirmed to UNHEALTHY in that round."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://ra1": corrupt})
+    daemon, seen = daemon_for("ra", 3, fake, clock)
+    asyncio.run(daemon.probe_round())
+    states = {name: e.health.state for name, e in daemon.entries.items()}
+    assert states == {"ra0": HealthState.HEALTHY, "ra1": HealthState.UNHEALTHY,
+                      "ra2": HealthState.HEALTHY}
+    assert [t.state for t in seen] == [HealthState.SUSPICIOUS, HealthState.UNHEALTHY]
+    assert fake.calls.count("http://ra1") == 3 * len(SET.prompts)  # threshold probes
+    assert status("ra1", "unhealthy") == 1.0
+    assert status("ra1", "healthy") == 0.0
+    assert REGISTRY.get_sample_value("dynamo_circuit_breaker_state", {"worker": "ra1"}) == 1.0
+    assert REGISTRY.get_sample_value(
+        "dynamo_health_check_duration_seconds_count", {"worker": "ra0"}) == 1.0
+
+
+def test_open_breaker_waits_then_one_trial_recovers() -> None:
+    """While open no probe goes out; after recovery_s the half-open trial brings it back."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://rb0": corrupt})
+    daemon, seen = daemon_for("rb", 1, fake, clock, recovery_s=60.0)
+    asyncio.run(daemon.probe_round())
+    calls = len(fake.calls)
+    asyncio.run(daemon.probe_round())
+    assert len(fake.calls) == calls  # breaker open: nothing sent
+    fake.behaviour["http://rb0"] = good
+    clock.advance(60)
+    asyncio.run(daemon.probe_round())
+    assert daemon.entries["rb0"].health.state is HealthState.HEALTHY
+    assert seen[-1].reason.startswith("half-open trial passed")
+
+
+def test_passive_report_reaches_unhealthy_without_waiting_for_a_round() -> None:
+    """A proxy report on a dead worker: SUSPICIOUS at once, confirmed UNHEALTHY by fast probes."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://rc0": refused})
+    daemon, seen = daemon_for("rc", 2, fake, clock)
+
+    async def go() -> None:
+        outcome = daemon.report({"worker": "rc0", "ok": False, "reason": "stream broke",
+                                 "source": "proxy"})
+        assert outcome.states == {"rc0": "suspicious"}
+        await daemon.settle()
+
+    asyncio.run(go())
+    assert daemon.entries["rc0"].health.state is HealthState.UNHEALTHY
+    assert seen[0].source == "proxy"
+    assert daemon.rounds == 0
+    assert "http://rc1" not in fake.calls
+
+
+def test_gpu_event_maps_to_the_workers_on_that_gpu() -> None:
+    """A GPU watcher event names node and gpu; the worker using that GPU gets the failure."""
+    clock = FakeClock()
+    daemon, _ = daemon_for("rd", 3, AsyncFakeWorkers(clock), clock)
+
+    async def go() -> None:
+        outcome = daemon.report({"source": "gpu", "node": "node-a", "gpu": 2, "xid": 48,
+                                 "reason": "xid 48: DBE"})
+        assert outcome.workers == ("rd2",)
+        assert daemon.entries["rd2"].health.state is HealthState.SUSPICIOUS
+        ignored = daemon.report({"source": "gpu", "workers": ["rd1"], "actionable": False})
+        assert not ignored.accepted
+        await daemon.settle()  # the confirmation probe finds rd2 fine again
+
+    asyncio.run(go())
+    assert daemon.entries["rd2"].health.state is HealthState.HEALTHY
+    assert daemon.entries["rd1"].health.state is HealthState.HEALTHY
+
+
+@pytest.mark.parametrize("body", [
+    {"worker": "nobody", "ok": False},
+    {"ok": False},
+    {"worker": "re0", "ok": "no"},
+    {"worker": "re0", "source": "alien"},
+])
+def test_bad_reports_are_invalid_input(body: dict[str, object]) -> None:
+    """Unknown workers, missing targets and wrong types are refused with a reason."""
+    clock = FakeClock()
+    daemon, _ = daemon_for("re", 1, AsyncFakeWorkers(clock), clock)
+    with pytest.raises(InvalidInput):
+        daemon.report(body)
+
+
+def test_concurrency_is_bounded() -> None:
+    """With concurrency 4, never more than 4 probes are in flight, and 4 are reached."""
+    clock = FakeClock()
+    in_flight = 0
+    peak = 0
+
+    class Slow(AsyncFakeWorkers):
+        async def post_json(self, url: str, body: bytes, *, timeout_s: float,  # type: ignore[override]
+                            headers: object = None) -> HttpReply:
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            in_flight -= 1
+            return good(json.loads(body)["prompt"])
+
+    daemon, _ = daemon_for("rf", 20, Slow(clock), clock, concurrency=4)
+    asyncio.run(daemon.probe_round())
+    assert peak == 4
+    assert daemon.probes == 20
+
+
+def test_http_api_serves_weights_the_proxy_understands() -> None:
+    """GET /workers gives states and weights that the proxy's parser reads; /report works."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://rg1": corrupt})
+    daemon, _ = daemon_for("rg", 2, fake, clock)
+
+    async def go() -> None:
+        await daemon.probe_round()
+        transport = httpx.ASGITransport(app=create_app(daemon))
+        async with httpx.AsyncClient(transport=transport, base_url="http://d") as client:
+            doc = (await client.get("/workers")).json()
+            assert parse_daemon_weights(doc) == {"rg0": 1.0, "rg1": 0.0}
+            assert doc["workers"][1]["last"]["kind"] == "token_mismatch"
+            bad = await client.post("/report", content=b"{nope")
+            assert bad.status_code == 400
+            unknown = await client.post("/report", json={"worker": "zz"})
+            assert unknown.status_code == 400
+            assert "unknown worker" in unknown.json()["error"]
+            ok = await client.post("/report", json={"worker": "rg0", "ok": False})
+            assert ok.json()["states"] == {"rg0": "suspicious"}
+            metrics = (await client.get("/metrics")).text
+            assert 'dynamo_worker_status{state="unhealthy",worker="rg1"} 1.0' in metrics
+            assert (await client.get("/health")).json()["status"] == "ok"
+        await daemon.settle()
+
+    asyncio.run(go())
+
+
+def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
+    """A command action runs on entering UNHEALTHY with FTCTL_WORKER/FTCTL_STATE set."""
+    out = tmp_path / "action.txt"
+    script = ("import os, pathlib; pathlib.Path(os.environ['OUT']).write_text("
+              "os.environ['FTCTL_WORKER'] + ' ' + os.environ['FTCTL_STATE'] + ' ' + "
+              "os.environ['FTCTL_PREVIOUS_STATE'])")
+    action = TransitionAction(on=("unhealthy",), command=(sys.executable, "-c", script))
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://rh0": refused})
+    outcomes: list[object] = []
+    daemon = HealthDaemon(fleet("rh", 1), SET, CanaryConfig(actions=(action,)), clock=clock,
+                          transport=fake, on_action=outcomes.append)
+    # The fake transport has no aiohttp session: give the daemon a stand-in for actions.
+    fake.session = object()  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("OUT", str(out))
+            await daemon.probe_round()
+
+    asyncio.run(go())
+    assert out.read_text() == "rh0 unhealthy suspicious"
+    assert len(outcomes) == 1
