@@ -154,12 +154,13 @@ def parse_answer(reply: HttpReply) -> Answer:
         raise BadResponse(f"response is not UTF-8 text: {_snippet(reply.body)}") from None
     except json.JSONDecodeError as exc:
         kind = reply.content_type.split(";")[0].strip() or "no content type"
-        where = "truncated JSON" if exc.pos >= len(reply.body.rstrip()) else "invalid JSON"
+        ended = exc.pos >= len(reply.body.rstrip()) or exc.msg.startswith("Unterminated")
+        where = "truncated JSON" if ended else "invalid JSON"
         title = _TITLE.search(reply.body[:65536])
         if title is not None:
             text = " ".join(title.group(1).decode("utf-8", errors="replace").split())[:120]
             raise BadResponse(f"HTML page instead of JSON ({kind}): {text!r}") from None
-        raise BadResponse(f"{where} ({exc.msg} at byte {exc.pos} of {len(reply.body)}, "
+        raise BadResponse(f"{where}: {exc.msg} (byte {exc.pos} of {len(reply.body)}, "
                           f"{kind}): {_snippet(reply.body)}") from None
     if not isinstance(doc, dict):
         raise BadResponse(f"expected a JSON object, got {type(doc).__name__}")

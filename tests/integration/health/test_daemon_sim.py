@@ -1,0 +1,143 @@
+"""`ftctl canary --watch` as a real process over real `ftctl sim` workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from tests.conftest import SimWorkerFactory
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.01)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def read_line(stream: Any, proc: subprocess.Popen[str], timeout_s: float) -> str:
+    selector = selectors.DefaultSelector()
+    selector.register(stream, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                return str(stream.readline())
+            if proc.poll() is not None:
+                pytest.fail(f"daemon exited with {proc.returncode}: {proc.stderr.read()}")  # type: ignore[union-attr]
+        pytest.fail("daemon did not start in time")
+    finally:
+        selector.close()
+
+
+@pytest.fixture
+def daemon(sim_worker_factory: SimWorkerFactory, tmp_path: Path,
+           ) -> Iterator[tuple[str, subprocess.Popen[str], dict[str, Any], Path]]:
+    workers = {name: sim_worker_factory(name=name) for name in ("w1", "w2")}
+    marker = tmp_path / "actions.txt"
+    action = ("import os; open(os.environ['MARK'], 'a').write("
+              "os.environ['FTCTL_WORKER'] + ' ' + os.environ['FTCTL_STATE'] + '\\n')")
+    inventory = {
+        "cluster": "t",
+        "workers": [{"name": n, "url": w.url, "model": "ftctl-sim-tiny"}
+                    for n, w in workers.items()],
+        "canary": {
+            "interval_s": 1.0, "timeout_s": 1.0, "max_retries": 0,
+            "set": str(ROOT / "canaries" / "ftctl-sim-tiny.yaml"),
+            "state_file": str(tmp_path / "state.json"),
+            "transition_log": str(tmp_path / "transitions.jsonl"),
+            "actions": [{"on": ["unhealthy"], "command": [sys.executable, "-c", action]}],
+        },
+    }
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(json.dumps(inventory))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_ftctl", "-i", str(inv), "canary", "--watch", "--json",
+         "--listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "MARK": str(marker)},
+    )
+    try:
+        line = read_line(proc.stderr, proc, 60)
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:")
+        yield url, proc, workers, marker
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+def states(url: str) -> dict[str, str]:
+    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    return {w["name"]: w["state"] for w in doc["workers"]}
+
+
+def probed(url: str) -> bool:
+    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    return all(w["last"] is not None for w in doc["workers"])
+
+
+def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> None:
+    """SIGKILL + the proxy's report: UNHEALTHY well inside a second, action run, all logged."""
+    url, proc, workers, marker = daemon
+    wait_for(lambda: probed(url), 30, "the first round")
+    assert states(url) == {"w1": "healthy", "w2": "healthy"}
+    workers["w2"].kill()
+    assert workers["w2"].wait_exit(10) is not None
+    response = httpx.post(f"{url}/report", timeout=5, json={
+        "worker": "w2", "ok": False, "reason": "stream broke", "source": "proxy"})
+    assert response.status_code == 200
+    wait_for(lambda: states(url)["w2"] == "unhealthy", 5, "w2 unhealthy")
+    assert states(url)["w1"] == "healthy"
+    wait_for(lambda: marker.exists() and "w2 unhealthy" in marker.read_text(), 10, "the action")
+    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    assert 'dynamo_worker_status{state="unhealthy",worker="w2"} 1.0' in metrics
+    assert 'dynamo_circuit_breaker_state{worker="w2"} 1.0' in metrics
+    assert "dynamo_health_check_duration_seconds_bucket" in metrics
+    assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+    lines = [json.loads(line) for line in proc.stdout.read().splitlines()]
+    moves = [(r["worker"], r["state"]) for r in lines if r.get("event") == "transition"]
+    assert moves == [("w2", "suspicious"), ("w2", "unhealthy")]
+    assert any(r.get("event") == "action" and r["ok"] for r in lines)
+    logged = (marker.parent / "transitions.jsonl").read_text().splitlines()
+    assert [json.loads(x)["state"] for x in logged] == ["suspicious", "unhealthy"]
+    assert json.loads((marker.parent / "state.json").read_text())["workers"]["w1"]["samples"] >= 1
+
+
+def test_probes_alone_find_a_corrupting_worker(daemon: Any) -> None:
+    """No report needed: an sdc worker is UNHEALTHY within an interval plus its probes."""
+    url, _, workers, _ = daemon
+    wait_for(lambda: probed(url), 30, "the first round")
+    worker = workers["w1"]
+    httpx.post(f"{worker.url}/admin/fault", json={"kind": "sdc"}, timeout=5,
+               headers={"Authorization": f"Bearer {worker.admin_token}"}).raise_for_status()
+    wait_for(lambda: states(url)["w1"] == "unhealthy", 10, "w1 unhealthy")
+    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    w1 = next(w for w in doc["workers"] if w["name"] == "w1")
+    assert w1["weight"] == 0.0
+    assert w1["last"]["kind"] == "token_mismatch"
