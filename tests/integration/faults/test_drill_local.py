@@ -1,0 +1,125 @@
+"""Shipped drills run with `--local` on loopback, pass, report, and leave nothing running."""
+
+from __future__ import annotations
+
+import json
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dynamo_ftctl.faults.audit import read_audit
+from dynamo_ftctl.inventory import load_inventory
+
+pytestmark = pytest.mark.integration
+DRILLS = Path(__file__).resolve().parents[3] / "drills"
+
+
+def _all_stopped(out: Path) -> None:
+    """Every worker, fault proxy and the proxy the drill started refuses connections now."""
+    inventory = load_inventory(out / "inventory.yaml")
+    urls = [f"http://{inventory.proxy.listen}"]
+    urls += [u for w in inventory.workers for u in (w.url, w.admin_url)]
+    for url in urls:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+def _drill(name: str, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dynamo_ftctl", "drill", str(DRILLS / f"{name}.yaml"), "--local",
+         "--json", "--out", str(out)],
+        capture_output=True, text=True, timeout=280, check=False,
+    )
+
+
+def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> None:
+    """worker-crash: one of three workers SIGKILLed mid-load, 0 failed, 0 tokens lost."""
+    done = _drill("worker-crash", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    assert doc["passed"] is True
+    assert doc["requests"]["sent"] > 20
+    assert doc["requests"]["failed"] == 0
+    assert doc["requests"]["tokens_lost"] == 0
+    assert doc["requests"]["tokens_duplicated"] == 0
+    assert doc["timeline"][0]["label"] == "kill w2"
+    assert doc["worker_downtime_s"]["w2"] > 0
+    assert "restarted: w2" in doc["rollbacks"]
+    assert {"report.json", "report.md", "timeline.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert read_audit(tmp_path / "audit.jsonl")[0]["what"] == "kill"
+    _all_stopped(tmp_path)
+
+
+def test_sdc_drill_canary_catches_the_corruption(tmp_path: Path) -> None:
+    """sdc: the canary fails on the corrupted worker while the fault is in force, passes after."""
+    done = _drill("sdc", tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(done.stdout)
+    caught = [p for p in doc["probes"] if p["name"] == "canary catches sdc"]
+    assert caught[0]["passed"] is True
+    assert "w3: unhealthy" in caught[0]["detail"]
+    after = [p for p in doc["probes"] if p["phase"] == "after" and p["kind"] == "canary"]
+    assert after[0]["passed"] is True
+    assert any("reverted: sdc w3" in r for r in doc["rollbacks"])
+    _all_stopped(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["xid48", "hang", "network", "overload"])
+def test_slow_drills_pass(name: str, tmp_path: Path) -> None:
+    """xid48, hang, network and overload drills hold their hypotheses locally."""
+    done = _drill(name, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads(done.stdout)["passed"] is True
+    _all_stopped(tmp_path)
+
+
+def test_ctrl_c_still_rolls_back_and_stops_everything(tmp_path: Path) -> None:
+    """SIGINT mid-drill: the fault is reverted, everything stops, the exit code is 130."""
+    scenario = tmp_path / "long.yaml"
+    scenario.write_text(f"""title: interrupted
+inventory: {DRILLS / 'local.yaml'}
+hypothesis:
+  probes:
+    - {{name: up, kind: workers_healthy}}
+method:
+  load: {{rate: 2, duration_s: 60, max_tokens: 8}}
+  timeline:
+    - {{at_s: 0.5, fault: slow, worker: w1, delay_ms: 20}}
+""")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_ftctl", "drill", str(scenario), "--local", "--out",
+         str(out), "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        seen = ""
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            while "slow w1" not in seen and time.monotonic() < deadline:
+                if sel.select(1.0):
+                    line = proc.stderr.readline()
+                    if not line:
+                        break
+                    seen += line
+        assert "slow w1" in seen, seen
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    audit = read_audit(out / "audit.jsonl")
+    assert [(a["action"], a["what"], a["result"]) for a in audit] == [
+        ("inject", "slow", "ok"), ("revert", "slow", "ok")]
+    assert json.loads((out / "report.json").read_text())["error"] == "interrupted"
+    _all_stopped(out)
