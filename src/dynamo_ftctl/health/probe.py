@@ -185,20 +185,25 @@ def _failed_transport(prompt: CanaryPrompt, exc: TransportError, attempts: int) 
 
 
 def _conclude(
-    target: ProbeTarget, checks: list[PromptCheck], wall_s: float, baselines: Baselines,
+    target: ProbeTarget, checks: list[PromptCheck], wall_s: float, baselines: Baselines | None,
     config: CanaryConfig,
 ) -> ProbeResult:
+    """The verdict of one probe; `baselines` None: no latency judgement (`--no-state`)."""
     failed = next((c for c in checks if not c.ok), None)
     if failed is not None:
         verdict: ProbeVerdict = "unreachable" if failed.kind == "unreachable" else "unhealthy"
         latencies = [c.latency_s for c in checks if c.latency_s is not None]
-        entry = baselines.entries.get(target.name)
+        entry = baselines.entries.get(target.name) if baselines is not None else None
         return ProbeResult(
             target.name, target.url, verdict, failed.kind, f"{failed.prompt}: {failed.reason}",
             sum(latencies) if latencies else None, entry.ema_s if entry else None, wall_s,
             tuple(checks), failed.mismatch,
         )
     latency = sum(c.latency_s or 0.0 for c in checks)
+    if baselines is None:
+        return ProbeResult(target.name, target.url, "healthy", "ok",
+                           f"{len(checks)} prompts ok (no latency baseline)", latency, None,
+                           wall_s, tuple(checks))
     judged: LatencyVerdict = baselines.judge(target.name, latency, config.latency_spike_factor)
     if judged.spike:
         return ProbeResult(target.name, target.url, "unhealthy", "latency_spike", judged.reason,
@@ -283,7 +288,7 @@ def probe_workers(
         checks = _run_prompts_sync(target, canary_set, config, transport, clock)
         wall = clock.now() - begin
         if store is None:
-            results.append(_conclude(target, checks, wall, Baselines(), config))
+            results.append(_conclude(target, checks, wall, None, config))
             continue
         # Hold the lock only for the read-judge-update-write, never across requests.
         with store.locked() as baselines:
