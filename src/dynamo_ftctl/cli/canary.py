@@ -104,7 +104,8 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
         return
     from dynamo_ftctl.health.run import run_canary
 
-    inventory = _inventory(ctx, required=url is None)
+    # Only --worker/--all need an inventory; without a target, say so before anything else.
+    inventory = _inventory(ctx, required=bool(worker) or all_workers)
     report = run_canary(inventory, workers=worker or (), all_workers=all_workers, url=url,
                         set_path=set_path, state_file=state_file, use_state=not no_state,
                         timeout_s=timeout)
