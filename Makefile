@@ -40,6 +40,8 @@ debs:
 demo: venv
 	$(BIN)/ftctl inventory check examples/local.yaml
 	$(BIN)/ftctl -i examples/local.yaml inventory show
+	# The main job: kill one of three workers mid-load; ends with the report path + summary.
+	$(BIN)/ftctl drill drills/worker-crash.yaml --local --out reports/drills/worker-crash
 
 lint: dev
 	$(BIN)/ruff check src tests benchmarks

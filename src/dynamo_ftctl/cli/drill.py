@@ -29,7 +29,7 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
         "--local", help="Start the scenario's workers (ftctl sim), fault proxies and the "
         "migrating proxy on loopback first; stop them all after.")] = False,
     out: Annotated[Path | None, typer.Option(
-        "--out", help="Report folder (default: drill-reports/<scenario>-<time>).")] = None,
+        "--out", help="Report folder (default: reports/drills/<scenario>-<time>).")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Skip timeline.png.")] = False,
     json_: JsonFlag = False,
 ) -> None:

@@ -92,6 +92,7 @@ class _Run:
     states: list[tuple[float, str, str]] = field(default_factory=list)
     rollbacks: list[str] = field(default_factory=list)
     canary_set: CanarySet | None = None
+    injected_at: list[tuple[str, str, float]] = field(default_factory=list)
     t0: float | None = None
     log: Callable[[str], None] = lambda _: None
 
@@ -131,19 +132,22 @@ class _Local:
 
     cluster: LocalCluster | None = None
     proxy: subprocess.Popen[bytes] | None = None
+    daemon: subprocess.Popen[bytes] | None = None
+    daemon_url: str | None = None
     netproxies: list[NetProxy] = field(default_factory=list)
     controls: list[Any] = field(default_factory=list)
     loop: _LoopThread | None = None
     launch_inventory: Inventory | None = None
 
     def stop(self) -> None:
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.send_signal(signal.SIGTERM)
-            try:
-                self.proxy.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait(timeout=5)
+        for proc in (self.proxy, self.daemon):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
         if self.loop is not None:
             for control in self.controls:
                 with contextlib.suppress(Exception):
@@ -212,20 +216,38 @@ def _start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
     doc["workers"] = routed
     proxy_port = _free_port()
     doc["proxy"]["listen"] = f"127.0.0.1:{proxy_port}"
+    if inventory.canary.set is not None:
+        # The canary daemon: probes, passive reports from the proxy, weights for routing.
+        daemon_port = _free_port()
+        local.daemon_url = f"http://127.0.0.1:{daemon_port}"
+        doc["canary"].update({
+            "set": str(inventory.resolve(inventory.canary.set).resolve()),
+            "listen": f"127.0.0.1:{daemon_port}",
+            "transition_log": str((out_dir / "transitions.jsonl").resolve()),
+        })
+        doc["proxy"]["health_url"] = local.daemon_url
     import yaml
 
     path = out_dir / "inventory.yaml"
     text = yaml.safe_dump(doc, sort_keys=False)
     path.write_text(text)
     routing = parse_inventory(text, path)
-    local.proxy = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=(out_dir / "proxy.log").open("wb"), env={**os.environ, **env},
-        start_new_session=True,
-    )
+    if local.daemon_url is not None:
+        local.daemon = _spawn_ftctl(
+            ["-i", str(path), "canary", "--watch", "--no-state"], out_dir / "daemon.log", env)
+        _wait_http_ok(f"{local.daemon_url}/health", time.monotonic() + 60, local.daemon)
+    local.proxy = _spawn_ftctl(["-i", str(path), "proxy"], out_dir / "proxy.log", env)
     _wait_http_ok(f"http://127.0.0.1:{proxy_port}/health", time.monotonic() + 60, local.proxy)
     return routing
+
+
+def _spawn_ftctl(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", *args], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=handle, env={**os.environ, **env},
+            start_new_session=True,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -377,6 +399,7 @@ async def _timeline(run: _Run, started: asyncio.Event,
             continue
         label = f"{entry.fault} {entry.worker}"
         markers.append((t, label))
+        run.injected_at.append((label, entry.worker or "", run.clock.wall()))
         # Thread: an injection with a duration waits, and the load must go on meanwhile.
         task = asyncio.to_thread(_inject, run, entry)
         if entry.duration_s is not None:
@@ -569,6 +592,39 @@ def _ttft_split(report: LoadReport | None, first_fault: float | None) -> dict[st
             "ttft_p99_before_fault_ms": p(before, 99), "ttft_p99_after_fault_ms": p(after, 99)}
 
 
+def _drained_probe(run: _Run, probe: Probe, detections: dict[str, float | None]) -> ProbeOutcome:
+    assert probe.max is not None
+    wanted = [(label, worker) for label, worker, _ in run.injected_at
+              if not probe.workers or worker in probe.workers]
+    if not wanted:
+        return ProbeOutcome(probe.name, probe.kind, "after", False, "no fault was injected")
+    slow = [f"{label}: {'not drained' if detections.get(label) is None else detections[label]}"
+            for label, _ in wanted
+            if detections.get(label) is None or (detections[label] or 0) > probe.max]
+    shown = ", ".join(f"{label} {detections.get(label)} s" for label, _ in wanted)
+    return ProbeOutcome(probe.name, probe.kind, "after", not slow,
+                        (f"drained: {shown}" if not slow else "; ".join(slow))
+                        + f" (tolerance ≤ {probe.max:g} s)")
+
+
+def _detections(run: _Run, log: Path) -> dict[str, float | None]:
+    """Per injection: seconds until the canary daemon took the worker out (weight 0)."""
+    import json
+
+    if not log.exists():
+        return {}
+    out: dict[str, float | None] = {}
+    transitions = []
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            transitions.append(json.loads(line))
+    for label, worker, wall in run.injected_at:
+        drained = [t["ts"] for t in transitions
+                   if t.get("worker") == worker and t.get("weight") == 0 and t["ts"] >= wall]
+        out[label] = round(min(drained) - wall, 3) if drained else None
+    return out
+
+
 def run_drill(
     path: Path | str, *, local: bool = False, out_dir: Path | None = None,
     clock: Clock = SYSTEM_CLOCK, log: Callable[[str], None] | None = None,
@@ -580,7 +636,7 @@ def run_drill(
     path = Path(path)
     scenario, inventory = load_scenario(path)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall()))
-    out = out_dir or Path("drill-reports") / f"{path.stem}-{stamp}"
+    out = out_dir or Path("reports") / "drills" / f"{path.stem}-{stamp}"
     out.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(16)
     env = {}
@@ -623,13 +679,17 @@ def run_drill(
         error = error or str(exc)
     finally:
         local_run.stop()
+    detections = _detections(run, out / "transitions.jsonl")
     first_fault = min((e.at_s for e in scenario.method.timeline if e.fault), default=None)
     latency = _ttft_split(report, first_fault)
     counts: dict[str, Any] = {}
+    if before_ok:
+        run.probes.extend(_drained_probe(run, p, detections)
+                          for p in scenario.hypothesis.probes if p.kind == "drained_s")
     if report is not None and scenario.method.load is not None:
         counts = load_counts(report, scenario.method.load.max_tokens)
         for probe in scenario.hypothesis.probes:
-            if probe.kind in METRIC_KINDS:
+            if probe.kind in METRIC_KINDS and probe.kind != "drained_s":
                 run.probes.append(_metric_probe(probe, counts, latency.get("ttft_p99_ms")))
     passed = (before_ok and error is None
               and (report is not None or scenario.method.load is None)
@@ -639,7 +699,7 @@ def run_drill(
         started_at=started_at, elapsed_s=round(clock.wall() - started_at, 3),
         error=error, counts=counts, latency=latency, probes=tuple(run.probes),
         events=tuple(sorted(run.events, key=lambda e: e.t_s)), rollbacks=tuple(run.rollbacks),
-        states=tuple(run.states), out_dir=out,
+        states=tuple(run.states), out_dir=out, detections=detections,
         records=tuple(
             (r.planned, r.done, r.ttft_s, r.ok, r.status) for r in report.records
         ) if report is not None else (),

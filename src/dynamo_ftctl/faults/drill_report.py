@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,8 @@ class DrillReport:
     # (planned, done, ttft_s, ok, status) per request, seconds since the load began
     records: tuple[tuple[float, float, float | None, bool, int | None], ...] = ()
     files: tuple[str, ...] = ()
+    # per injection: seconds until the canary daemon set the worker's weight to 0
+    detections: dict[str, float | None] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON (`--json`, report.json); per-request rows stay out."""
@@ -53,6 +55,7 @@ class DrillReport:
             "requests": self.counts, "latency": self.latency,
             "probes": to_jsonable(self.probes), "timeline": to_jsonable(self.events),
             "rollbacks": list(self.rollbacks), "worker_downtime_s": self.downtime(),
+            "drained_after_s": self.detections,
             "out_dir": str(self.out_dir), "files": list(self.files),
         }
 
@@ -87,6 +90,9 @@ class DrillReport:
         lines += [f"  [{'ok' if p.passed else 'FAIL'}] {p.phase:6} {p.name}: {p.detail}"
                   for p in self.probes]
         lines += [f"  rollback: {r}" for r in self.rollbacks]
+        lines += [f"  daemon drained after {label}: "
+                  + ("not drained" if v is None else f"{v:.3f} s")
+                  for label, v in self.detections.items()]
         down = {k: v for k, v in self.downtime().items() if v}
         if down:
             lines.append("  worker downtime: " + ", ".join(f"{k} {v:.2f} s"
@@ -130,6 +136,11 @@ def render_markdown(report: DrillReport) -> str:
     out += ["", "## Timeline", ""]
     out += [f"- t={e.t_s:.2f} s: {e.label} — {e.result}" for e in report.events]
     out += ["", "## Rollbacks", ""] + [f"- {r}" for r in report.rollbacks]
+    if report.detections:
+        out += ["", "## Canary daemon", ""]
+        out += [f"- {label}: worker drained after "
+                + ("— (not drained)" if v is None else f"{v:.3f} s")
+                for label, v in report.detections.items()]
     if "timeline.png" in report.files:
         out += ["", "![timeline](timeline.png)"]
     return "\n".join(out) + "\n"

@@ -40,9 +40,11 @@ __all__ = [
 StateProbeKind = Literal["workers_healthy", "canary"]
 MetricProbeKind = Literal[
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
+    "drained_s",
 ]
 METRIC_KINDS: tuple[str, ...] = (
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
+    "drained_s",
 )
 
 
@@ -56,7 +58,9 @@ class Probe(_Model):
     State probes (`workers_healthy`, `canary`) run before and after the method;
     metric probes judge the method's load: `error_rate`, `failed`,
     `ttft_p99_ms`, `tokens_lost`, `tokens_duplicated` must be ≤ `max`;
-    `rejected_min` needs at least `max` rejections (503/529) — for overload drills.
+    `rejected_min` needs at least `max` rejections (503/529) — for overload drills;
+    `drained_s`: the canary daemon took every injected worker (of `workers`) out of
+    routing within `max` seconds of its fault (needs `canary.set`, `--local`).
     """
 
     name: str = Field(min_length=1)

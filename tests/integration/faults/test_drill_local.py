@@ -57,7 +57,7 @@ def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> Non
 
 
 def test_sdc_drill_canary_catches_the_corruption(tmp_path: Path) -> None:
-    """sdc: the canary fails on the corrupted worker while the fault is in force, passes after."""
+    """sdc: the canary fails on the corrupted worker, the daemon drains it; all pass after."""
     done = _drill("sdc", tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(done.stdout)
@@ -67,6 +67,7 @@ def test_sdc_drill_canary_catches_the_corruption(tmp_path: Path) -> None:
     after = [p for p in doc["probes"] if p["phase"] == "after" and p["kind"] == "canary"]
     assert after[0]["passed"] is True
     assert any("reverted: sdc w3" in r for r in doc["rollbacks"])
+    assert doc["drained_after_s"]["sdc w3"] is not None  # the canary daemon took it out
     _all_stopped(tmp_path)
 
 
