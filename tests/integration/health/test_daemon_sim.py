@@ -88,6 +88,9 @@ def daemon(sim_worker_factory: SimWorkerFactory, tmp_path: Path,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def states(url: str) -> dict[str, str]:
