@@ -79,7 +79,7 @@ def main() -> int:
     m = {k: _median(v) for k, v in rows.items() if k != "passed"}
     ratio = (m["p99_fault"] / m["p99_base"]) if m["p99_base"] and m["p99_fault"] else None
     print(f"worker-crash drill, median of {args.runs} runs (kill 1 of 3 workers mid-load, "
-          "6 req/s Poisson, 48 streamed tokens each, via the migrating proxy):")
+          "6 req/s Poisson, 256 streamed tokens each, via the migrating proxy):")
     print(f"  requests sent {m['sent']:.0f}, failed {m['failed']:.0f} (goal 0), migrated "
           f"{m['migrated']:.0f}")
     print(f"  tokens lost {m['tokens_lost']:.0f}, duplicated {m['tokens_duplicated']:.0f} "

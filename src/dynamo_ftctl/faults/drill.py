@@ -93,6 +93,7 @@ class _Run:
     rollbacks: list[str] = field(default_factory=list)
     canary_set: CanarySet | None = None
     injected_at: list[tuple[str, str, float]] = field(default_factory=list)
+    proxy_migrations: int | None = None
     t0: float | None = None
     log: Callable[[str], None] = lambda _: None
 
@@ -442,6 +443,26 @@ async def _poll_states(run: _Run, started: asyncio.Event, stop: asyncio.Event) -
                 await asyncio.wait_for(stop.wait(), _POLL_S)
 
 
+def _proxy_migrations(url: str) -> float | None:
+    """The proxy's `dynamo_migration_total`, summed over labels (None: no proxy answer).
+
+    Streams learn of their migration only in a trailing SSE comment, which the load
+    generator does not read, so the drill counts migrations where they happen.
+    """
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    except httpx.HTTPError:
+        return None
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "dynamo_migration":
+            total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return total
+
+
 async def _method(run: _Run) -> LoadReport | None:
     from dynamo_ftctl.loadgen.config import Length, LoadConfig, Schedule, Workload
     from dynamo_ftctl.loadgen.runner import LoadEvent, run_load_async
@@ -478,8 +499,14 @@ async def _method(run: _Run) -> LoadReport | None:
             duration_s=load.duration_s, timeout_s=load.timeout_s,
         )
         timeline = asyncio.ensure_future(_timeline(run, started, markers))
+        migrations_before = (await asyncio.to_thread(_proxy_migrations, run.target_url)
+                             if load.via == "proxy" else None)
         try:
             report = await run_load_async(config, on_event=on_event, markers=markers)
+            if migrations_before is not None:
+                after = await asyncio.to_thread(_proxy_migrations, run.target_url)
+                if after is not None:
+                    run.proxy_migrations = int(after - migrations_before)
             await asyncio.wait_for(timeline, timeout=max(5.0, run.scenario.timeout_s))
         finally:
             timeline.cancel()
@@ -688,6 +715,8 @@ def run_drill(
                           for p in scenario.hypothesis.probes if p.kind == "drained_s")
     if report is not None and scenario.method.load is not None:
         counts = load_counts(report, scenario.method.load.max_tokens)
+        if run.proxy_migrations is not None:
+            counts["migrated"] = max(counts["migrated"], run.proxy_migrations)
         for probe in scenario.hypothesis.probes:
             if probe.kind in METRIC_KINDS and probe.kind != "drained_s":
                 run.probes.append(_metric_probe(probe, counts, latency.get("ttft_p99_ms")))

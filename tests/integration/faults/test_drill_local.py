@@ -46,6 +46,7 @@ def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> Non
     assert doc["passed"] is True
     assert doc["requests"]["sent"] > 20
     assert doc["requests"]["failed"] == 0
+    assert doc["requests"]["migrated"] >= 1  # streams were on w2 when it died
     assert doc["requests"]["tokens_lost"] == 0
     assert doc["requests"]["tokens_duplicated"] == 0
     assert doc["timeline"][0]["label"] == "kill w2"
