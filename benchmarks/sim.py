@@ -5,6 +5,9 @@ and drives it over HTTP with aiohttp:
 
 - aggregate decode tokens/s at 1, 4 and 16 concurrent streams (256 tokens each),
   against the in-process engine (no HTTP) at the same batch size as the baseline;
+  and, steadier on a loaded machine than wall-clock rates, the engine process's
+  CPU time per streamed token (from /proc) against the bare engine's CPU per
+  token: their difference is what the HTTP/SSE layer costs per token;
 - TTFT of a 256-token prompt (median of 30 sequential streams), against the
   in-process prefill of the same prompt;
 - RSS of the engine process after 1,000 warm-up requests and after 10,000 more
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,6 +37,12 @@ from dynamo_ftctl.engine.launcher import start_worker
 MODEL = "ftctl-sim-tiny"
 PROMPT_256 = list(range(32, 127)) * 3  # printable bytes
 PROMPT_256 = PROMPT_256[:256]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mib(pid: int) -> float:
@@ -102,6 +112,9 @@ async def many_short(url: str, count: int, concurrency: int = 16) -> None:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
 
 
+_LAST_BARE_CPU_US = float("nan")
+
+
 def in_process_baseline(streams: int, max_tokens: int) -> tuple[float, float]:
     """(tokens/s of the bare engine at this batch size, prefill seconds of 256 tokens)."""
     import torch
@@ -115,10 +128,13 @@ def in_process_baseline(streams: int, max_tokens: int) -> tuple[float, float]:
     for i in range(streams):
         engine.submit(engine.new_request([65 + i % 20] * 16, params))
     start = time.perf_counter()
+    cpu0 = time.process_time()
     tokens = 0
     while engine.has_work():
         tokens += sum(1 for e in engine.step() if e.token is not None)
     rate = tokens / (time.perf_counter() - start)
+    global _LAST_BARE_CPU_US  # noqa: PLW0603 (a benchmark script's side channel)
+    _LAST_BARE_CPU_US = (time.process_time() - cpu0) / tokens * 1e6
     prefills = []
     for _ in range(10):
         engine.submit(engine.new_request(PROMPT_256, RequestParams(max_tokens=1)))
@@ -139,9 +155,12 @@ def main() -> int:
     try:
         rows = []
         for streams in (1, 4, 16):
+            cpu0 = cpu_s(worker.pid)
             http = asyncio.run(throughput(worker.url, streams, max_tokens))
+            # + the warm-up stream's 4 tokens
+            http_cpu = (cpu_s(worker.pid) - cpu0) / (streams * max_tokens + 4) * 1e6
             bare, _ = in_process_baseline(streams, max_tokens)
-            rows.append((streams, http, bare))
+            rows.append((streams, http, bare, http_cpu, _LAST_BARE_CPU_US))
         firsts = asyncio.run(ttft(worker.url, 30))
         _, prefill = in_process_baseline(1, 2)
         asyncio.run(many_short(worker.url, 1_000))
@@ -155,9 +174,11 @@ def main() -> int:
     print(f"ftctl sim benchmark ({MODEL}, CPU, torch 1 thread; one engine process, "
           f"aiohttp client in this process)")
     print()
-    print(f"{'streams':>8} {'HTTP tok/s':>12} {'engine tok/s':>14} {'HTTP/engine':>12}")
-    for streams, http, bare in rows:
-        print(f"{streams:>8} {http:>12,.0f} {bare:>14,.0f} {http / bare:>12.2f}")
+    print(f"{'streams':>8} {'HTTP tok/s':>12} {'engine tok/s':>14} {'HTTP/engine':>12}"
+          f" {'CPU us/token: server':>22} {'engine':>8} {'HTTP layer':>11}")
+    for streams, http, bare, http_cpu, bare_cpu in rows:
+        print(f"{streams:>8} {http:>12,.0f} {bare:>14,.0f} {http / bare:>12.2f}"
+              f" {http_cpu:>22,.0f} {bare_cpu:>8,.0f} {http_cpu - bare_cpu:>11,.0f}")
     median = statistics.median(firsts)
     p90 = statistics.quantiles(firsts, n=10)[-1]
     print()

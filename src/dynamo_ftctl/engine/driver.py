@@ -130,6 +130,18 @@ class AsyncEngine:
         self, request: EngineRequest, start: Callable[[], object],
     ) -> AsyncIterator[TokenEvent]:
         """Register a stream for `request`, call `start`, then yield its events."""
+        async for batch in self.follow_batches(request, start):
+            for event in batch:
+                yield event
+
+    async def follow_batches(
+        self, request: EngineRequest, start: Callable[[], object],
+    ) -> AsyncIterator[list[TokenEvent]]:
+        """Like `follow`, but yields every event already waiting at once (one write each).
+
+        A stream that fell behind the step loop (a busy event loop, a slow client)
+        catches up in one batch instead of one wake-up per token.
+        """
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request.request_id] = queue
         finished = False
@@ -138,10 +150,16 @@ class AsyncEngine:
             start()
             self._wake.set()
             while True:
-                event = await queue.get()
-                yield event
-                if event.finish_reason is not None or event.error is not None:
-                    finished = True
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for i, event in enumerate(batch):
+                    if event.finish_reason is not None or event.error is not None:
+                        finished = True
+                        del batch[i + 1:]
+                        break
+                yield batch
+                if finished:
                     return
         finally:
             self._streams.pop(request.request_id, None)

@@ -30,8 +30,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -230,37 +231,50 @@ class _Step:
     finish_reason: str | None
 
 
-async def _steps(state: ServerState, request: EngineRequest, options: _Options,
-                 start: Callable[[], object], arrival: float) -> AsyncIterator[_Step]:
-    """Token steps of a request: detokenized, stop strings applied, faults enforced."""
+async def _step_batches(state: ServerState, request: EngineRequest, options: _Options,
+                        start: Callable[[], object], arrival: float,
+                        ) -> AsyncIterator[list[_Step]]:
+    """Token steps of a request, detokenized, stop strings applied, faults enforced.
+
+    Each batch holds the tokens that were waiting when the stream woke up (one in
+    the steady state), so a stream that fell behind catches up in one write.
+    """
     detok = IncrementalDetokenizer()
     stopper = _StopFinder(options.stop)
     sent = 0
     first = True
-    async for event in state.driver.follow(request, start):
-        if event.error is not None:
-            raise _StreamFailed(event.error)
-        token = event.token
-        if token is None:
-            continue
-        if first:
-            state.metrics.ttft.observe(time.monotonic() - arrival)
-            first = False
-        finish = event.finish_reason
-        text = detok.push(token.token_id)
-        if finish is not None:
-            text += detok.flush()
-        text, hit = stopper.feed(text, final=finish is not None)
-        if hit:
-            finish = "stop"
-        sent += 1
-        yield _Step(token.token_id, text, token.logprob, token.top, finish)
-        if finish is not None:
-            state.metrics.e2e.observe(time.monotonic() - arrival)
-            return
-        limit = state.faults.disconnect_after
-        if limit is not None and sent >= limit:
-            raise DroppedByFault(request.request_id)
+    async for events in state.driver.follow_batches(request, start):
+        steps: list[_Step] = []
+        for event in events:
+            if event.error is not None:
+                if steps:
+                    yield steps
+                raise _StreamFailed(event.error)
+            token = event.token
+            if token is None:
+                continue
+            if first:
+                state.metrics.ttft.observe(time.monotonic() - arrival)
+                first = False
+            finish = event.finish_reason
+            text = detok.push(token.token_id)
+            if finish is not None:
+                text += detok.flush()
+            text, hit = stopper.feed(text, final=finish is not None)
+            if hit:
+                finish = "stop"
+            sent += 1
+            steps.append(_Step(token.token_id, text, token.logprob, token.top, finish))
+            if finish is not None:
+                yield steps
+                state.metrics.e2e.observe(time.monotonic() - arrival)
+                return
+            limit = state.faults.disconnect_after
+            if limit is not None and sent >= limit:
+                yield steps
+                raise DroppedByFault(request.request_id)
+        if steps:
+            yield steps
 
 
 class _StreamFailed(Exception):
@@ -318,16 +332,16 @@ def _headers(request_id: str) -> dict[str, str]:
 
 
 async def _respond(state: ServerState, job: _Job) -> Response:
-    from starlette.responses import StreamingResponse
-
     if job.options.stream:
-        return StreamingResponse(_sse(state, job), media_type="text/event-stream",
-                                 headers={**_headers(job.request.request_id),
-                                          "Cache-Control": "no-cache"})
+        from dynamo_ftctl.engine.stream import EventStream
+
+        return EventStream(_sse(state, job), headers={**_headers(job.request.request_id),
+                                                     "Cache-Control": "no-cache"})
     steps: list[_Step] = []
     try:
-        async for step in _steps(state, job.request, job.options, job.start, job.arrival):
-            steps.append(step)
+        async for batch in _step_batches(state, job.request, job.options, job.start,
+                                         job.arrival):
+            steps.extend(batch)
     except _StreamFailed as exc:
         return _error(str(exc), 503, kind="service_unavailable",
                       headers=_headers(job.request.request_id))
@@ -358,48 +372,118 @@ async def _respond(state: ServerState, job: _Job) -> Response:
     return _json(body, headers=_headers(job.request.request_id))
 
 
-async def _sse(state: ServerState, job: _Job) -> AsyncIterator[bytes]:
-    rid = job.request.request_id
-    model = state.engine.config.name
-    created = int(time.time())
-    kind = "chat.completion.chunk" if job.chat else "text_completion"
+SERVER_TTFT_FIELD = "ftctl_server_ttft_ms"
+"""Top-level field of a stream's finishing chunk: this server's own TTFT for the request
+(arrival of the request -> its first token chunk handed to the socket), in ms."""
+
+
+class _ChunkWriter:
+    """SSE chunks of one stream, byte for byte what `format_sse(dict)` writes.
+
+    Token chunks without logprobs (nearly all of them) are filled into a prefix
+    built once per stream, with the C string encoder `json.dumps` itself uses:
+    no dict and no JSON encoder per token.
+    """
+
+    __slots__ = ("chat", "created", "kind", "model", "prefix", "rid", "token_ids")
+
+    def __init__(self, rid: str, model: str, created: int, *, chat: bool,
+                 token_ids: bool) -> None:
+        self.rid, self.model, self.created, self.chat = rid, model, created, chat
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+        self.token_ids = token_ids
+        self.prefix = (f'data: {{"id":{_enc(rid)},"object":"{self.kind}","created":{created},'
+                       f'"model":{_enc(model)},"choices":[{{"index":0,"finish_reason":')
+
+    def chunk(self, choice: dict[str, Any], **top: Any) -> bytes:
+        """Any chunk, through the JSON encoder."""
+        return format_sse({"id": self.rid, "object": self.kind, "created": self.created,
+                           "model": self.model, "choices": [choice], **top})
+
+    def token(self, step: _Step, ttft_ms: float | None) -> str:
+        """A plain token chunk (no logprobs, no prompt ids) as text."""
+        finish = "null" if step.finish_reason is None else _enc(step.finish_reason)
+        body = (f'{{"content":{_enc(step.text)}}}' if self.chat else _enc(step.text))
+        ids = f',"token_ids":[{step.token_id}]' if self.token_ids else ""
+        tail = "" if ttft_ms is None else f',"{SERVER_TTFT_FIELD}":{ttft_ms!r}'
+        field_name = '"delta"' if self.chat else '"text"'
+        return f"{self.prefix}{finish},{field_name}:{body}{ids}}}]{tail}}}\n\n"
+
+
+async def _sse(state: ServerState, job: _Job) -> AsyncGenerator[bytes, None]:
+    """The body of a stream: one write per batch of steps, the end in the last write."""
+    options = job.options
+    writer = _ChunkWriter(job.request.request_id, state.engine.config.name, int(time.time()),
+                          chat=job.chat, token_ids=options.return_token_ids)
     count = 0
     offset = 0
-
-    def chunk(choice: dict[str, Any], **top: Any) -> bytes:
-        return format_sse({"id": rid, "object": kind, "created": created, "model": model,
-                           "choices": [choice], **top})
+    ttft_ms: float | None = None
+    arrival = job.arrival
+    fast = options.logprobs is None
 
     if job.chat:
         first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
                                  "finish_reason": None}
-        extra = {"prompt_token_ids": job.prompt_ids} if job.options.return_token_ids else {}
-        yield chunk(first, **extra)
+        extra = {"prompt_token_ids": job.prompt_ids} if options.return_token_ids else {}
+        yield writer.chunk(first, **extra)
     try:
-        async for step in _steps(state, job.request, job.options, job.start, job.arrival):
-            choice: dict[str, Any] = {"index": 0, "finish_reason": step.finish_reason}
-            if job.chat:
-                choice["delta"] = {"content": step.text}
-                if job.options.logprobs is not None:
-                    choice["logprobs"] = _chat_logprobs(state, [step])
-            else:
-                choice["text"] = step.text
-                if job.options.logprobs is not None:
-                    choice["logprobs"] = _completion_logprobs(state, [step], offset)
-                if job.options.return_token_ids and count == 0:
-                    choice["prompt_token_ids"] = job.prompt_ids
-            if job.options.return_token_ids:
-                choice["token_ids"] = [step.token_id]
-            offset += len(step.text)
-            count += 1
-            yield chunk(choice)
+        async for batch in _step_batches(state, job.request, options, job.start, arrival):
+            parts: list[bytes] = []
+            for step in batch:
+                end_ttft: float | None = None
+                if step.finish_reason is not None:
+                    if ttft_ms is None:  # the first token finishes: written right now
+                        ttft_ms = round((time.monotonic() - arrival) * 1000, 3)
+                    end_ttft = ttft_ms
+                if fast and (job.chat or count or not options.return_token_ids):
+                    parts.append(writer.token(step, end_ttft).encode())
+                else:
+                    parts.append(_slow_chunk(state, writer, job, step, offset=offset,
+                                                 count=count, ttft_ms=end_ttft))
+                offset += len(step.text)
+                count += 1
+            if batch[-1].finish_reason is not None:
+                if options.include_usage:
+                    parts.append(format_sse({
+                        "id": writer.rid, "object": writer.kind, "created": writer.created,
+                        "model": writer.model, "choices": [],
+                        "usage": _usage(len(job.prompt_ids), count)}))
+                parts.append(format_sse(DONE))
+                yield b"".join(parts)
+                return
+            yield b"".join(parts)
+            if ttft_ms is None:  # resumed once the first token's chunk went to the socket
+                ttft_ms = round((time.monotonic() - arrival) * 1000, 3)
     except _StreamFailed as exc:
         yield format_sse(error_body(str(exc), type="service_unavailable", code=503))
         return
-    if job.options.include_usage:
-        yield format_sse({"id": rid, "object": kind, "created": created, "model": model,
-                          "choices": [], "usage": _usage(len(job.prompt_ids), count)})
+    # Ended without a finish reason (the request was aborted without an error).
+    if options.include_usage:
+        yield format_sse({"id": writer.rid, "object": writer.kind, "created": writer.created,
+                          "model": writer.model, "choices": [],
+                          "usage": _usage(len(job.prompt_ids), count)})
     yield format_sse(DONE)
+
+
+def _slow_chunk(state: ServerState, writer: _ChunkWriter, job: _Job, step: _Step, *,
+                offset: int, count: int, ttft_ms: float | None) -> bytes:
+    """A token chunk with logprobs or prompt ids, through the JSON encoder."""
+    options = job.options
+    choice: dict[str, Any] = {"index": 0, "finish_reason": step.finish_reason}
+    if job.chat:
+        choice["delta"] = {"content": step.text}
+        if options.logprobs is not None:
+            choice["logprobs"] = _chat_logprobs(state, [step])
+    else:
+        choice["text"] = step.text
+        if options.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(state, [step], offset)
+        if options.return_token_ids and count == 0:
+            choice["prompt_token_ids"] = job.prompt_ids
+    if options.return_token_ids:
+        choice["token_ids"] = [step.token_id]
+    top = {} if ttft_ms is None else {SERVER_TTFT_FIELD: ttft_ms}
+    return writer.chunk(choice, **top)
 
 
 # ---------------------------------------------------------------------------
@@ -753,8 +837,11 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
+    # uvloop and httptools when installed (the `sim` extra): per streamed token, h11's
+    # pure-Python framing and the default loop's transport cost more than the SSE
+    # encoding itself (benchmarks/sim.py).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=3,
+                            loop="auto", http="auto", ws="none", timeout_graceful_shutdown=3,
                             timeout_keep_alive=30)
 
     class _Server(uvicorn.Server):
