@@ -39,6 +39,9 @@ class RequestRecord:
     migrated: int = 0
     warmup: bool = False
     error: str | None = None
+    # TTFT as the server itself measured it, when it says (`ftctl sim`'s
+    # `ftctl_server_ttft_ms` in a stream's finishing chunk), in seconds.
+    server_ttft: float | None = None
 
     @property
     def ok(self) -> bool:

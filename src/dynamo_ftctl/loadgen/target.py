@@ -264,8 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
         await task
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run())
+    # On uvloop when installed: the target must outrun the generator it measures.
+    try:
+        import uvloop
+    except ImportError:
+        factory = None
+    else:
+        factory = uvloop.new_event_loop
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(run())
     return 0
 
 
