@@ -10,7 +10,6 @@ This module must not import anything heavy: it runs in probes and entrypoints.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -67,6 +66,13 @@ class KeyedValueError(ValueError):
         self.loc = loc
 
 
+def _close_matches(word: str, choices: Sequence[str], n: int = 1) -> list[str]:
+    # difflib costs ~10 ms to import and is needed only on the error path.
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=n)
+
+
 def _check_http_url(value: str) -> str:
     try:
         parts = urlsplit(value)
@@ -105,7 +111,7 @@ def _check_fault(value: str) -> str:
     from dynamo_ftctl.faults.catalog import fault_names, is_known_fault
 
     if not is_known_fault(value):
-        close = difflib.get_close_matches(value, fault_names(), n=1)
+        close = _close_matches(value, fault_names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         msg = f"unknown fault {value!r}{hint}; `ftctl inject --list` shows the catalog"
         raise ValueError(msg)
@@ -376,7 +382,7 @@ class Inventory(_Model):
             if worker.name == name:
                 return worker
         names = [w.name for w in self.workers]
-        close = difflib.get_close_matches(name, names, n=1)
+        close = _close_matches(name, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; workers: {', '.join(names)}"
         where = f"{self._source}: " if self._source else ""
         msg = f"{where}no worker named {name!r}{hint}"
@@ -556,7 +562,7 @@ def _describe(error: Mapping[str, Any], model: type[BaseModel], loc: tuple[str |
     if kind == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         key = str(loc[-1]) if loc else ""
-        close = difflib.get_close_matches(key, allowed, n=1)
+        close = _close_matches(key, allowed, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return f"unknown key{hint} (allowed: {', '.join(allowed)})"
     if kind == "literal_error":
