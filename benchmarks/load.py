@@ -1,13 +1,17 @@
 """How much load can one `ftctl load` process generate with honest timing, and what does it add?
 
 1. Highest open-loop rate one process sustains with schedule lag (planned → sent) p99
-   <= 1 ms against the trivial loopback target (`dynamo_ftctl.loadgen.target`,
-   pinned to CPU 0; the generator runs on CPU 1): non-streaming requests/s, and
-   streamed tokens/s (64 tokens per request). `wrk` (C, closed loop, 32
-   connections) on the same server in the same run is the ceiling.
+   <= 1 ms (and every request answered) in 2 of 3 trials of a rate, against the
+   trivial loopback target (`dynamo_ftctl.loadgen.target`, pinned to CPU 0; the
+   generator runs on CPU 1): non-streaming requests/s, and streamed tokens/s (64
+   tokens per request). `wrk` (C, closed loop, 32 connections) on the same server
+   in the same run is the ceiling.
 2. Overhead: TTFT as `ftctl load` measures it (from the actual send) minus TTFT as
-   the server measures it (request read → first token written), p50, streaming.
-   Against `ftctl sim` when it can be started, else against the loopback target.
+   the server measures it, p50, streaming, at a light rate: on `ftctl sim` (which
+   reports its own TTFT of each stream as `ftctl_server_ttft_ms` in the finishing
+   chunk: request arrival -> first token chunk handed to the socket; the load
+   generator keeps it per request), and on the loopback target (request read ->
+   first token written, from its `/stats`).
 
 Run: .venv/bin/python benchmarks/load.py [--seconds 3]
 """
@@ -69,23 +73,36 @@ def trial(url: str, rate: float, seconds: float, *, stream: bool) -> tuple[bool,
                 "tok_s": s.output_tokens_per_s, "ttft_p50_ms": s.ttft_from_sent_ms.p50}
 
 
+def sustained(url: str, rate: float, seconds: float, *,
+              stream: bool) -> tuple[bool, dict[str, float]]:
+    """A rate is sustained when 2 of 3 trials meet it (a single trial is at the mercy of
+    whoever else runs on this shared machine; stops as soon as the vote is decided)."""
+    votes: list[bool] = []
+    rows: list[dict[str, float]] = []
+    while votes.count(True) < 2 and votes.count(False) < 2:
+        ok, row = trial(url, rate, seconds, stream=stream)
+        votes.append(ok)
+        rows.append(row)
+        print(f"   rate {rate:8,.0f}/s  lag p99 {row['lag_p99_ms']:6.3f} ms  "
+              f"{'ok' if ok else 'no'}", flush=True)
+    passed = votes.count(True) >= 2
+    good = [r for r, v in zip(rows, votes, strict=True) if v == passed]
+    return passed, min(good, key=lambda r: r["req_s"])
+
+
 def highest_rate(url: str, seconds: float, *, stream: bool) -> dict[str, float]:
-    """Bisect the highest sustained rate (6 trials after bracketing)."""
+    """Bisect the highest sustained rate (5 steps after bracketing by doubling)."""
     low, high = 0.0, 250.0
     best: dict[str, float] = {"rate": 0.0, "lag_p99_ms": float("nan"), "req_s": 0.0,
                               "tok_s": 0.0}
     while True:  # double until it fails (bounded: 250 * 2^7 = 32k req/s)
-        ok, row = trial(url, high, seconds, stream=stream)
-        print(f"   rate {high:8,.0f}/s  lag p99 {row['lag_p99_ms']:6.3f} ms  "
-              f"{'ok' if ok else 'no'}", flush=True)
+        ok, row = sustained(url, high, seconds, stream=stream)
         if not ok or high >= 32_000:
             break
         best, low, high = row, high, high * 2
     for _ in range(5):
         mid = (low + high) / 2
-        ok, row = trial(url, mid, seconds, stream=stream)
-        print(f"   rate {mid:8,.0f}/s  lag p99 {row['lag_p99_ms']:6.3f} ms  "
-              f"{'ok' if ok else 'no'}", flush=True)
+        ok, row = sustained(url, mid, seconds, stream=stream)
         if ok:
             best, low = row, mid
         else:
@@ -123,6 +140,36 @@ def overhead_on_target(seconds: float) -> tuple[float, float]:
     return client, statistics.median(server) * 1000
 
 
+def overhead_on_sim(seconds: float) -> tuple[float, float, float, int]:
+    """(client TTFT p50, server TTFT p50, per-request difference p50) in ms, and samples."""
+    from dynamo_ftctl.engine.launcher import start_worker
+
+    worker = start_worker("bench-load", timeout_s=120)
+    if shutil.which("taskset") and (os.cpu_count() or 1) > 1:  # the engine on CPU 0
+        subprocess.run(["taskset", "-a", "-p", "-c", "0", str(worker.pid)],
+                       check=False, capture_output=True)
+    try:
+        # One request at a time (constant 5/s, 4 tokens: ~15 ms each), so that none
+        # arrives while the engine is inside a step: the step runs on the server's event
+        # loop, and a request waiting behind it is late for the server's clock only.
+        report = run_load(LoadConfig(
+            targets=(worker.url,), schedule=Schedule(rate=5, arrival="constant", seed=3),
+            workload=Workload(stream=True, max_tokens=Length.fixed(4),
+                              prompt_tokens=Length.fixed(64), ignore_eos=True),
+            duration_s=seconds, warmup_s=1.0, timeout_s=30))
+    finally:
+        worker.stop()
+    pairs = [(r.ttft_from_sent_s, r.server_ttft) for r in report.records
+             if r.ok and not r.warmup and r.ttft_from_sent_s is not None
+             and r.server_ttft is not None]
+    if not pairs:
+        raise RuntimeError("ftctl sim reported no server TTFT")
+    client = statistics.median(c for c, _ in pairs) * 1000
+    server = statistics.median(s for _, s in pairs) * 1000
+    diff = statistics.median(c - s for c, s in pairs) * 1000
+    return client, server, diff, len(pairs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -147,6 +194,10 @@ def main() -> int:
     print(f"  (lag p99 at those rates: {plain['lag_p99_ms']:.3f} ms and "
           f"{streamed['lag_p99_ms']:.3f} ms)")
     print("== 2. TTFT overhead: ftctl load's TTFT (from send) minus the server's own, p50")
+    client, server, diff, n = overhead_on_sim(max(args.seconds * 4, 10.0))
+    print(f" ftctl sim (64-token prompt, 5 req/s, {n} streams): client {client:.3f} ms, "
+          f"server {server:.3f} ms, overhead {client - server:+.3f} ms "
+          f"(per-request difference p50 {diff:+.3f} ms; goal <= 1 ms)")
     client, server = overhead_on_target(args.seconds)
     print(f" loopback target (5 ms to first token): client {client:.3f} ms, "
           f"server {server:.3f} ms, overhead {client - server:+.3f} ms")

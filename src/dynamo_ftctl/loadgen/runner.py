@@ -42,9 +42,13 @@ __all__ = [
 T = TypeVar("T")
 
 # The last stretch before a planned send is spent yielding to the event loop
-# rather than in a timer: epoll rounds timeouts up to whole milliseconds, which
-# alone would cost up to 1 ms of schedule lag.
-_SPIN_S = 0.0015
+# rather than in a timer: epoll rounds timeouts up to whole milliseconds, and a
+# process woken from idle on a shared VM may wait milliseconds more for its CPU
+# (loopback ping-pong after 0.2 s idle here: p50 0.24 ms, p90 2.2 ms). With 1.5 ms
+# the lag p99 at 31-250 req/s was 1.5-3.6 ms in one run of two; with 5 ms it stayed
+# under 0.5 ms. The price: up to 5 ms of CPU per gap (a full core above ~200 req/s,
+# where the gaps are shorter than that anyway).
+_SPIN_S = 0.005
 
 
 class Sender(Protocol):
