@@ -8,14 +8,13 @@ other or after `max_steps` runs.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.loadgen.config import LoadConfig
-from dynamo_ftctl.loadgen.runner import LoadEvent, Sender, run_load_async
+from dynamo_ftctl.loadgen.runner import LoadEvent, Sender, run_in_fast_loop, run_load_async
 from dynamo_ftctl.loadgen.stats import LoadSummary
 
 __all__ = ["SweepReport", "SweepStep", "sweep_rate", "sweep_rate_async"]
@@ -119,6 +118,6 @@ async def sweep_rate_async(
 def sweep_rate(config: LoadConfig, *, low: float, high: float, precision: float = 0.05,
                max_steps: int = 8, on_step: Callable[[SweepStep], None] | None = None,
                ) -> SweepReport:
-    """`sweep_rate_async` in a new event loop."""
-    return asyncio.run(sweep_rate_async(config, low=low, high=high, precision=precision,
+    """`sweep_rate_async` in a new event loop (uvloop when installed, as `run_load`)."""
+    return run_in_fast_loop(sweep_rate_async(config, low=low, high=high, precision=precision,
                                         max_steps=max_steps, on_step=on_step))
