@@ -1,32 +1,35 @@
-"""The cluster inventory: frozen pydantic models and a loader whose errors name file:line: key.
+"""The cluster inventory: frozen msgspec structs and a loader whose errors name file:line: key.
 
 One YAML file describes the cluster; every command reads it through
 `load_inventory`. Unknown keys, duplicate worker names, bad URLs, faults that
 are not in the fault catalog and references to undeclared groups are errors.
 Every error is one line: `ftctl.yaml:12: workers[2].url: not a valid http(s) URL`.
 
-This module must not import anything heavy: it runs in probes and entrypoints.
+This module runs in Kubernetes exec probes and engine entrypoints, so it must
+start fast. The models are `msgspec.Struct`s, not pydantic models: importing
+msgspec and validating costs ~10 ms where pydantic's import, plugin scan and
+schema build cost ~120 ms (`benchmarks/startup.py`). The other file formats
+(canary sets aside) are pydantic models that reuse this module's YAML loader
+and its `validation_error_to_inventory_error`; pydantic is imported only there.
+The structs keep pydantic's `model_copy`, `model_dump` and `model_validate`
+names so callers need not care which library validated them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationError,
-    model_validator,
-)
+import msgspec
+from msgspec import Meta, field
 
 from dynamo_ftctl.errors import InvalidInput, InventoryError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel, ValidationError
 
 __all__ = [
     "MAX_YAML_BYTES",
@@ -37,6 +40,7 @@ __all__ = [
     "Group",
     "InjectConfig",
     "Inventory",
+    "KeyedValueError",
     "Launch",
     "LockConfig",
     "ProcessRef",
@@ -44,11 +48,13 @@ __all__ = [
     "SimLaunch",
     "TransitionAction",
     "Worker",
+    "convert_struct",
     "format_key_path",
     "inventory_json_schema",
     "load_inventory",
     "load_yaml_document",
     "parse_inventory",
+    "validation_error_to_inventory_error",
 ]
 
 # A cluster inventory of 1,000 workers is ~200 KiB; anything past 1 MiB is a mistake.
@@ -118,86 +124,175 @@ def _check_fault(value: str) -> str:
     return value
 
 
-HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
-Name = Annotated[str, AfterValidator(_check_name)]
-HostPort = Annotated[str, AfterValidator(_check_host_port)]
-FaultName = Annotated[str, AfterValidator(_check_fault)]
+_CHECKS: dict[str, Callable[[str], str]] = {
+    "HttpUrl": _check_http_url,
+    "Name": _check_name,
+    "HostPort": _check_host_port,
+    "FaultName": _check_fault,
+}
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+def __getattr__(name: str) -> Any:
+    """`Name`, `FaultName`, `HttpUrl`, `HostPort` as pydantic types, for pydantic file formats.
+
+    Built on first use so that loading an inventory never imports pydantic.
+    """
+    if name in _CHECKS:
+        from pydantic import AfterValidator
+
+        annotated = Annotated[str, AfterValidator(_CHECKS[name])]
+        globals()[name] = annotated
+        return annotated
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
 
 
-class AdminEndpoint(_Model):
+_M = TypeVar("_M", bound="_Model")
+
+
+class _Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Frozen, unknown keys refused; string checks run in `_checked` after type validation."""
+
+    # (field name, check) pairs; a tuple field's items are checked one by one.
+    _checked: ClassVar[tuple[tuple[str, Callable[[str], str]], ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name, check in self._checked:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                checked: Any = tuple(_at(check, item, (name, i)) for i, item in enumerate(value))
+            else:
+                checked = _at(check, value, (name,))
+            if checked != value:
+                msgspec.structs.force_setattr(self, name, checked)
+
+    @classmethod
+    def model_validate(cls: type[_M], data: Any) -> _M:
+        """Validate plain data (as from YAML or JSON); `InvalidInput` names the key."""
+        return convert_struct(data, cls)
+
+    def model_copy(self: _M, *, update: Mapping[str, Any] | None = None) -> _M:
+        """A copy with `update` applied (not re-validated, as pydantic's)."""
+        copy = msgspec.structs.replace(self, **dict(update or {}))
+        extra = getattr(self, "__dict__", None)
+        if extra:
+            copy.__dict__.update(extra)
+        return copy
+
+    def model_dump(
+        self, *, mode: str = "json", by_alias: bool = True, exclude_none: bool = False,
+    ) -> dict[str, Any]:
+        """Plain data with the file's key names, as `model_validate` reads it back."""
+        del mode, by_alias  # always JSON-compatible, always the file's key names
+        data: dict[str, Any] = msgspec.to_builtins(self, enc_hook=str)
+        return _drop_none(data) if exclude_none else data
+
+
+def _at(check: Callable[[str], str], value: str, loc: tuple[str | int, ...]) -> str:
+    try:
+        return check(value)
+    except ValueError as exc:
+        raise KeyedValueError(loc, str(exc)) from None
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _dec_hook(kind: type, value: Any) -> Any:
+    if kind is Path:
+        if isinstance(value, str) and value:
+            return Path(value)
+        msg = "expected a path"
+        raise ValueError(msg)
+    msg = f"unsupported type {kind!r}"
+    raise NotImplementedError(msg)
+
+
+def _doc(text: str, **constraints: Any) -> Meta:
+    """A field's one-line description (shown by `ftctl inventory schema`) and its bounds."""
+    return Meta(description=text, **constraints)
+
+
+class AdminEndpoint(_Model, frozen=True):
     """A worker's admin API (fault endpoint, KV export/import, sleep/wake)."""
 
-    url: HttpUrl | None = Field(None, description="Admin base URL; default: the worker URL.")
-    token_env: str = Field(
-        "FTCTL_ADMIN_TOKEN", description="Environment variable that holds the bearer token.",
+    url: Annotated[str | None, _doc("Admin base URL; default: the worker URL.")] = None
+    token_env: Annotated[str, _doc("Environment variable that holds the bearer token.")] = (
+        "FTCTL_ADMIN_TOKEN"  # noqa: S105 - the variable's name, not a secret
     )
+    _checked = (("url", _check_http_url),)
 
 
-class ProcessRef(_Model):
+class ProcessRef(_Model, frozen=True):
     """How to find a worker's process for signal faults."""
 
-    pid_file: Path | None = Field(None, description="File holding the engine's pid.")
-    pid: int | None = Field(None, gt=0, description="A fixed pid (tests, static hosts).")
+    pid_file: Annotated[Path | None, _doc("File holding the engine's pid.")] = None
+    pid: Annotated[int, _doc("A fixed pid (tests, static hosts).", gt=0)] | None = None
 
 
-class InjectConfig(_Model):
+class InjectConfig(_Model, frozen=True):
     """How `ftctl inject` reaches a worker: which injectors, and where they write."""
 
-    injectors: tuple[Literal["signal", "http", "kmsg", "dcgm", "net"], ...] = Field(
-        ("signal", "http"), description="Injectors allowed on this worker, in preference order.",
-    )
-    kmsg_path: Path = Field(
-        Path("/dev/kmsg"), description="Kernel log the kmsg injector writes Xid lines to.",
-    )
-    pci_bus_id: str = Field(
-        "0000:3b:00", description="PCI bus id named in injected Xid lines (no GPU: a stand-in).",
-    )
-    netproxy: HttpUrl | None = Field(
-        None, description="Control URL of the TCP fault proxy in front of this worker.",
-    )
+    injectors: Annotated[
+        tuple[Literal["signal", "http", "kmsg", "dcgm", "net"], ...],
+        _doc("Injectors allowed on this worker, in preference order."),
+    ] = ("signal", "http")
+    kmsg_path: Annotated[
+        Path, _doc("Kernel log the kmsg injector writes Xid lines to (default /dev/kmsg)."),
+    ] = field(default_factory=lambda: Path("/dev/kmsg"))
+    pci_bus_id: Annotated[
+        str, _doc("PCI bus id named in injected Xid lines (no GPU: a stand-in)."),
+    ] = "0000:3b:00"
+    netproxy: Annotated[
+        str | None, _doc("Control URL of the TCP fault proxy in front of this worker."),
+    ] = None
+    _checked = (("netproxy", _check_http_url),)
 
 
-class SimLaunch(_Model):
+class SimLaunch(_Model, frozen=True):
     """Start this worker as an `ftctl sim` engine with `--local` / `ftctl sim cluster`."""
 
-    seed: int = Field(0, ge=0, description="Weight seed: same seed, same model.")
-    model_config_name: str = Field(
-        "ftctl-sim-tiny", alias="model_config", description="Engine config preset or YAML path.",
+    seed: Annotated[int, _doc("Weight seed: same seed, same model.", ge=0)] = 0
+    model_config_name: Annotated[str, _doc("Engine config preset or YAML path.")] = field(
+        default="ftctl-sim-tiny", name="model_config",
     )
-    args: tuple[str, ...] = Field((), description="Extra `ftctl sim serve` flags.")
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    args: Annotated[tuple[str, ...], _doc("Extra `ftctl sim serve` flags.")] = ()
 
 
-class Launch(_Model):
+class Launch(_Model, frozen=True):
     """Local launch recipe (only for workers started by ftctl itself)."""
 
     sim: SimLaunch | None = None
 
 
-class Worker(_Model):
+class Worker(_Model, frozen=True):
     """One inference engine endpoint (OpenAI-compatible)."""
 
-    name: Name
-    url: HttpUrl = Field(description="OpenAI-compatible base URL, e.g. http://10.0.0.3:8000.")
-    model: str = Field(min_length=1, description="Served model id.")
-    node: str = Field("localhost", min_length=1, description="Host the engine runs on.")
-    gpus: tuple[Annotated[int, Field(ge=0)], ...] = Field(
-        (), description="GPU indices on the node.",
-    )
-    group: Name | None = Field(None, description="TP/PP group: fails and migrates as a unit.")
+    name: str
+    url: Annotated[str, _doc("OpenAI-compatible base URL, e.g. http://10.0.0.3:8000.")]
+    model: Annotated[str, _doc("Served model id.", min_length=1)]
+    node: Annotated[str, _doc("Host the engine runs on.", min_length=1)] = "localhost"
+    gpus: Annotated[tuple[Annotated[int, Meta(ge=0)], ...], _doc("GPU indices on the node.")] = ()
+    group: Annotated[str | None, _doc("TP/PP group: fails and migrates as a unit.")] = None
     admin: AdminEndpoint | None = None
     process: ProcessRef | None = None
-    faults: tuple[FaultName, ...] = Field((), description="Faults `ftctl inject` may use here.")
-    protected: bool = Field(False, description="Refuse every fault injection on this worker.")
-    inject: InjectConfig = Field(
-        InjectConfig(), description="Injectors `ftctl inject` may use on this worker.",
+    faults: Annotated[tuple[str, ...], _doc("Faults `ftctl inject` may use here.")] = ()
+    protected: Annotated[bool, _doc("Refuse every fault injection on this worker.")] = False
+    inject: Annotated[InjectConfig, _doc("Injectors `ftctl inject` may use on this worker.")] = (
+        field(default_factory=InjectConfig)
     )
     launch: Launch | None = None
+    _checked = (
+        ("name", _check_name), ("url", _check_http_url), ("group", _check_name),
+        ("faults", _check_fault),
+    )
 
     @property
     def admin_url(self) -> str:
@@ -205,147 +300,155 @@ class Worker(_Model):
         return self.admin.url if self.admin and self.admin.url else self.url
 
 
-class Group(_Model):
+class Group(_Model, frozen=True):
     """A tensor/pipeline-parallel group of workers that fail and migrate together."""
 
-    name: Name
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree.")
+    name: str
+    tp: Annotated[int, _doc("Tensor-parallel degree.", ge=1)] = 1
+    pp: Annotated[int, _doc("Pipeline-parallel degree.", ge=1)] = 1
+    _checked = (("name", _check_name),)
 
 
 HealthStateName = Literal["healthy", "suspicious", "unhealthy", "draining", "dead"]
 
 
-class TransitionAction(_Model):
+class TransitionAction(_Model, frozen=True):
     """What the canary daemon does when a worker enters one of `on` (HTTP call or command)."""
 
-    on: tuple[HealthStateName, ...] = Field(
-        ("unhealthy",), min_length=1, description="States whose entry triggers the action.",
+    on: Annotated[
+        tuple[HealthStateName, ...], _doc("States whose entry triggers the action.", min_length=1),
+    ] = ("unhealthy",)
+    http: Annotated[
+        str | None, _doc("POST {worker, state, previous, reason} as JSON to this URL."),
+    ] = None
+    token_env: Annotated[str | None, _doc("Variable holding a bearer token for the HTTP call.")] = (
+        None
     )
-    http: HttpUrl | None = Field(
-        None, description="POST {worker, state, previous, reason} as JSON to this URL.",
-    )
-    token_env: str | None = Field(
-        None, description="Variable holding a bearer token for the HTTP call.",
-    )
-    command: tuple[str, ...] | None = Field(
-        None, min_length=1,
-        description="argv to run with FTCTL_WORKER, FTCTL_STATE, FTCTL_PREVIOUS_STATE set.",
-    )
-    timeout_s: float = Field(10.0, gt=0, description="Give up on the action after this long.")
+    command: Annotated[
+        tuple[str, ...],
+        _doc("argv to run with FTCTL_WORKER, FTCTL_STATE, FTCTL_PREVIOUS_STATE set.", min_length=1),
+    ] | None = None
+    timeout_s: Annotated[float, _doc("Give up on the action after this long.", gt=0)] = 10.0
+    _checked = (("http", _check_http_url),)
 
-    @model_validator(mode="after")
-    def _one_kind(self) -> TransitionAction:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if (self.http is None) == (self.command is None):
             raise KeyedValueError(("http",), "give exactly one of 'http' or 'command'")
-        return self
 
 
-class CanaryConfig(_Model):
+class CanaryConfig(_Model, frozen=True):
     """Canary probing and the health state machine."""
 
-    interval_s: float = Field(30.0, gt=0, description="Seconds between probes of a worker.")
-    timeout_s: float = Field(10.0, gt=0, description="Per-request timeout.")
-    max_retries: int = Field(2, ge=0, le=10, description="Retries on transient errors only.")
-    set: str | None = Field(None, description="Canary set YAML, relative to the inventory.")
-    latency_spike_factor: float = Field(3.0, gt=1.0)
-    ema_alpha: float = Field(0.1, gt=0.0, le=1.0)
-    failure_threshold: int = Field(
-        3, ge=1, le=100, description="Consecutive failures that make a worker UNHEALTHY.",
+    interval_s: Annotated[float, _doc("Seconds between probes of a worker.", gt=0)] = 30.0
+    timeout_s: Annotated[float, _doc("Per-request timeout.", gt=0)] = 10.0
+    max_retries: Annotated[int, _doc("Retries on transient errors only.", ge=0, le=10)] = 2
+    set: Annotated[str | None, _doc("Canary set YAML, relative to the inventory.")] = None
+    latency_spike_factor: Annotated[
+        float, _doc("A probe slower than this times the EMA baseline is a latency spike.", gt=1.0),
+    ] = 3.0
+    ema_alpha: Annotated[
+        float, _doc("Weight of the newest latency in the EMA baseline.", gt=0.0, le=1.0),
+    ] = 0.1
+    failure_threshold: Annotated[
+        int, _doc("Consecutive failures that make a worker UNHEALTHY.", ge=1, le=100),
+    ] = 3
+    recovery_s: Annotated[
+        float, _doc("Seconds an open breaker waits before one half-open trial.", gt=0),
+    ] = 60.0
+    dead_after_trials: Annotated[
+        int,
+        _doc("Failed half-open trials before DEAD (the first one moves to DRAINING).", ge=1,
+             le=100),
+    ] = 2
+    concurrency: Annotated[
+        int, _doc("Probes in flight at once in the daemon.", ge=1, le=10000),
+    ] = 256
+    listen: Annotated[str, _doc("Daemon HTTP address (/workers, /report, /metrics).")] = (
+        "127.0.0.1:8090"
     )
-    recovery_s: float = Field(
-        60.0, gt=0, description="Seconds an open breaker waits before one half-open trial.",
-    )
-    dead_after_trials: int = Field(
-        2, ge=1, le=100,
-        description="Failed half-open trials before DEAD (the first one moves to DRAINING).",
-    )
-    concurrency: int = Field(
-        256, ge=1, le=10000, description="Probes in flight at once in the daemon.",
-    )
-    listen: HostPort = Field(
-        "127.0.0.1:8090", description="Daemon HTTP address (/workers, /report, /metrics).",
-    )
-    state_file: str | None = Field(
-        None, description="Latency baseline file (default: $XDG_STATE_HOME/ftctl/canary.json).",
-    )
-    transition_log: str | None = Field(
-        None, description="Append every state transition here as a JSON line.",
-    )
-    actions: tuple[TransitionAction, ...] = Field(
-        (), description="HTTP calls or commands run on state transitions.",
-    )
+    state_file: Annotated[
+        str | None, _doc("Latency baseline file (default: $XDG_STATE_HOME/ftctl/canary.json)."),
+    ] = None
+    transition_log: Annotated[
+        str | None, _doc("Append every state transition here as a JSON line."),
+    ] = None
+    actions: Annotated[
+        tuple[TransitionAction, ...], _doc("HTTP calls or commands run on state transitions."),
+    ] = ()
+    _checked = (("listen", _check_host_port),)
 
 
-class EtcdConfig(_Model):
+class EtcdConfig(_Model, frozen=True):
     """etcd lock backend (engines on different nodes)."""
 
-    endpoints: tuple[HttpUrl, ...] = Field(("http://127.0.0.1:2379",), min_length=1)
-    key: str = Field("/ftctl/locks/failover", min_length=1)
-    ttl_s: float = Field(5.0, ge=1.0, le=3600.0)
+    endpoints: Annotated[tuple[str, ...], Meta(min_length=1)] = ("http://127.0.0.1:2379",)
+    key: Annotated[str, Meta(min_length=1)] = "/ftctl/locks/failover"
+    ttl_s: Annotated[float, Meta(ge=1.0, le=3600.0)] = 5.0
+    _checked = (("endpoints", _check_http_url),)
 
 
-class LockConfig(_Model):
+class LockConfig(_Model, frozen=True):
     """The failover lock shared by a primary and its shadow."""
 
     backend: Literal["flock", "etcd"] = "flock"
-    path: Path | None = Field(None, description="flock file (default: $FAILOVER_LOCK_PATH).")
-    etcd: EtcdConfig = EtcdConfig()
+    path: Annotated[Path | None, _doc("flock file (default: $FAILOVER_LOCK_PATH).")] = None
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
 
 
-class BusyThresholds(_Model):
+class BusyThresholds(_Model, frozen=True):
     """When a worker counts as busy for admission control."""
 
-    active_decode_blocks_threshold: float = Field(0.85, ge=0.0, le=1.0)
-    active_prefill_tokens_threshold: int = Field(8192, ge=0)
+    active_decode_blocks_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.85
+    active_prefill_tokens_threshold: Annotated[int, Meta(ge=0)] = 8192
 
 
-class ProxyConfig(_Model):
+class ProxyConfig(_Model, frozen=True):
     """The migrating front door."""
 
-    listen: HostPort = "127.0.0.1:8000"
-    migration_limit: int = Field(3, ge=0, le=100)
-    busy: BusyThresholds = BusyThresholds()
-    stall_timeout_s: float = Field(
-        15.0, gt=0, description="A worker that sends no token for this long has failed.",
-    )
-    connect_timeout_s: float = Field(2.0, gt=0, description="TCP connect timeout per worker.")
-    health_url: HttpUrl | None = Field(
-        None, description="Canary daemon base URL (GET /workers, POST /report); none: own breaker.",
-    )
-    reject_status: Literal[503, 529] = Field(
-        503, description="HTTP status when every worker is busy or a tier is shed.",
-    )
-    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) on a rejection.")
-    admin_token_env: str = Field(
-        "FTCTL_ADMIN_TOKEN",
-        description="Variable holding the bearer token of POST /busy_threshold.",
-    )
-    scrape_interval_s: float = Field(
-        1.0, gt=0, description="Seconds between scrapes of workers' /metrics and the daemon.",
-    )
-    breaker_threshold: int = Field(
-        3, ge=1, description="Consecutive failures that open a worker's breaker (no daemon).",
-    )
-    breaker_recovery_s: float = Field(
-        60.0, gt=0, description="Seconds an open breaker waits before one trial request.",
-    )
+    listen: str = "127.0.0.1:8000"
+    migration_limit: Annotated[int, Meta(ge=0, le=100)] = 3
+    busy: BusyThresholds = field(default_factory=BusyThresholds)
+    stall_timeout_s: Annotated[
+        float, _doc("A worker that sends no token for this long has failed.", gt=0),
+    ] = 15.0
+    connect_timeout_s: Annotated[float, _doc("TCP connect timeout per worker.", gt=0)] = 2.0
+    health_url: Annotated[
+        str | None,
+        _doc("Canary daemon base URL (GET /workers, POST /report); none: own breaker."),
+    ] = None
+    reject_status: Annotated[
+        Literal[503, 529], _doc("HTTP status when every worker is busy or a tier is shed."),
+    ] = 503
+    retry_after_s: Annotated[int, _doc("Retry-After (seconds) on a rejection.", ge=0)] = 1
+    admin_token_env: Annotated[
+        str, _doc("Variable holding the bearer token of POST /busy_threshold."),
+    ] = "FTCTL_ADMIN_TOKEN"  # noqa: S105 - the variable's name, not a secret
+    scrape_interval_s: Annotated[
+        float, _doc("Seconds between scrapes of workers' /metrics and the daemon.", gt=0),
+    ] = 1.0
+    breaker_threshold: Annotated[
+        int, _doc("Consecutive failures that open a worker's breaker (no daemon).", ge=1),
+    ] = 3
+    breaker_recovery_s: Annotated[
+        float, _doc("Seconds an open breaker waits before one trial request.", gt=0),
+    ] = 60.0
+    _checked = (("listen", _check_host_port), ("health_url", _check_http_url))
 
 
-class Inventory(_Model):
+class Inventory(_Model, frozen=True, dict=True):
     """A whole cluster: workers, their groups and the settings of every service."""
 
-    cluster: Name
-    workers: tuple[Worker, ...] = Field(min_length=1)
+    cluster: str
+    workers: Annotated[tuple[Worker, ...], Meta(min_length=1)]
     groups: tuple[Group, ...] = ()
-    canary: CanaryConfig = CanaryConfig()
-    lock: LockConfig = LockConfig()
-    proxy: ProxyConfig = ProxyConfig()
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
+    lock: LockConfig = field(default_factory=LockConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    _checked = (("cluster", _check_name),)
 
-    _source: Path | None = PrivateAttr(default=None)
-
-    @model_validator(mode="after")
-    def _check_references(self) -> Inventory:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         seen: dict[str, int] = {}
         for index, worker in enumerate(self.workers):
             if worker.name in seen:
@@ -369,12 +472,12 @@ class Inventory(_Model):
                     ("workers", index, "group"),
                     f"unknown group {worker.group!r} (groups: {declared})",
                 )
-        return self
 
     @property
     def source(self) -> Path | None:
         """The file this inventory was loaded from, if any."""
-        return self._source
+        source: Path | None = self.__dict__.get("_source")
+        return source
 
     def worker(self, name: str) -> Worker:
         """The worker called `name`; an `InvalidInput` naming close matches otherwise."""
@@ -384,7 +487,7 @@ class Inventory(_Model):
         names = [w.name for w in self.workers]
         close = _close_matches(name, names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; workers: {', '.join(names)}"
-        where = f"{self._source}: " if self._source else ""
+        where = f"{self.source}: " if self.source else ""
         msg = f"{where}no worker named {name!r}{hint}"
         raise InvalidInput(msg)
 
@@ -395,9 +498,10 @@ class Inventory(_Model):
     def resolve(self, relative: str | Path) -> Path:
         """A path from the inventory, resolved against the inventory file's folder."""
         path = Path(relative).expanduser()
-        if path.is_absolute() or self._source is None:
+        source = self.source
+        if path.is_absolute() or source is None:
             return path
-        return self._source.parent / path
+        return source.parent / path
 
 
 # ---------------------------------------------------------------------------
@@ -498,16 +602,47 @@ def _walk_lines(
             _walk_lines(item, (*loc, index), lines, seen, path)
 
 
+_LOADER: Any = None
+
+
+def _loader() -> Any:
+    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans.
+
+    YAML 1.1 reads `on`, `off`, `yes`, `no`, `y`, `n` as booleans, which turns
+    `canary.actions[].on` into `True` and a worker called `no` into `False`;
+    here only true/false (any case) are booleans, as in YAML 1.2.
+    """
+    global _LOADER  # noqa: PLW0603 - built once per process, on first use
+    if _LOADER is None:
+        import yaml
+
+        base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        bool_tag = "tag:yaml.org,2002:bool"
+        resolvers = {
+            first: [(tag, regexp) for tag, regexp in entries if tag != bool_tag]
+            for first, entries in base.yaml_implicit_resolvers.items()
+        }
+        _LOADER = type("FtctlLoader", (base,), {"yaml_implicit_resolvers": resolvers})
+        _LOADER.add_implicit_resolver(
+            bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"),
+        )
+    return _LOADER
+
+
 def _parse_yaml(text: str, path: Path) -> _Located:
     import yaml
 
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is None:
-            return _Located(None, {})
-        lines: dict[tuple[str | int, ...], int] = {(): node.start_mark.line + 1}
-        _walk_lines(node, (), lines, set(), path)
-        data = yaml.SafeLoader(text).get_single_data()
+        loader = _loader()(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return _Located(None, {})
+            lines: dict[tuple[str | int, ...], int] = {(): node.start_mark.line + 1}
+            _walk_lines(node, (), lines, set(), path)
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
@@ -590,6 +725,8 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[st
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
+    from pydantic import BaseModel
+
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()):
@@ -641,6 +778,131 @@ def validation_error_to_inventory_error(
     )
 
 
+# ---------------------------------------------------------------------------
+# msgspec validation errors as file:line: key: message
+
+_PATH_PART = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+_TYPE_WORDS = {
+    "str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+    "object": "a mapping", "array": "a list", "null": "nothing", "Path": "a path",
+}
+_EXPECTED = re.compile(r"^Expected `([^`]*)`(?:, got `([^`]*)`)?(.*)$")
+
+
+def _loc_of(path: str) -> tuple[str | int, ...]:
+    """msgspec's `$.workers[2].url` -> `("workers", 2, "url")`."""
+    return tuple(
+        int(index) if index else key
+        for key, index in _PATH_PART.findall(path.removeprefix("$"))
+    )
+
+
+def _struct_at(
+    model: type[msgspec.Struct], loc: Sequence[str | int],
+) -> type[msgspec.Struct] | None:
+    """The struct type that holds the value at `loc` (None when `loc` leaves the structs)."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fields = {f.encode_name: f.type for f in msgspec.structs.fields(current)}
+        current = _struct_in(fields.get(part))
+        if current is None:
+            return None
+    return current if isinstance(current, type) else None
+
+
+def _field_type(model: type[msgspec.Struct], loc: Sequence[str | int]) -> Any:
+    """The annotation of the field at `loc` (list indices at its end are skipped)."""
+    loc = list(loc)
+    while loc and isinstance(loc[-1], int):
+        loc.pop()
+    holder = _struct_at(model, loc[:-1])
+    if holder is None or not loc:
+        return None
+    return {f.encode_name: f.type for f in msgspec.structs.fields(holder)}.get(str(loc[-1]))
+
+
+def _struct_in(annotation: Any) -> Any:
+    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+        return annotation
+    for arg in get_args(annotation):
+        found = _struct_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _literals(annotation: Any) -> tuple[Any, ...]:
+    if get_origin(annotation) is Literal:
+        return get_args(annotation)
+    return tuple(v for arg in get_args(annotation) for v in _literals(arg))
+
+
+def _words(types: str) -> str:
+    return " or ".join(_TYPE_WORDS.get(t.strip(), t.strip()) for t in types.split("|"))
+
+
+def msgspec_error_to_inventory_error(
+    exc: msgspec.ValidationError, model: type[msgspec.Struct], located: _Located, path: Path,
+) -> InventoryError:
+    """A msgspec `ValidationError` as one `file:line: key: message` line."""
+    text, _, where = str(exc).rpartition(" - at `")
+    if not _:
+        text, where = str(exc), "$`"
+    loc = _loc_of(where.removesuffix("`"))
+    cause = exc.__cause__
+    if isinstance(cause, KeyedValueError):
+        loc = (*loc, *cause.loc)
+        message = str(cause)
+    elif isinstance(cause, ValueError):
+        message = str(cause)
+    elif text.startswith("Object contains unknown field `"):
+        key = text.split("`")[1]
+        holder = _struct_at(model, loc)
+        allowed = sorted(f.encode_name for f in msgspec.structs.fields(holder)) if holder else []
+        loc = (*loc, key)
+        close = _close_matches(key, allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        message = f"unknown key{hint} (allowed: {', '.join(allowed)})"
+    elif text.startswith("Object missing required field `"):
+        loc = (*loc, text.split("`")[1])
+        message = "missing required key"
+    elif text.startswith("Invalid enum value"):
+        choices = _literals(_field_type(model, loc))
+        message = f"must be one of {', '.join(repr(c) for c in choices)}" if choices else text
+    elif match := _EXPECTED.match(text):
+        expected, got, rest = match.groups()
+        if length := re.fullmatch(r" of length ([<>]=) (\d+)", rest):
+            bound = "at least" if length.group(1) == ">=" else "at most"
+            count = int(length.group(2))
+            unit = "item" if expected == "array" else "character"
+            message = f"expected {_words(expected)} of {bound} {count} {unit}{'s' * (count != 1)}"
+        else:
+            message = f"expected {_words(expected)}{rest}"
+            if got:
+                message += f", got {_words(got)}"
+    else:
+        message = text
+    return InventoryError(
+        message, path=path, line=located.line_of(loc), key=format_key_path(loc) or None,
+    )
+
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def convert_struct(
+    data: Any, model: type[_S], located: _Located | None = None, path: Path | str = "<data>",
+) -> _S:
+    """Validate plain data into `model`; errors are one `InventoryError` line."""
+    try:
+        return msgspec.convert(data, model, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        where = located if located is not None else _Located(data, {})
+        raise msgspec_error_to_inventory_error(exc, model, where, Path(path)) from None
+
+
 def parse_inventory(text: str, path: Path | str = "<inventory>") -> Inventory:
     """Validate inventory YAML text; errors name `path`, line and key."""
     path = Path(path)
@@ -655,11 +917,8 @@ def parse_inventory(text: str, path: Path | str = "<inventory>") -> Inventory:
 
 
 def _validate(located: _Located, path: Path) -> Inventory:
-    try:
-        inventory = Inventory.model_validate(located.data)
-    except ValidationError as exc:
-        raise validation_error_to_inventory_error(exc, Inventory, located, path) from None
-    inventory._source = path.resolve() if path.exists() else path
+    inventory = convert_struct(located.data, Inventory, located, path)
+    inventory.__dict__["_source"] = path.resolve() if path.exists() else path
     return inventory
 
 
@@ -672,6 +931,19 @@ def load_inventory(path: Path | str) -> Inventory:
     return _validate(located, path)
 
 
+def _schema_hook(kind: type) -> dict[str, Any]:
+    if kind is Path:
+        return {"type": "string", "format": "path"}
+    msg = f"no JSON Schema for {kind!r}"
+    raise NotImplementedError(msg)
+
+
 def inventory_json_schema() -> dict[str, Any]:
     """The JSON Schema of the inventory (what `ftctl inventory schema` prints)."""
-    return Inventory.model_json_schema(by_alias=True)
+    import msgspec.json
+
+    schema: dict[str, Any] = msgspec.json.schema(Inventory, schema_hook=_schema_hook)
+    defs: dict[str, Any] = schema.get("$defs", {})
+    root = dict(defs.pop("Inventory"))
+    # The root inlined, so that tools see its keys without following a $ref.
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root, "$defs": defs}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -78,6 +77,8 @@ def show(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> N
 @app.command()
 def schema() -> None:
     """Print the inventory's JSON Schema (for editors and CI validation)."""
+    import json
+
     from dynamo_ftctl.inventory import inventory_json_schema
 
     sys.stdout.write(json.dumps(inventory_json_schema(), indent=2) + "\n")

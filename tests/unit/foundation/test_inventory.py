@@ -63,7 +63,7 @@ def test_valid_inventory_fields(tmp_path: Path) -> None:
     assert inventory.worker("w1").faults == ("kill", "xid48")
     assert inventory.canary.ema_alpha == 0.1
     assert inventory.lock.backend == "flock"
-    with pytest.raises(Exception, match="frozen"):
+    with pytest.raises(AttributeError, match="immutable"):
         w2.url = "http://x"  # type: ignore[misc]
 
 
@@ -91,6 +91,17 @@ def test_unknown_worker_suggests_close_name(tmp_path: Path) -> None:
          "missing required key"),
         (VALID + "proxy: {listen: nowhere}\n", 13, "proxy.listen", "expected HOST:PORT"),
         (VALID + "cluster: again\n", 13, "cluster", "duplicate key"),
+        (VALID + "canary:\n  actions:\n    - {on: [sick], http: 'http://a'}\n", 15,
+         "canary.actions[0].on[0]", "must be one of 'healthy', 'suspicious'"),
+        (VALID + "canary:\n  actions:\n    - {on: [dead]}\n", 15, "canary.actions[0].http",
+         "give exactly one of 'http' or 'command'"),
+        (VALID.replace("    model: m\ngroups", "    model: m\n    protected: yes\ngroups"), 11,
+         "workers[1].protected", "expected true or false, got a string"),
+        (VALID.replace("[kill, xid48]", "kill"), 7, "workers[0].faults",
+         "expected a list, got a string"),
+        (VALID + "canary: {ema_alpha: 2}\n", 13, "canary.ema_alpha", "expected a number <= 1.0"),
+        (VALID.replace("model: m\n    group", "model: ''\n    group"), 5, "workers[0].model",
+         "expected a string of at least 1 character"),
     ],
 )
 def test_invalid_inventory_names_line_and_key(
@@ -148,6 +159,27 @@ def test_alias_bomb_is_bounded(tmp_path: Path) -> None:
     bomb.append("cluster: *a8\nworkers: *a8\n")
     err = error_for(tmp_path, "\n".join(bomb))
     assert "unknown key" in str(err) or "expected" in str(err)
+
+
+def test_yaml_12_booleans_keep_on_and_no_as_strings(tmp_path: Path) -> None:
+    """`on:` (canary actions) and a worker called `no` stay strings, as in YAML 1.2."""
+    text = VALID.replace("name: w2", "name: no") + (
+        "canary:\n  actions:\n    - {on: [unhealthy, dead], command: ['true']}\n"
+    )
+    inventory = load_inventory(write(tmp_path, text))
+    assert inventory.worker("no").url == "https://10.0.0.2:8000"
+    assert inventory.canary.actions[0].on == ("unhealthy", "dead")
+    assert inventory.canary.actions[0].command == ("true",)
+
+
+def test_copy_and_dump_round_trip(tmp_path: Path) -> None:
+    """model_dump gives the file's keys back; model_copy keeps the source file."""
+    inventory = load_inventory(write(tmp_path, VALID))
+    again = Inventory.model_validate(inventory.model_dump())
+    assert again == inventory
+    moved = inventory.model_copy(update={"cluster": "other"})
+    assert moved.cluster == "other"
+    assert moved.source == inventory.source == tmp_path / "ftctl.yaml"
 
 
 def test_parse_inventory_from_text() -> None:
