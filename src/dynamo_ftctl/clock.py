@@ -6,7 +6,6 @@ drive time forward instead of sleeping (STYLE.md rule 5).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Protocol
 
@@ -46,6 +45,8 @@ class MonotonicClock:
         time.sleep(max(0.0, seconds))
 
     async def asleep(self, seconds: float) -> None:
+        import asyncio  # ~20 ms to import: only the async callers pay it
+
         await asyncio.sleep(max(0.0, seconds))
 
 
@@ -84,4 +85,6 @@ class FakeClock:
     async def asleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.advance(max(0.0, seconds))
+        import asyncio
+
         await asyncio.sleep(0)

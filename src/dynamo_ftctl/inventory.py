@@ -46,6 +46,7 @@ __all__ = [
     "ProcessRef",
     "ProxyConfig",
     "SimLaunch",
+    "StrictStruct",
     "TransitionAction",
     "Worker",
     "convert_struct",
@@ -147,11 +148,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(msg)
 
 
-_M = TypeVar("_M", bound="_Model")
+_M = TypeVar("_M", bound="StrictStruct")
 
 
-class _Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Frozen, unknown keys refused; string checks run in `_checked` after type validation."""
+class StrictStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A frozen struct that refuses unknown keys (base of every file format on the fast path).
+
+    Checks that types cannot express run in `__post_init__`: `_checked` names
+    fields and their string checks; subclasses add cross-field rules there.
+    """
 
     # (field name, check) pairs; a tuple field's items are checked one by one.
     _checked: ClassVar[tuple[tuple[str, Callable[[str], str]], ...]] = ()
@@ -186,8 +191,8 @@ class _Model(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     ) -> dict[str, Any]:
         """Plain data with the file's key names, as `model_validate` reads it back."""
         del mode, by_alias  # always JSON-compatible, always the file's key names
-        data: dict[str, Any] = msgspec.to_builtins(self, enc_hook=str)
-        return _drop_none(data) if exclude_none else data
+        data: dict[str, Any] = _plain(msgspec.to_builtins(self, enc_hook=str), exclude_none)
+        return data
 
 
 def _at(check: Callable[[str], str], value: str, loc: tuple[str | int, ...]) -> str:
@@ -197,11 +202,15 @@ def _at(check: Callable[[str], str], value: str, loc: tuple[str | int, ...]) -> 
         raise KeyedValueError(loc, str(exc)) from None
 
 
-def _drop_none(value: Any) -> Any:
+def _plain(value: Any, exclude_none: bool) -> Any:
+    """JSON-shaped data: tuples become lists; with `exclude_none`, None values go."""
     if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
+        return {
+            k: _plain(v, exclude_none) for k, v in value.items()
+            if v is not None or not exclude_none
+        }
+    if isinstance(value, list | tuple):
+        return [_plain(v, exclude_none) for v in value]
     return value
 
 
@@ -220,7 +229,7 @@ def _doc(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
-class AdminEndpoint(_Model, frozen=True):
+class AdminEndpoint(StrictStruct, frozen=True):
     """A worker's admin API (fault endpoint, KV export/import, sleep/wake)."""
 
     url: Annotated[str | None, _doc("Admin base URL; default: the worker URL.")] = None
@@ -230,14 +239,14 @@ class AdminEndpoint(_Model, frozen=True):
     _checked = (("url", _check_http_url),)
 
 
-class ProcessRef(_Model, frozen=True):
+class ProcessRef(StrictStruct, frozen=True):
     """How to find a worker's process for signal faults."""
 
     pid_file: Annotated[Path | None, _doc("File holding the engine's pid.")] = None
     pid: Annotated[int, _doc("A fixed pid (tests, static hosts).", gt=0)] | None = None
 
 
-class InjectConfig(_Model, frozen=True):
+class InjectConfig(StrictStruct, frozen=True):
     """How `ftctl inject` reaches a worker: which injectors, and where they write."""
 
     injectors: Annotated[
@@ -256,7 +265,7 @@ class InjectConfig(_Model, frozen=True):
     _checked = (("netproxy", _check_http_url),)
 
 
-class SimLaunch(_Model, frozen=True):
+class SimLaunch(StrictStruct, frozen=True):
     """Start this worker as an `ftctl sim` engine with `--local` / `ftctl sim cluster`."""
 
     seed: Annotated[int, _doc("Weight seed: same seed, same model.", ge=0)] = 0
@@ -266,13 +275,13 @@ class SimLaunch(_Model, frozen=True):
     args: Annotated[tuple[str, ...], _doc("Extra `ftctl sim serve` flags.")] = ()
 
 
-class Launch(_Model, frozen=True):
+class Launch(StrictStruct, frozen=True):
     """Local launch recipe (only for workers started by ftctl itself)."""
 
     sim: SimLaunch | None = None
 
 
-class Worker(_Model, frozen=True):
+class Worker(StrictStruct, frozen=True):
     """One inference engine endpoint (OpenAI-compatible)."""
 
     name: str
@@ -300,7 +309,7 @@ class Worker(_Model, frozen=True):
         return self.admin.url if self.admin and self.admin.url else self.url
 
 
-class Group(_Model, frozen=True):
+class Group(StrictStruct, frozen=True):
     """A tensor/pipeline-parallel group of workers that fail and migrate together."""
 
     name: str
@@ -312,7 +321,7 @@ class Group(_Model, frozen=True):
 HealthStateName = Literal["healthy", "suspicious", "unhealthy", "draining", "dead"]
 
 
-class TransitionAction(_Model, frozen=True):
+class TransitionAction(StrictStruct, frozen=True):
     """What the canary daemon does when a worker enters one of `on` (HTTP call or command)."""
 
     on: Annotated[
@@ -337,7 +346,7 @@ class TransitionAction(_Model, frozen=True):
             raise KeyedValueError(("http",), "give exactly one of 'http' or 'command'")
 
 
-class CanaryConfig(_Model, frozen=True):
+class CanaryConfig(StrictStruct, frozen=True):
     """Canary probing and the health state machine."""
 
     interval_s: Annotated[float, _doc("Seconds between probes of a worker.", gt=0)] = 30.0
@@ -379,7 +388,7 @@ class CanaryConfig(_Model, frozen=True):
     _checked = (("listen", _check_host_port),)
 
 
-class EtcdConfig(_Model, frozen=True):
+class EtcdConfig(StrictStruct, frozen=True):
     """etcd lock backend (engines on different nodes)."""
 
     endpoints: Annotated[tuple[str, ...], Meta(min_length=1)] = ("http://127.0.0.1:2379",)
@@ -388,7 +397,7 @@ class EtcdConfig(_Model, frozen=True):
     _checked = (("endpoints", _check_http_url),)
 
 
-class LockConfig(_Model, frozen=True):
+class LockConfig(StrictStruct, frozen=True):
     """The failover lock shared by a primary and its shadow."""
 
     backend: Literal["flock", "etcd"] = "flock"
@@ -396,14 +405,14 @@ class LockConfig(_Model, frozen=True):
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
 
 
-class BusyThresholds(_Model, frozen=True):
+class BusyThresholds(StrictStruct, frozen=True):
     """When a worker counts as busy for admission control."""
 
     active_decode_blocks_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.85
     active_prefill_tokens_threshold: Annotated[int, Meta(ge=0)] = 8192
 
 
-class ProxyConfig(_Model, frozen=True):
+class ProxyConfig(StrictStruct, frozen=True):
     """The migrating front door."""
 
     listen: str = "127.0.0.1:8000"
@@ -436,7 +445,7 @@ class ProxyConfig(_Model, frozen=True):
     _checked = (("listen", _check_host_port), ("health_url", _check_http_url))
 
 
-class Inventory(_Model, frozen=True, dict=True):
+class Inventory(StrictStruct, frozen=True, dict=True):
     """A whole cluster: workers, their groups and the settings of every service."""
 
     cluster: str

@@ -85,6 +85,11 @@ def emit(result: Any, *, json_mode: bool) -> None:
         sys.stdout.write(json.dumps(to_jsonable(result), indent=2, sort_keys=False) + "\n")
         sys.stdout.flush()
         return
+    if hasattr(result, "plain_text") and not sys.stdout.isatty():
+        # Probes, cron and pipes get plain aligned text, and skip rich's ~30 ms import.
+        sys.stdout.write(result.plain_text())
+        sys.stdout.flush()
+        return
     console = stdout_console()
     if hasattr(result, "__rich__") or isinstance(result, str):
         console.print(result)
@@ -94,6 +99,17 @@ def emit(result: Any, *, json_mode: bool) -> None:
         console.print(kv_table(None, doc))
     else:
         console.print(json.dumps(doc, indent=2))
+
+
+def plain_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """Columns aligned with spaces, a header line first; every line ends in a newline."""
+    cells = [[str(h) for h in headers], *([_cell(v) for v in row] for row in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(headers))]
+    return "".join(
+        "  ".join(value.ljust(width) for value, width in zip(line, widths, strict=True)).rstrip()
+        + "\n"
+        for line in cells
+    )
 
 
 def emit_line(record: Any) -> None:

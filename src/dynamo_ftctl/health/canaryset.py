@@ -1,6 +1,6 @@
 """Canary sets: prompts with known answers, one YAML file per model (`canaries/`).
 
-A set is validated like the inventory (frozen pydantic models, one-line
+A set is validated like the inventory (frozen msgspec structs, one-line
 `file:line: key: message` errors, exit 2). Every prompt runs at temperature 0
 and carries its golden `expected_token_ids` (or `expected_text` for servers that
 return no ids), optionally the range its first top logprob must stay in, and a
@@ -14,38 +14,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from msgspec import Meta
 
 from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.inventory import StrictStruct, convert_struct, load_yaml_document
 
 __all__ = ["CanaryPrompt", "CanarySet", "dump_canary_set", "ensure_loaded", "load_canary_set"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CanaryPrompt(_Model):
+class CanaryPrompt(StrictStruct, frozen=True):
     """One canary request and its golden answer."""
 
-    name: Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9._-]+$")]
-    prompt: str = Field(min_length=1, description="Completion prompt (or the user message).")
-    max_tokens: int = Field(8, ge=1, le=4096, description="Tokens to generate.")
-    expected_token_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = Field(
-        None, description="Golden generated token ids (servers that return them).",
-    )
-    expected_text: str | None = Field(
-        None, description="Golden generated text (for servers that return no ids).",
-    )
-    expected_top_logprob_range: tuple[float, float] | None = Field(
-        None, description="[low, high] of the top logprob at the first generated position.",
-    )
-    timeout_s: float | None = Field(
-        None, gt=0, description="Per-prompt timeout (default: the inventory's canary.timeout_s).",
-    )
+    name: Annotated[str, Meta(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9._-]+$")]
+    prompt: Annotated[
+        str, Meta(min_length=1, description="Completion prompt (or the user message)."),
+    ]
+    max_tokens: Annotated[int, Meta(ge=1, le=4096, description="Tokens to generate.")] = 8
+    expected_token_ids: Annotated[
+        tuple[Annotated[int, Meta(ge=0)], ...] | None,
+        Meta(description="Golden generated token ids (servers that return them)."),
+    ] = None
+    expected_text: Annotated[
+        str | None, Meta(description="Golden generated text (for servers that return no ids)."),
+    ] = None
+    expected_top_logprob_range: Annotated[
+        tuple[float, float] | None,
+        Meta(description="[low, high] of the top logprob at the first generated position."),
+    ] = None
+    timeout_s: Annotated[
+        float,
+        Meta(gt=0, description="Per-prompt timeout (default: the inventory's canary.timeout_s)."),
+    ] | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> CanaryPrompt:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.expected_token_ids is None and self.expected_text is None:
             msg = "give expected_token_ids or expected_text"
             raise ValueError(msg)
@@ -58,33 +60,37 @@ class CanaryPrompt(_Model):
             msg = ("expected_top_logprob_range must be [low, high] with low <= high <= 0, "
                    f"got {list(low_high)}")
             raise ValueError(msg)
-        return self
 
 
-class CanarySet(_Model):
+class CanarySet(StrictStruct, frozen=True, kw_only=True):
     """The canary prompts of one model."""
 
-    model: str = Field(min_length=1, description="Model id sent in every request.")
-    endpoint: Literal["completions", "chat"] = Field(
-        "completions", description="/v1/completions or /v1/chat/completions.",
-    )
-    temperature: float = Field(0.0, ge=0.0, le=0.0, description="Always 0: greedy decoding.")
-    return_token_ids: bool = Field(
-        True, description="Ask for token ids (vLLM's return_token_ids); off for strict servers.",
-    )
-    recorded_from: str | None = Field(None, description="Where the answers were recorded.")
-    recorded_at: str | None = Field(None, description="When (ISO 8601, UTC).")
-    prompts: tuple[CanaryPrompt, ...] = Field(min_length=1)
+    model: Annotated[str, Meta(min_length=1, description="Model id sent in every request.")]
+    endpoint: Annotated[
+        Literal["completions", "chat"],
+        Meta(description="/v1/completions or /v1/chat/completions."),
+    ] = "completions"
+    temperature: Annotated[
+        float, Meta(ge=0.0, le=0.0, description="Always 0: greedy decoding."),
+    ] = 0.0
+    return_token_ids: Annotated[
+        bool,
+        Meta(description="Ask for token ids (vLLM's return_token_ids); off for strict servers."),
+    ] = True
+    recorded_from: Annotated[
+        str | None, Meta(description="Where the answers were recorded."),
+    ] = None
+    recorded_at: Annotated[str | None, Meta(description="When (ISO 8601, UTC).")] = None
+    prompts: Annotated[tuple[CanaryPrompt, ...], Meta(min_length=1)]
 
-    @model_validator(mode="after")
-    def _unique(self) -> CanarySet:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         seen: set[str] = set()
         for prompt in self.prompts:
             if prompt.name in seen:
                 msg = f"duplicate prompt name {prompt.name!r}"
                 raise ValueError(msg)
             seen.add(prompt.name)
-        return self
 
     @property
     def wants_logprobs(self) -> bool:
@@ -94,14 +100,9 @@ class CanarySet(_Model):
 
 def load_canary_set(path: Path | str) -> CanarySet:
     """Read and validate a canary set; errors are `file:line: key: message` (exit 2)."""
-    from dynamo_ftctl.inventory import load_yaml_document, validation_error_to_inventory_error
-
     path = Path(path)
     _, located = load_yaml_document(path, what="a canary set mapping with 'model' and 'prompts'")
-    try:
-        return CanarySet.model_validate(located.data)
-    except ValidationError as exc:
-        raise validation_error_to_inventory_error(exc, CanarySet, located, path) from None
+    return convert_struct(located.data, CanarySet, located, path)
 
 
 def dump_canary_set(canary_set: CanarySet, path: Path) -> None:

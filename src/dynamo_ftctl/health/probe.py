@@ -141,23 +141,34 @@ class ProbeReport:
             "workers": [to_jsonable(r) for r in self.results],
         }
 
+    _HEADERS = ("worker", "verdict", "latency", "baseline", "reason")
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows: list[tuple[str, ...]] = []
+        for r in self.results:
+            latency = f"{r.latency_s * 1000:.0f} ms" if r.latency_s is not None else "-"
+            baseline = f"{r.baseline_s * 1000:.0f} ms" if r.baseline_s is not None else "-"
+            rows.append((r.worker, r.verdict.upper(), latency, baseline, r.reason))
+        return rows
+
+    def _footer(self) -> str:
+        word = {0: "healthy", 1: "unhealthy", 3: "unreachable"}[self.exit_code]
+        return f"{word} (exit {self.exit_code}) in {self.wall_s * 1000:.0f} ms"
+
+    def plain_text(self) -> str:
+        """Aligned columns without rich: what probes and cron capture (no terminal)."""
+        from dynamo_ftctl.output import plain_table
+
+        return plain_table(self._HEADERS, self._rows()) + self._footer() + "\n"
+
     def __rich__(self) -> Any:
         from rich.console import Group
         from rich.text import Text
 
         from dynamo_ftctl.output import table
 
-        rows = []
-        for r in self.results:
-            latency = f"{r.latency_s * 1000:.0f} ms" if r.latency_s is not None else "-"
-            baseline = f"{r.baseline_s * 1000:.0f} ms" if r.baseline_s is not None else "-"
-            rows.append((r.worker, r.verdict.upper(), latency, baseline, r.reason))
-        styles = {"verdict": "bold"}
-        out = table(None, ["worker", "verdict", "latency", "baseline", "reason"], rows,
-                    styles=styles)
-        word = {0: "healthy", 1: "unhealthy", 3: "unreachable"}[self.exit_code]
-        footer = Text(f"{word} (exit {self.exit_code}) in {self.wall_s * 1000:.0f} ms")
-        return Group(out, footer)
+        out = table(None, list(self._HEADERS), self._rows(), styles={"verdict": "bold"})
+        return Group(out, Text(self._footer()))
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,6 @@ deadline is `endless_body` (the worker answered, wrongly).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -198,6 +197,8 @@ class AiohttpTransport:
 
     async def post_json(self, url: str, body: bytes, *, timeout_s: float,
                         headers: Mapping[str, str] | None = None) -> HttpReply:
+        import asyncio  # the async transport only: the one-shot probe never imports it
+
         import aiohttp
 
         session = self._client()

@@ -21,7 +21,7 @@ from dynamo_ftctl.errors import (
     LockTimeout,
     Unreachable,
 )
-from dynamo_ftctl.output import emit, to_jsonable, write_atomic
+from dynamo_ftctl.output import emit, plain_table, to_jsonable, write_atomic
 
 
 def test_exit_codes_match_the_design() -> None:
@@ -120,3 +120,29 @@ def test_write_atomic_failure_keeps_old_content(tmp_path: Path) -> None:
         write_atomic(target, object())  # type: ignore[arg-type]
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+class _Both:
+    """A result with a rich rendering and a plain one."""
+
+    def plain_text(self) -> str:
+        return "plain rendering\n"
+
+    def __rich__(self) -> str:
+        return "rich rendering"
+
+
+def test_emit_off_a_terminal_prefers_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """Pipes and probes (no terminal) get a result's plain_text, not its rich rendering."""
+    emit(_Both(), json_mode=False)
+    assert capsys.readouterr().out == "plain rendering\n"
+
+
+def test_plain_table_aligns_columns() -> None:
+    """plain_table pads every column to its widest cell and trims trailing blanks."""
+    text = plain_table(["worker", "verdict"], [("w1", "HEALTHY"), ("worker-22", None)])
+    assert text.splitlines() == [
+        "worker     verdict",
+        "w1         HEALTHY",
+        "worker-22  -",
+    ]
