@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 import click
 import typer
+import typer.core
 from typer.core import TyperGroup
 
 from dynamo_ftctl import __version__
@@ -26,6 +27,11 @@ from dynamo_ftctl.cli._common import GlobalOptions
 from dynamo_ftctl.errors import ExitCode, FtctlError
 
 __all__ = ["COMMANDS", "app", "main"]
+
+# Every app here sets rich_markup_mode=None (plain click help), but typer 0.20 still
+# escapes "[default: 0]" for rich markup whenever rich is installed, so plain help
+# and the man pages showed "\[default: 0]", and it imported rich to do so.
+typer.core.HAS_RICH = False
 
 # name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
 COMMANDS: dict[str, tuple[str, str]] = {
