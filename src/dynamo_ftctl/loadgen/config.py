@@ -16,7 +16,9 @@ from typing import Literal
 from dynamo_ftctl.errors import InvalidInput
 
 __all__ = [
+    "DEFAULT_SPIN_S",
     "Arrival",
+    "Client",
     "Length",
     "LoadConfig",
     "Schedule",
@@ -27,6 +29,12 @@ __all__ = [
 ]
 
 Arrival = Literal["constant", "poisson", "gamma"]
+# `http1`: asyncio protocols + httptools (the default when httptools is installed
+# and every target is plain http); `aiohttp`: the fallback, and for https.
+Client = Literal["auto", "http1", "aiohttp"]
+# Busy-wait (yielding to the event loop) this long before each planned send, after
+# sleeping on a timer until then; see `LoadConfig.spin_s`.
+DEFAULT_SPIN_S = 0.005
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h|)\s*$")
@@ -207,6 +215,11 @@ class LoadConfig:
     abort_min_requests: int = 20
     slo: Slo = field(default_factory=Slo)
     progress_interval_s: float = 0.5
+    # The last stretch before each planned send spent yielding to the event loop
+    # instead of sleeping on a timer: timers wake up to ~1 ms late (epoll rounds up,
+    # an idle process waits for its CPU), spinning costs CPU for that stretch per gap.
+    spin_s: float = DEFAULT_SPIN_S
+    client: Client = "auto"
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -233,6 +246,12 @@ class LoadConfig:
             raise InvalidInput(msg)
         if self.warmup_s < 0 or (self.duration_s is not None and self.warmup_s >= self.duration_s):
             msg = "warmup: must be non-negative and shorter than the duration"
+            raise InvalidInput(msg)
+        if not 0 <= self.spin_s <= 1:
+            msg = "spin: must be between 0 and 1 s"
+            raise InvalidInput(msg)
+        if self.client not in ("auto", "http1", "aiohttp"):
+            msg = f"client: {self.client!r} is not auto, http1 or aiohttp"
             raise InvalidInput(msg)
         if self.abort_error_rate is not None and not 0 < self.abort_error_rate <= 1:
             msg = "abort_error_rate: must be in (0, 1]"

@@ -25,7 +25,7 @@ __all__ = ["CSV_COLUMNS", "plot_report", "write_report"]
 CSV_COLUMNS = (
     "index", "target", "warmup", "outcome", "status", "migrated", "planned_s", "sent_s",
     "first_token_s", "done_s", "queue_ms", "ttft_ms", "ttft_from_sent_ms", "tpot_ms",
-    "e2e_ms", "e2e_from_sent_ms", "output_tokens", "error", "server_ttft_ms",
+    "e2e_ms", "e2e_from_sent_ms", "output_tokens", "error", "server_ttft_ms", "retry_after_s",
 )
 
 
@@ -43,7 +43,7 @@ def _row(r: RequestRecord) -> dict[str, Any]:
         "ttft_from_sent_ms": _ms(r.ttft_from_sent_s), "tpot_ms": _ms(r.tpot_s),
         "e2e_ms": _ms(r.e2e_s), "e2e_from_sent_ms": _ms(r.e2e_from_sent_s),
         "output_tokens": r.output_tokens, "error": r.error,
-        "server_ttft_ms": _ms(r.server_ttft),
+        "server_ttft_ms": _ms(r.server_ttft), "retry_after_s": r.retry_after_s,
     }
 
 

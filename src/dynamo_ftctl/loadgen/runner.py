@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import gc
 import itertools
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+import json
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -40,16 +41,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# The last stretch before a planned send is spent yielding to the event loop
-# rather than in a timer: epoll rounds timeouts up to whole milliseconds, and a
-# process woken from idle on a shared VM may wait milliseconds more for its CPU
-# (loopback ping-pong after 0.2 s idle here: p50 0.24 ms, p90 2.2 ms). With 1.5 ms
-# the lag p99 at 31-250 req/s was 1.5-3.6 ms in one run of two; with 5 ms it stayed
-# under 0.5 ms. The price: up to 5 ms of CPU per gap (a full core above ~200 req/s,
-# where the gaps are shorter than that anyway).
-_SPIN_S = 0.005
-
 
 class Sender(Protocol):
     """Sends one request and times it (the seam tests replace)."""
@@ -149,6 +140,8 @@ def describe_config(config: LoadConfig) -> dict[str, Any]:
         "trace": wl.trace,
         "slo": to_jsonable(config.slo),
         "abort_error_rate": config.abort_error_rate,
+        "spin_us": round(config.spin_s * 1e6),
+        "client": config.client,
     }
 
 
@@ -236,21 +229,27 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run_in_fast_loop(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on uvloop when it is installed: aiohttp's per-request work
+    """`asyncio.run(main)` on uvloop when it is installed: a client's per-request work
     in the loop costs about half as much (benchmarks/load.py)."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(main)
 
 
-async def _sleep_until(clock: Clock, deadline: float) -> None:
+async def _sleep_until(clock: Clock, deadline: float, spin_s: float) -> None:
+    """Sleep on a timer until `spin_s` before `deadline`, then yield to the loop until it.
+
+    Timers are late by up to ~1 ms (epoll rounds timeouts up to whole milliseconds)
+    and a process woken from idle on a shared VM may wait longer for its CPU; the
+    spin (other requests' callbacks still run in it) trades that lag for CPU.
+    """
     delay = deadline - clock.now()
     if delay <= 0:
         return
     if not isinstance(clock, MonotonicClock):
         await clock.asleep(delay)  # fake clocks jump straight to the deadline
         return
-    if delay > _SPIN_S:
-        await clock.asleep(delay - _SPIN_S)
+    if delay > spin_s:
+        await clock.asleep(delay - spin_s)
     while clock.now() < deadline:
         await asyncio.sleep(0)
 
@@ -278,7 +277,7 @@ async def _open_loop(run: _Run, factory: RequestFactory, sender: Sender,
 
     for index, offset in enumerate(offsets):
         spec = factory.build(index)
-        await _sleep_until(run.clock, t0 + offset)
+        await _sleep_until(run.clock, t0 + offset, config.spin_s)
         if run.stop.is_set():
             break
         task = asyncio.create_task(one(spec, offset))
@@ -362,23 +361,71 @@ async def _progress(run: _Run) -> None:
         last = now
 
 
-async def _resolve_model(session: Any, target: str) -> str | None:
-    """The first model a target serves (`GET /v1/models`), or None if it will not say."""
+def _first_model(status: int | None, body: bytes) -> str | None:
+    """The first model id of a `GET /v1/models` answer, or None if it will not say."""
+    if status != 200:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        model = data[0].get("id")
+        return model if isinstance(model, str) else None
+    return None
+
+
+def _use_http1(config: LoadConfig) -> bool:
+    """Whether the run takes the httptools client (see `LoadConfig.client`)."""
+    if config.client == "aiohttp":
+        return False
+    plain = all(t.startswith("http://") for t in config.targets)
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        if config.client == "http1":
+            msg = "client: http1 needs the httptools package (pip install httptools)"
+            raise InvalidInput(msg) from None
+        return False
+    if config.client == "http1" and not plain:
+        msg = "client: http1 speaks plain http only; use aiohttp for https targets"
+        raise InvalidInput(msg)
+    return plain
+
+
+async def _default_sender(config: LoadConfig, clock: Clock, model: str | None,
+                          ) -> tuple[Sender, Callable[[], Awaitable[None]], str | None]:
+    """The run's client, how to close it, and the model (asked of the first target)."""
+    models_url = config.targets[0].rstrip("/") + "/v1/models"
+    if _use_http1(config):
+        from dynamo_ftctl.loadgen.http1 import Http1Sender
+
+        fast = Http1Sender(timeout_s=config.timeout_s, now=clock.now)
+
+        async def close_fast() -> None:
+            fast.close()
+
+        if model is None:
+            model = _first_model(*await fast.get(models_url, timeout_s=5.0))
+        return fast, close_fast, model
+
     import aiohttp
 
-    try:
-        async with session.get(target.rstrip("/") + "/v1/models",
-                               timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return None
-            doc = await resp.json(content_type=None)
-        data = doc.get("data") if isinstance(doc, dict) else None
-        if isinstance(data, list) and data and isinstance(data[0], dict):
-            model = data[0].get("id")
-            return model if isinstance(model, str) else None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    return None
+    from dynamo_ftctl.loadgen.client import AiohttpSender
+
+    limit = config.schedule.concurrency or config.schedule.users or 0
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=None),
+        auto_decompress=False,
+    )
+    if model is None:
+        try:
+            async with session.get(models_url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                model = _first_model(resp.status, await resp.read())
+        except (aiohttp.ClientError, TimeoutError):
+            model = None
+    return AiohttpSender(session, timeout_s=config.timeout_s, now=clock.now), session.close, model
 
 
 def _plan(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[float]:
@@ -409,22 +456,10 @@ async def run_load_async(
         msg = "trace: a trace replays its own timestamps; use it with an open-loop rate"
         raise InvalidInput(msg)
     offsets = _plan(config, items) if config.schedule.open_loop or wl.trace else []
-    session: Any = None
+    close: Callable[[], Awaitable[None]] | None = None
     model = wl.model
     if sender is None:
-        import aiohttp
-
-        from dynamo_ftctl.loadgen.client import AiohttpSender
-
-        limit = config.schedule.concurrency or config.schedule.users or 0
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0,
-                                           ttl_dns_cache=None),
-            auto_decompress=False,
-        )
-        if model is None:
-            model = await _resolve_model(session, config.targets[0])
-        sender = AiohttpSender(session, timeout_s=config.timeout_s, now=clock.now)
+        sender, close, model = await _default_sender(config, clock, model)
     factory = RequestFactory(wl, config.targets, seed=config.schedule.seed, model=model,
                              items=items)
     with _steady_gc():
@@ -442,8 +477,8 @@ async def run_load_async(
                 ticker.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await ticker
-            if session is not None:
-                await session.close()
+            if close is not None:
+                await close()
         elapsed = clock.now() - run.t0
     records = tuple(sorted(run.records, key=lambda r: r.index))
     planned = (sum(1 for o in offsets if o >= config.warmup_s) if config.schedule.open_loop

@@ -80,6 +80,8 @@ class LoadSummary:
     e2e_from_sent_ms: Distribution
     output_tokens: int
     slo_met: bool | None
+    # Shed answers (429, 503, 529) that said when to come back (`Retry-After`).
+    shed_with_retry_after: int = 0
 
 
 def meets_slo(slo: Slo, summary: LoadSummary) -> bool | None:
@@ -142,6 +144,7 @@ def summarize(records: Sequence[RequestRecord], *, slo: Slo, measure_from: float
         e2e_from_sent_ms=Distribution.of_seconds(r.e2e_from_sent_s for r in ok),
         output_tokens=tokens,
         slo_met=None,
+        shed_with_retry_after=sum(1 for r in measured if r.retry_after_s is not None),
     )
     met = meets_slo(slo, summary)
     if met is None:
