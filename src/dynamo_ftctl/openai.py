@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from dynamo_ftctl.errors import FtctlError
 
@@ -76,8 +77,7 @@ class ApiError(FtctlError):
 # Server-Sent Events
 
 
-@dataclass(frozen=True)
-class SseEvent:
+class SseEvent(msgspec.Struct, frozen=True):
     """One dispatched SSE event (fields per the WHATWG EventSource spec)."""
 
     data: str
@@ -218,8 +218,7 @@ def format_sse(payload: Mapping[str, Any] | str) -> bytes:
 # Extraction from responses and chunks
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, frozen=True):
     """One generated token's logprob and the top alternatives at its position."""
 
     token: str
@@ -232,8 +231,7 @@ class TokenLogprob:
         return max((lp for _, lp in self.top), default=self.logprob)
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(msgspec.Struct, frozen=True):
     """Token counts of a request."""
 
     prompt_tokens: int
@@ -397,8 +395,7 @@ def parse_error_body(
 # Stream chunks
 
 
-@dataclass(frozen=True)
-class StreamChunk:
+class StreamChunk(msgspec.Struct, frozen=True):
     """One parsed stream chunk: what a consumer needs from choice `index`."""
 
     raw: Mapping[str, Any]
@@ -445,14 +442,13 @@ def parse_sse_event(event: SseEvent | bytes | str, index: int = 0) -> StreamChun
     )
 
 
-@dataclass
-class StreamAccumulator:
+class StreamAccumulator(msgspec.Struct):
     """Collects a stream's chunks into the whole answer (text, ids, logprobs, finish)."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
     prompt_token_ids: tuple[int, ...] | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
     chunks: int = 0

@@ -38,7 +38,7 @@ __all__ = [
 
 
 def to_jsonable(value: Any) -> Any:
-    """Convert results (dataclasses, pydantic models, enums, paths) to JSON types."""
+    """Convert results (dataclasses, msgspec structs, pydantic models, enums, paths) to JSON."""
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
@@ -54,6 +54,9 @@ def to_jsonable(value: Any) -> Any:
         return to_jsonable(value.to_json())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    struct_fields = getattr(type(value), "__struct_fields__", None)  # a msgspec.Struct
+    if struct_fields is not None:
+        return {name: to_jsonable(getattr(value, name)) for name in struct_fields}
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, bytes | bytearray):

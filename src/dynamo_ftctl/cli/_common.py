@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+import msgspec
 import typer
 
 if TYPE_CHECKING:
@@ -25,8 +25,7 @@ __all__ = [
 DEFAULT_INVENTORY = Path("ftctl.yaml")
 
 
-@dataclass(frozen=True)
-class GlobalOptions:
+class GlobalOptions(msgspec.Struct, frozen=True):
     """Options of the root command, available to every subcommand as `ctx.obj`."""
 
     inventory: Path | None = None

@@ -20,8 +20,9 @@ import fcntl
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from dynamo_ftctl.errors import InvalidInput
 
@@ -46,16 +47,14 @@ def default_state_file() -> Path:
     return Path(base) / "ftctl" / "canary.json"
 
 
-@dataclass(frozen=True)
-class Baseline:
+class Baseline(msgspec.Struct, frozen=True):
     """One worker's EMA latency and how many probes built it."""
 
     ema_s: float
     samples: int
 
 
-@dataclass(frozen=True)
-class LatencyVerdict:
+class LatencyVerdict(msgspec.Struct, frozen=True):
     """What one probe's latency says against the baseline it met."""
 
     latency_s: float

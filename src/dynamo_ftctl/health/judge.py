@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
 from dynamo_ftctl.health.transport import HttpReply
@@ -44,8 +45,7 @@ class BadResponse(Exception):
     """The worker answered, but not with a usable completion."""
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(msgspec.Struct, frozen=True):
     """What a completion said: generated ids (if sent), text, first top logprob."""
 
     token_ids: tuple[int, ...] | None
@@ -53,8 +53,7 @@ class Answer:
     top_logprob: float | None
 
 
-@dataclass(frozen=True)
-class Mismatch:
+class Mismatch(msgspec.Struct, frozen=True):
     """Where an answer first differs from the golden one (None: the answer ended)."""
 
     position: int
@@ -62,8 +61,7 @@ class Mismatch:
     got: int | str | None
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True):
     """The judgement of one answer."""
 
     kind: CheckKind

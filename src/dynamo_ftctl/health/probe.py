@@ -16,8 +16,9 @@ exit code: 1 if any answered wrongly, else 3 if any did not answer, else 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import ExitCode, InvalidInput
@@ -57,8 +58,7 @@ ProbeVerdict = Literal["healthy", "unhealthy", "unreachable"]
 _BACKOFF_S = 0.05
 
 
-@dataclass(frozen=True)
-class ProbeTarget:
+class ProbeTarget(msgspec.Struct, frozen=True):
     """A worker to probe: its name (the baseline key), base URL and served model."""
 
     name: str
@@ -66,8 +66,7 @@ class ProbeTarget:
     model: str | None = None
 
 
-@dataclass(frozen=True)
-class PromptCheck:
+class PromptCheck(msgspec.Struct, frozen=True):
     """One prompt's outcome."""
 
     prompt: str
@@ -84,8 +83,7 @@ class PromptCheck:
         return self.kind == "ok"
 
 
-@dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(msgspec.Struct, frozen=True):
     """One worker's verdict."""
 
     worker: str
@@ -111,15 +109,14 @@ class ProbeResult:
                 "unreachable": ExitCode.UNREACHABLE}[self.verdict]
 
 
-@dataclass(frozen=True)
-class ProbeReport:
+class ProbeReport(msgspec.Struct, frozen=True):
     """The verdicts of one `ftctl canary` run."""
 
     results: tuple[ProbeResult, ...]
     wall_s: float
     canary_set: str
     state_file: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def exit_code(self) -> int:

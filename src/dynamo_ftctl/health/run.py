@@ -8,9 +8,10 @@ Each function turns the CLI's choices (inventory or not, `--worker`/`--all`/
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.baseline import BaselineStore
@@ -100,8 +101,7 @@ def run_canary(
     return probe_workers(targets, canary_set, config, store=store, set_name=str(path))
 
 
-@dataclass(frozen=True)
-class RecordResult:
+class RecordResult(msgspec.Struct, frozen=True):
     """What `ftctl canary record` wrote."""
 
     file: Path

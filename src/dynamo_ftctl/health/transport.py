@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 from urllib.parse import urlsplit
+
+import msgspec
 
 if TYPE_CHECKING:
     import aiohttp
@@ -43,8 +44,7 @@ MAX_BODY_BYTES = 1024 * 1024
 FailureKind = Literal["refused", "timeout", "reset", "too_large", "endless_body", "protocol"]
 
 
-@dataclass(frozen=True)
-class HttpReply:
+class HttpReply(msgspec.Struct, frozen=True):
     """A complete HTTP response."""
 
     status: int

@@ -146,3 +146,16 @@ def test_plain_table_aligns_columns() -> None:
         "w1         HEALTHY",
         "worker-22  -",
     ]
+
+
+def test_to_jsonable_handles_structs() -> None:
+    """msgspec structs (the probe's result types) become plain JSON like dataclasses."""
+    import msgspec
+
+    class Point(msgspec.Struct, frozen=True):
+        name: str
+        where: Path
+        ratio: float
+
+    assert to_jsonable(Point("p", Path("/y"), math.nan)) == {"name": "p", "where": "/y",
+                                                             "ratio": None}
