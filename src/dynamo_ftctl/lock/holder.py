@@ -3,7 +3,10 @@
 With flock, the locked descriptor is made inheritable and this process execs
 the command (like `flock(1)`): the lock lives until the command's last copy of
 the descriptor closes, with no supervisor in between. With etcd, a lease needs
-a keep-alive, so the command runs as a child and is killed if the lease is lost.
+a keep-alive, so the command runs as a child and is killed if the lease is lost;
+meanwhile this process passes the signals a supervisor sends (SIGTERM from
+Kubernetes, SIGHUP, SIGQUIT, SIGUSR1/2, SIGINT) on to the command, as tini does,
+and exits with the command's status (128+N when a signal ended it).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.flock import FlockLock
@@ -26,6 +30,36 @@ LOCK_FD_ENV = "FTCTL_LOCK_FD"
 LOCK_TOKEN_ENV = "FTCTL_LOCK_TOKEN"  # noqa: S105 (a fencing token, not a secret)
 # How long a command gets to exit after SIGTERM when its etcd lease is lost.
 _TERM_GRACE_S = 5.0
+# What a supervised command is sent on when this process receives it.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                     signal.SIGUSR2, signal.SIGINT)
+
+
+@contextmanager
+def _forwarding_signals(children: list[subprocess.Popen[bytes]]) -> Iterator[list[int]]:
+    """Pass FORWARDED_SIGNALS on to `children` while the block runs (main thread only).
+
+    Yields the signals that arrived before any child existed: the caller sends
+    them to the child it starts, so a SIGTERM during start-up is not lost.
+    """
+    pending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pending
+        return
+
+    def forward(signum: int, _frame: object) -> None:
+        if not children:
+            pending.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield pending
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _check_command(argv: Sequence[str]) -> None:
@@ -66,19 +100,24 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
         set_on_lost(lambda _exc: lost.set())
     lease: Lease = lock.acquire(timeout)
     env = {**os.environ, LOCK_TOKEN_ENV: str(lease.token)}
+    children: list[subprocess.Popen[bytes]] = []
     try:
-        try:
-            child = subprocess.Popen(list(argv), env=env)
-        except OSError as exc:
-            msg = f"cannot run {argv[0]!r}: {exc.strerror}"
-            raise InvalidInput(msg) from exc
-        def reap() -> None:
-            child.wait()
-            lost.set()
+        with _forwarding_signals(children) as pending:
+            try:
+                child = subprocess.Popen(list(argv), env=env)
+            except OSError as exc:
+                msg = f"cannot run {argv[0]!r}: {exc.strerror}"
+                raise InvalidInput(msg) from exc
+            children.append(child)
+            for signum in pending:
+                child.send_signal(signum)
 
-        waiter = threading.Thread(target=reap, daemon=True)
-        waiter.start()
-        lost.wait()
+            def reap() -> None:
+                child.wait()
+                lost.set()
+
+            threading.Thread(target=reap, daemon=True).start()
+            lost.wait()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
@@ -88,7 +127,8 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
                 child.wait()
             msg = f"{lock.name}: lease lost; stopped {argv[0]!r}"
             raise LeaseLost(msg)
-        return child.returncode
+        # A command ended by signal N exits 128+N, as a shell reports it.
+        return child.returncode if child.returncode >= 0 else 128 - child.returncode
     finally:
         lock.release()
 

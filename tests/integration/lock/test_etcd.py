@@ -191,3 +191,48 @@ def test_cli_acquire_runs_the_command_holding_the_lease(etcd: str) -> None:
     probe = EtcdLock([etcd], "/t/f")
     assert probe.owner() is None
     probe.close()
+
+
+TRAPPER = """
+import signal, sys, time
+def bye(signum, _frame):
+    print("got", signal.Signals(signum).name, flush=True)
+    sys.exit(7)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+deadline = time.monotonic() + 50
+while time.monotonic() < deadline:
+    time.sleep(0.05)
+sys.exit(9)
+"""
+
+
+@pytest.mark.parametrize(("script", "code", "said"), [
+    (TRAPPER, 7, "got SIGTERM"),
+    ("import time\nprint('ready', flush=True)\ntime.sleep(50)", 128 + signal.SIGTERM, None),
+])
+def test_cli_acquire_forwards_sigterm_to_the_command(
+    etcd: str, script: str, code: int, said: str | None,
+) -> None:
+    """SIGTERM to `lock acquire --backend etcd -- CMD` reaches CMD; ftctl exits with CMD's status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--backend", "etcd",
+         "--endpoint", etcd, "--key", "/t/sig", "--ttl", str(TTL), "--",
+         sys.executable, "-c", script],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"  # the child runs, holding the lease
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == code, err
+        if said:
+            assert said in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    probe = EtcdLock([etcd], "/t/sig")
+    assert probe.owner() is None  # released on the way out
+    probe.close()
