@@ -58,7 +58,7 @@ def show(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> N
     inventory = load_inventory_for(ctx, file)
     if json_mode(ctx, json_):
         finish(ctx, inventory, json_flag=True)
-    from dynamo_ftctl.output import stdout_console, table
+    from dynamo_ftctl.output import plain_table, stdout_console, table
 
     rows = [
         (
@@ -68,10 +68,12 @@ def show(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> N
         )
         for w in inventory.workers
     ]
-    stdout_console().print(table(
-        f"cluster {inventory.cluster} ({inventory.source})",
-        ["worker", "url", "model", "node", "gpus", "group", "faults", "notes"], rows,
-    ))
+    title = f"cluster {inventory.cluster} ({inventory.source})"
+    headers = ["worker", "url", "model", "node", "gpus", "group", "faults", "notes"]
+    if not sys.stdout.isatty():  # pipes and grep get whole values, not cells cut to 80 columns
+        sys.stdout.write(f"# {title}\n" + plain_table(headers, rows))
+        return
+    stdout_console().print(table(title, headers, rows))
 
 
 @app.command()

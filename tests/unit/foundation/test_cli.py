@@ -156,3 +156,15 @@ def test_man_page_renders() -> None:
     assert proc.returncode == 0
     assert "EXIT STATUS" in proc.stdout
     assert proc.stderr == ""
+
+
+def test_show_off_a_terminal_prints_whole_values() -> None:
+    """`inventory show` into a pipe prints aligned plain columns with uncut URLs and faults."""
+    proc = ftctl("-i", str(LOCAL), "inventory", "show")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# cluster local (")
+    assert lines[1].split() == ["worker", "url", "model", "node", "gpus", "group", "faults",
+                                "notes"]
+    assert "http://127.0.0.1:8101" in lines[2]
+    assert "xid94" in lines[2]
