@@ -210,3 +210,42 @@ def test_gpu_help_stays_light() -> None:
             for line in proc.stderr.splitlines() if line.startswith("import time:")
         }
         assert not loaded & {"pynvml", "httpx", "prometheus_client", "torch"}, args
+
+
+FAKE_JOURNALCTL = """#!/bin/sh
+# A stand-in for journalctl: checks the flags ftctl passes and prints journal lines.
+echo "$@" > "$(dirname "$0")/argv"
+case " $* " in *" -k "*) ;; *) echo "not asked for kernel messages" >&2; exit 64;; esac
+cat <<'LOG'
+2026-11-23T10:00:00+0000 node-a kernel: pci 0000:3b:00.0: enabling device
+2026-11-23T10:00:01+0000 node-a kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=77, name=vllm, GPU has fallen off the bus.
+LOG
+"""
+
+
+def test_kmsg_journal_source_reads_journalctl_k(inventory: Path) -> None:
+    """--source journal runs `journalctl -k` and parses its short-iso lines like kmsg."""
+    bin_dir = inventory.parent / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "journalctl"
+    fake.write_text(FAKE_JOURNALCTL)
+    fake.chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = ftctl("-i", str(inventory), "gpu", "kmsg", "--source", "journal", "--node", "node-a",
+                 "--pci-map", "0000:3b:00=1", "--json", env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert [(e["xid"], e["gpu"], e["action"], e["workers"]) for e in lines(proc.stdout)] == [
+        (79, 1, "RESTART_BM", ["w1"]),
+    ]
+    assert (bin_dir / "argv").read_text().split() == ["-k", "-o", "short-iso", "--no-pager"]
+
+
+def test_kmsg_journal_source_without_journalctl_exits_3(tmp_path: Path) -> None:
+    """With no journalctl on PATH, --source journal is one line and exit 3 (unreachable)."""
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    proc = ftctl("gpu", "kmsg", "--source", "journal", "--pci-map", "0000:3b:00=0",
+                 env={"PATH": str(empty)})
+    assert proc.returncode == 3, proc.stderr
+    assert "cannot run journalctl" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
