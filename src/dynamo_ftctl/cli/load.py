@@ -131,6 +131,17 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         "--out", help="Write summary.json, requests.csv/.jsonl and load.png here.")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write load.png with --out.")
     ] = True,
+    spin_us: Annotated[int, typer.Option(
+        "--spin-us", min=0, max=1_000_000,
+        help="Spend this last stretch before each planned send yielding to the event "
+             "loop instead of sleeping on a timer: timers wake up to ~1 ms late, the spin "
+             "costs CPU (at 200 req/s here: 0 -> lag p99 3 ms, 12% CPU; 1000 -> 0.4 ms, "
+             "25%; 5000 -> 0.4 ms, 66%).")] = 1000,
+    client: Annotated[str, typer.Option(
+        "--client",
+        help="HTTP client: http1 (asyncio + httptools, ~3x aiohttp's requests per core), "
+             "aiohttp, or auto (http1 for http:// targets when httptools is installed).")
+    ] = "auto",
     json_: JsonFlag = False,
 ) -> None:
     """Send load and print throughput and latency percentiles.
@@ -181,6 +192,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         timeout_s=lg.parse_duration(timeout, what="--timeout"),
         abort_error_rate=abort_error_rate,
         slo=slo,
+        spin_s=spin_us / 1e6,
+        client=client,  # type: ignore[arg-type]
     )
     quiet = json_mode(ctx, json_)
     live, on_event = (None, None) if quiet else _progress_hook(config.requests)

@@ -254,15 +254,17 @@ class SseStream:
     """An SSE body split on bytes as it arrives and folded into a `_StreamState`.
 
     Events are cut at blank lines with `bytes.split` (CRLF and CR line ends are
-    turned into LF first, a CR at the end of a chunk waiting for the next one);
+    turned into LF first; after a chunk ending in CR, an LF opening the next is
+    dropped as that CRLF's);
     an event of one `data: ` line, nearly all of them, costs one slice before its
     JSON is decoded. Comments are read for the proxy's `: x-ftctl-migrated: N`.
     """
 
-    __slots__ = ("_buf", "migrated", "over", "stamps", "state")
+    __slots__ = ("_buf", "_skip_lf", "migrated", "over", "stamps", "state")
 
     def __init__(self, stamps: list[float]) -> None:
         self._buf = b""
+        self._skip_lf = False  # the last chunk ended in CR: an LF first is its CRLF's
         self.stamps = stamps
         self.state = _StreamState()
         self.migrated = 0
@@ -272,17 +274,16 @@ class SseStream:
         """Add bytes that arrived at `stamp`; True once the stream is over."""
         if self.over:
             return True
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
-            held = buf.endswith(b"\r")
-            if held:
-                buf = buf[:-1]
+            self._skip_lf = buf.endswith(b"\r")
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            events = buf.split(b"\n\n")
-            self._buf = events.pop() + (b"\r" if held else b"")
-        else:
-            events = buf.split(b"\n\n")
-            self._buf = events.pop()
+        events = buf.split(b"\n\n")
+        self._buf = events.pop()
         for event in events:
             if self._event(event, stamp):
                 self.over = True
@@ -291,11 +292,10 @@ class SseStream:
 
     def end(self, stamp: float) -> tuple[str, str | None, int | None, float | None]:
         """The body ended: dispatch a last event that lacked its blank line; the verdict."""
-        rest = self._buf.rstrip(b"\r\n")
+        rest = self._buf.strip(b"\n")
         self._buf = b""
         if rest and not self.over:
-            self.over = self._event(rest.replace(b"\r\n", b"\n").replace(b"\r", b"\n"),
-                                    stamp)
+            self.over = self._event(rest, stamp)
         return self.state.verdict()
 
     def _event(self, event: bytes, stamp: float) -> bool:

@@ -5,10 +5,13 @@ not) with `max_tokens` one-byte tokens, and can be told to misbehave: a fixed
 latency before the first byte, a delay between tokens, a stall of every
 request for a while after the N-th one, a limited number of requests served
 at once (a known capacity), and a cycling script of outcomes (HTTP status
-codes, a stream broken half-way, a hang, a migrated answer carrying
-`x-ftctl-migrated`). It is the server of the load generator's own tests and
-benchmarks, written on raw asyncio streams so that it outruns the client on
-one core; it is not an inference engine (that is `ftctl sim`).
+codes, shed ones (429, 503, 529) with `Retry-After: 2`, a stream broken
+half-way, a hang, a migrated answer carrying `x-ftctl-migrated`, or one that
+says so only in a trailing SSE comment as `ftctl proxy` does after a
+mid-stream migration: `migrated-late`). It is the server of the load
+generator's own tests and benchmarks, written on raw asyncio streams with
+token frames encoded once, so that it outruns the client on one core; it is
+not an inference engine (that is `ftctl sim`).
 
 Run it with `python -m dynamo_ftctl.loadgen.target --port 0`; it prints
 `listening on 127.0.0.1:PORT` on stdout once it accepts connections.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import sys
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 __all__ = ["TargetConfig", "main", "serve"]
 
 # Outcomes a script may name; a number is an HTTP status.
-_ACTIONS = frozenset({"ok", "break", "hang", "migrated"})
+_ACTIONS = frozenset({"ok", "break", "hang", "migrated", "migrated-late"})
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class TargetConfig:
     def __post_init__(self) -> None:
         for action in self.script:
             if action not in _ACTIONS and not (action.isdigit() and 100 <= int(action) <= 599):
-                msg = f"unknown script action {action!r} (ok, break, hang, migrated or a status)"
+                msg = (f"unknown script action {action!r} "
+                       "(ok, break, hang, migrated, migrated-late or a status)")
                 raise ValueError(msg)
 
 
@@ -83,6 +88,12 @@ def _json_response(status: int, doc: object, extra: Sequence[tuple[str, str]] = 
 
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@functools.lru_cache(maxsize=16384)
+def _token_chunk(chat: bool, index: int) -> bytes:
+    """The chunked-encoding frame of token `index`'s SSE event, encoded once."""
+    return _chunk(_token_event(chat, index))
 
 
 def _token_event(chat: bool, index: int) -> bytes:
@@ -148,7 +159,9 @@ async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamW
         await asyncio.sleep(3600)
         return False
     if action.isdigit():
-        writer.write(_json_response(int(action), {"error": {"message": f"scripted {action}"}}))
+        shed = [("retry-after", "2")] if action in ("429", "503", "529") else []
+        writer.write(_json_response(int(action), {"error": {"message": f"scripted {action}"}},
+                                    shed))
         return True
     extra = [("x-ftctl-migrated", "1")] if action == "migrated" else []
     if action == "break" and not stream:
@@ -175,7 +188,7 @@ async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamW
     for index in range(last):
         if writer.is_closing():  # the client left (wrk stops mid-stream at its deadline)
             return False
-        writer.write(_chunk(_token_event(chat, index)))
+        writer.write(_token_chunk(chat, index))
         if index == 0:
             await writer.drain()
             state.ttft_s.append(time.monotonic() - received)
@@ -190,6 +203,8 @@ async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamW
                                 "usage": {"prompt_tokens": 0, "completion_tokens": tokens,
                                           "total_tokens": tokens}}
     writer.write(_chunk(b"data: " + json.dumps(final).encode() + b"\n\n"))
+    if action == "migrated-late":
+        writer.write(_chunk(b": x-ftctl-migrated: 1\n\n"))
     writer.write(_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     return True
 
@@ -244,7 +259,8 @@ def _parse(argv: Sequence[str] | None) -> TargetConfig:
                         help="requests served at once (each takes --service seconds)")
     parser.add_argument("--service", type=float, default=0.0)
     parser.add_argument("--script", default="ok",
-                        help="comma-separated cycle of outcomes: ok, break, hang, migrated, 503…")
+                        help="comma-separated cycle of outcomes: ok, break, hang, migrated, "
+                             "migrated-late, 503…")
     args = parser.parse_args(argv)
     return TargetConfig(host=args.host, port=args.port, latency_s=args.latency,
                         itl_s=args.itl, stall_after=args.stall_after, stall_s=args.stall,

@@ -100,6 +100,22 @@ def test_error_classes_are_counted(start_target):
     assert all(r.output_tokens == 8 and len(r.itl) == 7 for r in ok)
 
 
+@pytest.mark.parametrize("client", ["http1", "aiohttp"])
+def test_both_clients_read_migrations_and_retry_after(start_target, client):
+    """Each client counts a header migration and a trailing-comment one (`ftctl proxy` after
+    a mid-stream move) as migrated, and keeps Retry-After of shed answers only."""
+    url = start_target("--script", "ok,migrated,migrated-late,503,429,529,500")
+    report = run_load(LoadConfig(targets=(url,), schedule=Schedule(users=2), client=client,
+                                 workload=Workload(stream=True, max_tokens=Length.fixed(4)),
+                                 requests=14))
+    s = report.summary
+    assert s.errors_by_class == {"4xx_429": 2, "5xx_503": 2, "5xx_529": 2, "5xx_500": 2}
+    assert (s.completed, s.migrated, s.shed_with_retry_after) == (6, 4, 6)
+    shed = sorted((r.status, r.retry_after_s) for r in report.records if not r.ok)
+    assert shed == [(429, 2.0)] * 2 + [(500, None)] * 2 + [(503, 2.0)] * 2 + [(529, 2.0)] * 2
+    assert report.to_json()["shed_with_retry_after"] == 6
+
+
 def test_connect_and_timeout_classes(start_target):
     """A closed port counts as connect errors; a hanging answer as a timeout."""
     refused = run_load(LoadConfig(targets=(f"http://127.0.0.1:{_closed_port()}",),
@@ -144,13 +160,15 @@ def test_cli_writes_summary_csv_jsonl_and_png(start_target, tmp_path: Path):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "dynamo_ftctl", "load", "--url", url, "--rate", "50",
-         "--requests", "20", "--max-tokens", "8", "--stream", "--out", str(out), "--json"],
+         "--requests", "20", "--max-tokens", "8", "--stream", "--out", str(out), "--json",
+         "--spin-us", "200"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["completed"] == 20
     assert doc["ttft_ms"]["count"] == 20
     assert doc["itl_ms"]["count"] == 20 * 7
+    assert (doc["config"]["spin_us"], doc["config"]["client"]) == (200, "auto")
     for key in ("requests_per_s", "failed", "e2e_ms", "errors_by_class"):
         assert key in doc
     assert json.loads((out / "summary.json").read_text())["completed"] == 20
