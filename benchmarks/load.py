@@ -4,16 +4,17 @@
    <= 1 ms (and every request answered) in 2 of 3 trials of a rate, against the
    trivial loopback target (`dynamo_ftctl.loadgen.target`, pinned to CPU 0; the
    generator runs on CPU 1): non-streaming requests/s, and streamed tokens/s (64
-   tokens per request). `wrk` (C, closed loop, 32 connections) on the same server
-   in the same run is the ceiling.
+   tokens per request), for each client (`--clients`: the default http1 and the
+   aiohttp fallback, in the same run). `wrk` (C, closed loop, 32 connections) on
+   the same server in the same run is the ceiling.
 2. Overhead: TTFT as `ftctl load` measures it (from the actual send) minus TTFT as
    the server measures it, p50, streaming, at a light rate: on `ftctl sim` (which
    reports its own TTFT of each stream as `ftctl_server_ttft_ms` in the finishing
    chunk: request arrival -> first token chunk handed to the socket; the load
    generator keeps it per request), and on the loopback target (request read ->
-   first token written, from its `/stats`).
+   first token written, from its `/stats`), for each client.
 
-Run: .venv/bin/python benchmarks/load.py [--seconds 3]
+Run: .venv/bin/python benchmarks/load.py [--seconds 3] [--clients http1,aiohttp]
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 from dynamo_ftctl.loadgen import Length, LoadConfig, Schedule, Workload, run_load
+from dynamo_ftctl.loadgen.config import Client
 
 LAG_P99_MS = 1.0
 
@@ -59,10 +62,18 @@ def target(*extra: str) -> Iterator[str]:
             proc.stdout.close()
 
 
-def trial(url: str, rate: float, seconds: float, *, stream: bool) -> tuple[bool, dict[str, float]]:
+# Spin before each send as the benchmark's trials do (`--spin-us`); 5 ms by default,
+# as the figures before it became an option: on this shared VM a process that sleeps
+# waits for its CPU when others are busy, and a longer spin keeps it on its core.
+SPIN = {"s": 0.005}
+
+
+def trial(url: str, rate: float, seconds: float, *, stream: bool,
+          client: Client) -> tuple[bool, dict[str, float]]:
     """One open-loop run; sustained when lag p99 <= 1 ms and every request completed."""
     report = run_load(LoadConfig(
-        targets=(url,), schedule=Schedule(rate=rate, arrival="poisson", seed=1),
+        targets=(url,), schedule=Schedule(rate=rate, arrival="poisson", seed=1), client=client,
+        spin_s=SPIN["s"],
         workload=Workload(stream=stream, max_tokens=Length.fixed(64 if stream else 16),
                           prompt_tokens=Length.fixed(16), model="m"),
         duration_s=seconds, warmup_s=min(0.5, seconds / 4), timeout_s=10))
@@ -73,36 +84,36 @@ def trial(url: str, rate: float, seconds: float, *, stream: bool) -> tuple[bool,
                 "tok_s": s.output_tokens_per_s, "ttft_p50_ms": s.ttft_from_sent_ms.p50}
 
 
-def sustained(url: str, rate: float, seconds: float, *,
-              stream: bool) -> tuple[bool, dict[str, float]]:
+def sustained(url: str, rate: float, seconds: float, *, stream: bool,
+              client: Client) -> tuple[bool, dict[str, float]]:
     """A rate is sustained when 2 of 3 trials meet it (a single trial is at the mercy of
     whoever else runs on this shared machine; stops as soon as the vote is decided)."""
     votes: list[bool] = []
     rows: list[dict[str, float]] = []
     while votes.count(True) < 2 and votes.count(False) < 2:
-        ok, row = trial(url, rate, seconds, stream=stream)
+        ok, row = trial(url, rate, seconds, stream=stream, client=client)
         votes.append(ok)
         rows.append(row)
-        print(f"   rate {rate:8,.0f}/s  lag p99 {row['lag_p99_ms']:6.3f} ms  "
+        print(f"   {client:<8} rate {rate:8,.0f}/s  lag p99 {row['lag_p99_ms']:6.3f} ms  "
               f"{'ok' if ok else 'no'}", flush=True)
     passed = votes.count(True) >= 2
     good = [r for r, v in zip(rows, votes, strict=True) if v == passed]
     return passed, min(good, key=lambda r: r["req_s"])
 
 
-def highest_rate(url: str, seconds: float, *, stream: bool) -> dict[str, float]:
+def highest_rate(url: str, seconds: float, *, stream: bool, client: Client) -> dict[str, float]:
     """Bisect the highest sustained rate (5 steps after bracketing by doubling)."""
     low, high = 0.0, 250.0
     best: dict[str, float] = {"rate": 0.0, "lag_p99_ms": float("nan"), "req_s": 0.0,
                               "tok_s": 0.0}
     while True:  # double until it fails (bounded: 250 * 2^7 = 32k req/s)
-        ok, row = sustained(url, high, seconds, stream=stream)
+        ok, row = sustained(url, high, seconds, stream=stream, client=client)
         if not ok or high >= 32_000:
             break
         best, low, high = row, high, high * 2
     for _ in range(5):
         mid = (low + high) / 2
-        ok, row = sustained(url, mid, seconds, stream=stream)
+        ok, row = sustained(url, mid, seconds, stream=stream, client=client)
         if ok:
             best, low = row, mid
         else:
@@ -127,80 +138,99 @@ def wrk(url: str, seconds: float, *, stream: bool) -> float:
     return float(match.group(1))
 
 
-def overhead_on_target(seconds: float) -> tuple[float, float]:
+def overhead_on_target(seconds: float, client: Client) -> tuple[float, float]:
     """(client TTFT p50, server TTFT p50) in ms, streaming at a light 50 req/s."""
     with target("--latency", "0.005") as url:
         report = run_load(LoadConfig(
-            targets=(url,), schedule=Schedule(rate=50, seed=2),
+            targets=(url,), schedule=Schedule(rate=50, seed=2), client=client,
             workload=Workload(stream=True, max_tokens=Length.fixed(16), model="m"),
             duration_s=seconds))
         with urllib.request.urlopen(url + "/stats", timeout=10) as resp:
             server = json.load(resp)["ttft_s"]
-    client = report.summary.ttft_from_sent_ms.p50
-    return client, statistics.median(server) * 1000
+    return report.summary.ttft_from_sent_ms.p50, statistics.median(server) * 1000
 
 
-def overhead_on_sim(seconds: float) -> tuple[float, float, float, int]:
-    """(client TTFT p50, server TTFT p50, per-request difference p50) in ms, and samples."""
+def overhead_on_sim(seconds: float, clients: list[Client],
+                    ) -> dict[Client, tuple[float, float, float, int]]:
+    """Per client: (client TTFT p50, server TTFT p50, per-request difference p50) in ms, and
+    the number of samples; the clients take turns on one engine (two runs each)."""
     from dynamo_ftctl.engine.launcher import start_worker
 
     worker = start_worker("bench-load", timeout_s=120)
     if shutil.which("taskset") and (os.cpu_count() or 1) > 1:  # the engine on CPU 0
         subprocess.run(["taskset", "-a", "-p", "-c", "0", str(worker.pid)],
                        check=False, capture_output=True)
+    pairs: dict[Client, list[tuple[float, float]]] = {c: [] for c in clients}
     try:
-        # One request at a time (constant 5/s, 4 tokens: ~15 ms each), so that none
-        # arrives while the engine is inside a step: the step runs on the server's event
-        # loop, and a request waiting behind it is late for the server's clock only.
-        report = run_load(LoadConfig(
-            targets=(worker.url,), schedule=Schedule(rate=5, arrival="constant", seed=3),
-            workload=Workload(stream=True, max_tokens=Length.fixed(4),
-                              prompt_tokens=Length.fixed(64), ignore_eos=True),
-            duration_s=seconds, warmup_s=1.0, timeout_s=30))
+        for _ in range(2):
+            for client in clients:
+                # One request at a time (constant 5/s, 4 tokens: ~15 ms each), so that none
+                # arrives while the engine is inside a step: the step runs on the server's
+                # event loop, and a request waiting behind it is late for the server's clock.
+                report = run_load(LoadConfig(
+                    targets=(worker.url,), schedule=Schedule(rate=5, arrival="constant", seed=3),
+                    workload=Workload(stream=True, max_tokens=Length.fixed(4),
+                                      prompt_tokens=Length.fixed(64), ignore_eos=True),
+                    duration_s=seconds / 2, warmup_s=1.0, timeout_s=30, client=client))
+                pairs[client] += [(r.ttft_from_sent_s, r.server_ttft) for r in report.records
+                                  if r.ok and not r.warmup and r.ttft_from_sent_s is not None
+                                  and r.server_ttft is not None]
     finally:
         worker.stop()
-    pairs = [(r.ttft_from_sent_s, r.server_ttft) for r in report.records
-             if r.ok and not r.warmup and r.ttft_from_sent_s is not None
-             and r.server_ttft is not None]
-    if not pairs:
-        raise RuntimeError("ftctl sim reported no server TTFT")
-    client = statistics.median(c for c, _ in pairs) * 1000
-    server = statistics.median(s for _, s in pairs) * 1000
-    diff = statistics.median(c - s for c, s in pairs) * 1000
-    return client, server, diff, len(pairs)
+    out: dict[Client, tuple[float, float, float, int]] = {}
+    for client, got in pairs.items():
+        if not got:
+            raise RuntimeError("ftctl sim reported no server TTFT")
+        out[client] = (statistics.median(c for c, _ in got) * 1000,
+                       statistics.median(s for _, s in got) * 1000,
+                       statistics.median(c - s for c, s in got) * 1000, len(got))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--clients", default="http1,aiohttp",
+                        help="comma-separated clients to measure (http1, aiohttp)")
+    parser.add_argument("--spin-us", type=int, default=round(SPIN["s"] * 1e6),
+                        help="the trials' --spin-us")
     args = parser.parse_args()
+    SPIN["s"] = args.spin_us / 1e6
+    clients = [cast("Client", c.strip()) for c in args.clients.split(",") if c.strip()]
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the generator on CPU 1, the target on CPU 0
     print(f"== 1. highest rate with schedule lag p99 <= {LAG_P99_MS} ms "
-          f"(Poisson arrivals, {args.seconds:g} s per trial)")
-    with target() as url:
-        print(" non-streaming, 16 tokens:")
-        plain = highest_rate(url, args.seconds, stream=False)
-        wrk_plain = wrk(url, args.seconds, stream=False)
-    with target() as url:
-        print(" streaming, 64 tokens:")
-        streamed = highest_rate(url, args.seconds, stream=True)
-        wrk_stream = wrk(url, args.seconds, stream=True)
-    print(f"{'':<28}{'ftctl load (open loop)':>26}{'wrk (closed, 32 conns)':>26}{'ratio':>8}")
-    print(f"{'non-streaming requests/s':<28}{plain['req_s']:>26,.0f}{wrk_plain:>26,.0f}"
-          f"{plain['req_s'] / wrk_plain:>8.2f}")
-    print(f"{'streamed tokens/s':<28}{streamed['tok_s']:>26,.0f}{wrk_stream * 64:>26,.0f}"
-          f"{streamed['tok_s'] / (wrk_stream * 64):>8.2f}")
-    print(f"  (lag p99 at those rates: {plain['lag_p99_ms']:.3f} ms and "
-          f"{streamed['lag_p99_ms']:.3f} ms)")
+          f"(Poisson arrivals, {args.seconds:g} s per trial, spin {args.spin_us} us)")
+    best: dict[tuple[Client, bool], dict[str, float]] = {}
+    ceiling: dict[bool, float] = {}
+    for stream in (False, True):
+        with target() as url:
+            print(" streaming, 64 tokens:" if stream else " non-streaming, 16 tokens:")
+            for client in clients:
+                best[client, stream] = highest_rate(url, args.seconds, stream=stream,
+                                                    client=client)
+            ceiling[stream] = wrk(url, args.seconds, stream=stream)
+    print(f"{'':<28}{'non-streaming req/s':>22}{'streamed tokens/s':>20}{'lag p99 (ms)':>16}")
+    for client in clients:
+        plain, streamed = best[client, False], best[client, True]
+        print(f"{'ftctl load --client ' + client:<28}{plain['req_s']:>22,.0f}"
+              f"{streamed['tok_s']:>20,.0f}"
+              f"{plain['lag_p99_ms']:>8.3f}/{streamed['lag_p99_ms']:.3f}")
+    print(f"{'wrk (closed, 32 conns)':<28}{ceiling[False]:>22,.0f}{ceiling[True] * 64:>20,.0f}")
+    for client in clients:
+        print(f"  {client}: {best[client, False]['req_s'] / ceiling[False]:.2f} of wrk's "
+              f"requests/s, {best[client, True]['tok_s'] / (ceiling[True] * 64):.2f} of its "
+              f"tokens/s")
     print("== 2. TTFT overhead: ftctl load's TTFT (from send) minus the server's own, p50")
-    client, server, diff, n = overhead_on_sim(max(args.seconds * 4, 10.0))
-    print(f" ftctl sim (64-token prompt, 5 req/s, {n} streams): client {client:.3f} ms, "
-          f"server {server:.3f} ms, overhead {client - server:+.3f} ms "
-          f"(per-request difference p50 {diff:+.3f} ms; goal <= 1 ms)")
-    client, server = overhead_on_target(args.seconds)
-    print(f" loopback target (5 ms to first token): client {client:.3f} ms, "
-          f"server {server:.3f} ms, overhead {client - server:+.3f} ms")
+    for client, (c, srv, diff, n) in overhead_on_sim(max(args.seconds * 4, 10.0),
+                                                     clients).items():
+        print(f" ftctl sim, {client:<8} (64-token prompt, 5 req/s, {n} streams): client "
+              f"{c:.3f} ms, server {srv:.3f} ms, overhead {c - srv:+.3f} ms "
+              f"(per-request difference p50 {diff:+.3f} ms; goal <= 1 ms)")
+    for client in clients:
+        c, srv = overhead_on_target(args.seconds, client)
+        print(f" loopback target, {client:<8} (5 ms to first token): client {c:.3f} ms, "
+              f"server {srv:.3f} ms, overhead {c - srv:+.3f} ms")
     return 0
 
 
