@@ -442,6 +442,12 @@ class ProxyConfig(StrictStruct, frozen=True):
     breaker_recovery_s: Annotated[
         float, _doc("Seconds an open breaker waits before one trial request.", gt=0),
     ] = 60.0
+    calibration: Annotated[
+        str | None,
+        _doc("Calibration file (`ftctl migrate calibrate`, relative to the inventory): a "
+             "live failed worker's KV is moved when it says a transfer beats re-prefill; "
+             "none: always re-prefill."),
+    ] = None
     _checked = (("listen", _check_host_port), ("health_url", _check_http_url))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -35,6 +36,11 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "--health-url", help="Canary daemon base URL (weights from GET /workers).")] = None,
     reject_status: Annotated[int | None, typer.Option(
         "--reject-status", help="503 or 529 when every worker is busy.")] = None,
+    calibration: Annotated[Path | None, typer.Option(
+        "--calibration", metavar="FILE",
+        help="Calibration file (`ftctl migrate calibrate`): move a live failed worker's KV "
+             "when the cost model says a transfer beats re-prefill (default: "
+             "proxy.calibration; none: always re-prefill).")] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Run the migrating proxy until Ctrl-C.
@@ -51,6 +57,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     overrides: dict[str, Any] = {
         "listen": listen, "migration_limit": migration_limit, "stall_timeout_s": stall_timeout,
         "health_url": health_url, "reject_status": reject_status,
+        "calibration": str(calibration.resolve()) if calibration is not None else None,
     }
     data = inventory.proxy.model_dump()
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -14,6 +14,12 @@ request that continues the generation on another worker:
 - servers without ids: the prompt text plus the generated text (the proxy says
   so in the `x-ftctl-continuation: text` header and the migration metric).
 
+Stop strings are matched here, not by the workers: a stop string may straddle
+the failure point, and no worker sees both sides of it. The upstream request
+goes without `stop`; `StopFinder` runs over the whole output across workers,
+holding back the text that may begin a stop string (as vLLM and `ftctl sim`
+do), and the proxy cuts the upstream stream when it matches.
+
 The ledger decides when a request must not be continued (`NotContinuable`):
 the output already reaches `max_tokens` or the model's maximum length (the
 client then gets `finish_reason: "length"`), or the migration limit is spent.
@@ -35,6 +41,7 @@ __all__ = [
     "MalformedChunk",
     "NotContinuable",
     "RequestRejected",
+    "StopFinder",
     "StreamLedger",
     "Usage",
     "prepare_request",
@@ -46,6 +53,8 @@ Endpoint = Literal["completions", "chat"]
 # everything else in the client's body is carried too, these are just the ones
 # the ledger must never drop or rewrite.
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
+# What the proxy does with stop strings itself (never sent upstream).
+_STOP_KEYS = ("stop", "include_stop_str_in_output")
 
 
 class MalformedChunk(ValueError):
@@ -66,7 +75,14 @@ class NotContinuable(Exception):
 
 
 class RequestRejected(ValueError):
-    """The client's body cannot be served by the migrating proxy (HTTP 400)."""
+    """The client's body cannot be served by the migrating proxy (HTTP 400).
+
+    `param` names the offending field, as OpenAI's error body does.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -110,11 +126,19 @@ def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         if batched and len(prompt) != 1:
             msg = "the migrating proxy serves one prompt per request"
             raise RequestRejected(msg)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+        isinstance(stop, list) and all(isinstance(s, str) for s in stop)
+    ):
+        msg = "'stop' must be a string or a list of strings"
+        raise RequestRejected(msg, "stop")
     for key in ("n", "best_of"):
         value = body.get(key)
         if value is not None and value != 1:
-            msg = f"the migrating proxy serves {key}=1 only (got {value!r})"
-            raise RequestRejected(msg)
+            # One ledger per request: a continuation carries one choice's tokens.
+            msg = (f"the migrating proxy serves {key}=1 only (got {value!r}); "
+                   "send one request per choice")
+            raise RequestRejected(msg, key)
     out = dict(body)
     if endpoint == "completions" and isinstance(out["prompt"], list) and out["prompt"] \
             and isinstance(out["prompt"][0], list | str):
@@ -124,6 +148,53 @@ def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
     if sampled and out.get("seed") is None:
         out["seed"] = secrets.randbelow(2**31)
     return out
+
+
+class StopFinder:
+    """Stop strings over a text stream that may span workers.
+
+    Holds back the last `len(longest stop) - 1` characters (they may begin a
+    stop string), so a match always lies in the held text plus the new text;
+    on a match, the output ends just before it (or after it, when the client
+    asked for `include_stop_str_in_output`).
+    """
+
+    def __init__(self, stops: tuple[str, ...], *, include: bool = False) -> None:
+        self.stops = stops
+        self.include = include
+        self.hold = max(len(s) for s in stops) - 1
+        self.pending = ""
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> StopFinder | None:
+        """The finder of a request body's `stop`, or None when it has none."""
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        stops = tuple(s for s in stops if s)
+        if not stops:
+            return None
+        return cls(stops, include=bool(body.get("include_stop_str_in_output")))
+
+    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
+        """(text safe to send now, whether a stop string matched)."""
+        self.pending += text
+        hits = [(i, len(s)) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            start, size = min(hits)
+            out = self.pending[: start + size if self.include else start]
+            self.pending = ""
+            return out, True
+        if final or self.hold == 0:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """The held text, when the output ends for another reason."""
+        out, self.pending = self.pending, ""
+        return out
 
 
 def _choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -172,8 +243,13 @@ class StreamLedger:
     _role_sent: bool = False
     _prompt_ids_sent: bool = False
     _fingerprint: str | None = None
+    # Stop strings the proxy matches itself (None: the request has none).
+    stops: StopFinder | None = None
+    stopped: bool = False  # a stop string matched: the upstream stream must be cut
+    _client_text: str = ""  # the text sent to the client (kept only with stop strings)
 
     def __post_init__(self) -> None:
+        self.stops = StopFinder.from_body(self.body)
         if not self.request_id:
             prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
             self.request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -208,8 +284,16 @@ class StreamLedger:
                 return value
         return None
 
+    @property
+    def output_text(self) -> str:
+        """The text the client has been given (the generated text less stop handling)."""
+        return self.generated_text if self.stops is None else self._client_text
+
     def _base_upstream(self) -> dict[str, Any]:
         up = dict(self.body)
+        if self.stops is not None:
+            for key in _STOP_KEYS:
+                up.pop(key, None)
         up["stream"] = True
         up["stream_options"] = {"include_usage": True}
         up["return_token_ids"] = True
@@ -342,11 +426,32 @@ class StreamLedger:
             self.generated_text += text
         self._merge_logprobs(choice.get("logprobs"))
         finish = choice.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise MalformedChunk("finish_reason is not a string")
+        if self.stops is not None:
+            text, hit = self.stops.feed(text or "", final=finish is not None)
+            if hit:
+                finish = "stop"
+                self.stopped = True
+            self._client_text += text
+            choice = self._with_text(choice, text, finish)
         if finish is not None:
-            if not isinstance(finish, str):
-                raise MalformedChunk("finish_reason is not a string")
             self.finish_reason = finish
         return self._client_chunk(doc, choice, text, new_ids)
+
+    def _with_text(self, choice: dict[str, Any], text: str,
+                   finish: str | None) -> dict[str, Any]:
+        """`choice` carrying `text` (after stop handling) and `finish`."""
+        out = dict(choice)
+        out["finish_reason"] = finish
+        if self.endpoint == "chat":
+            delta = dict(choice["delta"])
+            if text or "content" in delta:
+                delta["content"] = text
+            out["delta"] = delta
+        else:
+            out["text"] = text
+        return out
 
     def _client_chunk(self, doc: dict[str, Any], choice: dict[str, Any], text: str | None,
                       new_ids: list[int] | None) -> dict[str, Any] | None:
@@ -424,11 +529,13 @@ class StreamLedger:
     def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
         """A chunk that ends the stream cleanly (e.g. "length" at the model's max length)."""
         self.finish_reason = finish_reason
+        held = self.stops.flush() if self.stops is not None else ""
+        self._client_text += held
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.endpoint == "chat":
-            choice["delta"] = {}
+            choice["delta"] = {"content": held} if held else {}
         else:
-            choice["text"] = ""
+            choice["text"] = held
         return {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
@@ -445,10 +552,10 @@ class StreamLedger:
             "logprobs": self.logprobs,
         }
         if self.endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": self.generated_text}
+            choice["message"] = {"role": "assistant", "content": self.output_text}
             obj = "chat.completion"
         else:
-            choice["text"] = self.generated_text
+            choice["text"] = self.output_text
             obj = "text_completion"
         if self.client_wants_ids:
             choice["token_ids"] = self.generated_ids

@@ -13,6 +13,16 @@ completion chunk (bad JSON, an HTML page, an SSE error event, more tokens than
 asked for), the stream ends without a finish reason, or no token comes within
 `stall_timeout_s`. Nothing a failed worker sent reaches the client.
 
+A broken generation goes on elsewhere by re-prefill (prompt + generated ids,
+`method="reprefill"`), by text continuation for servers without token ids
+(`method="text"`, beyond DESIGN.md's kv|reprefill|retry), or by KV transfer
+(`method="kv"`): with a calibration (`ftctl migrate calibrate`) whose cost
+model says a transfer is faster, the failed worker's KV is exported
+(`migrate.transfer.export_request`, the same call as `ftctl migrate request`)
+and imported on the target, which streams the continuation. A SIGKILLed
+worker has nothing to export; any failure of the export or the import falls
+back to re-prefill. A plain retry before the first token is `method="retry"`.
+
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health,
 /metrics; GET/POST /busy_threshold (POST needs the admin bearer token).
 """
@@ -53,12 +63,14 @@ from dynamo_ftctl.openai import SseDecoder, error_body, format_sse
 
 if TYPE_CHECKING:
     import aiohttp
+    import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
 
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.admission import WorkerLoad
+    from dynamo_ftctl.migrate.calibrate import Calibration
 
 __all__ = ["MIGRATED_HEADER", "MigratingProxy", "build_app", "serve"]
 
@@ -151,6 +163,8 @@ class MigratingProxy:
         self._prompt_tokens_seen = 0
         self._prompts_seen = 0
         self._session: aiohttp.ClientSession | None = None
+        self._kv_client: httpx.AsyncClient | None = None  # one-shot KV exports
+        self.calibration = _load_calibration(inventory, config)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queued = 0
         from dynamo_ftctl import metrics
@@ -180,6 +194,9 @@ class MigratingProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._kv_client is not None:
+            await self._kv_client.aclose()
+            self._kv_client = None
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -307,18 +324,17 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ one attempt
 
-    async def _attempt(self, slot: WorkerSlot, path: str, body: bytes,
-                       ledger: StreamLedger) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _attempt(self, slot: WorkerSlot, url: str, body: bytes, ledger: StreamLedger,
+                       headers: dict[str, str]) -> AsyncIterator[list[dict[str, Any]]]:
         """Stream one upstream request; yield batches of client chunks; raise on any failure."""
         import aiohttp
 
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                         sock_read=self.config.stall_timeout_s)
-        headers = {"Content-Type": "application/json", "X-Request-Id": ledger.request_id}
         stall = self.config.stall_timeout_s
         now = self.clock.now
         try:
-            async with self.session.post(f"{slot.url}{path}", data=body,
+            async with self.session.post(url, data=body,
                                          headers=headers, timeout=timeout) as resp:
                 if resp.status >= 500 or resp.status == 429:
                     msg = f"HTTP {resp.status} from {slot.name}"
@@ -366,13 +382,19 @@ class MigratingProxy:
                                 break
                         if chunk is not None:
                             batch.append(chunk)
+                        if ledger.stopped:
+                            break
                     if batch:
                         yield batch  # what the ledger recorded reaches the client, always
                     if failure is not None:
                         raise failure
-                    if done:
+                    if done or ledger.stopped:
                         break
-                if done and not resp.content.is_eof():
+                if ledger.stopped:
+                    # A stop string matched here (workers never see `stop`): cut the
+                    # upstream, which ends the request on the worker.
+                    resp.close()
+                elif done and not resp.content.is_eof():
                     # Read the chunked terminator so the connection goes back to the
                     # pool (an unread body closes it: a new TCP connection per request).
                     with contextlib.suppress(TimeoutError, aiohttp.ClientError):
@@ -408,6 +430,7 @@ class MigratingProxy:
         failed_at: float | None = None
         source_group = ""
         method = ""
+        kv_payload = b""  # a KV export to import on the next worker (method "kv")
         self._queued += 1
         self.metrics.QUEUED_REQUESTS.set(self._queued)
         queued = True
@@ -426,16 +449,20 @@ class MigratingProxy:
                             502 if failed_workers else 503))
                     raise StreamAborted(f"stream broken after {ledger.generated_count} "
                                         f"tokens and {what}")
-                if failed_at is not None:
-                    self.metrics.MIGRATION_TOTAL.labels(source_group, slot.group, method).inc()
                 if slot.max_model_len is not None:
                     ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
                                                slot.max_model_len)
                 ledger.start_attempt(slot.name)
                 self.router.start(slot, prompt_estimate)
                 pending = prompt_estimate
+                if method == "kv":
+                    url, data, headers = self._kv_import(slot, kv_payload, ledger)
+                else:
+                    url, data = f"{slot.url}{path}", _dumps(body)
+                    headers = {"Content-Type": "application/json",
+                               "X-Request-Id": ledger.request_id}
                 try:
-                    async for batch in self._attempt(slot, path, _dumps(body), ledger):
+                    async for batch in self._attempt(slot, url, data, ledger, headers):
                         if pending:
                             self.router.first_token(slot, pending)
                             pending = 0
@@ -444,7 +471,11 @@ class MigratingProxy:
                                 self._queued -= 1
                                 self.metrics.QUEUED_REQUESTS.set(self._queued)
                             if failed_at is not None:
+                                # Counted once the stream goes on (a KV import that
+                                # failed and fell back to re-prefill counts as that).
                                 gap = self.clock.now() - failed_at
+                                self.metrics.MIGRATION_TOTAL.labels(
+                                    source_group, slot.group, method).inc()
                                 self.metrics.MIGRATION_DURATION.observe(gap)
                                 failed_at = None
                         yielded = True
@@ -453,6 +484,9 @@ class MigratingProxy:
                     self._note_prompt(ledger)
                     return
                 except UpstreamRefused as exc:
+                    if _import_failed(method, ledger, slot, exc):
+                        method, kv_payload = "reprefill", b""
+                        continue
                     if not yielded and not failed_workers:
                         raise ProxyError(exc.status, self._refusal_body(exc)) from None
                     self.router.record_success(slot)  # it answered; the continuation was refused
@@ -460,6 +494,9 @@ class MigratingProxy:
                     raise StreamAborted(f"continuation refused by {slot.name}: "
                                         f"HTTP {exc.status} {message}") from None
                 except UpstreamFailure as exc:
+                    if _import_failed(method, ledger, slot, exc):
+                        method, kv_payload = "reprefill", b""
+                        continue
                     reason = str(exc)
                     log.warning("worker failed: %s (after %d tokens)", reason,
                                 ledger.generated_count)
@@ -473,6 +510,10 @@ class MigratingProxy:
                     if not body:
                         yield [ledger.finish_chunk("length")]
                         return
+                    if method == "reprefill" and self._kv_pays(ledger):
+                        kv_payload = await self._export_kv(slot, ledger)
+                        if kv_payload:
+                            method = "kv"
                 finally:
                     self.router.finish(slot, pending)
         finally:
@@ -496,6 +537,63 @@ class MigratingProxy:
             raise self._give_up(ledger, f"{reason}; {exc}") from None
         ledger.note_migration()
         return body, "reprefill" if ledger.ids_mode else "text"
+
+    # ------------------------------------------------------------------ KV transfer
+
+    def _kv_pays(self, ledger: StreamLedger) -> bool:
+        """Whether the calibrated cost model moves this request's KV rather than re-prefill.
+
+        Completions with token ids only: a KV import streams completion chunks, and
+        its context must be exactly the ledger's prompt + generated ids.
+        """
+        if self.calibration is None or ledger.endpoint != "completions" \
+                or not ledger.ids_mode or ledger.prompt_ids is None:
+            return False
+        from dynamo_ftctl.migrate.transfer import RequestState, choose_method
+
+        context = (*ledger.prompt_ids, *ledger.generated_ids)
+        state = RequestState(
+            request_id=ledger.request_id, model=self.calibration.model, token_ids=context,
+            prompt_len=len(ledger.prompt_ids), num_cached=len(context), sampling={},
+            kv_bytes_per_token=self.calibration.kv_bytes_per_token, payload_bytes=0,
+        )
+        return choose_method(state, self.calibration).decision == "kv"
+
+    async def _export_kv(self, slot: WorkerSlot, ledger: StreamLedger) -> bytes:
+        """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""
+        import httpx
+
+        from dynamo_ftctl.errors import FtctlError
+        from dynamo_ftctl.migrate.transfer import endpoint_for, export_request
+
+        if self._kv_client is None:
+            self._kv_client = httpx.AsyncClient(timeout=httpx.Timeout(
+                self.config.stall_timeout_s, connect=self.config.connect_timeout_s))
+        try:
+            state, payload, _ = await export_request(
+                self._kv_client, endpoint_for(self.inventory, slot.name), ledger.request_id,
+                abort=True, clock=self.clock,
+            )
+        except (FtctlError, ValueError) as exc:  # gone (SIGKILL), no KV support, garbage
+            log.info("no KV export from %s (%s): re-prefill", slot.name, exc)
+            return b""
+        context = [*(ledger.prompt_ids or ()), *ledger.generated_ids]
+        if list(state.token_ids) != context:
+            # It decoded tokens the client never saw (their text is lost): re-prefill.
+            log.info("KV export from %s holds %d tokens, the client saw %d: re-prefill",
+                     slot.name, len(state.token_ids), len(context))
+            return b""
+        return payload
+
+    def _kv_import(self, slot: WorkerSlot, payload: bytes,
+                   ledger: StreamLedger) -> tuple[str, bytes, dict[str, str]]:
+        """URL, body and headers of the import that continues the request on `slot`."""
+        from dynamo_ftctl.migrate.transfer import endpoint_for
+
+        target = endpoint_for(self.inventory, slot.name)
+        headers = {**target.admin_headers(), "X-Request-Id": ledger.request_id,
+                   "Content-Type": "application/octet-stream"}
+        return f"{target.admin_url}/admin/kv/import", payload, headers
 
     @staticmethod
     def _give_up(ledger: StreamLedger, message: str) -> Exception:
@@ -531,8 +629,9 @@ class MigratingProxy:
             raw = json.loads(await request.body())
             body = prepare_request(endpoint, raw)
         except (ValueError, RequestRejected) as exc:
-            return _json(400, _openai_error(f"invalid request: {exc}",
-                                            "invalid_request_error", 400))
+            param = exc.param if isinstance(exc, RequestRejected) else None
+            return _json(400, error_body(f"invalid request: {exc}",
+                                         type="invalid_request_error", param=param, code=400))
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or not self.router.serves(model)):
             return _json(404, _openai_error(f"The model {model!r} does not exist.",
@@ -685,6 +784,24 @@ class MigratingProxy:
             return _json(401, _openai_error("missing or wrong admin bearer token",
                                             "unauthorized", 401))
         return None
+
+
+def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,
+                   exc: Exception) -> bool:
+    """A KV import that failed before its first token (the caller re-prefills)."""
+    if method != "kv" or ledger.attempt_tokens:
+        return False
+    log.warning("KV import on %s failed (%s); re-prefilling", slot.name, exc)
+    return True
+
+
+def _load_calibration(inventory: Inventory, config: ProxyConfig) -> Calibration | None:
+    """The proxy's calibration (its path relative to the inventory), or None."""
+    if config.calibration is None:
+        return None
+    from dynamo_ftctl.migrate.calibrate import load_calibration
+
+    return load_calibration(inventory.resolve(config.calibration))
 
 
 class _Departure:

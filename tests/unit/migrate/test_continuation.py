@@ -121,3 +121,56 @@ def test_prepare_request_rejects_n_and_seeds_sampled_requests() -> None:
         prepare_request("chat", {"messages": "hi"})
     assert isinstance(prepare_request("completions", {"prompt": "x"})["seed"], int)
     assert "seed" not in prepare_request("completions", {"prompt": "x", "temperature": 0})
+
+
+def test_stop_string_straddling_a_migration_stops_where_an_unbroken_run_stops() -> None:
+    """A stop string begun on one worker and ended on the next cuts the output before it."""
+    body = prepare_request("completions", {"prompt": [1], "max_tokens": 10, "stop": ["cde"],
+                                           "temperature": 0})
+    ledger = StreamLedger("completions", body)
+    assert "stop" not in ledger.first_request()  # workers never see it: the proxy matches
+    sent = [ledger.observe(chunk("ab", [2])), ledger.observe(chunk("c", [3]))]
+    # The last two characters may begin the stop string: held back, not sent yet.
+    assert [c["choices"][0]["text"] for c in sent if c] == ["", "a"]
+    ledger.note_migration()
+    assert "stop" not in ledger.continuation_request()
+    last = ledger.observe(chunk("dex", [4]))
+    assert last is not None
+    assert (last["choices"][0]["text"], last["choices"][0]["finish_reason"]) == ("b", "stop")
+    assert ledger.stopped
+    assert ledger.output_text == "ab"
+    assert ledger.generated_count == 3
+    assert ledger.response()["choices"][0]["text"] == "ab"
+
+
+def test_held_text_is_released_when_the_output_ends_without_a_stop() -> None:
+    """Text held back as a possible stop prefix reaches the client at a length finish."""
+    ledger = StreamLedger("chat", prepare_request("chat", {
+        "messages": [{"role": "user", "content": "x"}], "stop": "zzz", "temperature": 0,
+    }))
+    doc = {"id": "u", "choices": [{"index": 0, "delta": {"content": "hiz"}}]}
+    first = ledger.observe(doc)
+    assert first is not None
+    assert first["choices"][0]["delta"]["content"] == "h"
+    end = ledger.finish_chunk("length")
+    assert end["choices"][0]["delta"]["content"] == "iz"
+    assert ledger.output_text == "hiz"
+
+
+def test_stop_string_kept_in_output_when_asked() -> None:
+    """include_stop_str_in_output keeps the matched stop string, as vLLM does."""
+    ledger = StreamLedger("completions", {"prompt": [1], "stop": "b",
+                                          "include_stop_str_in_output": True})
+    out = ledger.observe(chunk("abc", [2]))
+    assert out is not None
+    assert out["choices"][0]["text"] == "ab"
+
+
+def test_n_above_one_is_refused_naming_the_field() -> None:
+    """n=2 is refused (one ledger per request) and the error names 'n'."""
+    with pytest.raises(RequestRejected) as info:
+        prepare_request("completions", {"prompt": "x", "n": 2})
+    assert info.value.param == "n"
+    with pytest.raises(RequestRejected) as info:
+        prepare_request("chat", {"messages": [], "stop": 5})
+    assert info.value.param == "stop"

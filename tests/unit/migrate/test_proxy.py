@@ -534,3 +534,44 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
         finally:
             await runner.cleanup()
     run(go())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_above_one_is_refused_with_an_openai_400(run: Callable[..., Any], stream: bool) -> None:
+    """n=2 gets HTTP 400 in OpenAI's error format naming 'n'; no worker is asked."""
+    async def go() -> None:
+        fake = FakeWorker()
+        async with Cluster([fake]) as c:
+            resp = await c.client.post("/v1/completions",
+                                       json={**BODY, "n": 2, "stream": stream})
+            assert resp.status_code == 400
+            error = resp.json()["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["param"] == "n"
+            assert error["code"] == 400
+            assert "n=1 only" in error["message"]
+            assert fake.requests == []
+    run(go())
+
+
+def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
+    run: Callable[..., Any],
+) -> None:
+    """A stop string begun before a migration and ended after it cuts the output before it."""
+    full = expected_text("hello world", 5, 20)
+    stop = full[6:10]  # tokens 6-7 on the first worker, 8-9 on the second
+    assert full.find(stop) == 6
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=8), FakeWorker()]) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            _, events = await c.stream("/v1/completions", {**BODY, "stop": [stop]})
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert stream_text(events) == full[:6]
+            finishes = [e["choices"][0]["finish_reason"] for e in events
+                        if isinstance(e, dict) and e.get("choices")]
+            assert finishes[-1] == "stop"
+            assert events[-3]["usage"]["completion_tokens"] == 10
+            assert events[-2] == f": {MIGRATED_HEADER}: 1"
+            assert all("stop" not in body for w in c.workers for body in w.requests)
+    run(go())
