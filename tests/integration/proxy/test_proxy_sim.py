@@ -77,18 +77,21 @@ def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
     """Start `ftctl proxy` over [(name, url), ...] with `proxy:` settings; stopped at teardown."""
     started: list[ProxyProcess] = []
 
-    def factory(workers: list[tuple[str, str]], **settings: Any) -> ProxyProcess:
+    def factory(workers: list[tuple[str, str]], *, worker_admin_token: str | None = None,
+                **settings: Any) -> ProxyProcess:
         index = len(started)
+        admin = {"admin": {"token_env": "SIM_ADMIN_TOKEN"}} if worker_admin_token else {}
         inventory = {
             "cluster": "proxy-test",
-            "workers": [{"name": n, "url": u, "model": MODEL} for n, u in workers],
+            "workers": [{"name": n, "url": u, "model": MODEL, **admin} for n, u in workers],
             "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
                       "stall_timeout_s": 5.0, **settings},
         }
         path = tmp_path / f"inventory-{index}.yaml"
         path.write_text(yaml.safe_dump(inventory))
         log = tmp_path / f"proxy-{index}.log"
-        env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_ADMIN_TOKEN}
+        env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_ADMIN_TOKEN,
+               "SIM_ADMIN_TOKEN": worker_admin_token or ""}
         with log.open("wb") as sink:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
@@ -502,3 +505,121 @@ def test_garbage_from_a_worker_is_a_failure_never_output(
     metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
     assert 'dynamo_migration_total{method="retry",source_group="bad",target_group="good"}' \
         in metrics
+
+
+def token_texts(worker: SimWorker, endpoint: str, body: dict[str, Any]) -> list[str]:
+    """The text of each token of the fault-free run, streamed straight from a worker."""
+    payload = {**body, "stream": True}
+    with httpx.stream("POST", f"{worker.url}{endpoint}", json=payload, timeout=60) as resp:
+        raw = resp.read()
+    texts = []
+    for event in iter_sse_events([raw]):
+        if event.is_done:
+            continue
+        for choice in json.loads(event.data)["choices"]:
+            delta = choice.get("delta")
+            texts.append((delta.get("content") or "") if delta is not None else choice["text"])
+    return texts
+
+
+def straddling_stop(texts: list[str]) -> tuple[str, int]:
+    """A stop string whose first occurrence ends two tokens after token k begins; (stop, k)."""
+    full = "".join(texts)
+    offset = 0
+    for k, text in enumerate(texts[:-2]):
+        offset += len(text)
+        if k < 6 or not text or not texts[k + 1] or not texts[k + 2]:
+            continue
+        stop = text[-2:] + texts[k + 1] + texts[k + 2][:1]
+        if len(stop) >= 3 and full.find(stop) == offset - len(text[-2:]):
+            return stop, k
+    msg = f"no usable stop string in {full!r}"
+    raise AssertionError(msg)
+
+
+@pytest.mark.parametrize("spec", [0, 3], ids=["completions-greedy", "chat-seeded"])
+def test_stop_string_straddling_a_sigkill_stops_like_the_unbroken_run(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory, spec: int,
+) -> None:
+    """Worker SIGKILLed inside a stop string: the output stops exactly where it stops unbroken."""
+    workers = [sim_worker_factory(name=f"s{i}") for i in range(2)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers])
+    by_name = {w.name: w for w in workers}
+    endpoint, body = request_body(spec)
+    body = {**body, "max_tokens": 48}
+    stop, k = straddling_stop(token_texts(workers[0], endpoint, body))
+    ids, text = reference(workers[0], endpoint, {**body, "stop": [stop]})
+    for worker in workers:
+        set_fault(worker, {"kind": "slow", "delay_ms": 60})
+    killed: list[str] = []
+
+    def kill_inside_the_stop(out: Streamed, raw: bytes) -> None:
+        # Tokens 0..k seen (the stop string's first characters are among them): kill.
+        if not killed and raw.count(b'"token_ids"') >= k + 1:
+            name = out.headers["x-ftctl-worker"].split(",")[-1]
+            by_name[name].kill()
+            killed.append(name)
+
+    got = stream(proxy, endpoint, {**body, "stop": [stop]}, on_chunk=kill_inside_the_stop)
+    assert killed, "the stream ended before the kill"
+    assert got.migrated >= 1
+    assert got.error is None
+    assert got.finish == "stop"
+    assert (got.ids, got.text) == (ids, text)
+    assert stop not in got.text
+    assert got.usage is not None
+    assert got.usage["completion_tokens"] == len(ids)
+
+
+def calibration_file(path: Path, setup_s: float) -> Path:
+    """A calibration (`ftctl migrate calibrate` format) whose KV moves cost `setup_s` each."""
+    doc = {"version": 1, "worker": "a", "peer": "b", "model": MODEL, "layers": 2,
+           "kv_heads": 2, "head_dim": 32, "dtype_bytes": 4, "block_size": 16,
+           "prefill": {"fixed_s": 0.0, "per_token_s": 1e-3, "per_token2_s": 0.0},
+           "transfer": {"setup_s": setup_s, "bandwidth_bytes_per_s": 1e9}}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def migration_count(proxy: ProxyProcess, method: str) -> float:
+    """dynamo_migration_total summed over groups for one method."""
+    total = 0.0
+    for line in httpx.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("dynamo_migration_total{") and f'method="{method}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize(("setup_s", "method"), [(1e-4, "kv"), (10.0, "reprefill")])
+def test_stalled_worker_is_migrated_by_kv_when_the_calibration_says_so(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory, tmp_path: Path,
+    setup_s: float, method: str,
+) -> None:
+    """A live worker that stalls mid-stream: its KV moves (or it re-prefills), output unchanged."""
+    workers = [sim_worker_factory(name=f"v{i}") for i in range(2)]
+    by_name = {w.name: w for w in workers}
+    proxy = proxy_factory([(w.name, w.url) for w in workers],
+                          worker_admin_token=workers[0].admin_token, stall_timeout_s=0.5,
+                          calibration=str(calibration_file(tmp_path / "cal.json", setup_s)))
+    for spec in (0, 2):  # greedy, then seeded sampling
+        endpoint, body = request_body(spec)
+        body = {**body, "max_tokens": 32}
+        ids, text = reference(workers[0], endpoint, body)
+        for worker in workers:
+            set_fault(worker, {"kind": "slow", "delay_ms": 30})
+        stalled: list[str] = []
+
+        def stall_after_six(out: Streamed, raw: bytes, stalled: list[str] = stalled) -> None:
+            if not stalled and raw.count(b'"token_ids"') >= 6:
+                name = out.headers["x-ftctl-worker"].split(",")[-1]
+                set_fault(by_name[name], {"kind": "slow", "delay_ms": 5000})
+                stalled.append(name)
+
+        before = migration_count(proxy, method)
+        got = stream(proxy, endpoint, body, on_chunk=stall_after_six)
+        assert stalled, "the stream ended before the stall"
+        assert got.error is None
+        assert (got.ids, got.text) == (ids, text)
+        assert got.migrated == 1
+        assert migration_count(proxy, method) == before + 1
+        set_fault(by_name[stalled[0]], {"kind": "clear"})
