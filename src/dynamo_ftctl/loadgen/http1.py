@@ -96,6 +96,9 @@ class _Connection(asyncio.Protocol):
             ex.finish("broken_stream" if ex.got_headers else "other",
                       f"{type(exc).__name__}: {exc}")
             self.close()
+            return
+        if ex.sse is not None and ex.body:
+            self._flush(ex)  # the SSE pieces of this read, split in one go
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -134,13 +137,8 @@ class _Connection(asyncio.Protocol):
             ex.sse = SseStream(ex.stamps)
 
     def on_body(self, body: bytes) -> None:
-        ex = self.exchange
-        assert ex is not None
-        sse = ex.sse
-        if sse is None:
-            ex.body.append(body)
-        elif sse.feed(body, ex.stamp):
-            ex.finish()  # [DONE] or an error event; the rest of the body is only read
+        # Once per chunk, so once per token of a stream: only collect here.
+        self.exchange.body.append(body)  # type: ignore[union-attr]
 
     def on_message_complete(self) -> None:
         ex = self.exchange
@@ -153,7 +151,19 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     # -- helpers
+    @staticmethod
+    def _flush(ex: _Exchange) -> None:
+        """Feed the collected SSE pieces to the stream (stamped with this read's time)."""
+        sse = ex.sse
+        assert sse is not None
+        chunk = ex.body[0] if len(ex.body) == 1 else b"".join(ex.body)
+        ex.body.clear()
+        if sse.feed(chunk, ex.stamp):
+            ex.finish()  # [DONE] or an error event; the rest of the body is only read
+
     def _complete(self, ex: _Exchange) -> None:
+        if ex.sse is not None and ex.body:
+            self._flush(ex)
         if ex.future.done():
             return
         if ex.sse is None and ex.status is not None and ex.status < 400:
