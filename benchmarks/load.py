@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,9 +69,47 @@ def target(*extra: str) -> Iterator[str]:
 SPIN = {"s": 0.005}
 
 
+def _cpu_busy(interval: float = 0.3) -> float:
+    """The busiest CPU's busy share over `interval` (from /proc/stat; 0 where unreadable)."""
+    def sample() -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        with Path("/proc/stat").open() as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    name, *ticks = line.split()
+                    values = [int(t) for t in ticks]
+                    out[name] = (sum(values), values[3] + values[4])  # total, idle+iowait
+        return out
+
+    try:
+        a = sample()
+        time.sleep(interval)
+        b = sample()
+    except OSError:
+        return 0.0
+    busy = [1 - (b[c][1] - a[c][1]) / max(1, b[c][0] - a[c][0]) for c in a if c in b]
+    return max(busy, default=0.0)
+
+
+QUIET = {"waited_s": 0.0, "busy_trials": 0}
+
+
+def wait_for_quiet(limit_s: float = 20.0, busy: float = 0.25) -> None:
+    """Before a trial, wait (at most `limit_s`) until no CPU is more than `busy` used by
+    others: this machine is shared, and a trial under someone else's burst measures them."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if _cpu_busy() <= busy:
+            QUIET["waited_s"] += time.monotonic() - start
+            return
+    QUIET["waited_s"] += time.monotonic() - start
+    QUIET["busy_trials"] += 1
+
+
 def trial(url: str, rate: float, seconds: float, *, stream: bool,
           client: Client) -> tuple[bool, dict[str, float]]:
     """One open-loop run; sustained when lag p99 <= 1 ms and every request completed."""
+    wait_for_quiet()
     report = run_load(LoadConfig(
         targets=(url,), schedule=Schedule(rate=rate, arrival="poisson", seed=1), client=client,
         spin_s=SPIN["s"],
@@ -141,6 +180,7 @@ def wrk(url: str, seconds: float, *, stream: bool) -> float:
 def overhead_on_target(seconds: float, client: Client) -> tuple[float, float]:
     """(client TTFT p50, server TTFT p50) in ms, streaming at a light 50 req/s."""
     with target("--latency", "0.005") as url:
+        wait_for_quiet()
         report = run_load(LoadConfig(
             targets=(url,), schedule=Schedule(rate=50, seed=2), client=client,
             workload=Workload(stream=True, max_tokens=Length.fixed(16), model="m"),
@@ -167,6 +207,7 @@ def overhead_on_sim(seconds: float, clients: list[Client],
                 # One request at a time (constant 5/s, 4 tokens: ~15 ms each), so that none
                 # arrives while the engine is inside a step: the step runs on the server's
                 # event loop, and a request waiting behind it is late for the server's clock.
+                wait_for_quiet()
                 report = run_load(LoadConfig(
                     targets=(worker.url,), schedule=Schedule(rate=5, arrival="constant", seed=3),
                     workload=Workload(stream=True, max_tokens=Length.fixed(4),
@@ -221,6 +262,8 @@ def main() -> int:
         print(f"  {client}: {best[client, False]['req_s'] / ceiling[False]:.2f} of wrk's "
               f"requests/s, {best[client, True]['tok_s'] / (ceiling[True] * 64):.2f} of its "
               f"tokens/s")
+    print(f"  (waited {QUIET['waited_s']:.0f} s in all for a quiet machine before trials; "
+          f"{QUIET['busy_trials']:.0f} trials ran with another CPU user above 25%)")
     print("== 2. TTFT overhead: ftctl load's TTFT (from send) minus the server's own, p50")
     for client, (c, srv, diff, n) in overhead_on_sim(max(args.seconds * 4, 10.0),
                                                      clients).items():

@@ -238,12 +238,15 @@ class Http1Sender:
         if idle and conn in idle:
             idle.remove(conn)
 
-    async def _connection(self, key: _Key) -> _Connection:
+    def _idle_connection(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
             if not conn.closed:
                 return conn
+        return None
+
+    async def _open(self, key: _Key) -> _Connection:
         loop = asyncio.get_running_loop()
         _transport, conn = await loop.create_connection(
             lambda: _Connection(self, key), key[0], key[1])
@@ -258,10 +261,11 @@ class Http1Sender:
         ex = _Exchange(loop.create_future())
         timeout_s = self._timeout_s if timeout_s is None else timeout_s
         deadline = loop.time() + timeout_s
-        conn: _Connection | None = None
+        conn = self._idle_connection(key)
         try:
-            async with asyncio.timeout_at(deadline):
-                conn = await self._connection(key)
+            if conn is None:
+                async with asyncio.timeout_at(deadline):
+                    conn = await self._open(key)
         except TimeoutError:
             ex.stamp = self.now()
             ex.finish("timeout", f"no connection within {timeout_s:g} s")
