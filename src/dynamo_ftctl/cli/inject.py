@@ -35,6 +35,8 @@ app = typer.Typer(
         "--duration reverts by itself; destructive faults need --yes off a terminal. Every "
         "injection and revert is appended to the audit log.\n\n"
         "Example: ftctl -i drills/local.yaml inject slow --worker w2 --delay-ms 80 --duration 30s"
+        "\n\noverload runs a bounded background load (--rate, --concurrency) against the "
+        "worker until --duration or `ftctl inject revert`."
     ),
     invoke_without_command=True,
     rich_markup_mode=None,
@@ -96,6 +98,10 @@ def fault_command(  # noqa: PLR0917 - typer passes every option positionally
                                               "stream after N tokens.", min=0)] = 20,
     rate_kbps: Annotated[float, typer.Option("--rate-kbps", help="net-bandwidth: KiB/s.",
                                              min=0.001)] = 64.0,
+    rate: Annotated[float, typer.Option("--rate", help="overload: requests/s of the "
+                                        "background load.", min=0.001)] = 200.0,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="overload: most requests "
+                                             "in flight.", min=1)] = 256,
     audit_log: AuditOpt = None,
     state_dir: StateOpt = None,
     inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Inventory "
@@ -114,7 +120,8 @@ def fault_command(  # noqa: PLR0917 - typer passes every option positionally
     seconds = None if duration is None else parse_duration(duration, what="--duration")
     options = InjectOptions(
         pid=pid, kmsg_path=kmsg_path, gpuid=gpuid, delay_ms=delay_ms, jitter_ms=jitter_ms,
-        after_tokens=after_tokens, rate_kbps=rate_kbps, duration_s=seconds,
+        after_tokens=after_tokens, rate_kbps=rate_kbps, duration_s=seconds, rate=rate,
+        concurrency=concurrency, state_dir=state_dir,
     )
     plan = plan_injection(load_inventory_for(ctx, inventory), worker, fault, options)
     if dry_run:

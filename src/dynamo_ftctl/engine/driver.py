@@ -4,7 +4,8 @@ One asyncio task loops while there is work: it takes the engine lock, runs one
 step in a single-thread executor (torch releases the GIL, so the event loop
 keeps serving HTTP meanwhile), and puts each token event on its request's
 queue. Everything that must see the engine between steps (KV export/import,
-sleep/wake) takes the same lock. The `slow` fault sleeps after each step.
+sleep/wake) takes the same lock. The `slow` fault sleeps after each step, the `hang`
+fault stalls the loop on an event, a contained Xid ends one running request.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class AsyncEngine:
                 self._wake.clear()
                 if not self.engine.has_work():
                     await self._wake.wait()
+            if not self.faults.serving.is_set():  # the hang fault: stall, loop stays free
+                await self.faults.serving.wait()
             self.engine.corrupt_logits = self.faults.sdc
+            self._deliver(self.faults.take_contained(self.engine))
             try:
                 async with self.lock:
                     # Inline, not in the executor: a step is a few ms, and handing it to a

@@ -1,21 +1,29 @@
-"""Faults the engine can play: crash (Xid), hang, slow, disconnect, sdc, and clear.
+"""Faults the engine can play: crash (Xid), contained (Xid), hang, slow, disconnect, sdc, clear.
 
 `parse_fault` reads the admin endpoint's JSON body or a start-up flag
 (`--fault slow:delay_ms=50`) into a `FaultSpec`; `FaultState` holds what is
-active. The server applies them: `crash` and `hang` act on the process,
-`slow` delays every step, `disconnect` drops each stream after N of its own
-tokens, `sdc` corrupts logits inside the engine.
+active. The server applies them: `crash` ends the process with the Xid logged;
+`contained` (Xid 94 and the other "request" Xids of the catalog) logs the Xid
+and ends only the one request that was running on the faulty context, at the
+next step that has one (the engine keeps serving); `hang` stalls the step loop
+and every HTTP route but `/admin/fault` without blocking the event loop, until
+`clear` or its `duration_s`; `slow` delays every step, `disconnect` drops each
+stream after N of its own tokens, `sdc` corrupts logits inside the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_ftctl.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.engine.scheduler import Engine, TokenEvent
 
 __all__ = [
     "CUDA_ERRORS",
@@ -27,8 +35,8 @@ __all__ = [
     "xid_crash_lines",
 ]
 
-FaultKind = Literal["crash", "hang", "slow", "disconnect", "sdc", "clear"]
-_KINDS: tuple[str, ...] = ("crash", "hang", "slow", "disconnect", "sdc", "clear")
+FaultKind = Literal["crash", "contained", "hang", "slow", "disconnect", "sdc", "clear"]
+_KINDS: tuple[str, ...] = ("crash", "contained", "hang", "slow", "disconnect", "sdc", "clear")
 
 # What PyTorch prints when the CUDA call after the Xid fails (the engine's last words).
 CUDA_ERRORS: dict[int, str] = {
@@ -82,8 +90,8 @@ def parse_fault(body: Any) -> FaultSpec:
     if extra:
         msg = f"unknown fault field {extra[0]!r}"
         raise InvalidInput(msg)
-    xid = int(_number(body, "xid", 48, 1))
-    if kind == "crash":
+    xid = int(_number(body, "xid", 94 if kind == "contained" else 48, 1))
+    if kind in ("crash", "contained"):
         from dynamo_ftctl.faults.xid import lookup_xid
 
         lookup_xid(xid)
@@ -121,19 +129,66 @@ def parse_fault_flag(text: str) -> FaultSpec:
 
 
 class FaultState:
-    """The faults active now (set by the admin endpoint or start-up flags)."""
+    """The faults active now (set by the admin endpoint or start-up flags).
 
-    def __init__(self) -> None:
+    `serving` is set while the engine is not hung: the step loop and the HTTP
+    routes await it, so a hang stalls them without blocking the event loop.
+    """
+
+    def __init__(self, pci_bus_id: str = "0000:3b:00") -> None:
         self.delay_s = 0.0
         self.disconnect_after: int | None = None
         self.sdc = False
+        self.contained_xid: int | None = None
+        self.pci_bus_id = pci_bus_id
+        self.serving = asyncio.Event()
+        self.serving.set()
+        self._unhang: asyncio.TimerHandle | None = None
+
+    def hang(self, duration_s: float | None) -> None:
+        """Stall steps and requests (on the running loop) until `clear` or `duration_s`."""
+        self.serving.clear()
+        if self._unhang is not None:
+            self._unhang.cancel()
+            self._unhang = None
+        if duration_s is not None:
+            self._unhang = asyncio.get_running_loop().call_later(duration_s, self._resume)
+
+    def _resume(self) -> None:
+        if self._unhang is not None:
+            self._unhang.cancel()
+            self._unhang = None
+        self.serving.set()
+
+    def take_contained(self, engine: Engine) -> list[TokenEvent]:
+        """An armed contained Xid ends the oldest running request (logged); else nothing."""
+        xid = self.contained_xid
+        if xid is None or not engine.running:
+            return []
+        from dynamo_ftctl.engine.scheduler import TokenEvent
+
+        self.contained_xid = None
+        victim = engine.running[0].request_id
+        engine.abort(victim)
+        lines = xid_crash_lines(xid, self.pci_bus_id)[:2]
+        lines.append(f"ftctl-sim: Xid {xid} contained: ended request {victim}; serving goes on")
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+        return [TokenEvent(victim, None, "abort",
+                           f"{CUDA_ERRORS.get(xid, 'CUDA error')} (Xid {xid}, contained)")]
 
     def apply(self, spec: FaultSpec) -> None:
-        """Record a non-process fault (`crash` and `hang` are acted on by the server)."""
+        """Record a fault the server does not act on itself (not `crash`)."""
         if spec.kind == "clear":
             self.delay_s = 0.0
             self.disconnect_after = None
             self.sdc = False
+            self.contained_xid = None
+            self._resume()
+        elif spec.kind == "hang":
+            self.hang(spec.duration_s)
+        elif spec.kind == "contained":
+            self.contained_xid = spec.xid
         elif spec.kind == "slow":
             self.delay_s = spec.delay_ms / 1000.0
         elif spec.kind == "disconnect":
@@ -144,7 +199,8 @@ class FaultState:
     def to_json(self) -> dict[str, Any]:
         """The active faults, for `GET /admin/fault`."""
         return {"slow_delay_ms": self.delay_s * 1000.0,
-                "disconnect_after_tokens": self.disconnect_after, "sdc": self.sdc}
+                "disconnect_after_tokens": self.disconnect_after, "sdc": self.sdc,
+                "hung": not self.serving.is_set(), "contained_xid": self.contained_xid}
 
 
 def xid_crash_lines(xid: int, pci_bus_id: str) -> list[str]:

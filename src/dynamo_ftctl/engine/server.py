@@ -27,7 +27,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -625,11 +624,6 @@ def _crash(spec: FaultSpec, pci_bus_id: str) -> None:
     os._exit(spec.exit_code)
 
 
-def _hang(duration_s: float | None) -> None:
-    # Blocks the event loop: no request is answered, the process stays alive.
-    threading.Event().wait(duration_s)
-
-
 def apply_fault(state: ServerState, spec: FaultSpec) -> None:
     """Act on a fault: schedule crash/hang on the event loop, record the others."""
     loop = asyncio.get_running_loop()
@@ -638,7 +632,7 @@ def apply_fault(state: ServerState, spec: FaultSpec) -> None:
     if spec.kind == "crash":
         loop.call_later(delay, _crash, spec, state.settings.pci_bus_id)
     elif spec.kind == "hang":
-        loop.call_later(delay, _hang, spec.duration_s)
+        loop.call_later(delay, state.faults.hang, spec.duration_s)
     else:
         state.faults.apply(spec)
         state.engine.corrupt_logits = state.faults.sdc
@@ -771,7 +765,24 @@ def create_app(state: ServerState) -> Starlette:
         Route("/admin/kv/import", kv_import, methods=["POST"]),
         Route("/admin/kv/{request_id:path}", kv_export, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    from starlette.middleware import Middleware
+
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(_StallWhileHung, faults=state.faults)])
+
+
+class _StallWhileHung:
+    """The hang fault: every route but /admin/fault waits (the event loop stays free)."""
+
+    def __init__(self, app: Any, faults: FaultState) -> None:
+        self.app = app
+        self.faults = faults
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (not self.faults.serving.is_set() and scope["type"] == "http"
+                and scope["path"] != "/admin/fault"):
+            await self.faults.serving.wait()
+        await self.app(scope, receive, send)
 
 
 def build_state(settings: ServerSettings) -> ServerState:
@@ -788,7 +799,7 @@ def build_state(settings: ServerSettings) -> ServerState:
         msg = f"--device {settings.device}: CUDA is not available on this machine"
         raise InvalidInput(msg)
     engine = Engine(settings.config, settings.seed, settings.device)
-    faults = FaultState()
+    faults = FaultState(settings.pci_bus_id)
     metrics = EngineMetrics(settings.config.name)
     return ServerState(settings, engine, AsyncEngine(engine, faults, metrics), faults, metrics)
 

@@ -81,6 +81,10 @@ class InjectOptions:
     after_tokens: int = 20
     rate_kbps: float = 64.0
     duration_s: float | None = None
+    rate: float = 200.0
+    concurrency: int = 256
+    load_bound_s: float = 600.0
+    state_dir: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -302,13 +306,11 @@ def _plan_steps(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
         if t.has("signal"):
             return FAULTS[fault].summary, [t.signal("SIGSTOP")], [t.signal("SIGCONT")]
         t.need(fault, "http")
-        body: dict[str, Any] = {"kind": "hang"}
-        if o.duration_s is not None:
-            body["duration_s"] = o.duration_s
-        return "block the engine's event loop (admin hang)", [t.http(body)], []
+        return ("stall the engine's steps and requests (admin hang)", [t.http({"kind": "hang"})],
+                [t.http(_CLEAR)])
     if fault in ("slow", "disconnect", "sdc"):
         t.need(fault, "http")
-        body = {"kind": fault}
+        body: dict[str, Any] = {"kind": fault}
         if fault == "slow":
             body["delay_ms"] = o.delay_ms
         if fault == "disconnect":
@@ -333,9 +335,29 @@ def _plan_steps(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
         return _plan_net(fault, t)
     if fault.startswith("xid"):
         return _plan_xid(fault, int(fault[3:]), t)
-    msg = (f"fault {fault!r} is a load pattern, not an injection: run it with `ftctl load` "
-           "or a drill's load profile")
-    raise InvalidInput(msg)
+    return _plan_overload(t)
+
+
+def _plan_overload(t: _Target) -> tuple[str, list[Step], list[Step]]:
+    """A background load process against the worker, bounded; the revert stops it."""
+    import secrets
+
+    from dynamo_ftctl.faults.overload import OverloadLoad
+
+    o = t.options
+    if o.rate <= 0 or o.concurrency < 1:
+        msg = "overload: --rate must be positive and --concurrency at least 1"
+        raise InvalidInput(msg)
+    # Bounded even when the revert never comes: the duration (plus a margin) or the cap.
+    bound = min(o.load_bound_s, o.duration_s + 5.0) if o.duration_s else o.load_bound_s
+    load = OverloadLoad(url=t.worker.url, model=t.worker.model, rate=o.rate,
+                        concurrency=o.concurrency, bound_s=bound)
+    folder = (o.state_dir or default_state_dir()) / "loads"
+    pid_file = str(folder / f"{t.worker.name}-{secrets.token_hex(4)}.json")
+    summary = (f"{o.rate:g} req/s, at most {o.concurrency} in flight, against "
+               f"{t.worker.url} for at most {bound:g} s")
+    return (summary, [Step("load", pid_file, {"action": "start", "argv": load.argv()})],
+            [Step("load", pid_file, {"action": "stop"})])
 
 
 def _plan_net(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
@@ -382,14 +404,11 @@ def _plan_xid(fault: str, xid: int, t: _Target) -> tuple[str, list[Step], list[S
         if t.has("signal"):
             return summary, [*logs, t.signal("SIGSTOP")], [t.signal("SIGCONT")]
         t.need(fault, "http", "signal")
-        body: dict[str, Any] = {"kind": "hang"}
-        if t.options.duration_s is not None:
-            body["duration_s"] = t.options.duration_s
-        return summary, [*logs, t.http(body)], []
-    # "request": only requests in flight fail; the engine keeps serving new ones.
+        return summary, [*logs, t.http({"kind": "hang"})], [t.http(_CLEAR)]
+    # "request" (contained): the one request running on the faulty context ends with an
+    # error, the engine logs the Xid and keeps serving; nothing to revert.
     t.need(fault, "http")
-    return (summary, [*logs, t.http({"kind": "disconnect", "after_tokens": 0})],
-            [t.http(_CLEAR)])
+    return summary, [*logs, t.http({"kind": "contained", "xid": xid})], []
 
 
 def _fault_is_destructive(fault: str) -> bool:
@@ -481,15 +500,19 @@ def run_injection(
     state_dir = state_dir or default_state_dir()
     ident = f"{int(clock.wall() * 1000)}-{os.getpid()}-{plan.worker}-{plan.fault}"
     record: Path | None = None
+    doc: dict[str, Any] = {"id": ident, "fault": plan.fault, "worker": plan.worker,
+                           "created": clock.wall(), "duration_s": plan.duration_s,
+                           "reverts": [s.to_json() for s in plan.reverts]}
     if plan.reverts:
         record = _reverts_dir(state_dir) / f"{ident}.json"
-        write_record(record, {"id": ident, "fault": plan.fault, "worker": plan.worker,
-                              "created": clock.wall(), "duration_s": plan.duration_s,
-                              "reverts": [s.to_json() for s in plan.reverts]})
+        write_record(record, doc)
     outcomes: list[str] = []
     try:
         for step in plan.steps:
             outcomes.append(injectors.execute(step))
+        if record is not None:
+            # What the steps did (a background load's pid, say) goes into the record too.
+            write_record(record, {**doc, "outcomes": outcomes})
     except FtctlError as exc:
         # Half-applied: undo what can be undone, then report the failure.
         _apply_reverts(injectors, plan.reverts)

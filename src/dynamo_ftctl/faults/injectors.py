@@ -1,4 +1,4 @@
-"""The five injectors: how one planned step reaches a worker.
+"""The injectors: how one planned step reaches a worker.
 
 A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
 `Injectors.execute` carries it out through one seam per side effect:
@@ -10,6 +10,7 @@ A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
             /dev/kmsg (or a file, for tests), so GPU health agents fire
     dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid)
     net     the TCP fault proxy's control API (POST/DELETE /toxics)
+    load    start or stop a bounded background load process (`faults/overload.py`)
 
 Low-level failures become `FtctlError`s here, once: a vanished pid or a
 refused connection is `Unreachable` (exit 3), a rejected request is
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
 
-InjectorKind = Literal["signal", "http", "kmsg", "dcgm", "net"]
+InjectorKind = Literal["signal", "http", "kmsg", "dcgm", "net", "load"]
 _HTTP_TIMEOUT_S = 5.0
 _DCGMI_TIMEOUT_S = 15.0
 # DCGM field 230 is DCGM_FI_DEV_XID_ERRORS (dcgm_fields.h): the last Xid seen on the GPU.
@@ -62,6 +63,11 @@ class Step:
             return f"append to {self.target}: {self.data['line']}"
         if self.injector == "dcgm":
             return "run: " + " ".join(self.data["argv"])
+        if self.injector == "load":
+            if self.data["action"] == "start":
+                return (f"start in the background (pid in {self.target}): "
+                        + " ".join(self.data["argv"]))
+            return f"stop the background load whose pid is in {self.target} (SIGTERM)"
         method = self.data["method"]
         payload = self.data.get("body")
         return f"{method} {self.target}" + (
@@ -104,7 +110,7 @@ class Injectors:
         """Carry out one step; returns a short outcome ("ok", "HTTP 200", …)."""
         handler = {
             "signal": self._signal, "http": self._http, "kmsg": self._kmsg,
-            "dcgm": self._dcgm, "net": self._net,
+            "dcgm": self._dcgm, "net": self._net, "load": self._load,
         }[step.injector]
         return handler(step)
 
@@ -178,6 +184,13 @@ class Injectors:
             msg = f"cannot write {path}: {exc.strerror or exc}"
             raise Unreachable(msg) from None
         return f"wrote {len(record)} bytes"
+
+    def _load(self, step: Step) -> str:
+        from dynamo_ftctl.faults.overload import start_overload, stop_overload
+
+        if step.data["action"] == "start":
+            return start_overload(Path(step.target), [str(a) for a in step.data["argv"]])
+        return stop_overload(Path(step.target))
 
     def _dcgm(self, step: Step) -> str:
         argv = [str(a) for a in step.data["argv"]]

@@ -20,6 +20,7 @@ from dynamo_ftctl.faults.injectors import Injectors
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
 from dynamo_ftctl.inventory import Inventory, load_inventory
 from dynamo_ftctl.openai import (
+    ApiError,
     StreamAccumulator,
     completion_request,
     iter_sse_events,
@@ -33,11 +34,13 @@ pytestmark = pytest.mark.integration
 MODEL = "ftctl-sim-tiny"
 BODY = completion_request(MODEL, "a long answer", max_tokens=40, temperature=0.0,
                           return_token_ids=True, extra={"ignore_eos": True})
-FAULTS = "[kill, hang, slow, sdc, disconnect, xid48, xid63, net-latency]"
+FAULTS = ("[kill, term, hang, slow, sdc, disconnect, thermal, ecc, overload, xid48, xid63, "
+          "xid94, net-latency, net-bandwidth]")
 
 
 def _inventory(tmp_path: Path, worker: SimWorker, *, url: str | None = None,
-               injectors: str = "[signal, http, kmsg]", netproxy: str | None = None) -> Inventory:
+               injectors: str = "[signal, http, kmsg]", netproxy: str | None = None,
+               gpus: str = "[]") -> Inventory:
     net = f", netproxy: {netproxy}" if netproxy else ""
     path = tmp_path / "inv.yaml"
     path.write_text(f"""
@@ -46,6 +49,7 @@ workers:
   - name: w1
     url: {url or worker.url}
     model: {MODEL}
+    gpus: {gpus}
     admin: {{url: {worker.url}, token_env: FTCTL_TEST_ADMIN}}
     process: {{pid_file: {worker.pid_file}}}
     faults: {FAULTS}
@@ -68,6 +72,19 @@ def _stream(url: str, body: dict[str, Any] = BODY) -> StreamAccumulator:
     except httpx.RemoteProtocolError:
         pass
     return acc
+
+
+def _stream_or_error(url: str) -> tuple[StreamAccumulator, str | None]:
+    """A stream's tokens so far and the error event that ended it, if one did."""
+    acc = StreamAccumulator()
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True},
+                          timeout=30) as response:
+            for event in iter_sse_events(response.iter_raw()):
+                acc.add(parse_sse_event(event))
+    except ApiError as exc:
+        return acc, str(exc)
+    return acc, None
 
 
 @pytest.fixture
@@ -185,3 +202,209 @@ def test_net_latency_through_the_fault_proxy(worker: SimWorker, netproxy: dict[s
     assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
     assert min(_ttft(netproxy["url"]) for _ in range(3)) < base + 0.05
     assert os.environ.get("FTCTL_TEST_ADMIN") is None  # the token never left the Injectors
+
+
+def _common(worker: SimWorker, tmp_path: Path, **extra: Any) -> dict[str, Any]:
+    return {"injectors": extra.pop("injectors", None) or _injectors(worker),
+            "audit_log": tmp_path / "a.jsonl", "state_dir": tmp_path / "s", **extra}
+
+
+def test_term_stops_the_engine_gracefully(worker: SimWorker, tmp_path: Path) -> None:
+    """term SIGTERMs the engine from its pid file: it exits by itself; nothing to revert."""
+    inv = _inventory(tmp_path, worker)
+    plan = plan_injection(inv, "w1", "term")
+    assert plan.reverts == ()
+    result = run_injection(plan, **_common(worker, tmp_path))
+    assert result.outcomes == ("sent SIGTERM",)
+    assert worker.wait_exit(timeout_s=20) is not None
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{worker.url}/health", timeout=2)
+
+
+def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
+    worker: SimWorker, tmp_path: Path,
+) -> None:
+    """thermal: tokens slow down and dcgmi sets the HW thermal throttle reason; revert undoes both."""
+    calls: list[list[str]] = []
+
+    def dcgmi(argv: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    inv = _inventory(tmp_path, worker, injectors="[http, dcgm]", gpus="[3]")
+    injectors = Injectors(environ={"FTCTL_TEST_ADMIN": worker.admin_token or ""},
+                          run_command=dcgmi)
+    common = _common(worker, tmp_path, injectors=injectors)
+    quick = {**BODY, "max_tokens": 10}
+    started = time.monotonic()
+    clean = _stream(worker.url, quick)
+    clean_s = time.monotonic() - started
+    run_injection(plan_injection(inv, "w1", "thermal", InjectOptions(delay_ms=40)), **common)
+    started = time.monotonic()
+    hot = _stream(worker.url, quick)
+    assert time.monotonic() - started >= 10 * 0.04 * 0.9
+    assert hot.token_ids == clean.token_ids  # slower, not wrong
+    assert calls == [["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "64"]]
+    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers={
+        "Authorization": f"Bearer {worker.admin_token}"}).json()["slow_delay_ms"] == 40
+    revert_pending(all_=True, **common)
+    assert calls[-1] == ["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "0"]
+    started = time.monotonic()
+    assert _stream(worker.url, quick).token_ids == clean.token_ids
+    assert time.monotonic() - started < max(10 * 0.04 * 0.9, clean_s + 0.3)
+
+
+def test_ecc_logs_a_row_remap_xid_and_serving_goes_on(worker: SimWorker, tmp_path: Path) -> None:
+    """ecc writes a parseable Xid 63 line naming the engine; the engine keeps answering."""
+    inv = _inventory(tmp_path, worker)
+    plan = plan_injection(inv, "w1", "ecc")
+    assert plan.reverts == ()
+    run_injection(plan, **_common(worker, tmp_path))
+    parsed = parse_xid_line((tmp_path / "kmsg.log").read_text().splitlines()[0])
+    assert parsed is not None
+    assert (parsed.xid, parsed.pid) == (63, worker.pid)
+    assert _stream(worker.url).finished
+    assert worker.alive
+
+
+def test_xid94_ends_only_the_request_on_the_faulty_context(
+    worker: SimWorker, tmp_path: Path,
+) -> None:
+    """xid94: of two concurrent streams one ends with an error, the other finishes; the engine
+    stays up and logs the Xid line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inv = _inventory(tmp_path, worker)
+    common = _common(worker, tmp_path)
+    clean = _stream(worker.url)
+    # Slow tokens keep both streams in flight while the Xid arrives.
+    run_injection(plan_injection(inv, "w1", "slow", InjectOptions(delay_ms=50)), **common)
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(_stream_or_error, worker.url) for _ in range(2)]
+        deadline = time.monotonic() + 20
+        while _metric(worker, "vllm:num_requests_running") < 2:
+            assert time.monotonic() < deadline, "two streams never ran at once"
+            time.sleep(0.02)
+        result = run_injection(plan_injection(inv, "w1", "xid94"), **common)
+        done = [f.result(timeout=60) for f in streams]
+    assert result.plan.reverts == ()
+    failed = [(acc, error) for acc, error in done if error is not None]
+    finished = [acc for acc, error in done if error is None and acc.finished]
+    assert len(failed) == 1
+    assert len(finished) == 1
+    assert finished[0].token_ids == clean.token_ids
+    assert "Xid 94, contained" in str(failed[0][1])
+    assert len(failed[0][0].token_ids) < len(clean.token_ids)
+    revert_pending(all_=True, **common)
+    assert _stream(worker.url).token_ids == clean.token_ids  # serving goes on
+    assert worker.alive
+    err = worker.stderr_text()
+    assert f"NVRM: Xid (PCI:0000:3b:00): 94, pid={worker.pid}," in err
+    parsed = parse_xid_line((tmp_path / "kmsg.log").read_text().splitlines()[0])
+    assert parsed is not None
+    assert parsed.xid == 94
+
+
+def _metric(worker: SimWorker, name: str) -> float:
+    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+def test_hang_by_http_stalls_requests_but_not_the_loop(
+    sim_worker_factory: Any, tmp_path: Path,
+) -> None:
+    """hang through the admin API: /health and streams stall while /admin/fault still answers;
+    the revert resumes them and the stalled stream finishes intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = sim_worker_factory(name="hang-http")
+    inv = _inventory(tmp_path, worker, injectors="[http]")
+    common = _common(worker, tmp_path)
+    clean = _stream(worker.url)
+    auth = {"Authorization": f"Bearer {worker.admin_token}"}
+    run_injection(plan_injection(inv, "w1", "slow", InjectOptions(delay_ms=20)), **common)
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(_stream, worker.url)
+        deadline = time.monotonic() + 20
+        while _metric(worker, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.02)
+        run_injection(plan_injection(inv, "w1", "hang"), **common)
+        deadline = time.monotonic() + 10
+        hung = False
+        while not hung and time.monotonic() < deadline:
+            try:
+                httpx.get(f"{worker.url}/health", timeout=0.5)
+            except httpx.TimeoutException:
+                hung = True
+        assert hung
+        state = httpx.get(f"{worker.url}/admin/fault", headers=auth, timeout=2).json()
+        assert state["hung"] is True
+        assert not stalled.done()
+        revert_pending(all_=True, **common)
+        assert httpx.get(f"{worker.url}/health", timeout=5).status_code == 200
+        assert stalled.result(timeout=60).token_ids == clean.token_ids
+
+
+def test_net_bandwidth_through_the_fault_proxy(worker: SimWorker, netproxy: dict[str, str],
+                                               tmp_path: Path) -> None:
+    """net-bandwidth 2 KiB/s on the worker's proxy slows a big answer to about that rate; the
+    revert lifts the limit."""
+    inv = _inventory(tmp_path, worker, url=netproxy["url"], injectors="[http, net]",
+                     netproxy=netproxy["control"])
+    common = _common(worker, tmp_path)
+    body = {**BODY, "max_tokens": 64, "logprobs": 5}
+
+    def fetch() -> tuple[int, float]:
+        started = time.perf_counter()
+        response = httpx.post(f"{netproxy['url']}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        return len(response.content), time.perf_counter() - started
+
+    size, _ = fetch()
+    assert size > 8 * 1024  # big enough that 2 KiB/s takes seconds
+    run_injection(plan_injection(inv, "w1", "net-bandwidth", InjectOptions(rate_kbps=2)),
+                  **common)
+    _, slow_s = fetch()
+    assert slow_s >= size / (2 * 1024) * 0.8
+    revert_pending(all_=True, **common)
+    assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
+    _, again_s = fetch()
+    assert again_s < slow_s / 2
+
+
+def test_overload_saturates_the_worker_and_revert_stops_the_load(
+    sim_worker_factory: Any, tmp_path: Path,
+) -> None:
+    """overload starts a background load that queues requests on the worker (waiting > 0);
+    the revert record names the load's pid, and the revert ends it and the queue drains."""
+    worker = sim_worker_factory(name="overload", model_config="ftctl-sim-tiny-small-cache")
+    inv = _inventory(tmp_path, worker)
+    common = _common(worker, tmp_path)
+    result = run_injection(plan_injection(
+        inv, "w1", "overload", InjectOptions(rate=100, concurrency=40, state_dir=tmp_path / "s")),
+        **common)
+    assert result.pending_revert is not None
+    record = json.loads(result.pending_revert.read_text())
+    pid = int(record["outcomes"][0].split("pid ")[1].split()[0])
+    assert Path(f"/proc/{pid}").exists()
+    try:
+        deadline = time.monotonic() + 30
+        peak = 0.0
+        while peak <= 0 and time.monotonic() < deadline:
+            peak = max(peak, _metric(worker, "vllm:num_requests_waiting"))
+            time.sleep(0.05)
+        assert peak > 0, "the worker never queued a request"
+    finally:
+        reverted = revert_pending(all_=True, **common)
+    assert [r["fault"] for r in reverted.reverted] == ["overload"]
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    deadline = time.monotonic() + 30
+    while _metric(worker, "vllm:num_requests_running") + _metric(
+            worker, "vllm:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "the load went on after the revert"
+        time.sleep(0.1)
+    actions = [json.loads(line)["action"] for line in (tmp_path / "a.jsonl").read_text()
+               .splitlines()]
+    assert actions == ["inject", "revert"]

@@ -121,7 +121,7 @@ def test_fault_without_its_injector_is_refused(inventory: Inventory) -> None:
 
 
 def test_xid_effects_follow_the_catalog(inventory: Inventory) -> None:
-    """xid48 crashes, xid63 only logs, xid94 fails requests, xid43 stops the process."""
+    """xid48 crashes, xid63 only logs, xid94 ends one request (no revert), xid43 stops it."""
     crash = plan_injection(inventory, "w1", "xid48")
     assert [s.injector for s in crash.steps] == ["kmsg", "dcgm", "dcgm", "http"]
     assert crash.steps[-1].data["body"] == {"kind": "crash", "xid": 48}
@@ -130,8 +130,8 @@ def test_xid_effects_follow_the_catalog(inventory: Inventory) -> None:
     assert {s.injector for s in log.steps} == {"kmsg", "dcgm"}
     assert not log.destructive
     request = plan_injection(inventory, "w1", "xid94")
-    assert request.steps[-1].data["body"] == {"kind": "disconnect", "after_tokens": 0}
-    assert request.reverts[0].data["body"] == {"kind": "clear"}
+    assert request.steps[-1].data["body"] == {"kind": "contained", "xid": 94}
+    assert request.reverts == ()
     hang = plan_injection(inventory, "w1", "xid43")
     assert hang.steps[-1].data == {"signal": "SIGSTOP"}
     assert hang.reverts[0].data == {"signal": "SIGCONT"}
