@@ -30,9 +30,9 @@ Pure code: no I/O, no clock; the proxy (`migrate/proxy.py`) drives it.
 from __future__ import annotations
 
 import copy
+import itertools
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -53,6 +53,10 @@ Endpoint = Literal["completions", "chat"]
 # everything else in the client's body is carried too, these are just the ones
 # the ledger must never drop or rewrite.
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
+# Request ids: a random tag per process and a counter (uuid4 costs a urandom call
+# per request, 1.4% of the proxy's CPU on short requests).
+_ID_TAG = secrets.token_hex(8)
+_ID_COUNTER = itertools.count()
 # What the proxy does with stop strings itself (never sent upstream).
 _STOP_KEYS = ("stop", "include_stop_str_in_output")
 
@@ -252,7 +256,7 @@ class StreamLedger:
         self.stops = StopFinder.from_body(self.body)
         if not self.request_id:
             prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
-            self.request_id = f"{prefix}-{uuid.uuid4().hex}"
+            self.request_id = f"{prefix}-{_ID_TAG}{next(_ID_COUNTER):016x}"
         prompt = self.body.get("prompt")
         if self.endpoint == "completions" and isinstance(prompt, list) and all(
             isinstance(v, int) for v in prompt

@@ -623,3 +623,25 @@ def test_stalled_worker_is_migrated_by_kv_when_the_calibration_says_so(
         assert got.migrated == 1
         assert migration_count(proxy, method) == before + 1
         set_fault(by_name[stalled[0]], {"kind": "clear"})
+
+
+def test_bad_calibration_file_exits_2_naming_the_file_and_key(tmp_path: Path) -> None:
+    """--calibration with an invalid file: one line naming file and key, exit 2, no server."""
+    bad = tmp_path / "cal.yaml"
+    bad.write_text("version: 1\nworker: a\npeer: b\nmodel: m\nlayers: zero\n")
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(yaml.safe_dump({
+        "cluster": "c", "workers": [{"name": "w", "url": "http://127.0.0.1:9", "model": MODEL}],
+        "proxy": {"listen": "127.0.0.1:0"},
+    }))
+    done = subprocess.run(
+        [sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy",
+         "--calibration", str(bad)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"{bad}:5" in lines[0]
+    assert "layers" in lines[0]
+    assert "serving" not in done.stderr
