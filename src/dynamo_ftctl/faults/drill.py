@@ -46,8 +46,11 @@ if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import LocalCluster
     from dynamo_ftctl.faults.drill_report import DrillReport
     from dynamo_ftctl.faults.netproxy import NetProxy
+    from dynamo_ftctl.faults.scenario import LoadProfile
     from dynamo_ftctl.health.canaryset import CanarySet
     from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.loadgen.config import LoadConfig
+    from dynamo_ftctl.loadgen.record import RequestRecord
     from dynamo_ftctl.loadgen.runner import LoadReport
 
 __all__ = ["ProbeOutcome", "TimelineEvent", "run_drill"]
@@ -314,8 +317,49 @@ def _canary(run: _Run, probe: Probe) -> tuple[bool, str]:
         time.sleep(0.2)  # re-probe until the deadline
 
 
+def _shed(run: _Run, probe: Probe) -> tuple[bool, str]:
+    """One request at a time with the probe's priority until the proxy sheds one properly."""
+    import json
+
+    import httpx
+
+    from dynamo_ftctl.migrate.admission import BUSY_BODY
+    from dynamo_ftctl.openai import completion_request
+
+    want = {**BUSY_BODY, "code": 503}
+    body = completion_request(run.inventory.workers[0].model, "shed?", max_tokens=1)
+    headers = {"x-ftctl-priority": str(probe.priority)}
+    deadline = time.monotonic() + probe.within_s
+    sent = 0
+    last = "no answer"
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            sent += 1
+            try:
+                response = client.post(f"{run.target_url}/v1/completions", json=body,
+                                       headers=headers)
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code == 503:
+                retry_after = response.headers.get("retry-after")
+                try:
+                    answer = json.loads(response.content)
+                except ValueError:
+                    answer = response.text[:200]
+                if retry_after is not None and answer == want:
+                    return True, (f"{probe.priority}: 503 with Retry-After: {retry_after} and "
+                                  f"the busy body (request {sent})")
+                last = f"503 with Retry-After {retry_after!r} and body {answer!r}"
+            else:
+                last = f"HTTP {response.status_code}"
+            time.sleep(0.02)  # next try of a condition bounded by the deadline
+    return False, f"{probe.priority}: not shed within {probe.within_s:g} s ({sent} sent; {last})"
+
+
 def _state_probe(run: _Run, probe: Probe, phase: str, t_s: float | None = None) -> ProbeOutcome:
-    check = _workers_healthy if probe.kind == "workers_healthy" else _canary
+    checks = {"workers_healthy": _workers_healthy, "canary": _canary, "shed": _shed}
+    check = checks[probe.kind]
     try:
         passed, detail = check(run, probe)
     except FtctlError as exc:
@@ -331,19 +375,47 @@ def load_counts(report: LoadReport, max_tokens: int) -> dict[str, Any]:
     Drill loads ask for exactly `max_tokens` tokens (ignore_eos), so a completed
     answer with fewer lost some, and one with more repeated some.
     """
-    measured = [r for r in report.records if not r.warmup]
-    ok = [r for r in measured if r.ok]
-    lost = sum(max(0, max_tokens - r.output_tokens) for r in ok)
-    duplicated = sum(max(0, r.output_tokens - max_tokens) for r in ok)
-    rejected = sum(1 for r in measured if r.status in (503, 529))
+    return _counts([(r, max_tokens) for r in report.records if not r.warmup])
+
+
+def _counts(measured: list[tuple[RequestRecord, int]]) -> dict[str, Any]:
+    ok = [(r, n) for r, n in measured if r.ok]
+    lost = sum(max(0, n - r.output_tokens) for r, n in ok)
+    duplicated = sum(max(0, r.output_tokens - n) for r, n in ok)
+    shed = [r for r, _ in measured if r.status in (503, 529)]
     return {"sent": len(measured), "completed": len(ok), "failed": len(measured) - len(ok),
-            "migrated": sum(1 for r in measured if r.migrated), "rejected": rejected,
+            "migrated": sum(1 for r, _ in measured if r.migrated), "rejected": len(shed),
+            "shed_with_retry_after": sum(1 for r in shed if r.retry_after_s is not None),
             "tokens_lost": lost, "tokens_duplicated": duplicated,
-            "error_rate": (len(measured) - len(ok)) / len(measured) if measured else 0.0}
+            "error_rate": (len(measured) - len(ok)) / len(measured) if measured else 0.0,
+            "admitted_error_rate": (
+                (len(measured) - len(ok) - len(shed)) / (len(measured) - len(shed))
+                if len(measured) > len(shed) else 0.0)}
+
+
+def loads_counts(runs: list[tuple[LoadProfile, LoadReport]]) -> dict[str, Any]:
+    """`load_counts` over every profile, and per priority (`by_priority`) when they differ."""
+    measured = [(r, profile.max_tokens) for profile, report in runs
+                for r in report.records if not r.warmup]
+    counts = _counts(measured)
+    if len(runs) > 1:
+        counts["by_priority"] = {
+            tier: _counts([(r, profile.max_tokens) for profile, report in runs
+                           if (profile.priority or "standard") == tier
+                           for r in report.records if not r.warmup])
+            for tier in dict.fromkeys(profile.priority or "standard" for profile, _ in runs)
+        }
+    return counts
 
 
 def _metric_probe(probe: Probe, counts: dict[str, Any], ttft_p99: float | None) -> ProbeOutcome:
     assert probe.max is not None
+    if probe.priority is not None:
+        tiers = counts.get("by_priority", {})
+        if probe.priority not in tiers:
+            return ProbeOutcome(probe.name, probe.kind, "after", False,
+                                f"no {probe.priority} load in the method")
+        counts = tiers[probe.priority]
     value: float | None
     if probe.kind == "ttft_p99_ms":
         value = ttft_p99
@@ -463,8 +535,25 @@ def _proxy_migrations(url: str) -> float | None:
     return total
 
 
-async def _method(run: _Run) -> LoadReport | None:
+def _load_config(run: _Run, load: LoadProfile) -> LoadConfig:
     from dynamo_ftctl.loadgen.config import Length, LoadConfig, Schedule, Workload
+
+    targets = ((run.target_url,) if load.via == "proxy"
+               else tuple(w.url for w in run.inventory.workers))
+    return LoadConfig(
+        targets=targets,
+        schedule=Schedule(rate=load.rate, arrival="poisson", seed=load.seed,
+                          concurrency=load.concurrency),
+        workload=Workload(model=run.inventory.workers[0].model,
+                          prompt_tokens=Length.fixed(load.prompt_tokens),
+                          max_tokens=Length.fixed(load.max_tokens), stream=load.stream,
+                          ignore_eos=True, priority=load.priority),
+        duration_s=load.duration_s, timeout_s=load.timeout_s,
+    )
+
+
+async def _method(run: _Run) -> list[tuple[LoadProfile, LoadReport]]:
+    """The timeline over every load profile at once; each profile's report."""
     from dynamo_ftctl.loadgen.runner import LoadEvent, run_load_async
 
     method = run.scenario.method
@@ -473,36 +562,29 @@ async def _method(run: _Run) -> LoadReport | None:
     markers: list[tuple[float, str]] = []
     poller = asyncio.ensure_future(_poll_states(run, started, stop))
     try:
-        if method.load is None:
+        profiles = method.profiles
+        if not profiles:
             run.t0 = run.clock.now()
             started.set()
             await _timeline(run, started, markers)
             await run.clock.asleep(method.settle_s)
-            return None
-        load = method.load
+            return []
 
         def on_event(event: LoadEvent) -> None:
-            if event.kind == "started":
+            if event.kind == "started" and not started.is_set():
                 run.t0 = event.t0
                 started.set()
 
-        targets = ((run.target_url,) if load.via == "proxy"
-                   else tuple(w.url for w in run.inventory.workers))
-        config = LoadConfig(
-            targets=targets,
-            schedule=Schedule(rate=load.rate, arrival="poisson", seed=load.seed,
-                              concurrency=load.concurrency),
-            workload=Workload(model=run.inventory.workers[0].model,
-                              prompt_tokens=Length.fixed(load.prompt_tokens),
-                              max_tokens=Length.fixed(load.max_tokens), stream=load.stream,
-                              ignore_eos=True, priority=load.priority),
-            duration_s=load.duration_s, timeout_s=load.timeout_s,
-        )
+        via_proxy = any(p.via == "proxy" for p in profiles)
         timeline = asyncio.ensure_future(_timeline(run, started, markers))
         migrations_before = (await asyncio.to_thread(_proxy_migrations, run.target_url)
-                             if load.via == "proxy" else None)
+                             if via_proxy else None)
         try:
-            report = await run_load_async(config, on_event=on_event, markers=markers)
+            # Only the first profile carries the fault markers (one plot timeline).
+            reports = await asyncio.gather(*(
+                run_load_async(_load_config(run, p), on_event=on_event,
+                               markers=markers if i == 0 else [])
+                for i, p in enumerate(profiles)))
             if migrations_before is not None:
                 after = await asyncio.to_thread(_proxy_migrations, run.target_url)
                 if after is not None:
@@ -511,7 +593,7 @@ async def _method(run: _Run) -> LoadReport | None:
         finally:
             timeline.cancel()
         await run.clock.asleep(method.settle_s)
-        return report
+        return list(zip(profiles, reports, strict=True))
     finally:
         stop.set()
         await poller
@@ -600,12 +682,13 @@ def _deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _ttft_split(report: LoadReport | None, first_fault: float | None) -> dict[str, Any]:
+def _ttft_split(records: list[RequestRecord] | None,
+                first_fault: float | None) -> dict[str, Any]:
     from dynamo_ftctl.loadgen.stats import percentile
 
-    if report is None:
+    if records is None:
         return {}
-    measured = [r for r in report.records if not r.warmup and r.ttft_s is not None]
+    measured = [r for r in records if not r.warmup and r.ttft_s is not None]
     all_ms = [r.ttft_s * 1000 for r in measured if r.ttft_s is not None]
     before = [r.ttft_s * 1000 for r in measured
               if r.ttft_s is not None and (first_fault is None or r.planned < first_fault)]
@@ -674,7 +757,7 @@ def run_drill(
                target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None))
     started_at = clock.wall()
     local_run = _Local()
-    report: LoadReport | None = None
+    runs: list[tuple[LoadProfile, LoadReport]] | None = None
     error: str | None = None
     interrupted = False
     before_ok = False
@@ -692,7 +775,7 @@ def run_drill(
                 run.probes.extend(before)
                 before_ok = all(p.passed for p in before)
                 if before_ok:
-                    report = asyncio.run(_method(run))
+                    runs = asyncio.run(_method(run))
             except KeyboardInterrupt:
                 interrupted = True
                 error = "interrupted"
@@ -708,20 +791,21 @@ def run_drill(
         local_run.stop()
     detections = _detections(run, out / "transitions.jsonl")
     first_fault = min((e.at_s for e in scenario.method.timeline if e.fault), default=None)
-    latency = _ttft_split(report, first_fault)
+    records = sorted((r for _, rep in runs or () for r in rep.records), key=lambda r: r.planned)
+    latency = _ttft_split(records if runs else None, first_fault)
     counts: dict[str, Any] = {}
     if before_ok:
         run.probes.extend(_drained_probe(run, p, detections)
                           for p in scenario.hypothesis.probes if p.kind == "drained_s")
-    if report is not None and scenario.method.load is not None:
-        counts = load_counts(report, scenario.method.load.max_tokens)
+    if runs:
+        counts = loads_counts(runs)
         if run.proxy_migrations is not None:
             counts["migrated"] = max(counts["migrated"], run.proxy_migrations)
         for probe in scenario.hypothesis.probes:
             if probe.kind in METRIC_KINDS and probe.kind != "drained_s":
                 run.probes.append(_metric_probe(probe, counts, latency.get("ttft_p99_ms")))
     passed = (before_ok and error is None
-              and (report is not None or scenario.method.load is None)
+              and (bool(runs) or not scenario.method.profiles)
               and all(p.passed for p in run.probes))
     drill = DrillReport(
         scenario=str(path), title=scenario.title, local=local, passed=bool(passed),
@@ -729,9 +813,7 @@ def run_drill(
         error=error, counts=counts, latency=latency, probes=tuple(run.probes),
         events=tuple(sorted(run.events, key=lambda e: e.t_s)), rollbacks=tuple(run.rollbacks),
         states=tuple(run.states), out_dir=out, detections=detections,
-        records=tuple(
-            (r.planned, r.done, r.ttft_s, r.ok, r.status) for r in report.records
-        ) if report is not None else (),
+        records=tuple((r.planned, r.done, r.ttft_s, r.ok, r.status) for r in records),
     )
     drill = write_report(drill, plot=plot)
     if interrupted:

@@ -81,6 +81,9 @@ class DrillReport:
             lines.append(f"  requests: sent {c['sent']}, failed {c['failed']}, migrated "
                          f"{c['migrated']}, rejected {c['rejected']}; tokens lost "
                          f"{c['tokens_lost']}, duplicated {c['tokens_duplicated']}")
+            lines += [f"    {tier}: sent {t['sent']}, failed {t['failed']}, shed {t['rejected']} "
+                      f"({t['shed_with_retry_after']} with Retry-After)"
+                      for tier, t in c.get("by_priority", {}).items()]
         if lat:
             lines.append(f"  TTFT p50 {_ms(lat.get('ttft_p50_ms'))}, p99 "
                          f"{_ms(lat.get('ttft_p99_ms'))}; p99 before the fault "
@@ -124,6 +127,13 @@ def render_markdown(report: DrillReport) -> str:
                 "tokens duplicated |", "|---|---|---|---|---|---|",
                 f"| {c['sent']} | {c['failed']} | {c['migrated']} | {c['rejected']} | "
                 f"{c['tokens_lost']} | {c['tokens_duplicated']} |", ""]
+        if c.get("by_priority"):
+            out += ["| priority | sent | completed | failed | shed (503/529) | "
+                    "shed with Retry-After | error rate |", "|---|---|---|---|---|---|---|"]
+            out += [f"| {tier} | {t['sent']} | {t['completed']} | {t['failed']} | "
+                    f"{t['rejected']} | {t['shed_with_retry_after']} | {t['error_rate']:.3f} |"
+                    for tier, t in c["by_priority"].items()]
+            out.append("")
     if report.latency:
         out += ["| TTFT p50 | TTFT p99 | p99 before fault | p99 after fault |",
                 "|---|---|---|---|",

@@ -37,14 +37,14 @@ __all__ = [
     "load_scenario",
 ]
 
-StateProbeKind = Literal["workers_healthy", "canary"]
+StateProbeKind = Literal["workers_healthy", "canary", "shed"]
 MetricProbeKind = Literal[
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
-    "drained_s",
+    "drained_s", "admitted_error_rate",
 ]
 METRIC_KINDS: tuple[str, ...] = (
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
-    "drained_s",
+    "drained_s", "admitted_error_rate",
 )
 
 
@@ -59,8 +59,13 @@ class Probe(_Model):
     metric probes judge the method's load: `error_rate`, `failed`,
     `ttft_p99_ms`, `tokens_lost`, `tokens_duplicated` must be ≤ `max`;
     `rejected_min` needs at least `max` rejections (503/529) — for overload drills;
+    `admitted_error_rate`: failures among the requests the proxy admitted (not shed);
     `drained_s`: the canary daemon took every injected worker (of `workers`) out of
     routing within `max` seconds of its fault (needs `canary.set`, `--local`).
+    With `priority`, a metric probe judges only the load profile(s) of that
+    priority. `shed` (timeline only) sends one request with the `priority` header
+    to the proxy until, within `within_s`, one is shed with 503, a `Retry-After`
+    header and exactly the busy body (Dynamo's "All workers are busy").
     """
 
     name: str = Field(min_length=1)
@@ -69,11 +74,15 @@ class Probe(_Model):
     within_s: float = Field(10.0, gt=0, le=600, description="State probes: time to pass.")
     max: float | None = Field(None, ge=0, description="Metric probes: the tolerance.")
     expect: Literal["healthy", "unhealthy"] = "healthy"
+    priority: Literal["premium", "standard", "best_effort"] | None = Field(
+        None, description="Metric probes: judge only this priority's load; shed: its header.")
 
     @model_validator(mode="after")
     def _tolerance(self) -> Probe:
         if self.kind in METRIC_KINDS and self.max is None:
             raise KeyedValueError(("max",), f"a {self.kind} probe needs a tolerance 'max'")
+        if self.kind == "shed" and self.priority is None:
+            raise KeyedValueError(("priority",), "a shed probe needs the priority to send")
         return self
 
 
@@ -84,7 +93,10 @@ class Hypothesis(_Model):
 
 
 class LoadProfile(_Model):
-    """Open-loop load from the load generator while the timeline runs."""
+    """Open-loop load from the load generator while the timeline runs.
+
+    `priority` sends `x-ftctl-priority` on every request (the proxy's tiers).
+    """
 
     rate: float = Field(8.0, gt=0, le=10_000, description="Requests per second (Poisson).")
     duration_s: float = Field(15.0, gt=0, le=3600)
@@ -93,7 +105,7 @@ class LoadProfile(_Model):
     stream: bool = True
     via: Literal["proxy", "workers"] = Field("proxy", description="Send through the proxy.")
     timeout_s: float = Field(30.0, gt=0)
-    priority: str | None = None
+    priority: Literal["premium", "standard", "best_effort"] | None = None
     concurrency: int | None = Field(None, ge=1)
     seed: int = 0
 
@@ -121,11 +133,24 @@ class TimelineEntry(_Model):
 
 
 class Method(_Model):
-    """What the drill does: a load profile and a timeline."""
+    """What the drill does: a load profile (or several at once) and a timeline."""
 
     load: LoadProfile | None = None
+    loads: tuple[LoadProfile, ...] = Field(
+        (), description="Load profiles run at the same time (each its own priority).")
     timeline: tuple[TimelineEntry, ...] = Field(min_length=1)
     settle_s: float = Field(1.0, ge=0, le=600, description="Wait after the last entry.")
+
+    @model_validator(mode="after")
+    def _one_load_key(self) -> Method:
+        if self.load is not None and self.loads:
+            raise KeyedValueError(("loads",), "give 'load' or 'loads', not both")
+        return self
+
+    @property
+    def profiles(self) -> tuple[LoadProfile, ...]:
+        """Every load profile of the method (`load` alone or `loads`)."""
+        return (self.load,) if self.load is not None else self.loads
 
 
 class Rollback(_Model):
@@ -146,6 +171,14 @@ class Scenario(_Model):
     rollbacks: tuple[Rollback, ...] = (
         Rollback(action="revert_faults"), Rollback(action="restart_workers"),
     )
+
+    @model_validator(mode="after")
+    def _shed_in_timeline(self) -> Scenario:
+        for index, probe in enumerate(self.hypothesis.probes):
+            if probe.kind == "shed":
+                raise KeyedValueError(("hypothesis", "probes", index, "kind"),
+                                      "a shed probe runs in the method's timeline only")
+        return self
 
 
 def _check_against_inventory(scenario: Scenario, inventory: Inventory, path: Path,

@@ -178,3 +178,59 @@ def test_summary_names_verdict_counts_and_report_path(tmp_path: Path) -> None:
     assert "sent 4, failed 0, migrated 1" in text
     assert f"report: {tmp_path}/report.md" in text
     assert "kill w2" in render_markdown(report)
+
+
+def test_loads_counts_per_priority_and_admitted_error_rate() -> None:
+    """Several profiles: totals plus sent/failed/shed per priority; sheds (with Retry-After)
+    are failures but not failures of admitted requests."""
+    from dynamo_ftctl.faults.drill import loads_counts
+    from dynamo_ftctl.faults.scenario import LoadProfile
+
+    shed = RequestRecord(index=9, target="t", planned=1.0, sent=1.0, done=1.1, first_token=None,
+                         output_tokens=0, itl=(), status=503, outcome="5xx_503",
+                         retry_after_s=1.0)
+    premium = [_record(0, 32), _record(1, 32)]
+    best = [_record(2, 64), shed, _record(3, 10, outcome="broken_stream", status=200)]
+    counts = loads_counts([
+        (LoadProfile(priority="premium", max_tokens=32), _Report(premium)),  # type: ignore[list-item]
+        (LoadProfile(priority="best_effort", max_tokens=64), _Report(best)),  # type: ignore[list-item]
+    ])
+    assert counts["sent"] == 5
+    assert counts["by_priority"]["premium"] == {**counts["by_priority"]["premium"],
+                                                "sent": 2, "failed": 0, "rejected": 0}
+    tier = counts["by_priority"]["best_effort"]
+    assert (tier["sent"], tier["failed"], tier["rejected"], tier["shed_with_retry_after"]) == (
+        3, 2, 1, 1)
+    assert tier["admitted_error_rate"] == 0.5
+    probe = Probe(name="p", kind="admitted_error_rate", priority="best_effort", max=0)
+    assert not _metric_probe(probe, counts, None).passed
+    assert _metric_probe(probe.model_copy(update={"priority": "premium"}), counts, None).passed
+    missing = probe.model_copy(update={"priority": "standard"})
+    assert "no standard load" in _metric_probe(missing, counts, None).detail
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    (GOOD.replace("kind: workers_healthy}", "kind: shed, priority: best_effort}"),
+     "s.yaml:5: hypothesis.probes[0].kind"),
+    (GOOD.replace("method:\n", "method:\n  load: {rate: 1}\n  loads: [{rate: 1}]\n"),
+     "s.yaml:8: method.loads"),
+    (GOOD.replace("timeline:\n", "timeline:\n    - {at_s: 0, probe: {name: s, kind: shed}}\n"),
+     "s.yaml:8: method.timeline[0].probe.priority"),
+])
+def test_overload_scenario_errors_name_file_line_and_key(tmp_path: Path, text: str,
+                                                         where: str) -> None:
+    """A shed probe in the hypothesis, load and loads together, a shed probe without a
+    priority: each is a file:line: key error."""
+    with pytest.raises(InventoryError) as info:
+        load_scenario(_write(tmp_path, text))
+    assert where in str(info.value)
+
+
+def test_markdown_shows_per_priority_counts(tmp_path: Path) -> None:
+    """report.md has a row per priority with sent, completed, failed and shed."""
+    report = _report(tmp_path)
+    tier = {"sent": 10, "completed": 6, "failed": 4, "rejected": 4, "shed_with_retry_after": 4,
+            "error_rate": 0.4}
+    counts = {**report.counts, "by_priority": {"best_effort": tier}}
+    md = render_markdown(DrillReport(**{**report.__dict__, "counts": counts}))
+    assert "| best_effort | 10 | 6 | 4 | 4 | 4 | 0.400 |" in md

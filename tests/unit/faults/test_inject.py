@@ -37,7 +37,8 @@ workers:
     gpus: [0, 1]
     admin: {token_env: T_TOKEN}
     process: {pid: 4242}
-    faults: [kill, hang, slow, sdc, disconnect, xid48, xid63, xid94, xid43, net-latency, ecc]
+    faults: [kill, hang, slow, sdc, disconnect, xid48, xid63, xid94, xid43, net-latency, ecc,
+             overload]
     inject: {injectors: [signal, http, kmsg, dcgm], kmsg_path: KMSG}
   - name: w2
     url: http://127.0.0.1:8102
@@ -349,3 +350,39 @@ def test_list_covers_catalog_and_xids() -> None:
     assert {"kill", "hang", "net-reset", "overload"} <= set(names)
     assert "effect: crash" in names["xid48"]["summary"]
     assert names["xid63"]["destructive"] is False
+
+
+def test_overload_plans_a_bounded_background_load_and_its_stop(inventory: Inventory,
+                                                               tmp_path: Path) -> None:
+    """overload: one load step against the worker's URL with --rate/--concurrency, bounded by the
+    duration plus a margin; the revert stops the process named by the same pid file."""
+    plan = plan_injection(inventory, "w1", "overload", InjectOptions(
+        rate=50, concurrency=8, duration_s=10, state_dir=tmp_path))
+    (start,), (stop,) = plan.steps, plan.reverts
+    assert start.injector == stop.injector == "load"
+    assert start.target == stop.target
+    assert Path(start.target).parent == tmp_path / "loads"
+    argv = start.data["argv"]
+    assert argv[1:3] == ["-m", "dynamo_ftctl.faults.overload"]
+    assert argv[argv.index("--url") + 1] == "http://127.0.0.1:8101"
+    assert (argv[argv.index("--rate") + 1], argv[argv.index("--concurrency") + 1],
+            argv[argv.index("--bound") + 1]) == ("50", "8", "15")
+    assert stop.data == {"action": "stop"}
+    assert not plan.destructive
+    with pytest.raises(InvalidInput, match="not in worker w3's faults allowlist"):
+        plan_injection(inventory, "w3", "overload")
+
+
+def test_stop_overload_never_signals_a_process_that_is_not_the_load(tmp_path: Path) -> None:
+    """A pid file naming another process (a reused pid) or none at all stops nothing."""
+    from dynamo_ftctl.faults.overload import stop_overload
+
+    assert "pid file gone" in stop_overload(tmp_path / "missing.json")
+    pid_file = tmp_path / "other.json"
+    pid_file.write_text(json.dumps({"pid": os.getpid()}))
+    assert "already ended" in stop_overload(pid_file)
+    assert not pid_file.exists()
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    with pytest.raises(Unreachable, match="unreadable load pid file"):
+        stop_overload(garbage)
