@@ -212,6 +212,22 @@ def stream(proxy: ProxyProcess, endpoint: str, body: dict[str, Any],
     return out
 
 
+OnChunk = Callable[[Streamed, bytes], None]
+
+
+def after_tokens(count: int, act: Callable[[str], None]) -> tuple[OnChunk, list[str]]:
+    """A `stream` callback calling `act(serving worker)` once the client saw `count` tokens."""
+    hit: list[str] = []
+
+    def callback(out: Streamed, raw: bytes) -> None:
+        if not hit and raw.count(b'"token_ids"') >= count:
+            name = out.headers["x-ftctl-worker"].split(",")[-1]
+            act(name)
+            hit.append(name)
+
+    return callback, hit
+
+
 def test_hundred_streams_with_a_worker_failing_at_a_random_token_are_identical(
     sim_worker_factory: Any, proxy_factory: ProxyFactory,
 ) -> None:
@@ -264,14 +280,7 @@ def test_sigkilled_worker_mid_stream_is_continued_identically(
         ids, text = reference(live[0], endpoint, {**body, "max_tokens": 40})
         for worker in live:
             set_fault(worker, {"kind": "slow", "delay_ms": 15})
-        killed: list[str] = []
-
-        def kill_after_five(out: Streamed, raw: bytes, killed: list[str] = killed) -> None:
-            if not killed and raw.count(b'"token_ids"') >= 5:
-                name = out.headers["x-ftctl-worker"].split(",")[-1]
-                by_name[name].kill()
-                killed.append(name)
-
+        kill_after_five, killed = after_tokens(5, lambda name: by_name[name].kill())
         got = stream(proxy, endpoint, {**body, "max_tokens": 40}, on_chunk=kill_after_five)
         assert killed, "the stream ended before the kill"
         assert got.error is None
@@ -551,15 +560,8 @@ def test_stop_string_straddling_a_sigkill_stops_like_the_unbroken_run(
     ids, text = reference(workers[0], endpoint, {**body, "stop": [stop]})
     for worker in workers:
         set_fault(worker, {"kind": "slow", "delay_ms": 60})
-    killed: list[str] = []
-
-    def kill_inside_the_stop(out: Streamed, raw: bytes) -> None:
-        # Tokens 0..k seen (the stop string's first characters are among them): kill.
-        if not killed and raw.count(b'"token_ids"') >= k + 1:
-            name = out.headers["x-ftctl-worker"].split(",")[-1]
-            by_name[name].kill()
-            killed.append(name)
-
+    # Killed once tokens 0..k are out (the stop string's first characters among them).
+    kill_inside_the_stop, killed = after_tokens(k + 1, lambda name: by_name[name].kill())
     got = stream(proxy, endpoint, {**body, "stop": [stop]}, on_chunk=kill_inside_the_stop)
     assert killed, "the stream ended before the kill"
     assert got.migrated >= 1
@@ -607,14 +609,8 @@ def test_stalled_worker_is_migrated_by_kv_when_the_calibration_says_so(
         ids, text = reference(workers[0], endpoint, body)
         for worker in workers:
             set_fault(worker, {"kind": "slow", "delay_ms": 30})
-        stalled: list[str] = []
-
-        def stall_after_six(out: Streamed, raw: bytes, stalled: list[str] = stalled) -> None:
-            if not stalled and raw.count(b'"token_ids"') >= 6:
-                name = out.headers["x-ftctl-worker"].split(",")[-1]
-                set_fault(by_name[name], {"kind": "slow", "delay_ms": 5000})
-                stalled.append(name)
-
+        stall_after_six, stalled = after_tokens(
+            6, lambda name: set_fault(by_name[name], {"kind": "slow", "delay_ms": 5000}))
         before = migration_count(proxy, method)
         got = stream(proxy, endpoint, body, on_chunk=stall_after_six)
         assert stalled, "the stream ended before the stall"
