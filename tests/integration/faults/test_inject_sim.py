@@ -62,7 +62,10 @@ def _injectors(worker: SimWorker) -> Injectors:
     return Injectors(environ={"FTCTL_TEST_ADMIN": worker.admin_token or ""})
 
 
-def _stream(url: str, body: dict[str, Any] = BODY) -> StreamAccumulator:
+def _stream_or_error(url: str, body: dict[str, Any] = BODY,
+                     ) -> tuple[StreamAccumulator, str | None]:
+    """A stream's tokens so far and the error event that ended it, if one did (a dropped
+    connection just ends the stream)."""
     acc = StreamAccumulator()
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
@@ -71,20 +74,13 @@ def _stream(url: str, body: dict[str, Any] = BODY) -> StreamAccumulator:
                 acc.add(parse_sse_event(event))
     except httpx.RemoteProtocolError:
         pass
-    return acc
-
-
-def _stream_or_error(url: str) -> tuple[StreamAccumulator, str | None]:
-    """A stream's tokens so far and the error event that ended it, if one did."""
-    acc = StreamAccumulator()
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**BODY, "stream": True},
-                          timeout=30) as response:
-            for event in iter_sse_events(response.iter_raw()):
-                acc.add(parse_sse_event(event))
     except ApiError as exc:
         return acc, str(exc)
     return acc, None
+
+
+def _stream(url: str, body: dict[str, Any] = BODY) -> StreamAccumulator:
+    return _stream_or_error(url, body)[0]
 
 
 @pytest.fixture
