@@ -1,47 +1,70 @@
 """Block-copier bandwidth against one contiguous copy_ of the same bytes (issue #10).
 
-CPU: 4 KiB vLLM-shaped blocks ([2, 16 tokens, 1 head, 64] fp16, one layer),
-random source and destination ids, 1k / 10k / 100k blocks; the copier and the
-baseline alternate inside each measurement (median of 5), and the whole
-measurement runs `--runs` times (default 3) to report the median ratio.
-Goal: copier bandwidth / contiguous bandwidth >= 0.8. Then a chunk-size sweep.
+CPU, one layer, vLLM-shaped blocks: 4 KiB ([2, 16 tokens, 1 head, 64] fp16) for
+1k / 10k / 100k blocks, and 64 KiB ([2, 16, 8, 128] fp16) for 1k / 10k blocks.
+Three id patterns (see `dynamo_ftctl.kv.bench`): gather (random -> a run: an
+export into a buffer), scatter (a run -> random: an import) and random
+(random -> random: two passes through a staging slot, no single torch op does
+it). The copier and the baseline run with the same torch thread count (1, and
+torch's default), alternate inside each measurement (median of 5), and the
+whole measurement runs `--runs` times (default 3) to report the median ratio.
+Goal: copier bandwidth / contiguous bandwidth >= 0.8. The first run also
+prints the chunk-size sweep of the random pattern.
 With a CUDA device, the same for D2D, D2H and H2D (`--device cuda`).
-Usage: python benchmarks/kv.py [--device cuda] [--runs 3]
+Usage: python benchmarks/kv.py [--device cuda] [--runs 3] [--threads 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
-from dynamo_ftctl.kv.bench import run_kv_bench
+import torch
+
+from dynamo_ftctl.kv.bench import PATTERNS, run_kv_bench
 from dynamo_ftctl.output import emit
 
 GOAL = 0.8
+# (label, kv_heads, head_dim, block counts): 4 KiB and 64 KiB blocks of 16 fp16 tokens.
+SHAPES = (("4 KiB", 1, 64, (1000, 10_000, 100_000)), ("64 KiB", 8, 128, (1000, 10_000)))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--blocks", default="1000,10000,100000")
+    parser.add_argument("--threads", default=f"1,{torch.get_num_threads()}",
+                        help="torch thread counts, comma-separated (default: 1 and torch's)")
     args = parser.parse_args()
-    blocks = [int(b) for b in args.blocks.split(",")]
-    ratios: dict[tuple[str, int], list[float]] = {}
+    threads = sorted({int(t) for t in args.threads.split(",")})
+    ratios: dict[tuple[int, str, str, str, int], list[float]] = {}
     for run in range(args.runs):
-        result = run_kv_bench(device=args.device, blocks=blocks, repeats=5,
-                              sweep_chunks=() if run else (64 << 10, 256 << 10, 1 << 20,
-                                                           4 << 20, 16 << 20))
-        if run == 0:
-            emit(result, json_mode=False)
-        for row in result.rows:
-            ratios.setdefault((row.route, row.blocks), []).append(row.ratio)
-    print(f"\ncopier / contiguous bandwidth, median of {args.runs} runs (goal >= {GOAL}):")
-    for (route, n), values in ratios.items():
+        for count in threads:
+            for label, heads, dim, blocks in SHAPES:
+                sweep = run == 0 and count == threads[0] and label == SHAPES[0][0]
+                result = run_kv_bench(
+                    device=args.device, blocks=blocks, kv_heads=heads, head_dim=dim,
+                    repeats=5, threads=count,
+                    sweep_chunks=(64 << 10, 256 << 10, 1 << 20, 4 << 20) if sweep else (),
+                )
+                if run == 0:
+                    emit(result, json_mode=False)
+                for row in result.rows:
+                    key = (count, label, row.route, row.pattern, row.blocks)
+                    ratios.setdefault(key, []).append(row.ratio)
+    load = os.getloadavg()
+    print(f"\ncopier / contiguous bandwidth, median of {args.runs} runs (goal >= {GOAL}); "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs:")
+    order = {p: i for i, p in enumerate(PATTERNS)}
+    for key in sorted(ratios, key=lambda k: (k[0], k[1], k[2], order[k[3]], k[4])):
+        count, label, route, pattern, n = key
+        values = ratios[key]
         med = statistics.median(values)
-        print(f"  {route} {n:>7} blocks: {med:.3f}  (runs: {', '.join(f'{v:.3f}' for v in values)})"
-              f"  {'met' if med >= GOAL else 'below goal'}")
+        print(f"  {count} thr  {label:>6} {route} {pattern:<7} {n:>7} blocks: {med:.3f}  "
+              f"(runs: {', '.join(f'{v:.3f}' for v in values)})  "
+              f"{'met' if med >= GOAL else 'below goal'}")
     return 0
 
 

@@ -51,11 +51,17 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
         help="Chunk sizes to sweep, KiB, comma-separated ('' skips the sweep).")] = (
         "64,256,1024,4096,16384"),
     sweep_blocks: Annotated[int, typer.Option(min=1, help="Blocks copied in the sweep.")] = 10000,
+    patterns: Annotated[str, typer.Option(
+        help="Block-id patterns, comma-separated: gather (random -> a run, an export), "
+             "scatter (a run -> random, an import), random (random -> random).")] = (
+        "gather,scatter,random"),
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (median).")] = 5,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Copier bandwidth vs one contiguous copy_ of the same bytes, plus a chunk-size sweep.
+
+    Exit 3 when --device cuda is asked for and no CUDA device is present.
 
     Example: ftctl kv bench --blocks 1000,10000,100000 --repeats 5
     """
@@ -66,5 +72,6 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_bytes=chunk_kib * 1024,
         sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
         sweep_blocks=sweep_blocks, repeats=repeats, threads=threads,
+        patterns=[p for p in patterns.replace(" ", "").split(",") if p],
     )
     finish(ctx, result, json_flag=json_)

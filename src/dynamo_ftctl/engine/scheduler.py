@@ -17,7 +17,6 @@ import random
 import threading
 import time
 import uuid
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -382,12 +381,14 @@ class Engine:
     def _find(self, request_id: str) -> EngineRequest | None:
         return self.requests.get(request_id) or self.retained.get(request_id)
 
-    def export_kv(self, request_id: str) -> bytes:
+    def export_kv(self, request_id: str) -> memoryview:
         """The request's token ids, sampling state and KV blocks in the wire format.
 
-        `InvalidInput` when no live or retained request has this id.
+        The blocks are gathered by the block copier (`kv.payload`) straight into
+        the export buffer. `InvalidInput` when no live or retained request has this id.
         """
-        from dynamo_ftctl.kv.wire import KvHeader, KvLayout, encode_kv
+        from dynamo_ftctl.kv.payload import gather_payload
+        from dynamo_ftctl.kv.wire import KvHeader, KvLayout
 
         request = self._find(request_id)
         if request is None or self.pool is None:
@@ -401,21 +402,25 @@ class Engine:
             num_tokens=request.num_cached,
             sampling={**request.params.to_json(), "seed": request.seed},
         )
-        blocks = request.block_table[: header.num_blocks]
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        # (layers, n, bs, heads, dim) ×2 -> (n, layers, kv, bs, heads, dim): one block contiguous.
-        k = self.pool.block_view("k")[:, index]
-        v = self.pool.block_view("v")[:, index]
-        data = torch.stack((k, v), dim=1).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
-        raw = data.view(torch.uint8).numpy() if data.numel() else None
-        views = [memoryview(raw[i]) for i in range(len(blocks))] if raw is not None else []
-        return encode_kv(header, views)
+        return gather_payload(header, self._kv_tensors(), request.block_table[: header.num_blocks])
 
-    def import_kv(self, payload: bytes, request_id: str | None = None) -> EngineRequest:
+    def _kv_tensors(self) -> list[torch.Tensor]:
+        """The pool as the wire orders a block: layer 0 K, layer 0 V, layer 1 K, ...,
+        each `[num_blocks, block_size, kv heads, head dim]` sharing the pool's storage."""
+        assert self.pool is not None
+        k, v = self.pool.block_view("k"), self.pool.block_view("v")
+        return [t[layer] for layer in range(self.config.n_layers) for t in (k, v)]
+
+    def import_kv(
+        self, payload: bytes | memoryview, request_id: str | None = None,
+    ) -> EngineRequest:
         """A request resumed from an export, its blocks copied into this cache; `submit` it.
 
+        `decode_kv` verifies the header and every block's checksum, then the block
+        copier scatters the blocks into the request's new block table (`kv.payload`).
         `InvalidInput` when the export is damaged or does not fit this engine.
         """
+        from dynamo_ftctl.kv.payload import scatter_payload
         from dynamo_ftctl.kv.wire import decode_kv
 
         decoded = decode_kv(payload)
@@ -453,18 +458,7 @@ class Engine:
             msg = "KV import: not enough free KV blocks on this engine"
             raise InvalidInput(msg)
         request.block_table = self.allocator.allocate(blocks_for(len(ids), c.block_size))
-        if header.num_blocks:
-            with warnings.catch_warnings():
-                # The buffer is read-only and only read: it is copied into the pool below.
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(decoded.data, dtype=torch.uint8)
-            dtype = self.pool.k.dtype
-            data = flat.view(dtype).view(header.num_blocks, c.n_layers, 2, c.block_size,
-                                         c.n_kv_heads, c.head_dim).to(self.device)
-            index = torch.tensor(request.block_table[: header.num_blocks], dtype=torch.long,
-                                 device=self.device)
-            self.pool.block_view("k")[:, index] = data[:, :, 0].permute(1, 0, 2, 3, 4)
-            self.pool.block_view("v")[:, index] = data[:, :, 1].permute(1, 0, 2, 3, 4)
+        scatter_payload(decoded, self._kv_tensors(), request.block_table[: header.num_blocks])
         request.num_cached = header.num_tokens
         return request
 

@@ -2,10 +2,18 @@
 
 The baseline is the best a copy of that many bytes can do on the same route
 (one `copy_` between two contiguous buffers: host memory, the device, or
-pinned host memory across the bus), measured in the same run and
-interleaved with the copier so that machine noise hits both alike. The
-figure that matters is the ratio. A chunk-size sweep shows how the staging
-slot size trades per-piece overhead against cache residency.
+pinned host memory across the bus), measured in the same run, with the same
+torch thread count, and interleaved with the copier so that machine noise
+hits both alike. The figure that matters is the ratio.
+
+Three id patterns: `gather` (random source blocks into a run of destination
+blocks: an export into a buffer), `scatter` (a run of source blocks into
+random destination blocks: an import out of a buffer) and `random` (random
+blocks to random blocks: a move between two caches). On one device the first
+two are one index op per layer straight between the caches; `random` has no
+single torch op, so it gathers into an L2-sized staging slot and scatters
+from it (two passes). A chunk-size sweep of `random` shows how the slot size
+trades per-piece overhead against cache residency.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.kv.copy import DEFAULT_CHUNK_BYTES, copy_blocks
 from dynamo_ftctl.kv.layout import dtype_bytes
 
@@ -24,10 +32,12 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Group
 
-__all__ = ["BenchRow", "KVBenchResult", "run_kv_bench"]
+__all__ = ["PATTERNS", "BenchRow", "KVBenchResult", "run_kv_bench"]
 
 # Routes a device can run; on CPU only host-to-host exists.
 CUDA_ROUTES = ("d2d", "d2h", "h2d")
+# Which block ids are copied: see the module docstring.
+PATTERNS = ("gather", "scatter", "random")
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class BenchRow:
     """One measurement: the copier and the contiguous baseline on one route and size."""
 
     route: str
+    pattern: str
     blocks: int
     layers: int
     block_bytes: int  # one block of one layer
@@ -65,16 +76,16 @@ class KVBenchResult:
         def render(title: str, rows: Sequence[BenchRow]) -> Any:
             return table(
                 title,
-                ["route", "blocks", "layers", "block", "chunk", "MiB", "copier GB/s",
+                ["route", "ids", "blocks", "layers", "block", "chunk", "MiB", "copier GB/s",
                  "contiguous GB/s", "ratio"],
-                [(r.route, r.blocks, r.layers, f"{r.block_bytes // 1024} KiB",
+                [(r.route, r.pattern, r.blocks, r.layers, f"{r.block_bytes // 1024} KiB",
                   f"{r.chunk_bytes // 1024} KiB", round(r.bytes / 2**20, 1),
                   round(r.copier_gb_per_s, 2), round(r.contiguous_gb_per_s, 2),
                   round(r.ratio, 3)) for r in rows],
             )
 
-        head = (f"device {self.device}, {self.threads} torch threads, median of "
-                f"{self.repeats} interleaved runs")
+        head = (f"device {self.device}, {self.threads} torch threads (copier and baseline "
+                f"alike), median of {self.repeats} interleaved runs")
         parts: list[Any] = [head, render("copier vs one contiguous copy_", self.rows)]
         if self.sweep:
             parts.append(render("chunk-size sweep", self.sweep))
@@ -90,7 +101,8 @@ def _timed(clock: Clock, work: Callable[[], None], sync: Callable[[], None]) -> 
 
 
 def _measure(
-    *, route: str, device: torch.device, blocks: int, layers: int, block_shape: tuple[int, ...],
+    *, route: str, pattern: str, device: torch.device, blocks: int, layers: int,
+    block_shape: tuple[int, ...],
     dtype: torch.dtype, chunk_bytes: int, repeats: int, clock: Clock, seed: int,
 ) -> BenchRow:
     import torch
@@ -113,6 +125,11 @@ def _measure(
     src, dst = cache(src_dev), cache(dst_dev)
     src_ids = torch.randperm(total, generator=gen)[:blocks]
     dst_ids = torch.randperm(total, generator=gen)[:blocks]
+    run = torch.arange(blocks) + (total - blocks) // 2
+    if pattern == "gather":
+        dst_ids = run
+    elif pattern == "scatter":
+        src_ids = run
     block_bytes = src[0][0].numel() * src[0].element_size()
     nbytes = blocks * layers * block_bytes
     flat = nbytes // 16 * 16
@@ -141,7 +158,7 @@ def _measure(
         base_t.append(_timed(clock, contiguous, sync))
     c, base = statistics.median(copier_t), statistics.median(base_t)
     return BenchRow(
-        route=route, blocks=blocks, layers=layers, block_bytes=block_bytes,
+        route=route, pattern=pattern, blocks=blocks, layers=layers, block_bytes=block_bytes,
         chunk_bytes=chunk_bytes, bytes=nbytes, copier_s=c, contiguous_s=base,
         copier_gb_per_s=nbytes / c / 1e9, contiguous_gb_per_s=flat / base / 1e9,
         ratio=(nbytes / c) / (flat / base),
@@ -160,14 +177,17 @@ def run_kv_bench(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     sweep_chunks: Sequence[int] = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20),
     sweep_blocks: int = 10_000,
+    patterns: Sequence[str] = PATTERNS,
     repeats: int = 5,
     threads: int | None = None,
     clock: Clock = SYSTEM_CLOCK,
 ) -> KVBenchResult:
-    """Measure the copier against a contiguous copy for each block count, then sweep chunks.
+    """Measure the copier against a contiguous copy for each id pattern and block count,
+    then sweep chunk sizes on the `random` pattern.
 
     Blocks are vLLM-shaped `[2, block_size, kv_heads, head_dim]` per layer
-    (default 16 × 1 × 64 fp16 = 4 KiB). On CUDA each size runs D2D, D2H and H2D.
+    (default 16 × 1 × 64 fp16 = 4 KiB). On CUDA each size runs D2D, D2H and H2D;
+    `Unreachable` (exit 3) when CUDA is asked for and no device is present.
     """
     try:
         import torch
@@ -178,9 +198,15 @@ def run_kv_bench(
     if device not in ("cpu", "cuda"):
         msg = f"--device must be cpu or cuda (got {device!r})"
         raise InvalidInput(msg)
-    if device == "cuda" and not torch.cuda.is_available():
-        msg = "--device cuda: no CUDA device is available"
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown or not patterns:
+        given = ", ".join(unknown) or "none given"
+        msg = f"--patterns: {given} (choose from {', '.join(PATTERNS)})"
         raise InvalidInput(msg)
+    if device == "cuda" and not torch.cuda.is_available():
+        msg = ("--device cuda: no CUDA device is available to this process "
+               f"(torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'no'})")
+        raise Unreachable(msg)
     if repeats < 1 or layers < 1 or any(n < 1 for n in blocks) or not blocks:
         msg = "--repeats, --layers and every --blocks value must be >= 1"
         raise InvalidInput(msg)
@@ -195,11 +221,13 @@ def run_kv_bench(
         "repeats": repeats, "clock": clock,
     }
     rows = tuple(
-        _measure(route=route, blocks=n, chunk_bytes=chunk_bytes, seed=i, **common)
-        for i, n in enumerate(blocks) for route in routes
+        _measure(route=route, pattern=pattern, blocks=n, chunk_bytes=chunk_bytes, seed=i,
+                 **common)
+        for pattern in patterns for i, n in enumerate(blocks) for route in routes
     )
     sweep = tuple(
-        _measure(route=route, blocks=sweep_blocks, chunk_bytes=size, seed=99, **common)
+        _measure(route=route, pattern="random", blocks=sweep_blocks, chunk_bytes=size, seed=99,
+                 **common)
         for size in sweep_chunks for route in routes
     )
     return KVBenchResult(device=device, threads=torch.get_num_threads(), repeats=repeats,

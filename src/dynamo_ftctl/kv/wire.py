@@ -6,7 +6,8 @@ Layout (all integers little-endian):
     offset 4       u16       format version (1)
     offset 6       u16       flags (0)
     offset 8       u32       H = length of the header
-    offset 12      H bytes   header, UTF-8 JSON (below)
+    offset 12      H bytes   header, UTF-8 JSON (below), padded with spaces so that
+                             the blocks start at a multiple of 64 bytes
     offset 12+H    u32       CRC-32 of the header bytes
     offset 16+H    blocks    N blocks of `layout.block_bytes` each, back to back
 
@@ -19,6 +20,8 @@ in the blocks; N = ceil(num_tokens / block_size), the last block padded), the
 max_tokens, ...), the `request_id`, the checksum algorithm (`crc32` or
 `blake2b`, a 16-byte digest) and one checksum (hex) per block.
 
+`encode_kv_into` lets a copier write the blocks straight into the export
+buffer (`kv/payload.py` gathers them from a paged cache through `kv/copy.py`).
 `decode_kv` checks everything and returns zero-copy `memoryview`s of the
 blocks; any damage is an `InvalidInput` naming what is wrong (a corrupted
 block by its index). Pure Python: no torch, no numpy.
@@ -30,7 +33,7 @@ import hashlib
 import json
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,6 +49,7 @@ __all__ = [
     "block_checksum",
     "decode_kv",
     "encode_kv",
+    "encode_kv_into",
 ]
 
 MAGIC = b"FTKV"
@@ -54,6 +58,8 @@ _PREFIX = struct.Struct("<4sHHI")
 _CRC = struct.Struct("<I")
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 ChecksumAlgo = Literal["crc32", "blake2b"]
+_BLOCK_ALIGN = 64  # offset of the first block in an export, a multiple of this
+_CHECKSUM_HEX = {"crc32": 8, "blake2b": 32}  # hex digits of one block's checksum
 
 
 def block_checksum(data: bytes | memoryview, algo: ChecksumAlgo = "crc32") -> str:
@@ -119,15 +125,55 @@ def encode_kv(header: KvHeader, blocks: Sequence[bytes | bytearray | memoryview]
     if len(blocks) != header.num_blocks:
         msg = f"{len(blocks)} blocks given, header needs {header.num_blocks}"
         raise ValueError(msg)
-    if header.num_tokens > len(header.token_ids):
-        msg = "num_tokens exceeds the token ids"
-        raise ValueError(msg)
+    _check_tokens(header)
     size = header.layout.block_bytes
     views = [memoryview(b).cast("B") for b in blocks]
     for index, view in enumerate(views):
         if view.nbytes != size:
             msg = f"block {index} has {view.nbytes} bytes, layout says {size}"
             raise ValueError(msg)
+    head = _header_bytes(header, [block_checksum(v, header.checksum) for v in views])
+    parts: list[bytes | memoryview] = [
+        _PREFIX.pack(MAGIC, VERSION, 0, len(head)), head, _CRC.pack(zlib.crc32(head)), *views,
+    ]
+    return b"".join(parts)
+
+
+def encode_kv_into(header: KvHeader, fill: Callable[[memoryview], None]) -> memoryview:
+    """Serialize a request's KV with the block bytes written in place by `fill`.
+
+    `fill` gets the writable region of all `header.num_blocks` blocks, back to
+    back in the layout's order; the checksums are computed afterwards over what
+    it wrote. The blocks are never copied again: the export is one buffer.
+    """
+    _check_tokens(header)
+    width = _CHECKSUM_HEX[header.checksum]
+    # A checksum's hex has a fixed width, so the header's length is known before them.
+    head_len = len(_header_bytes(header, ["0" * width] * header.num_blocks))
+    start = _PREFIX.size + head_len + _CRC.size
+    size = header.layout.block_bytes
+    buffer = bytearray(start + header.num_blocks * size)
+    view = memoryview(buffer)
+    fill(view[start:])
+    sums = [block_checksum(view[start + i * size : start + (i + 1) * size], header.checksum)
+            for i in range(header.num_blocks)]
+    head = _header_bytes(header, sums)
+    if len(head) != head_len:  # pragma: no cover (the widths above are exact)
+        msg = "KV header length changed once the checksums were known"
+        raise ValueError(msg)
+    _PREFIX.pack_into(view, 0, MAGIC, VERSION, 0, head_len)
+    view[_PREFIX.size : _PREFIX.size + head_len] = head
+    _CRC.pack_into(view, _PREFIX.size + head_len, zlib.crc32(head))
+    return view
+
+
+def _check_tokens(header: KvHeader) -> None:
+    if header.num_tokens > len(header.token_ids):
+        msg = "num_tokens exceeds the token ids"
+        raise ValueError(msg)
+
+
+def _header_bytes(header: KvHeader, sums: Sequence[str]) -> bytes:
     doc = {
         "format": "ftctl-kv", "version": VERSION, "model": header.model,
         "request_id": header.request_id,
@@ -139,13 +185,12 @@ def encode_kv(header: KvHeader, blocks: Sequence[bytes | bytearray | memoryview]
         "token_ids": list(header.token_ids), "prompt_len": header.prompt_len,
         "num_tokens": header.num_tokens, "sampling": dict(header.sampling),
         "checksum": header.checksum,
-        "block_checksums": [block_checksum(v, header.checksum) for v in views],
+        "block_checksums": list(sums),
     }
     head = json.dumps(doc, separators=(",", ":")).encode()
-    parts: list[bytes | memoryview] = [
-        _PREFIX.pack(MAGIC, VERSION, 0, len(head)), head, _CRC.pack(zlib.crc32(head)), *views,
-    ]
-    return b"".join(parts)
+    # Trailing JSON whitespace puts the blocks on a 64-byte boundary of the export,
+    # so views of them are aligned for any element type.
+    return head + b" " * (-(_PREFIX.size + len(head) + _CRC.size) % _BLOCK_ALIGN)
 
 
 def _bad(message: str) -> InvalidInput:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from dynamo_ftctl.errors import InvalidInput  # noqa: E402
 from dynamo_ftctl.kv.copy import (  # noqa: E402
     CopyHandle,
+    HostOps,
     KVChecksumError,
     Piece,
     block_checksums,
@@ -100,8 +101,36 @@ def test_handle_counts_bytes_and_pieces() -> None:
     """The handle reports the blocks, payload bytes and pipeline pieces it moved."""
     src, dst = make_cache(3, 8), make_cache(3, 8, seed=5)
     block_bytes = src[0][0].numel() * src[0].element_size()
-    handle = copy_blocks(src, dst, [1, 2, 3, 4], [4, 3, 2, 1], chunk_bytes=2 * block_bytes)
+    handle = copy_blocks(src, dst, [1, 3, 5, 7], [6, 4, 2, 0], chunk_bytes=2 * block_bytes)
     assert (handle.blocks, handle.bytes, handle.pieces) == (4, 3 * 4 * block_bytes, 3 * 2)
+
+
+@pytest.mark.parametrize(
+    ("sids", "dids"),
+    [([7, 2, 5], [3, 4, 5]), ([3, 4, 5], [7, 2, 5]), ([1, 2, 3], [6, 7, 8])],
+    ids=["gather-into-run", "scatter-from-run", "run-to-run"],
+)
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_a_run_of_blocks_copies_in_one_pass_per_layer(
+    sids: list[int], dids: list[int], block_dim: int,
+) -> None:
+    """When either id list is one ascending run, each layer is one unstaged piece, bit-exact."""
+    src = make_cache(3, 10, seed=41, block_dim=block_dim)
+    dst = make_cache(3, 10, seed=42, block_dim=block_dim)
+    want = expected_copy(src, dst, sids, dids, block_dim)
+    staged: list[tuple[int, ...]] = []
+
+    class CountingHostOps(HostOps):
+        def staging(self, shape: tuple[int, ...], dtype: Any, device: Any, *,
+                    pinned: bool) -> Any:
+            staged.append(shape)
+            return super().staging(shape, dtype, device, pinned=pinned)
+
+    handle = copy_blocks(src, dst, sids, dids, block_dim=block_dim, chunk_bytes=1,
+                         ops=CountingHostOps())
+    assert handle.pieces == 3  # one per layer, despite a one-block chunk size
+    assert staged == []  # no staging buffer was asked for
+    assert bits_equal(dst, want)
 
 
 @pytest.mark.parametrize(

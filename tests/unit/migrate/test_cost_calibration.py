@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dynamo_ftctl.cli.main import app
+from dynamo_ftctl.cli.main import app, main
 from dynamo_ftctl.errors import InvalidInput, InventoryError
 from dynamo_ftctl.migrate.calibrate import (
     Calibration,
@@ -137,19 +137,37 @@ def test_cli_plan_table_and_bad_flags() -> None:
     assert result.exit_code == 0, result.output
     assert "nvlink4" in result.output
     assert "131072" in result.output
-    from dynamo_ftctl.cli.main import main
-
     assert main(["migrate", "plan", "--link", "nvlink9"]) == 2
     assert main(["migrate", "plan", "--tp", "3"]) == 2
 
 
 def test_cli_kv_bench_json_small() -> None:
-    """`ftctl kv bench --json` reports a ratio per block count and per swept chunk size."""
+    """`ftctl kv bench --json` reports a ratio per id pattern and block count, and per swept
+    chunk size (of the random pattern)."""
     pytest.importorskip("torch")
     result = runner.invoke(app, ["kv", "bench", "--blocks", "64,128", "--sweep-kib", "8,64",
-                                 "--sweep-blocks", "64", "--repeats", "1", "--json"])
+                                 "--sweep-blocks", "64", "--repeats", "1",
+                                 "--patterns", "gather,random", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    assert [r["blocks"] for r in doc["rows"]] == [64, 128]
-    assert [r["chunk_bytes"] for r in doc["sweep"]] == [8192, 65536]
+    assert [(r["pattern"], r["blocks"]) for r in doc["rows"]] == [
+        ("gather", 64), ("gather", 128), ("random", 64), ("random", 128)]
+    assert [(r["pattern"], r["chunk_bytes"]) for r in doc["sweep"]] == [
+        ("random", 8192), ("random", 65536)]
     assert all(r["ratio"] > 0 and r["bytes"] == r["blocks"] * 4096 for r in doc["rows"])
+
+
+def test_cli_kv_bench_cuda_without_a_device_exits_3(capsys: pytest.CaptureFixture[str]) -> None:
+    """`ftctl kv bench --device cuda` on a machine without CUDA exits 3 naming the cause."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: nothing to refuse")
+    assert main(["kv", "bench", "--device", "cuda", "--blocks", "8"]) == 3
+    assert "--device cuda: no CUDA device is available" in capsys.readouterr().err
+
+
+def test_cli_kv_bench_unknown_pattern_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown --patterns value is bad input (exit 2) listing the known ones."""
+    pytest.importorskip("torch")
+    assert main(["kv", "bench", "--patterns", "gather,zigzag", "--blocks", "8"]) == 2
+    assert "zigzag (choose from gather, scatter, random)" in capsys.readouterr().err
