@@ -303,6 +303,17 @@ def figure_overhead(directory: Path, count: int) -> None:
               f"(ratio {v_ttft / d_ttft:.2f}, +{(v_ttft - d_ttft) * 1e3:.2f} ms); "
               f"p50 end-to-end direct {d_e2e * 1e3:.1f} ms, via proxy {v_e2e * 1e3:.1f} ms "
               f"(ratio {v_e2e / d_e2e:.2f})")
+        # Where the added TTFT goes: the proxy's own latency (one stream at a time)
+        # vs queueing of simultaneous arrivals on its one core (32 start together).
+        short = {**body, "max_tokens": 4}
+        added = []
+        for concurrency in (1, 8):
+            direct = asyncio.run(streams(up_url, short, concurrency, max(64, 4 * concurrency)))
+            via = asyncio.run(streams(px_url, short, concurrency, max(64, 4 * concurrency)))
+            d_ttft, v_ttft = p50([r[0] for r in direct]), p50([r[0] for r in via])
+            added.append(f"{concurrency} at a time +{(v_ttft - d_ttft) * 1e3:.2f} ms "
+                         f"(ratio {v_ttft / d_ttft:.2f})")
+        print(f"  p50 TTFT added by the proxy with fewer concurrent streams: {'; '.join(added)}")
     finally:
         stop(px, up)
 
