@@ -7,8 +7,10 @@ export into a buffer), scatter (a run -> random: an import) and random
 (random -> random: two passes through a staging slot, no single torch op does
 it). The copier and the baseline run with the same torch thread count (1, and
 torch's default), alternate inside each measurement (median of 5), and the
-whole measurement runs `--runs` times (default 3) to report the median ratio.
-Goal: copier bandwidth / contiguous bandwidth >= 0.8. The first run also
+whole measurement runs `--runs` times (default 3) to report the median ratio,
+from wall time and from the process's CPU time (which the other users of a
+shared host do not inflate by descheduling us; with one thread it is the fairer
+figure). Goal: copier bandwidth / contiguous bandwidth >= 0.8. The first run also
 prints the chunk-size sweep of the random pattern.
 With a CUDA device, the same for D2D, D2H and H2D (`--device cuda`).
 Usage: python benchmarks/kv.py [--device cuda] [--runs 3] [--threads 1,2]
@@ -22,6 +24,8 @@ import statistics
 import sys
 
 import torch
+
+os.environ.setdefault("COLUMNS", "160")  # the tables are wide; keep them whole in a log
 
 from dynamo_ftctl.kv.bench import PATTERNS, run_kv_bench
 from dynamo_ftctl.output import emit
@@ -39,7 +43,7 @@ def main() -> int:
                         help="torch thread counts, comma-separated (default: 1 and torch's)")
     args = parser.parse_args()
     threads = sorted({int(t) for t in args.threads.split(",")})
-    ratios: dict[tuple[int, str, str, str, int], list[float]] = {}
+    ratios: dict[tuple[int, str, str, str, int], list[tuple[float, float]]] = {}
     for run in range(args.runs):
         for count in threads:
             for label, heads, dim, blocks in SHAPES:
@@ -53,18 +57,22 @@ def main() -> int:
                     emit(result, json_mode=False)
                 for row in result.rows:
                     key = (count, label, row.route, row.pattern, row.blocks)
-                    ratios.setdefault(key, []).append(row.ratio)
+                    ratios.setdefault(key, []).append((row.ratio, row.cpu_ratio))
     load = os.getloadavg()
-    print(f"\ncopier / contiguous bandwidth, median of {args.runs} runs (goal >= {GOAL}); "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs:")
+    print(f"\ncopier / contiguous bandwidth, median of {args.runs} runs (goal >= {GOAL}), "
+          f"from wall time and from CPU time; load average {load[0]:.2f} {load[1]:.2f} "
+          f"{load[2]:.2f} on {os.cpu_count()} CPUs:")
     order = {p: i for i, p in enumerate(PATTERNS)}
     for key in sorted(ratios, key=lambda k: (k[0], k[1], k[2], order[k[3]], k[4])):
         count, label, route, pattern, n = key
-        values = ratios[key]
-        med = statistics.median(values)
-        print(f"  {count} thr  {label:>6} {route} {pattern:<7} {n:>7} blocks: {med:.3f}  "
-              f"(runs: {', '.join(f'{v:.3f}' for v in values)})  "
-              f"{'met' if med >= GOAL else 'below goal'}")
+        wall = [w for w, _ in ratios[key]]
+        cpu = [c for _, c in ratios[key]]
+        med, med_cpu = statistics.median(wall), statistics.median(cpu)
+        print(f"  {count} thr  {label:>6} {route} {pattern:<7} {n:>7} blocks: wall {med:.3f} "
+              f"(runs {', '.join(f'{v:.2f}' for v in wall)})  cpu {med_cpu:.3f} "
+              f"(runs {', '.join(f'{v:.2f}' for v in cpu)})  "
+              f"goal (wall/cpu): {'met' if med >= GOAL else 'below'}/"
+              f"{'met' if med_cpu >= GOAL else 'below'}")
     return 0
 
 

@@ -515,7 +515,13 @@ def run_pipeline(
     slot_rows = max((len(p.src_ids) for p in staged), default=0)
     slots = depth if staged else 0
     row_bytes = first.src[0].numel() * first.src.element_size()
+    moved = sum(p.src_ids.shape[0] for p in pieces)
     keep: list[Any] = [pieces]
+    if same and not staged and src_kind == "host":
+        # Host work, one pass per piece, nothing staged: no streams, events or slots to keep.
+        for piece in pieces:
+            ops.run(None, piece.direct())  # type: ignore[arg-type]
+        return CopyHandle(blocks=blocks or moved, bytes=moved * row_bytes, pieces=len(pieces))
 
     src_stream = ops.new_stream(src_device) if src_kind == "device" else None
     if same:
@@ -609,11 +615,11 @@ def run_pipeline(
         _host_scatter(pending, scatter)
 
     events = tuple(ops.record(stream) for stream, _ in streams)
-    total_blocks = blocks or sum(len(p.src_ids) for p in pieces)
+    total_blocks = blocks or moved
     buffers = list({id(b): b for b in (*src_stage, *dst_stage)}.values())
     handle = CopyHandle(
         blocks=total_blocks,
-        bytes=sum(len(p.src_ids) for p in pieces) * row_bytes,
+        bytes=moved * row_bytes,
         pieces=len(pieces),
         events=events,
         keep=keep,
