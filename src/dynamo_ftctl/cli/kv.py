@@ -46,6 +46,8 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
     kv_heads: Annotated[int, typer.Option(min=1, help="KV heads per block.")] = 1,
     head_dim: Annotated[int, typer.Option(min=1, help="Head dimension.")] = 64,
     dtype: Annotated[str, typer.Option(help="fp16, bf16, fp32 or fp8.")] = "fp16",
+    layout: Annotated[str, typer.Option(
+        help="Cache layout: vllm [num_blocks, 2, ...] or flash [2, num_blocks, ...].")] = "vllm",
     chunk_kib: Annotated[int, typer.Option(min=1, help="Staging slot size, KiB.")] = 1024,
     sweep_kib: Annotated[str, typer.Option(
         help="Chunk sizes to sweep, KiB, comma-separated ('' skips the sweep).")] = (
@@ -69,7 +71,8 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
 
     result = run_kv_bench(
         device=device, layers=layers, blocks=_ints(blocks, "--blocks"), block_size=block_size,
-        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, chunk_bytes=chunk_kib * 1024,
+        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layout=layout,
+        chunk_bytes=chunk_kib * 1024,
         sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
         sweep_blocks=sweep_blocks, repeats=repeats, threads=threads,
         patterns=[p for p in patterns.replace(" ", "").split(",") if p],

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.kv.copy import DEFAULT_CHUNK_BYTES, copy_blocks
-from dynamo_ftctl.kv.layout import dtype_bytes
+from dynamo_ftctl.kv.layout import LAYOUTS, CacheLayout, cache_shape, dtype_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,7 @@ class KVBenchResult:
     device: str
     threads: int
     repeats: int
+    layout: str
     rows: tuple[BenchRow, ...]
     sweep: tuple[BenchRow, ...]
 
@@ -90,8 +91,8 @@ class KVBenchResult:
                   round(r.ratio, 3), round(r.cpu_ratio, 3)) for r in rows],
             )
 
-        head = (f"device {self.device}, {self.threads} torch threads (copier and baseline "
-                f"alike), median of {self.repeats} interleaved runs")
+        head = (f"device {self.device}, {self.layout} layout, {self.threads} torch threads "
+                f"(copier and baseline alike), median of {self.repeats} interleaved runs")
         parts: list[Any] = [head, render("copier vs one contiguous copy_", self.rows)]
         if self.sweep:
             parts.append(render("chunk-size sweep", self.sweep))
@@ -112,9 +113,8 @@ def _timed(
 
 def _measure(
     *, route: str, pattern: str, device: torch.device, blocks: int, layers: int,
-    block_shape: tuple[int, ...],
-    dtype: torch.dtype, chunk_bytes: int, repeats: int, clock: Clock,
-    cpu_clock: Callable[[], float], seed: int,
+    layout: CacheLayout, block_shape: tuple[int, int, int], dtype: torch.dtype,
+    chunk_bytes: int, repeats: int, clock: Clock, cpu_clock: Callable[[], float], seed: int,
 ) -> BenchRow:
     import torch
 
@@ -128,7 +128,7 @@ def _measure(
 
     def cache(dev: torch.device) -> list[torch.Tensor]:
         return [
-            torch.empty((total, *block_shape), dtype=dtype, device=dev,
+            torch.empty(cache_shape(layout, total, *block_shape), dtype=dtype, device=dev,
                         pin_memory=pin and dev.type == "cpu").fill_(layer)
             for layer in range(layers)
         ]
@@ -141,7 +141,7 @@ def _measure(
         dst_ids = run
     elif pattern == "scatter":
         src_ids = run
-    block_bytes = src[0][0].numel() * src[0].element_size()
+    block_bytes = src[0].select(layout.block_dim, 0).numel() * src[0].element_size()
     nbytes = blocks * layers * block_bytes
     flat = nbytes // 16 * 16
     a = torch.empty(flat, dtype=torch.uint8, device=src_dev,
@@ -156,7 +156,8 @@ def _measure(
             torch.cuda.synchronize()
 
     def copier() -> None:
-        copy_blocks(src, dst, src_ids, dst_ids, chunk_bytes=chunk_bytes).wait()
+        copy_blocks(src, dst, src_ids, dst_ids, block_dim=layout.block_dim,
+                    chunk_bytes=chunk_bytes).wait()
 
     def contiguous() -> None:
         b.copy_(a, non_blocking=cuda is not None)
@@ -188,6 +189,7 @@ def run_kv_bench(
     kv_heads: int = 1,
     head_dim: int = 64,
     dtype: str = "fp16",
+    layout: str = "vllm",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     sweep_chunks: Sequence[int] = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20),
     sweep_blocks: int = 10_000,
@@ -200,9 +202,11 @@ def run_kv_bench(
     """Measure the copier against a contiguous copy for each id pattern and block count,
     then sweep chunk sizes on the `random` pattern.
 
-    Blocks are vLLM-shaped `[2, block_size, kv_heads, head_dim]` per layer
-    (default 16 × 1 × 64 fp16 = 4 KiB). On CUDA each size runs D2D, D2H and H2D;
-    `Unreachable` (exit 3) when CUDA is asked for and no device is present.
+    Blocks are `[2, block_size, kv_heads, head_dim]` per layer (default 16 × 1 × 64
+    fp16 = 4 KiB) in a cache `layout` of `kv.layout.LAYOUTS`: vllm
+    `[num_blocks, 2, ...]`, or flash `[2, num_blocks, ...]` (K and V of a block apart).
+    On CUDA each size runs D2D, D2H and H2D; `Unreachable` (exit 3) when CUDA is
+    asked for and no device is present.
     """
     try:
         import torch
@@ -222,17 +226,21 @@ def run_kv_bench(
         msg = ("--device cuda: no CUDA device is available to this process "
                f"(torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'no'})")
         raise Unreachable(msg)
+    if layout not in LAYOUTS:
+        msg = f"--layout: {layout!r} (choose from {', '.join(LAYOUTS)})"
+        raise InvalidInput(msg)
     if repeats < 1 or layers < 1 or any(n < 1 for n in blocks) or not blocks:
         msg = "--repeats, --layers and every --blocks value must be >= 1"
         raise InvalidInput(msg)
     if threads is not None:
         torch.set_num_threads(threads)
     torch_dtype = {1: torch.uint8, 2: torch.float16, 4: torch.float32}[dtype_bytes(dtype)]
-    shape = (2, block_size, kv_heads, head_dim)
+    shape = (block_size, kv_heads, head_dim)
     dev = torch.device(device)
     routes = CUDA_ROUTES if device == "cuda" else ("h2h",)
     common: dict[str, Any] = {
-        "device": dev, "layers": layers, "block_shape": shape, "dtype": torch_dtype,
+        "device": dev, "layers": layers, "layout": LAYOUTS[layout], "block_shape": shape,
+        "dtype": torch_dtype,
         "repeats": repeats, "clock": clock, "cpu_clock": cpu_clock,
     }
     rows = tuple(
@@ -246,4 +254,5 @@ def run_kv_bench(
         for size in sweep_chunks for route in routes
     )
     return KVBenchResult(device=device, threads=torch.get_num_threads(), repeats=repeats,
+                         layout=layout,
                          rows=rows, sweep=sweep)

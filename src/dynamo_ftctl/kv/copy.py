@@ -438,6 +438,14 @@ def _as_rows(
     return [r.view(wide) for r in src_r], [r.view(wide) for r in dst_r]
 
 
+def _unbind_leading(caches: Sequence[torch.Tensor], block_dim: int) -> list[torch.Tensor]:
+    """Views of `caches` with every index of the dims before `block_dim` split off."""
+    out = list(caches)
+    for _ in range(block_dim):
+        out = [part for t in out for part in t.unbind(0)]
+    return out
+
+
 @dataclass(frozen=True)
 class Piece:
     """One unit of the pipeline: a chunk of blocks of one layer."""
@@ -682,6 +690,11 @@ def copy_blocks(
     if not s_ids.numel():
         return CopyHandle(blocks=0, bytes=0, pieces=0)
 
+    if dim:
+        # Blocks not first (flash: [2, num_blocks, ...]): each index of the leading dims
+        # is its own blocks-first tensor (a view), so a block's bytes stay contiguous
+        # rows for the index kernels' row-at-a-time fast paths.
+        src, dst, dim = _unbind_leading(src, dim), _unbind_leading(dst, dim), 0
     src_rows, dst_rows = _as_rows(src, dst, dim)
     row_bytes = src_rows[0][0].numel() * src_rows[0].element_size()
     chunk = max(1, chunk_bytes // max(1, row_bytes))

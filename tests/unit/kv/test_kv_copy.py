@@ -114,7 +114,8 @@ def test_handle_counts_bytes_and_pieces() -> None:
 def test_a_run_of_blocks_copies_in_one_pass_per_layer(
     sids: list[int], dids: list[int], block_dim: int,
 ) -> None:
-    """When either id list is one ascending run, each layer is one unstaged piece, bit-exact."""
+    """When either id list is one ascending run, each layer (each K/V half in the flash
+    layout) is one unstaged piece, bit-exact."""
     src = make_cache(3, 10, seed=41, block_dim=block_dim)
     dst = make_cache(3, 10, seed=42, block_dim=block_dim)
     want = expected_copy(src, dst, sids, dids, block_dim)
@@ -128,7 +129,8 @@ def test_a_run_of_blocks_copies_in_one_pass_per_layer(
 
     handle = copy_blocks(src, dst, sids, dids, block_dim=block_dim, chunk_bytes=1,
                          ops=CountingHostOps())
-    assert handle.pieces == 3  # one per layer, despite a one-block chunk size
+    # One per layer (flash: per layer and K/V, each blocks-first), despite one-block chunks.
+    assert handle.pieces == 3 * (2 if block_dim else 1)
     assert staged == []  # no staging buffer was asked for
     assert bits_equal(dst, want)
 

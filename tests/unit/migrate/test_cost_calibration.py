@@ -171,3 +171,16 @@ def test_cli_kv_bench_unknown_pattern_exits_2(capsys: pytest.CaptureFixture[str]
     pytest.importorskip("torch")
     assert main(["kv", "bench", "--patterns", "gather,zigzag", "--blocks", "8"]) == 2
     assert "zigzag (choose from gather, scatter, random)" in capsys.readouterr().err
+
+
+def test_cli_kv_bench_flash_layout() -> None:
+    """`--layout flash` benchmarks caches with blocks on dim 1 ([2, num_blocks, ...])."""
+    pytest.importorskip("torch")
+    result = runner.invoke(app, ["kv", "bench", "--layout", "flash", "--blocks", "32",
+                                 "--sweep-kib", "", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["layout"] == "flash"
+    assert [r["pattern"] for r in doc["rows"]] == ["gather", "scatter", "random"]
+    assert all(r["ratio"] > 0 and r["bytes"] == 32 * 4096 for r in doc["rows"])
+    assert main(["kv", "bench", "--layout", "paged", "--blocks", "8"]) == 2
