@@ -534,8 +534,9 @@ class MigratingProxy:
                     if not body:
                         yield [ledger.finish_chunk("length")]
                         return
-                    if method == "reprefill" and self._kv_pays(ledger):
-                        kv_payload = await self._export_kv(slot, ledger)
+                    export_s = self._kv_export_budget(ledger) if method == "reprefill" else 0
+                    if export_s:
+                        kv_payload = await self._export_kv(slot, ledger, export_s)
                         if kv_payload:
                             method = "kv"
                 finally:
@@ -564,15 +565,17 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ KV transfer
 
-    def _kv_pays(self, ledger: StreamLedger) -> bool:
-        """Whether the calibrated cost model moves this request's KV rather than re-prefill.
+    def _kv_export_budget(self, ledger: StreamLedger) -> float:
+        """Seconds to give a KV export when the calibrated model prefers a transfer, else 0.
 
         Completions with token ids only: a KV import streams completion chunks, and
-        its context must be exactly the ledger's prompt + generated ids.
+        its context must be exactly the ledger's prompt + generated ids. The budget is
+        twice the modelled re-prefill (at least 0.5 s, at most the stall timeout): an
+        export slower than that has lost to re-prefill already (a hung worker).
         """
         if self.calibration is None or ledger.endpoint != "completions" \
                 or not ledger.ids_mode or ledger.prompt_ids is None:
-            return False
+            return 0.0
         from dynamo_ftctl.migrate.transfer import RequestState, choose_method
 
         context = (*ledger.prompt_ids, *ledger.generated_ids)
@@ -581,9 +584,12 @@ class MigratingProxy:
             prompt_len=len(ledger.prompt_ids), num_cached=len(context), sampling={},
             kv_bytes_per_token=self.calibration.kv_bytes_per_token, payload_bytes=0,
         )
-        return choose_method(state, self.calibration).decision == "kv"
+        plan = choose_method(state, self.calibration)
+        if plan.decision != "kv":
+            return 0.0
+        return min(max(2 * plan.reprefill_s, 0.5), self.config.stall_timeout_s)
 
-    async def _export_kv(self, slot: WorkerSlot, ledger: StreamLedger) -> bytes:
+    async def _export_kv(self, slot: WorkerSlot, ledger: StreamLedger, budget_s: float) -> bytes:
         """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""
         import httpx
 
@@ -594,11 +600,12 @@ class MigratingProxy:
             self._kv_client = httpx.AsyncClient(timeout=httpx.Timeout(
                 self.config.stall_timeout_s, connect=self.config.connect_timeout_s))
         try:
-            state, payload, _ = await export_request(
-                self._kv_client, endpoint_for(self.inventory, slot.name), ledger.request_id,
-                abort=True, clock=self.clock,
-            )
-        except (FtctlError, ValueError) as exc:  # gone (SIGKILL), no KV support, garbage
+            async with asyncio.timeout(budget_s):
+                state, payload, _ = await export_request(
+                    self._kv_client, endpoint_for(self.inventory, slot.name), ledger.request_id,
+                    abort=True, clock=self.clock,
+                )
+        except (FtctlError, ValueError, TimeoutError) as exc:  # gone, hung, no KV, garbage
             log.info("no KV export from %s (%s): re-prefill", slot.name, exc)
             return b""
         context = [*(ledger.prompt_ids or ()), *ledger.generated_ids]

@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -574,4 +575,36 @@ def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
             assert events[-3]["usage"]["completion_tokens"] == 10
             assert events[-2] == f": {MIGRATED_HEADER}: 1"
             assert all("stop" not in body for w in c.workers for body in w.requests)
+    run(go())
+
+
+def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
+    run: Callable[..., Any], tmp_path: Path,
+) -> None:
+    """Calibration says kv, the failed worker has no KV export: re-prefill, output unchanged."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({
+        "worker": "a", "peer": "b", "model": MODEL, "layers": 2, "kv_heads": 2, "head_dim": 32,
+        "dtype_bytes": 4, "block_size": 16,
+        "prefill": {"fixed_s": 0.0, "per_token_s": 1e-3},
+        "transfer": {"setup_s": 1e-4, "bandwidth_bytes_per_s": 1e9},
+    }))
+
+    def count(method: str) -> float:
+        from dynamo_ftctl import metrics
+
+        return metrics.REGISTRY.get_sample_value(
+            "dynamo_migration_total", {"source_group": "w0", "target_group": "w1",
+                                       "method": method}) or 0.0
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker()],
+                           calibration=str(calibration)) as c:
+            assert c.proxy.calibration is not None
+            c.proxy.router.slots["w1"].outstanding = 5
+            before = (count("kv"), count("reprefill"))
+            _, events = await c.stream("/v1/completions", BODY)
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert (count("kv"), count("reprefill")) == (before[0], before[1] + 1)
     run(go())
