@@ -6,9 +6,11 @@
    generator runs on CPU 1): non-streaming requests/s, and streamed tokens/s (64
    tokens per request), for each client (`--clients`: the default http1 and the
    aiohttp fallback, in the same run). `wrk` (C, closed loop, 32 connections) on
-   the same server in the same run is the ceiling. The machine is shared: a trial
-   during which other processes used more than 15% of the CPUs (from /proc) is
-   run again, at most 4 times per rate, and the output says how many were.
+   the same server in the same run is the ceiling. (First, 0.: the generator's CPU
+   per request in a closed loop, which others on the machine disturb less.) The
+   machine is shared: a trial during which other processes used more than 15% of
+   the CPUs (from /proc) is run again, at most 4 times per rate, and the output
+   says how many were.
 2. Overhead: TTFT as `ftctl load` measures it (from the actual send) minus TTFT as
    the server measures it, p50, streaming, at a light rate: on `ftctl sim` (which
    reports its own TTFT of each stream as `ftctl_server_ttft_ms` in the finishing
@@ -240,6 +242,20 @@ def overhead_on_sim(seconds: float, clients: list[Client],
     return out
 
 
+def cpu_per_request(url: str, seconds: float, *, stream: bool, client: Client) -> float:
+    """Generator CPU (user + system) per completed request in us, closed loop, 32 users:
+    what one request costs the generator, whoever else runs (CPU time, not lag)."""
+    start = os.times()
+    report = run_load(LoadConfig(
+        targets=(url,), schedule=Schedule(users=32), client=client,
+        workload=Workload(stream=stream, max_tokens=Length.fixed(64 if stream else 16),
+                          prompt_tokens=Length.fixed(16), model="m"),
+        duration_s=seconds, timeout_s=10))
+    end = os.times()
+    used = (end.user - start.user) + (end.system - start.system)
+    return used / max(1, report.summary.completed) * 1e6
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -253,6 +269,16 @@ def main() -> int:
     clients = [cast("Client", c.strip()) for c in args.clients.split(",") if c.strip()]
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the generator on CPU 1, the target on CPU 0
+    print(f"== 0. generator CPU per request (closed loop, 32 users, {args.seconds:g} s, "
+          "median of 3)")
+    with target() as url:
+        for stream in (False, True):
+            for client in clients:
+                runs = sorted(cpu_per_request(url, args.seconds, stream=stream, client=client)
+                              for _ in range(3))
+                print(f" {client:<8} {'streamed, 64 tokens' if stream else 'not streamed':<20}"
+                      f"{runs[1]:8,.0f} us/request  ({', '.join(f'{r:,.0f}' for r in runs)})",
+                      flush=True)
     print(f"== 1. highest rate with schedule lag p99 <= {LAG_P99_MS} ms "
           f"(Poisson arrivals, {args.seconds:g} s per trial, spin {args.spin_us} us)")
     best: dict[tuple[Client, bool], dict[str, float]] = {}

@@ -101,7 +101,7 @@ def synthetic_prompt(rng: random.Random, tokens: int) -> str:
 
 # Synthetic prompts are windows of one random text drawn once per run: a slice
 # instead of a random draw per byte (which cost more CPU per request than sending it).
-_POOL_MIN = 1 << 16
+_POOL_MIN = 1 << 12
 
 
 class RequestFactory:
