@@ -9,7 +9,7 @@
    the same server in the same run is the ceiling. (First, 0.: the generator's CPU
    per request in a closed loop, which others on the machine disturb less.) The
    machine is shared: a trial during which other processes used more than 15% of
-   the CPUs (from /proc) is run again, at most 4 times per rate, and the output
+   the CPUs (from /proc) is run again, at most 2 times per rate, and the output
    says how many were.
 2. Overhead: TTFT as `ftctl load` measures it (from the actual send) minus TTFT as
    the server measures it, p50, streaming, at a light rate: on `ftctl sim` (which
@@ -81,7 +81,7 @@ MINE: dict[str, int] = {}
 # A trial during which other processes used more than this share of all CPUs is run
 # again (at most DISTURBED_RETRIES times per rate): it measured them, not the generator.
 DISTURBED = 0.15
-DISTURBED_RETRIES = 4
+DISTURBED_RETRIES = 2
 
 
 def _jiffies() -> tuple[int, int, int]:
@@ -133,7 +133,7 @@ def sustained(url: str, rate: float, seconds: float, *, stream: bool,
     """A rate is sustained when 2 of 3 trials meet it (a single trial is at the mercy of
     whoever else runs on this shared machine; stops as soon as the vote is decided). A
     trial during which other processes used more than 15% of the CPUs does not vote
-    and is run again, up to 4 times per rate."""
+    and is run again, up to 2 times per rate."""
     votes: list[bool] = []
     rows: list[dict[str, float]] = []
     retries = 0
@@ -303,7 +303,7 @@ def main() -> int:
               f"tokens/s")
     print(f"  ({STATS['trials']} trials; {STATS['disturbed']} re-run because other processes "
           f"used > {DISTURBED:.0%} of the CPUs; {STATS['busy_votes']} votes counted though "
-          "disturbed, after 4 re-runs)")
+          "disturbed, after 2 re-runs)")
     print("== 2. TTFT overhead: ftctl load's TTFT (from send) minus the server's own, p50")
     for client, (c, srv, diff, n) in overhead_on_sim(max(args.seconds * 4, 10.0),
                                                      clients).items():
