@@ -13,6 +13,16 @@ of another, in pieces of (layer, chunk of blocks):
    destination share a device);
 3. scatter it into the destination blocks.
 
+When source and destination share a device and either id list is one
+ascending run (an export into a buffer, an import out of one), there is
+nothing to stage: each layer is one pass, an `index_select` straight into the
+destination's run or an `index_copy_` straight out of the source's run (a
+slice `copy_` when both are runs). Random ids on both sides have no single
+torch op, so they take the two passes above through an L2-sized slot.
+Caches whose blocks are not on dim 0 (flash: `[2, num_blocks, ...]`) are
+split into blocks-first views per leading index, so every block stays a
+contiguous row for the index kernels.
+
 Staging slots form a ring (`depth`, default 2) and every hand-over between
 streams or between a stream and the host goes through an event, so piece k+1
 is gathered while piece k is in flight, and a slot is reused only after the

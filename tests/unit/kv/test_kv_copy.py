@@ -349,6 +349,27 @@ def test_lazy_streams_still_copy_exactly(
     assert bits_equal(dst, want)
 
 
+def test_same_device_run_is_queued_on_the_stream_unstaged() -> None:
+    """On one device, a piece whose destination is a run is one queued kernel: nothing
+    has landed before wait(), no staging is asked for, and the copy is exact after."""
+    src, dst = make_cache(2, 30, seed=13), make_cache(2, 30, seed=14)
+    sids, dids = [29, 3, 17, 8], [10, 11, 12, 13]
+    want = expected_copy(src, dst, sids, dids)
+    before = [d.clone() for d in dst]
+    s_index, d_index = torch.tensor(sids), torch.tensor(dids)
+    pieces = [Piece(src=s.view(30, -1), dst=d.view(30, -1), src_ids=s_index, dst_ids=d_index,
+                    dst_start=10) for s, d in zip(src, dst, strict=True)]
+    ops = LazyOps()
+    handle = run_pipeline(pieces, src_kind="device", dst_kind="device", ops=ops, depth=2,
+                          crossing=False)
+    assert not handle.done()  # queued, not run
+    assert bits_equal(dst, before)
+    handle.wait()
+    assert ops.pinned == []
+    assert ops.log[:1] == ["join s0"]
+    assert bits_equal(dst, want)
+
+
 def test_missing_waits_would_be_caught_by_the_fake() -> None:
     """The lazy fake is strict enough: dropping the stream waits corrupts the copy."""
     src, dst = make_cache(1, 30, seed=11), make_cache(1, 30, seed=12)
