@@ -9,7 +9,9 @@ the median:
 - worker-crash: requests sent, failed, migrated, tokens lost/duplicated, TTFT
   p99 with the fault, and its ratio to the baseline;
 - xid48: seconds from `inject xid48` to the canary daemon setting the worker's
-  weight to 0 (passive path: the proxy's failure report, then a confirming probe).
+  weight to 0 (passive path: the proxy's failure report, then a confirming probe);
+- overload: premium, standard and best_effort loads at once through the proxy;
+  per priority: requests sent, failed, shed (503) and shed with Retry-After.
 
     python benchmarks/drill.py [--runs 3]
 
@@ -57,6 +59,7 @@ def main() -> int:
     rows: dict[str, list[Any]] = {k: [] for k in (
         "sent", "failed", "migrated", "tokens_lost", "tokens_duplicated", "p99_base",
         "p99_fault", "p99_after", "drained", "passed")}
+    tiers: dict[str, dict[str, list[Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="ftctl-bench-drill-") as tmp:
         folder = Path(tmp)
         baseline = _baseline_scenario(folder)
@@ -72,7 +75,12 @@ def main() -> int:
             rows["p99_fault"].append(crash.latency["ttft_p99_ms"])
             rows["p99_after"].append(crash.latency["ttft_p99_after_fault_ms"])
             rows["drained"].append(xid.detections.get("xid48 w1"))
-            rows["passed"].append(crash.passed and xid.passed and base.passed)
+            over = run_drill(DRILLS / "overload.yaml", local=True,
+                             out_dir=folder / f"overload{run}", plot=False)
+            for tier, counts in over.counts.get("by_priority", {}).items():
+                for key in ("sent", "failed", "rejected", "shed_with_retry_after"):
+                    tiers.setdefault(tier, {}).setdefault(key, []).append(counts[key])
+            rows["passed"].append(crash.passed and xid.passed and base.passed and over.passed)
             print(f"run {run + 1}: crash {crash.counts} p99 {crash.latency['ttft_p99_ms']} ms "
                   f"(baseline {base.latency['ttft_p99_ms']} ms); xid48 drained after "
                   f"{xid.detections.get('xid48 w1')} s", file=sys.stderr)
@@ -90,6 +98,12 @@ def main() -> int:
     drained = m["drained"]
     print("xid48 -> worker drained by the canary daemon (passive path), median: "
           + (f"{drained:.3f} s (goal <= 1 s)" if drained is not None else "not drained"))
+    print(f"overload drill, median of {args.runs} runs (premium 2 + standard 20 + best_effort "
+          "60 req/s for 8 s through the proxy):")
+    for tier, counts in tiers.items():
+        t = {k: _median(v) for k, v in counts.items()}
+        print(f"  {tier:11}: sent {t['sent']:.0f}, failed {t['failed']:.0f}, shed "
+              f"{t['rejected']:.0f} ({t['shed_with_retry_after']:.0f} with Retry-After)")
     print(f"  every drill passed: {all(rows['passed'])}")
     return 0 if all(rows["passed"]) else 1
 
