@@ -8,9 +8,9 @@
    aiohttp fallback, in the same run). `wrk` (C, closed loop, 32 connections) on
    the same server in the same run is the ceiling. (First, 0.: the generator's CPU
    per request in a closed loop, which others on the machine disturb less.) The
-   machine is shared: a trial during which other processes used more than 15% of
-   the CPUs (from /proc) is run again, at most 2 times per rate, and the output
-   says how many were.
+   machine is shared: each trial waits (at most 30 s) for a moment when other
+   processes use at most 15% of the CPUs (from /proc), and one during which they
+   used more is run again, at most 2 times per rate; the output says how many were.
 2. Overhead: TTFT as `ftctl load` measures it (from the actual send) minus TTFT as
    the server measures it, p50, streaming, at a light rate: on `ftctl sim` (which
    reports its own TTFT of each stream as `ftctl_server_ttft_ms` in the finishing
@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,7 +44,7 @@ from dynamo_ftctl.loadgen import Length, LoadConfig, Schedule, Workload, run_loa
 from dynamo_ftctl.loadgen.config import Client
 
 LAG_P99_MS = 1.0
-STATS = {"trials": 0, "disturbed": 0, "busy_votes": 0}
+STATS = {"trials": 0, "disturbed": 0, "busy_votes": 0, "busy_starts": 0}
 
 
 def _pin(cpu: int) -> list[str]:
@@ -103,6 +104,17 @@ def _jiffies() -> tuple[int, int, int]:
     return total, busy, own
 
 
+def wait_for_quiet(limit_s: float = 30.0) -> None:
+    """Wait (at most `limit_s`) until others use at most DISTURBED of the CPUs for 0.5 s."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = _jiffies()
+        time.sleep(0.5)
+        if others_share(before, _jiffies()) <= DISTURBED:
+            return
+    STATS["busy_starts"] += 1
+
+
 def others_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
     """Share of all CPUs that other processes used between two `_jiffies()`."""
     total = after[0] - before[0]
@@ -113,6 +125,7 @@ def others_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> f
 def trial(url: str, rate: float, seconds: float, *, stream: bool,
           client: Client) -> tuple[bool, dict[str, float]]:
     """One open-loop run; sustained when lag p99 <= 1 ms and every request completed."""
+    wait_for_quiet()
     before = _jiffies()
     report = run_load(LoadConfig(
         targets=(url,), schedule=Schedule(rate=rate, arrival="poisson", seed=1), client=client,
@@ -303,7 +316,8 @@ def main() -> int:
               f"tokens/s")
     print(f"  ({STATS['trials']} trials; {STATS['disturbed']} re-run because other processes "
           f"used > {DISTURBED:.0%} of the CPUs; {STATS['busy_votes']} votes counted though "
-          "disturbed, after 2 re-runs)")
+          f"disturbed, after 2 re-runs; {STATS['busy_starts']} started after 30 s without a "
+          "quiet moment)")
     print("== 2. TTFT overhead: ftctl load's TTFT (from send) minus the server's own, p50")
     for client, (c, srv, diff, n) in overhead_on_sim(max(args.seconds * 4, 10.0),
                                                      clients).items():
