@@ -429,6 +429,11 @@ class ProxyConfig(StrictStruct, frozen=True):
     reject_status: Annotated[
         Literal[503, 529], _doc("HTTP status when every worker is busy or a tier is shed."),
     ] = 503
+    premium_when_busy: Annotated[
+        Literal["admit", "shed"],
+        _doc("When every worker is busy: admit premium requests to queue at the least-loaded "
+             "worker (standard and best_effort get the busy 503), or shed them too."),
+    ] = "admit"
     retry_after_s: Annotated[int, _doc("Retry-After (seconds) on a rejection.", ge=0)] = 1
     admin_token_env: Annotated[
         str, _doc("Variable holding the bearer token of POST /busy_threshold."),

@@ -14,8 +14,10 @@
   3 (≥ 0.25), 4 (below).
 - **Priority.** `x-ftctl-priority: premium|standard|best_effort` (default
   standard). `SHED_AT_LEVEL` lists the tiers refused at each level:
-  best_effort goes first, then standard; premium is refused only when no
-  worker can take it (all busy or none healthy).
+  best_effort goes first, then standard. Premium is not refused for
+  busyness: when every worker is busy it queues at the least-loaded one
+  (the proxy's `premium_when_busy: admit`, the default; `shed` refuses it
+  like the rest); it is refused only when no worker is healthy.
 
 Pure code: parsing and decisions. The proxy scrapes `/metrics` and feeds the
 results in; thresholds change at run time through `set_thresholds`.
@@ -179,17 +181,20 @@ class Decision:
 ADMIT = Decision(admitted=True)
 
 
-def decide(priority: Priority, level: int, busy: Iterable[bool]) -> Decision:
+def decide(
+    priority: Priority, level: int, busy: Iterable[bool], *, premium_when_busy: bool = True,
+) -> Decision:
     """Admission of one request given the degradation level and each routable worker's state.
 
     `busy` has one flag per routable (healthy) worker; an empty iterable means
-    no worker can serve at all.
+    no worker can serve at all. With `premium_when_busy`, premium requests are
+    admitted (to queue in an engine) even when every worker is busy.
     """
     flags = list(busy)
     if not flags:
         return Decision(admitted=False, reason="no_healthy_worker")
     if priority in SHED_AT_LEVEL.get(level, SHED_AT_LEVEL[4]):
         return Decision(admitted=False, reason=f"degradation_level_{level}")
-    if all(flags):
+    if all(flags) and not (premium_when_busy and priority == "premium"):
         return Decision(admitted=False, reason="all_workers_busy")
     return ADMIT

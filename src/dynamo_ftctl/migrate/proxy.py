@@ -330,7 +330,8 @@ class MigratingProxy:
         priority = parse_priority(priority_header)
         level = self.level()
         self.metrics.DEGRADATION_LEVEL.set(level)
-        decision = decide(priority, level, self._refresh_busy(model))
+        decision = decide(priority, level, self._refresh_busy(model),
+                          premium_when_busy=self.config.premium_when_busy == "admit")
         if decision.admitted:
             return
         self.metrics.TASKS_REJECTED.labels(decision.reason, priority).inc()

@@ -136,11 +136,18 @@ class Router:
         exclude_groups: Collection[str] = (), avoid_busy: bool = True,
         last_resort: bool = False,
     ) -> WorkerSlot | None:
-        """The least loaded eligible worker, or None when there is none."""
+        """The least loaded eligible worker, or None when there is none.
+
+        `avoid_busy` prefers workers that are not busy; an admitted request still
+        goes to the least loaded busy one when every worker is busy (admission
+        has already decided it may queue), rather than being refused here.
+        """
         start = next(self._rotation)
         count = len(self._order)
         best: WorkerSlot | None = None
         best_score = float("inf")
+        busy_best: WorkerSlot | None = None
+        busy_score = float("inf")
         fallback: WorkerSlot | None = None
         for offset in range(count):
             slot = self.slots[self._order[(start + offset) % count]]
@@ -153,13 +160,15 @@ class Router:
                 if last_resort and fallback is None:
                     fallback = slot
                 continue
-            if avoid_busy and slot.busy:
-                continue
             score = (slot.outstanding + 1) / weight
+            if avoid_busy and slot.busy:
+                if score < busy_score:
+                    busy_best, busy_score = slot, score
+                continue
             if score < best_score:
                 best, best_score = slot, score
         if best is None:
-            best = fallback
+            best = busy_best or fallback
         if best is not None and best.breaker == "half_open":
             best.trial_in_flight = True
         return best

@@ -85,13 +85,22 @@ def test_priority_shedding_order_per_level(level: int) -> None:
     assert ("best_effort" in shed) >= ("standard" in shed)
 
 
-def test_all_busy_refuses_even_premium() -> None:
-    """When every routable worker is busy, every tier is refused with reason all_workers_busy."""
-    decision = decide("premium", 0, [True, True])
+def test_all_busy_refuses_all_but_premium() -> None:
+    """When every worker is busy, standard and best_effort get all_workers_busy; premium queues."""
+    for tier in ("standard", "best_effort"):
+        decision = decide(tier, 0, [True, True])  # type: ignore[arg-type]
+        assert not decision.admitted
+        assert decision.reason == "all_workers_busy"
+    assert decide("premium", 0, [True, True]).admitted
+    assert decide("standard", 0, [True, False]).admitted
+    assert decide("premium", 4, []).reason == "no_healthy_worker"
+
+
+def test_premium_when_busy_shed_refuses_premium_too() -> None:
+    """premium_when_busy=False (the proxy's `shed`) refuses every tier when all are busy."""
+    decision = decide("premium", 0, [True, True], premium_when_busy=False)
     assert not decision.admitted
     assert decision.reason == "all_workers_busy"
-    assert decide("premium", 0, [True, False]).admitted
-    assert decide("premium", 4, []).reason == "no_healthy_worker"
 
 
 def test_priority_header_parsing() -> None:

@@ -99,3 +99,18 @@ def test_daemon_weight_formats() -> None:
     """Lists, mappings of states and bare numbers are all read; bad entries are skipped."""
     assert parse_daemon_weights([{"worker": "a", "weight": 0.5}]) == {"a": 0.5}
     assert parse_daemon_weights({"a": {"state": "DEAD"}, "b": 2, "c": "x"}) == {"a": 0.0, "b": 1.0}
+
+
+def test_busy_workers_are_avoided_but_not_refused() -> None:
+    """A non-busy worker wins over a less loaded busy one; with all busy the least loaded busy one."""
+    router = make(FakeClock())
+    router.slots["w0"].busy = True
+    router.slots["w1"].busy = True
+    router.slots["w1"].outstanding = 0
+    router.slots["w2"].outstanding = 5
+    assert router.pick().name == "w2"  # type: ignore[union-attr]
+    router.slots["w2"].busy = True
+    router.slots["w0"].outstanding = 3
+    assert router.pick().name == "w1"  # type: ignore[union-attr]
+    router.slots["w1"].busy = False
+    assert router.pick(exclude_workers={"w1"}).name == "w0"  # type: ignore[union-attr]
