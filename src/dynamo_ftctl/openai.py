@@ -32,6 +32,7 @@ __all__ = [
     "ApiError",
     "SseDecoder",
     "SseEvent",
+    "StopFinder",
     "StreamAccumulator",
     "StreamChunk",
     "TokenLogprob",
@@ -547,3 +548,56 @@ def chat_request(
         body, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
         stream=stream, return_token_ids=return_token_ids, extra=extra,
     )
+
+
+# ---------------------------------------------------------------------------
+# Stop strings
+
+
+class StopFinder:
+    """Stop strings over a text stream (the sim's output; the proxy's across workers).
+
+    Holds back the last `len(longest stop) - 1` characters (they may begin a
+    stop string), so a match always lies in the held text plus the new text;
+    on a match, the output ends just before it (or after it, when the client
+    asked for `include_stop_str_in_output`).
+    """
+
+    def __init__(self, stops: Sequence[str], *, include: bool = False) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.include = include
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> StopFinder | None:
+        """The finder of a request body's `stop`, or None when it has none."""
+        stop = body.get("stop")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        stops = tuple(s for s in stops if s)
+        if not stops:
+            return None
+        return cls(stops, include=bool(body.get("include_stop_str_in_output")))
+
+    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
+        """(text safe to send now, whether a stop string matched)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [(i, len(s)) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if hits:
+            start, size = min(hits)
+            out = self.pending[: start + size if self.include else start]
+            self.pending = ""
+            return out, True
+        if final or self.hold == 0:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """The held text, when the output ends for another reason."""
+        out, self.pending = self.pending, ""
+        return out

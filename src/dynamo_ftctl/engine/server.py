@@ -39,7 +39,7 @@ from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_crash_lines
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
 from dynamo_ftctl.errors import FtctlError, InvalidInput
-from dynamo_ftctl.openai import DONE, error_body, format_sse
+from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -189,32 +189,6 @@ def _options(body: Mapping[str, Any], logprobs: int | None) -> _Options:
     )
 
 
-class _StopFinder:
-    """Stop strings over a text stream; holds back text that may start a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out = self.pending[: min(hits)]
-            self.pending = ""
-            return out, True
-        if final or self.hold == 0:
-            out, self.pending = self.pending, ""
-            return out, False
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-
 # ---------------------------------------------------------------------------
 # The generation core shared by completions, chat and KV import
 
@@ -239,7 +213,7 @@ async def _step_batches(state: ServerState, request: EngineRequest, options: _Op
     the steady state), so a stream that fell behind catches up in one write.
     """
     detok = IncrementalDetokenizer()
-    stopper = _StopFinder(options.stop)
+    stopper = StopFinder(options.stop)
     sent = 0
     first = True
     async for events in state.driver.follow_batches(request, start):

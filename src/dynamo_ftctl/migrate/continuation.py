@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dynamo_ftctl.openai import StopFinder
+
 __all__ = [
     "Endpoint",
     "MalformedChunk",
@@ -152,53 +154,6 @@ def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
     if sampled and out.get("seed") is None:
         out["seed"] = secrets.randbelow(2**31)
     return out
-
-
-class StopFinder:
-    """Stop strings over a text stream that may span workers.
-
-    Holds back the last `len(longest stop) - 1` characters (they may begin a
-    stop string), so a match always lies in the held text plus the new text;
-    on a match, the output ends just before it (or after it, when the client
-    asked for `include_stop_str_in_output`).
-    """
-
-    def __init__(self, stops: tuple[str, ...], *, include: bool = False) -> None:
-        self.stops = stops
-        self.include = include
-        self.hold = max(len(s) for s in stops) - 1
-        self.pending = ""
-
-    @classmethod
-    def from_body(cls, body: dict[str, Any]) -> StopFinder | None:
-        """The finder of a request body's `stop`, or None when it has none."""
-        stop = body.get("stop")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        stops = tuple(s for s in stops if s)
-        if not stops:
-            return None
-        return cls(stops, include=bool(body.get("include_stop_str_in_output")))
-
-    def feed(self, text: str, *, final: bool) -> tuple[str, bool]:
-        """(text safe to send now, whether a stop string matched)."""
-        self.pending += text
-        hits = [(i, len(s)) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            start, size = min(hits)
-            out = self.pending[: start + size if self.include else start]
-            self.pending = ""
-            return out, True
-        if final or self.hold == 0:
-            out, self.pending = self.pending, ""
-            return out, False
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        """The held text, when the output ends for another reason."""
-        out, self.pending = self.pending, ""
-        return out
 
 
 def _choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
