@@ -85,7 +85,7 @@ def test_slow_worker_is_a_latency_spike_after_a_baseline(
 
 
 def test_hung_worker_times_out_with_exit_three(sim_worker: SimWorker, tmp_path: Path) -> None:
-    """A hang (event loop blocked) is no answer: exit 3 within about one timeout."""
+    """A hung worker (requests stall, no answer) is unreachable: exit 3 within about one timeout."""
     fault(sim_worker, kind="hang", duration_s=20)
     time.sleep(0.2)  # the fault starts 50 ms after the admin call answers
     rc, doc, _, elapsed = canary(sim_worker.url, tmp_path / "s.json", "--timeout", "1")
