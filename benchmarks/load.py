@@ -19,6 +19,7 @@
    first token written, from its `/stats`), for each client.
 
 Run: .venv/bin/python benchmarks/load.py [--seconds 3] [--clients http1,aiohttp]
+     [--at 3000,4000 --at-stream 800]  (vote at those rates instead of bisecting)
 """
 
 from __future__ import annotations
@@ -269,6 +270,23 @@ def cpu_per_request(url: str, seconds: float, *, stream: bool, client: Client) -
     return used / max(1, report.summary.completed) * 1e6
 
 
+def vote_at(args: argparse.Namespace, clients: list[Client]) -> int:
+    """`--at`/`--at-stream`: the 2-of-3 vote at given rates (a bisection that hits one
+    unlucky vote on the way up never looks above it; this checks a rate directly)."""
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {1})
+    for stream, rates in ((False, args.at), (True, args.at_stream)):
+        for rate in (float(r) for r in rates.split(",") if r.strip()):
+            with target() as url:
+                for client in clients:
+                    ok, row = sustained(url, rate, args.seconds, stream=stream, client=client)
+                    print(f" {client:<8} {'streamed' if stream else 'not streamed':<13} "
+                          f"{rate:7,.0f}/s: {'sustained' if ok else 'not sustained'} "
+                          f"({row['req_s']:,.0f} req/s, {row['tok_s']:,.0f} tokens/s)",
+                          flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
@@ -276,10 +294,16 @@ def main() -> int:
                         help="comma-separated clients to measure (http1, aiohttp)")
     parser.add_argument("--spin-us", type=int, default=round(SPIN["s"] * 1e6),
                         help="the trials' --spin-us")
+    parser.add_argument("--at", default="", metavar="R1,R2",
+                        help="instead of bisecting, vote on these non-streaming rates only")
+    parser.add_argument("--at-stream", default="", metavar="R1,R2",
+                        help="instead of bisecting, vote on these streaming rates only")
     args = parser.parse_args()
     SPIN["s"] = args.spin_us / 1e6
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups
     clients = [cast("Client", c.strip()) for c in args.clients.split(",") if c.strip()]
+    if args.at or args.at_stream:
+        return vote_at(args, clients)
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})  # the generator on CPU 1, the target on CPU 0
     print(f"== 0. generator CPU per request (closed loop, 32 users, {args.seconds:g} s, "
