@@ -69,7 +69,10 @@ def to_jsonable(value: Any) -> Any:
 def _console(stream: Any) -> Console:
     from rich.console import Console
 
-    return Console(file=stream, highlight=False, soft_wrap=False)
+    # Off a terminal (logs, pipes, CI) text lines keep their length: rich's 80-column
+    # default would cut "tokens lost 0, duplicated 0" in two. Tables still fit the width.
+    on_terminal = bool(getattr(stream, "isatty", lambda: False)())
+    return Console(file=stream, highlight=False, soft_wrap=not on_terminal)
 
 
 def stdout_console() -> Console:
