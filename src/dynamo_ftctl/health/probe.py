@@ -228,6 +228,24 @@ def _timeout(prompt: CanaryPrompt, config: CanaryConfig) -> float:
     return prompt.timeout_s if prompt.timeout_s is not None else config.timeout_s
 
 
+# Answers that say "try again shortly": retried like a transient transport error.
+_RETRY_STATUSES = frozenset((429, 502, 503, 504))
+
+
+def _retry_wait(retryable: bool, attempts: int, config: CanaryConfig) -> float | None:
+    """Seconds to back off before another attempt, or None when the answer stands."""
+    if not retryable or attempts > config.max_retries:
+        return None
+    return float(_BACKOFF_S * 2 ** (attempts - 1))
+
+
+def _checked(prompt: CanaryPrompt, reply: HttpReply, latency: float, attempts: int,
+             ) -> PromptCheck:
+    verdict, top = _judge(prompt, reply)
+    return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
+                       verdict.mismatch, top)
+
+
 # ---------------------------------------------------------------------------
 # One-shot (blocking)
 
@@ -244,17 +262,15 @@ def _probe_prompt(
         try:
             reply = transport.post_json(target.url + path, body, timeout_s=_timeout(prompt, config))
         except TransportError as exc:
-            if exc.transient and attempts <= config.max_retries:
-                clock.sleep(_BACKOFF_S * 2 ** (attempts - 1))
-                continue
-            return _failed_transport(prompt, exc, attempts)
-        latency = clock.now() - start
-        if reply.status in (429, 502, 503, 504) and attempts <= config.max_retries:
-            clock.sleep(_BACKOFF_S * 2 ** (attempts - 1))
+            if (wait := _retry_wait(exc.transient, attempts, config)) is None:
+                return _failed_transport(prompt, exc, attempts)
+            clock.sleep(wait)
             continue
-        verdict, top = _judge(prompt, reply)
-        return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
-                           verdict.mismatch, top)
+        latency = clock.now() - start
+        if (wait := _retry_wait(reply.status in _RETRY_STATUSES, attempts, config)) is not None:
+            clock.sleep(wait)
+            continue
+        return _checked(prompt, reply, latency, attempts)
 
 
 def _run_prompts_sync(
@@ -322,17 +338,15 @@ async def _aprobe_prompt(
             reply = await transport.post_json(target.url + path, body,
                                               timeout_s=_timeout(prompt, config))
         except TransportError as exc:
-            if exc.transient and attempts <= config.max_retries:
-                await clock.asleep(_BACKOFF_S * 2 ** (attempts - 1))
-                continue
-            return _failed_transport(prompt, exc, attempts)
-        latency = clock.now() - start
-        if reply.status in (429, 502, 503, 504) and attempts <= config.max_retries:
-            await clock.asleep(_BACKOFF_S * 2 ** (attempts - 1))
+            if (wait := _retry_wait(exc.transient, attempts, config)) is None:
+                return _failed_transport(prompt, exc, attempts)
+            await clock.asleep(wait)
             continue
-        verdict, top = _judge(prompt, reply)
-        return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
-                           verdict.mismatch, top)
+        latency = clock.now() - start
+        if (wait := _retry_wait(reply.status in _RETRY_STATUSES, attempts, config)) is not None:
+            await clock.asleep(wait)
+            continue
+        return _checked(prompt, reply, latency, attempts)
 
 
 async def aprobe_worker(
