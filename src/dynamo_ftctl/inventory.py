@@ -817,6 +817,11 @@ def _loc_of(path: str) -> tuple[str | int, ...]:
     )
 
 
+def _field_types(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """A struct's fields by their key in the file (`model_config`, not `model_config_name`)."""
+    return {f.encode_name: f.type for f in msgspec.structs.fields(struct)}
+
+
 def _struct_at(
     model: type[msgspec.Struct], loc: Sequence[str | int],
 ) -> type[msgspec.Struct] | None:
@@ -825,8 +830,7 @@ def _struct_at(
     for part in loc:
         if isinstance(part, int):
             continue
-        fields = {f.encode_name: f.type for f in msgspec.structs.fields(current)}
-        current = _struct_in(fields.get(part))
+        current = _struct_in(_field_types(current).get(part))
         if current is None:
             return None
     return current if isinstance(current, type) else None
@@ -840,7 +844,7 @@ def _field_type(model: type[msgspec.Struct], loc: Sequence[str | int]) -> Any:
     holder = _struct_at(model, loc[:-1])
     if holder is None or not loc:
         return None
-    return {f.encode_name: f.type for f in msgspec.structs.fields(holder)}.get(str(loc[-1]))
+    return _field_types(holder).get(str(loc[-1]))
 
 
 def _struct_in(annotation: Any) -> Any:
@@ -880,7 +884,7 @@ def msgspec_error_to_inventory_error(
     elif text.startswith("Object contains unknown field `"):
         key = text.split("`")[1]
         holder = _struct_at(model, loc)
-        allowed = sorted(f.encode_name for f in msgspec.structs.fields(holder)) if holder else []
+        allowed = sorted(_field_types(holder)) if holder else []
         loc = (*loc, key)
         close = _close_matches(key, allowed, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
