@@ -1,8 +1,8 @@
 """Canary probes: send a set to a worker, judge every answer, return a `ProbeResult`.
 
 `probe_worker` is the one-shot probe (Kubernetes exec probes, cron): blocking,
-`http.client` underneath, the latency baseline read and updated in the shared
-state file. `aprobe_worker` is the same probe for the daemon (aiohttp, the
+a plain socket parsed by httptools underneath, the latency baseline read and
+updated in the shared state file. `aprobe_worker` is the same probe for the daemon (aiohttp, the
 baseline in memory). Both retry transient errors (a connection lost mid-answer)
 `max_retries` times; a refusal or a timeout is a verdict, not retried, so a dead
 or hung worker costs one timeout, not three.
@@ -35,7 +35,7 @@ from dynamo_ftctl.health.judge import (
 )
 from dynamo_ftctl.health.transport import (
     AsyncTransport,
-    HttpClientTransport,
+    Http1Transport,
     HttpReply,
     SyncTransport,
     TransportError,
@@ -304,7 +304,7 @@ def probe_workers(
     """Probe workers one after another; the state file is locked only to judge latency."""
     for target in targets:
         _check_model(target, canary_set)
-    transport = transport or HttpClientTransport()
+    transport = transport or Http1Transport()
     started = clock.now()
     results = []
     for target in targets:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from dynamo_ftctl.errors import CheckFailed, Unreachable
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
 from dynamo_ftctl.health.judge import Answer, BadResponse, build_request, parse_answer
-from dynamo_ftctl.health.transport import HttpClientTransport, SyncTransport, TransportError
+from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.probe import ProbeTarget
@@ -54,7 +54,7 @@ def record_canary_set(
     endpoint: str = "completions", transport: SyncTransport | None = None,
 ) -> CanarySet:
     """Send every prompt `repeats` times and return the set of their agreed answers."""
-    transport = transport or HttpClientTransport()
+    transport = transport or Http1Transport()
     draft = CanarySet.model_validate({
         "model": model, "endpoint": endpoint,
         "prompts": [{"name": n, "prompt": p, "max_tokens": max_tokens, "expected_text": ""}

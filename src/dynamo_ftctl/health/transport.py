@@ -2,10 +2,10 @@
 
 Two implementations share one contract (`HttpReply` or a `TransportError`):
 
-- `HttpClientTransport`: the standard library's `http.client`, for the one-shot
-  probe. Importing httpx costs ~60 ms of a probe's ~150 ms budget (measured on
-  this host: `python -c 'import httpx'` 183 ms vs `import http.client` 68 ms);
-  one POST needs no connection pool.
+- `Http1Transport`: one blocking socket per POST, parsed by httptools, for the
+  one-shot probe. A probe has 150 ms for everything, interpreter included:
+  httpx costs ~60 ms to import and `http.client` ~18 ms (it imports
+  `email.parser` and `ssl`); one POST needs no connection pool.
 - `AiohttpTransport`: one shared `aiohttp.ClientSession` for the daemon's
   fan-out to many workers (DESIGN.md: httpx slows down as its pool grows).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -32,7 +32,7 @@ __all__ = [
     "AiohttpTransport",
     "AsyncTransport",
     "FailureKind",
-    "HttpClientTransport",
+    "Http1Transport",
     "HttpReply",
     "SyncTransport",
     "TransportError",
@@ -99,72 +99,123 @@ def _endless(received: int, timeout_s: float, content_type: str) -> TransportErr
                                           f"({received:,} bytes of {content_type or 'no type'})")
 
 
-class HttpClientTransport:
-    """`http.client`, one connection per call (the one-shot probe)."""
+class _Reply:
+    """httptools callbacks collecting one response, stopping at `max_bytes`."""
+
+    __slots__ = ("body", "complete", "content_type", "framed", "got_headers", "max_bytes",
+                 "overflow")
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.content_type = ""
+        self.got_headers = False
+        self.framed = False  # Content-Length or chunked; else the body ends when the peer closes
+        self.body = bytearray()
+        self.overflow = False
+        self.complete = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lower = name.lower()
+        if lower == b"content-type":
+            self.content_type = value.decode("latin-1")
+        elif lower in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.got_headers = True
+
+    def on_body(self, body: bytes) -> None:
+        if not self.overflow:
+            self.body += body
+            self.overflow = len(self.body) > self.max_bytes
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+class Http1Transport:
+    """HTTP/1.1 over one blocking socket per call, parsed by httptools (the one-shot probe).
+
+    Not `http.client`: importing it costs about 18 ms of a probe's 150 ms budget
+    (it pulls in `email.parser` and `ssl`); httptools is the C parser the proxy's
+    server already uses. `ssl` is imported only for https URLs.
+    """
 
     def __init__(self, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_bytes = max_bytes
 
     def post_json(self, url: str, body: bytes, *, timeout_s: float,
                   headers: Mapping[str, str] | None = None) -> HttpReply:
-        import http.client
+        import socket
 
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(host, parts.port, timeout=timeout_s)
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
         deadline = time.monotonic() + timeout_s
-        got_headers = False
-        content_type = ""
-        received = bytearray()
         try:
-            all_headers = {"Content-Type": "application/json", "Accept": "application/json",
-                           "Connection": "close", **(headers or {})}
-            conn.request("POST", path, body=body, headers=all_headers)
-            _settimeout(conn, deadline)
-            response = conn.getresponse()
-            got_headers = True
-            content_type = response.getheader("Content-Type", "") or ""
-            while True:
-                _settimeout(conn, deadline)
-                chunk = response.read1(65536)
-                if not chunk:
-                    break
-                received += chunk
-                if len(received) > self.max_bytes:
-                    raise _too_large(len(received), self.max_bytes)
-            return HttpReply(response.status, bytes(received), content_type)
-        except TransportError:
-            raise
+            sock = socket.create_connection((host, port), timeout=timeout_s)
         except ConnectionRefusedError:
             raise TransportError("refused", f"connection refused by {parts.netloc}") from None
-        except TimeoutError:  # socket.timeout is TimeoutError since 3.10
-            if got_headers and received:
-                raise _endless(len(received), timeout_s, content_type) from None
-            what = "response body" if got_headers else "response"
-            raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
-        except (ConnectionError, http.client.RemoteDisconnected, http.client.IncompleteRead) as exc:
-            raise TransportError("reset", f"connection lost: {exc.__class__.__name__}") from None
-        except http.client.HTTPException as exc:
-            raise TransportError("protocol", f"not an HTTP response ({exc.__class__.__name__})") \
-                from None
+        except TimeoutError:
+            raise TransportError("timeout", f"no connection within {timeout_s:g} s") from None
         except OSError as exc:
             raise TransportError("refused", f"cannot connect to {parts.netloc}: "
                                             f"{exc.strerror or exc}") from None
+        reply = _Reply(self.max_bytes)
+        try:
+            if https:
+                import ssl
+
+                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+            sock.sendall(_request(parts.netloc, parts.path or "/", parts.query, body, headers))
+            status = _read(sock, reply, deadline)
+        except TransportError:
+            raise
+        except TimeoutError:  # socket.timeout is TimeoutError since 3.10
+            if reply.got_headers and reply.body:
+                raise _endless(len(reply.body), timeout_s, reply.content_type) from None
+            what = "response body" if reply.got_headers else "response"
+            raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
+        except OSError as exc:  # reset, broken pipe, TLS failure
+            raise TransportError("reset", f"connection lost: {exc.__class__.__name__}") from None
         finally:
-            conn.close()
+            sock.close()
+        return HttpReply(status, bytes(reply.body), reply.content_type)
 
 
-def _settimeout(conn: object, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError
-    sock = getattr(conn, "sock", None)
-    if sock is not None:
+def _request(netloc: str, path: str, query: str, body: bytes,
+             headers: Mapping[str, str] | None) -> bytes:
+    target = f"{path}?{query}" if query else path
+    lines = [f"POST {target} HTTP/1.1", f"Host: {netloc}", "Content-Type: application/json",
+             "Accept: application/json", "Connection: close", f"Content-Length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def _read(sock: Any, reply: _Reply, deadline: float) -> int:
+    """Read the response into `reply` until it is complete; its status code."""
+    import httptools
+
+    parser = httptools.HttpResponseParser(reply)
+    while not reply.complete:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
         sock.settimeout(remaining)
+        data = sock.recv(65536)
+        if not data:  # the peer closed: the end of an unframed body, else a cut answer
+            if reply.got_headers and not reply.framed:
+                break
+            where = "mid-body" if reply.got_headers else "before answering"
+            raise TransportError("reset", f"connection lost: the server closed it {where}")
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            raise TransportError("protocol", f"not an HTTP response ({exc})") from None
+        if reply.overflow:
+            raise _too_large(len(reply.body), reply.max_bytes)
+    return int(parser.get_status_code())
 
 
 class AiohttpTransport:

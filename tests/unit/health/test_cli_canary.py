@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-HEAVY = ("httpx", "torch", "aiohttp", "uvicorn", "starlette", "prometheus_client")
+HEAVY = ("httpx", "torch", "aiohttp", "uvicorn", "starlette", "prometheus_client", "pydantic",
+         "rich", "asyncio", "http.client", "ssl", "email")
 
 
 def ftctl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
