@@ -15,7 +15,10 @@
    after the kill (goal <= 100 ms), (b) by probes alone (goal <= interval +
    timeout), timed from the kill to the transition's own timestamp.
 
-The machine is shared and noisy: run this two or three times and quote medians.
+`same, full CLI` is the probe with the console script's fast path off
+(FTCTL_NO_FAST_PATH=1: typer and click parse the arguments). `--one-shot`
+runs part 1 only. The machine is shared and noisy: run this two or three
+times and quote medians.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ def one_shot(url: str) -> None:
                                   str(ROOT / "examples" / "local.yaml")],
         "ftctl canary (1 worker)": [BIN_FTCTL, "canary", "--url", url, "--set", str(SET),
                                     "--no-state"],
+        "same, full CLI": ["env", "FTCTL_NO_FAST_PATH=1", BIN_FTCTL, "canary", "--url", url,
+                           "--set", str(SET), "--no-state"],
     }
     samples: dict[str, list[float]] = {k: [] for k in cases}
     for argv in cases.values():
@@ -326,6 +331,8 @@ def main() -> int:
         one_shot(worker.url)
     finally:
         worker.stop(timeout_s=3)
+    if sys.argv[1:] == ["--one-shot"]:
+        return 0
     fan_out()
     detection()
     return 0

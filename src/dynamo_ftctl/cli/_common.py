@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import typer
 
+from dynamo_ftctl.cli._light import inventory_path
+
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
 
 __all__ = [
-    "DEFAULT_INVENTORY",
     "GlobalOptions",
     "JsonFlag",
     "finish",
@@ -21,8 +21,6 @@ __all__ = [
     "load_inventory_for",
     "resolve_inventory_path",
 ]
-
-DEFAULT_INVENTORY = Path("ftctl.yaml")
 
 
 class GlobalOptions(msgspec.Struct, frozen=True):
@@ -53,13 +51,7 @@ def json_mode(ctx: typer.Context, local_flag: bool = False) -> bool:
 
 def resolve_inventory_path(ctx: typer.Context, explicit: Path | None = None) -> Path:
     """The inventory path: explicit flag, then `-i`/$FTCTL_INVENTORY, then ./ftctl.yaml."""
-    if explicit is not None:
-        return explicit
-    chosen = global_options(ctx).inventory
-    if chosen is not None:
-        return chosen
-    env = os.environ.get("FTCTL_INVENTORY")
-    return Path(env) if env else DEFAULT_INVENTORY
+    return explicit if explicit is not None else inventory_path(global_options(ctx).inventory)
 
 
 def load_inventory_for(ctx: typer.Context, explicit: Path | None = None) -> Inventory:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, resolve_inventory_path
+from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
+from dynamo_ftctl.cli._light import inventory_path, named_inventory_path
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
@@ -37,14 +37,11 @@ SetOption = Annotated[
 
 def _inventory(ctx: typer.Context, *, required: bool) -> Inventory | None:
     """The inventory, or None when none was named and ./ftctl.yaml does not exist."""
-    from dynamo_ftctl.cli._common import global_options
     from dynamo_ftctl.inventory import load_inventory
 
-    named = global_options(ctx).inventory is not None or os.environ.get("FTCTL_INVENTORY")
-    path = resolve_inventory_path(ctx)
-    if not required and not named and not path.exists():
-        return None
-    return load_inventory(path)
+    chosen = global_options(ctx).inventory
+    path = inventory_path(chosen) if required else named_inventory_path(chosen)
+    return load_inventory(path) if path is not None else None
 
 
 def _print_transition(record: Any) -> None:
@@ -102,14 +99,13 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
         _watch(ctx, set_path=set_path, listen=listen, state_file=state_file,
                use_state=not no_state, as_json=as_json)
         return
-    from dynamo_ftctl.health.run import run_canary
+    from dynamo_ftctl.cli.probe import probe_once
 
-    # Only --worker/--all need an inventory; without a target, say so before anything else.
-    inventory = _inventory(ctx, required=bool(worker) or all_workers)
-    report = run_canary(inventory, workers=worker or (), all_workers=all_workers, url=url,
-                        set_path=set_path, state_file=state_file, use_state=not no_state,
-                        timeout_s=timeout)
-    finish(ctx, report, json_flag=as_json, code=report.exit_code)
+    # The same call as the console script's fast path (cli/probe.py).
+    raise typer.Exit(probe_once(inventory=global_options(ctx).inventory, workers=worker or (),
+                                all_workers=all_workers, url=url, set_path=set_path,
+                                timeout_s=timeout, state_file=state_file,
+                                use_state=not no_state, as_json=as_json))
 
 
 def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,

@@ -1,7 +1,10 @@
-"""The `ftctl` console script: answers `--version` before loading the CLI framework.
+"""The `ftctl` console script: answers what it can before loading the CLI framework.
 
-Probes and entrypoint scripts call `ftctl --version` to check the binary; it
-must not pay for importing typer (about 100 ms here).
+Probes and entrypoint scripts call `ftctl --version` to check the binary, and
+Kubernetes exec probes run `ftctl canary --worker w3` every few seconds; neither
+should pay for importing typer and click (about 40 ms). A one-shot canary probe
+in its plain spelling runs without them (`cli/probe.py`); everything else, and
+anything the fast path is unsure of, goes to the full CLI.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(f"ftctl {__version__}\n")
         return 0
+    if "canary" in args:
+        from dynamo_ftctl.cli.probe import fast_canary
+
+        rc = fast_canary(args)
+        if rc is not None:
+            return rc
     from dynamo_ftctl.cli.main import main as run
 
     return run(args)

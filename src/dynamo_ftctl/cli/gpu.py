@@ -17,14 +17,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from dynamo_ftctl.cli._common import (
-    DEFAULT_INVENTORY,
-    JsonFlag,
-    finish,
-    global_options,
-    json_mode,
-    load_inventory_for,
-)
+from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
+from dynamo_ftctl.cli._light import named_inventory_path
 
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
@@ -87,10 +81,12 @@ def _workers(ctx: typer.Context) -> WorkerMap:
     """Workers from the inventory when one is given or ./ftctl.yaml exists; else none."""
     from dynamo_ftctl.gpu.events import WorkerMap
 
-    explicit = global_options(ctx).inventory is not None or os.environ.get("FTCTL_INVENTORY")
-    if explicit or DEFAULT_INVENTORY.exists():
-        return WorkerMap(load_inventory_for(ctx))
-    return WorkerMap()
+    path = named_inventory_path(global_options(ctx).inventory)
+    if path is None:
+        return WorkerMap()
+    from dynamo_ftctl.inventory import load_inventory
+
+    return WorkerMap(load_inventory(path))
 
 
 def _node(node: str | None, workers: WorkerMap) -> str:

@@ -5,8 +5,9 @@ module and one-line help, and a group's module is imported only when that
 group runs (or its help is shown). `ftctl --help` therefore stays fast enough
 for Kubernetes exec probes and engine entrypoints.
 
-`main()` is the one error boundary: an `FtctlError` becomes one red line on
-stderr and its exit code; a traceback appears only with `--debug`.
+`main()` runs inside the one error boundary (`_light.guarded`): an `FtctlError`
+becomes one red line on stderr and its exit code; a traceback appears only
+with `--debug`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typer.core import TyperGroup
 
 from dynamo_ftctl import __version__
 from dynamo_ftctl.cli._common import GlobalOptions
-from dynamo_ftctl.errors import ExitCode, FtctlError
+from dynamo_ftctl.cli._light import guarded
+from dynamo_ftctl.errors import ExitCode
 
 __all__ = ["COMMANDS", "app", "main"]
 
@@ -131,32 +133,21 @@ def root(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI and return its exit code; the one place errors become exit codes."""
+    """Run the CLI and return its exit code (errors become codes in `guarded`)."""
     args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args
     command = typer.main.get_command(app)
-    try:
-        rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
-    except FtctlError as exc:
-        if debug:
-            import traceback
 
-            traceback.print_exc()
-        from dynamo_ftctl.output import error
+    def run() -> int:
+        try:
+            rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
+        except click.exceptions.Abort:
+            raise KeyboardInterrupt from None
+        except click.ClickException as exc:
+            exc.show()
+            return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
+        return rc if isinstance(rc, int) else 0
 
-        error(str(exc))
-        return int(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        sys.stderr.write("interrupted\n")
-        return int(ExitCode.INTERRUPTED)
-    except click.ClickException as exc:
-        exc.show()
-        return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
-    except BrokenPipeError:
-        # `ftctl ... | head`: the reader left; that is not our failure.
-        sys.stderr.close()
-        return 0
-    return rc if isinstance(rc, int) else 0
+    return guarded(run, debug="--debug" in args)
 
 
 if __name__ == "__main__":
