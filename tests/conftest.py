@@ -10,6 +10,9 @@ Each worker has `.url`, `.pid`, `.admin_token` (`SIM_ADMIN_TOKEN`), `.stderr_tex
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,21 @@ if TYPE_CHECKING:
 
 SIM_ADMIN_TOKEN = "sim-test-token"
 SimWorkerFactory = Callable[..., "SimWorker"]
+
+_CACHE_HOME = "_FTCTL_TEST_CACHE_HOME"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The parsed-YAML cache of this test process (and its children) lives in a temp dir."""
+    path = tempfile.mkdtemp(prefix="ftctl-cache-")
+    os.environ[_CACHE_HOME] = os.environ["XDG_CACHE_HOME"] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove this process's cache dir."""
+    path = os.environ.pop(_CACHE_HOME, None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _start(**kwargs: Any) -> SimWorker:

@@ -650,6 +650,18 @@ def _loader() -> Any:
 
 
 def _parse_yaml(text: str, path: Path) -> _Located:
+    """Parse `text` (named `path` in errors), through the content-addressed cache."""
+    from dynamo_ftctl import yamlcache
+
+    cached = yamlcache.lookup(text)
+    if cached is not None:
+        return _Located(*cached)
+    located = _parse_yaml_text(text, path)
+    yamlcache.store(text, located.data, located.lines)
+    return located
+
+
+def _parse_yaml_text(text: str, path: Path) -> _Located:
     import yaml
 
     try:
