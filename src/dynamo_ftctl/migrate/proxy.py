@@ -2,10 +2,14 @@
 
 `build_app(inventory, config)` returns the ASGI app (`ProxyApp`: the two
 generation routes go straight to the proxy, everything else through a
-Starlette router); `serve(...)` runs it under uvicorn. Upstream requests go
-through one aiohttp `ClientSession` (keep-alive pools per worker): aiohttp
-carried ~20x httpx's request rate at 32 connections (DESIGN.md; re-measured
-by benchmarks/proxy.py).
+Starlette router); `serve(...)` runs it under uvicorn. Upstream requests (the
+generations, the /metrics and /v1/models scrapes, the canary daemon's /workers
+and /report) go through `dynamo_ftctl.http1.Client`: asyncio protocols parsed
+by httptools with a keep-alive pool per worker, the load generator's client.
+It costs a third of aiohttp's CPU per request (aiohttp was ~22% of the proxy's
+CPU in py-spy; benchmarks/proxy.py). https:// workers go through aiohttp,
+imported only when one is in the inventory. KV exports keep their httpx client
+(`migrate.transfer`, one call per migration).
 
 Every upstream request is streamed with token ids, even when the client asked
 for one JSON answer, so that a generation broken half-way can go on elsewhere
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.http1 import AnyResponse, Client
 from dynamo_ftctl.migrate.admission import (
     BUSY_BODY,
     Thresholds,
@@ -66,7 +71,6 @@ from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weight
 from dynamo_ftctl.openai import SseDecoder, error_body
 
 if TYPE_CHECKING:
-    import aiohttp
     import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -90,6 +94,8 @@ _MAX_EVENTS_WITHOUT_TOKEN = 1000
 _SSE_DONE = b"data: [DONE]\n\n"
 # How long to wait for the end of an upstream body after its [DONE].
 _DRAIN_S = 0.1
+# Bytes a worker may send without completing one event: more is garbage, not a token.
+_MAX_EVENT_BYTES = 8 * 1024 * 1024
 
 
 # msgspec: ~10x json's speed on a token chunk (1 vs 14 us to encode, 2.5 vs 11 us
@@ -186,7 +192,7 @@ class MigratingProxy:
         self.loads: dict[str, WorkerLoad | None] = {w.name: None for w in inventory.workers}
         self._prompt_tokens_seen = 0
         self._prompts_seen = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._http: Client | None = None
         self._kv_client: httpx.AsyncClient | None = None  # one-shot KV exports
         self.calibration = _load_calibration(inventory, config)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -199,13 +205,7 @@ class MigratingProxy:
 
     async def start(self) -> None:
         """Open the upstream connection pools and start the scrape loop."""
-        import aiohttp
-
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ttl_dns_cache=None)
-        self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, raise_for_status=False,
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
+        self._http = Client(user_agent="ftctl-proxy")
         self._spawn(self._scrape_forever())
 
     async def stop(self) -> None:
@@ -215,9 +215,9 @@ class MigratingProxy:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         if self._kv_client is not None:
             await self._kv_client.aclose()
             self._kv_client = None
@@ -228,11 +228,12 @@ class MigratingProxy:
         task.add_done_callback(self._tasks.discard)
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def http(self) -> Client:
+        """The upstream HTTP client (keep-alive pools per worker)."""
+        if self._http is None:
             msg = "proxy not started"
             raise RuntimeError(msg)
-        return self._session
+        return self._http
 
     # ------------------------------------------------------------------ scraping
 
@@ -250,14 +251,12 @@ class MigratingProxy:
         self.refresh_gauges()
 
     async def _get(self, url: str) -> bytes:
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(total=max(0.5, min(self.config.scrape_interval_s, 5.0)))
-        async with self.session.get(url, timeout=timeout) as resp:
-            if resp.status != 200:
-                msg = f"HTTP {resp.status}"
-                raise UpstreamFailure(msg)
-            return await resp.read()
+        timeout_s = max(0.5, min(self.config.scrape_interval_s, 5.0))
+        status, body = await self.http.fetch("GET", url, timeout_s=timeout_s)
+        if status != 200:
+            msg = f"HTTP {status}"
+            raise UpstreamFailure(msg)
+        return body
 
     async def _scrape_worker(self, slot: WorkerSlot) -> None:
         if slot.max_model_len is None:
@@ -286,13 +285,10 @@ class MigratingProxy:
             return
 
         async def post() -> None:
-            import aiohttp
-
             body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
             with contextlib.suppress(Exception):
-                async with self.session.post(f"{base}/report", json=body,
-                                             timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
-                    await resp.read()
+                await self.http.fetch("POST", f"{base}/report", _dumps(body),
+                                      {"Content-Type": "application/json"}, timeout_s=2.0)
 
         self._spawn(post())
 
@@ -351,92 +347,103 @@ class MigratingProxy:
 
     async def _attempt(self, slot: WorkerSlot, url: str, body: bytes, ledger: StreamLedger,
                        headers: dict[str, str]) -> AsyncIterator[list[dict[str, Any]]]:
-        """Stream one upstream request; yield batches of client chunks; raise on any failure."""
-        import aiohttp
+        """Stream one upstream request; yield batches of client chunks; raise on any failure.
 
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.stall_timeout_s)
+        Leaving early (an exception, `aclose()`, the client's cancellation) closes the
+        upstream connection unless its answer was read to the end.
+        """
         stall = self.config.stall_timeout_s
         now = self.clock.now
+        resp: AnyResponse | None = None
         try:
-            async with self.session.post(url, data=body,
-                                         headers=headers, timeout=timeout) as resp:
-                if resp.status >= 500 or resp.status == 429:
-                    msg = f"HTTP {resp.status} from {slot.name}"
-                    raise UpstreamFailure(msg)
-                if resp.status >= 400:
-                    raise UpstreamRefused(resp.status, await resp.read(),
-                                          resp.headers.get("Content-Type", "application/json"))
-                content_type = resp.headers.get("Content-Type", "")
-                if resp.status != 200 or not content_type.startswith("text/event-stream"):
-                    msg = f"{slot.name} answered HTTP {resp.status} {content_type or 'untyped'}, " \
-                          "not an event stream"
-                    raise UpstreamFailure(msg)
-                last_token = now()
-                idle_events = 0
-                decoder = SseDecoder()
-                done = False
-                async for piece in resp.content.iter_any():
-                    events = decoder.feed(piece)
-                    if not events and now() - last_token > stall:
+            resp = await self.http.request("POST", url, body, headers,
+                                           connect_timeout_s=self.config.connect_timeout_s,
+                                           head_timeout_s=stall)
+            status = resp.status or 0
+            if status >= 500 or status == 429:
+                msg = f"HTTP {status} from {slot.name}"
+                raise UpstreamFailure(msg)
+            if status >= 400:
+                raise UpstreamRefused(status, await resp.read(timeout_s=stall),
+                                      resp.header("content-type") or "application/json")
+            content_type = resp.header("content-type") or ""
+            if status != 200 or not content_type.startswith("text/event-stream"):
+                msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
+                      "not an event stream"
+                raise UpstreamFailure(msg)
+            last_token = now()
+            idle_events = 0
+            unparsed = 0  # bytes since the last complete event
+            decoder = SseDecoder()
+            done = False
+            while piece := await resp.next_chunk(stall):
+                events = decoder.feed(piece)
+                if not events:
+                    unparsed += len(piece)
+                    if unparsed > _MAX_EVENT_BYTES:
+                        msg = f"{slot.name}: {unparsed:,} bytes without a complete event"
+                        raise UpstreamFailure(msg)
+                    if now() - last_token > stall:
                         msg = f"{slot.name}: no token for {stall:g} s"
                         raise UpstreamFailure(msg)
-                    # One upstream read may carry several events: they go to the client
-                    # as one write (a write per token costs more than the parsing).
-                    batch: list[dict[str, Any]] = []
-                    failure: Exception | None = None
-                    for event in events:
-                        if event.is_done:
-                            done = True
-                            break
-                        before = ledger.generated_count
-                        try:
-                            chunk = ledger.observe(_loads(event.data))
-                        except (MalformedChunk, ValueError) as exc:
-                            failure = exc
-                            break
-                        if ledger.generated_count > before or ledger.finished:
-                            last_token = now()
-                            idle_events = 0
-                        else:
-                            idle_events += 1
-                            if idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
-                                    or now() - last_token > stall:
-                                msg = f"{slot.name}: events but no token for {stall:g} s"
-                                failure = UpstreamFailure(msg)
-                                break
-                        if chunk is not None:
-                            batch.append(chunk)
-                        if ledger.stopped:
-                            break
-                    if batch:
-                        yield batch  # what the ledger recorded reaches the client, always
-                    if failure is not None:
-                        raise failure
-                    if done or ledger.stopped:
+                    continue
+                unparsed = 0
+                # One upstream read may carry several events: they go to the client
+                # as one write (a write per token costs more than the parsing).
+                batch: list[dict[str, Any]] = []
+                failure: Exception | None = None
+                for event in events:
+                    if event.is_done:
+                        done = True
                         break
-                if ledger.stopped:
-                    # A stop string matched here (workers never see `stop`): cut the
-                    # upstream, which ends the request on the worker.
-                    resp.close()
-                elif done and not resp.content.is_eof():
-                    # Read the chunked terminator so the connection goes back to the
-                    # pool (an unread body closes it: a new TCP connection per request).
-                    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                        async with asyncio.timeout(_DRAIN_S):
-                            await resp.content.read()
-                if not ledger.finished:
-                    msg = f"{slot.name}: stream ended without a finish reason"
-                    raise UpstreamFailure(msg)
+                    before = ledger.generated_count
+                    try:
+                        chunk = ledger.observe(_loads(event.data))
+                    except (MalformedChunk, ValueError) as exc:
+                        failure = exc
+                        break
+                    if ledger.generated_count > before or ledger.finished:
+                        last_token = now()
+                        idle_events = 0
+                    else:
+                        idle_events += 1
+                        if idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
+                                or now() - last_token > stall:
+                            msg = f"{slot.name}: events but no token for {stall:g} s"
+                            failure = UpstreamFailure(msg)
+                            break
+                    if chunk is not None:
+                        batch.append(chunk)
+                    if ledger.stopped:
+                        break
+                if batch:
+                    yield batch  # what the ledger recorded reaches the client, always
+                if failure is not None:
+                    raise failure
+                if done or ledger.stopped:
+                    break
+            # A stop string matched here (workers never see `stop`): closing the
+            # unfinished answer below cuts the upstream, which ends the request on the
+            # worker. After [DONE], read the chunked terminator so the connection goes
+            # back to the pool (an unread body closes it: a new TCP connection next time).
+            if done and not ledger.stopped and not resp.complete:
+                await resp.wait_complete(_DRAIN_S)
+            if not ledger.finished:
+                msg = f"{slot.name}: stream ended without a finish reason"
+                raise UpstreamFailure(msg)
         except (UpstreamFailure, UpstreamRefused):
             raise
         except MalformedChunk as exc:
             msg = f"{slot.name}: {exc}"
             raise UpstreamFailure(msg) from None
-        except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+        except (OSError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+            # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
             kind = type(exc).__name__
             msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
             raise UpstreamFailure(msg) from None
+        finally:
+            if resp is not None:
+                resp.close()
 
     # ------------------------------------------------------------------ migration
 

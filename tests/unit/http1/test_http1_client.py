@@ -1,0 +1,393 @@
+"""The shared HTTP/1.1 client against scripted asyncio servers on loopback (port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from dynamo_ftctl.http1 import (
+    BodyTooLarge,
+    Client,
+    ConnectError,
+    ConnectionBroken,
+    Pool,
+    ProtocolError,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request: its head and its Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, (await reader.readexactly(length) if length else b"")
+
+
+def answer(status: int, body: bytes, *headers: str) -> bytes:
+    """A response with a Content-Length body."""
+    lines = "".join(f"{h}\r\n" for h in headers)
+    return (f"HTTP/1.1 {status} X\r\n{lines}content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def chunked_head(*headers: str) -> bytes:
+    lines = "".join(f"{h}\r\n" for h in headers)
+    return f"HTTP/1.1 200 OK\r\n{lines}transfer-encoding: chunked\r\n\r\n".encode()
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class Server:
+    """A loopback server handing each connection to `handler` (with its number)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer, self.connections)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                self.closed_by_client += 1
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+
+def run(scenario: Callable[[], Awaitable[Any]]) -> Any:
+    """Run a scenario on a fresh loop, bounded."""
+    return asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for a condition with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not check():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def test_content_length_answers_reuse_one_connection() -> None:
+    """Three length-framed answers, each read to the end, travel over one connection; the
+    request carries its headers and body."""
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(answer(200, b'{"ok":true}', "content-type: application/json"))
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                for i in range(3):
+                    async with await pool.request("POST", f"{server.url}/v1/x?q=1", b"abc%d" % i,
+                                                  {"X-Request-Id": f"r{i}"}) as resp:
+                        assert resp.status == 200
+                        assert resp.header("content-type") == "application/json"
+                        assert await resp.read() == b'{"ok":true}'
+            finally:
+                pool.close()
+            assert server.connections == 1
+
+    run(scenario)
+    assert [body for _, body in seen] == [b"abc0", b"abc1", b"abc2"]
+    assert seen[2][0].startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n")
+    assert b"\r\nX-Request-Id: r2\r\n" in seen[2][0]
+
+
+@pytest.mark.parametrize("piece", [1, 5, 4096])
+def test_chunked_stream_arrives_piece_by_piece_and_the_connection_is_reused(piece: int) -> None:
+    """A chunked SSE body written in pieces of any size comes back whole, chunk by chunk,
+    and the connection it came on serves the next request."""
+    body = b"".join(b"data: {\"i\": %d}\n\n" % i for i in range(20)) + b"data: [DONE]\n\n"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        while True:
+            await read_request(reader)
+            framed = chunked_head("content-type: text/event-stream") + b"".join(
+                chunk(body[i:i + 16]) for i in range(0, len(body), 16)) + b"0\r\n\r\n"
+            for i in range(0, len(framed), piece):
+                writer.write(framed[i:i + piece])
+                await writer.drain()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                for _ in range(2):
+                    async with await pool.request("POST", f"{server.url}/s", b"{}") as resp:
+                        parts = []
+                        while piece_ := await resp.next_chunk(5.0):
+                            parts.append(piece_)
+                        assert b"".join(parts) == body
+                        assert resp.complete
+            finally:
+                pool.close()
+            assert server.connections == 1
+
+    run(scenario)
+
+
+def test_early_close_mid_body_is_a_broken_connection_never_reused() -> None:
+    """A server that closes inside a length body: the bytes sent come first, then
+    ConnectionBroken; the next request takes a new connection."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await read_request(reader)
+        if n == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+            await writer.drain()
+            return
+        writer.write(answer(200, b"fine"))
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                async with await pool.request("GET", server.url) as resp:
+                    assert await resp.next_chunk(5.0) == b"0123456789"
+                    with pytest.raises(ConnectionBroken):
+                        await resp.next_chunk(5.0)
+                async with await pool.request("GET", server.url) as resp:
+                    assert await resp.read() == b"fine"
+            finally:
+                pool.close()
+            assert server.connections == 2
+
+    run(scenario)
+
+
+def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
+    """A connection closed before any byte of the answer, and a refused one, raise ConnectError."""
+    async def handler(reader: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
+        await read_request(reader)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                with pytest.raises(ConnectError):
+                    await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
+                with pytest.raises(ConnectError):
+                    await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
+            finally:
+                pool.close()
+
+    run(scenario)
+
+
+def test_cancel_mid_body_hangs_up_and_the_connection_is_not_reused() -> None:
+    """Cancelling a reader in the middle of a stream closes its connection: the server sees
+    the hang-up and the next request opens a new connection."""
+    hung_up = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await read_request(reader)
+        if n == 1:
+            writer.write(chunked_head() + chunk(b"first"))
+            await writer.drain()
+            if not await reader.read(1):  # EOF: the client hung up
+                hung_up.set()
+            return
+        writer.write(answer(200, b"second"))
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                resp = await pool.request("POST", server.url, b"{}")
+                got: list[bytes] = []
+
+                async def consume() -> None:
+                    async with resp:
+                        while True:
+                            got.append(await resp.next_chunk())
+
+                task = asyncio.ensure_future(consume())
+                await until(lambda: bool(got))
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await asyncio.wait_for(hung_up.wait(), 5)
+                async with await pool.request("GET", server.url) as again:
+                    assert await again.read() == b"second"
+                assert got == [b"first"]
+            finally:
+                pool.close()
+            assert server.connections == 2
+
+    run(scenario)
+
+
+def test_stall_between_chunks_times_out() -> None:
+    """No byte within the stall timeout after a chunk raises TimeoutError, bounded in time."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(chunked_head() + chunk(b"tok"))
+        await writer.drain()
+        await reader.read()  # nothing more until the client hangs up
+
+    async def scenario() -> float:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                async with await pool.request("POST", server.url, b"{}") as resp:
+                    assert await resp.next_chunk(5.0) == b"tok"
+                    loop = asyncio.get_running_loop()
+                    started = loop.time()
+                    with pytest.raises(TimeoutError):
+                        await resp.next_chunk(0.2)
+                    return loop.time() - started
+            finally:
+                pool.close()
+
+    assert 0.15 <= run(scenario) < 5
+
+
+def test_headers_that_never_come_time_out() -> None:
+    """A server that reads the request and never answers: TimeoutError after head_timeout_s."""
+    async def handler(reader: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
+        await read_request(reader)
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                with pytest.raises(TimeoutError):
+                    await pool.request("POST", server.url, b"{}", head_timeout_s=0.2)
+            finally:
+                pool.close()
+
+    run(scenario)
+
+
+def test_oversize_body_is_refused_and_the_connection_closed() -> None:
+    """read(limit) past its limit raises BodyTooLarge; the connection is not reused."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await read_request(reader)
+        if n == 1:  # 50 kB of a 10 MB body, the rest never comes
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10000000\r\n\r\n" + b"x" * 50_000)
+        else:
+            writer.write(answer(200, b"x" * 50_000))
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                async with await pool.request("GET", server.url) as resp:
+                    with pytest.raises(BodyTooLarge):
+                        await resp.read(limit=1000)
+                async with await pool.request("GET", server.url) as resp:
+                    assert len(await resp.read()) == 50_000
+            finally:
+                pool.close()
+            assert server.connections == 2
+
+    run(scenario)
+
+
+def test_unread_stream_pauses_the_socket_and_resumes_when_read() -> None:
+    """A body the reader does not read stops the socket being read (backpressure) and
+    arrives whole once read."""
+    body = bytes(range(256)) * 16 * 1024  # 4 MiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(answer(200, body))
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                async with await pool.request("GET", server.url) as resp:
+                    await until(lambda: resp.connection.paused)
+                    assert await resp.read(limit=len(body)) == body
+            finally:
+                pool.close()
+
+    run(scenario)
+
+
+def test_not_http_is_a_protocol_error() -> None:
+    """An answer that is not HTTP raises ProtocolError."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario() -> None:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                with pytest.raises(ProtocolError):
+                    await pool.request("GET", server.url, head_timeout_s=5.0)
+            finally:
+                pool.close()
+
+    run(scenario)
+
+
+def test_body_until_close_is_whole_and_the_client_fetches_it() -> None:
+    """A body with neither length nor chunks ends when the server closes: Client.fetch
+    returns it whole with its status."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 503 Busy\r\ncontent-type: text/plain\r\n\r\nno room")
+        await writer.drain()
+
+    async def scenario() -> tuple[int, bytes]:
+        async with Server(handler) as server:
+            client = Client()
+            try:
+                return await client.fetch("GET", f"{server.url}/metrics", timeout_s=5.0)
+            finally:
+                await client.close()
+
+    assert run(scenario) == (503, b"no room")
