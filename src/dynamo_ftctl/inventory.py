@@ -529,11 +529,13 @@ class Inventory(StrictStruct, frozen=True, dict=True):
 
 
 def format_key_path(loc: Sequence[str | int]) -> str:
-    """`("workers", 2, "url")` -> `workers[2].url`."""
+    """`("workers", 2, "url")` -> `workers[2].url`; odd keys quoted: `workers[2]['a b']`."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
+        elif not part or not part.isprintable() or any(c in part for c in " .[]'\""):
+            out += f"[{part!r}]"
         else:
             out += f".{part}" if out else str(part)
     return out

@@ -161,8 +161,16 @@ def table(
     return out
 
 
+def one_line(message: str) -> str:
+    """`message` with control characters escaped (a key named "\\r" must not break the line)."""
+    if message.isprintable():
+        return message
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def error(message: str) -> None:
     """One red line on stderr (the CLI's only way to report a failure)."""
+    message = one_line(message)
     if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
         sys.stderr.write(f"\x1b[31merror:\x1b[0m {message}\n")
     else:
@@ -172,7 +180,7 @@ def error(message: str) -> None:
 
 def warn(message: str) -> None:
     """One warning line on stderr."""
-    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.write(f"warning: {one_line(message)}\n")
     sys.stderr.flush()
 
 

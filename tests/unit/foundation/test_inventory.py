@@ -194,3 +194,24 @@ def test_resolve_is_relative_to_the_inventory(tmp_path: Path) -> None:
     inventory = load_inventory(write(tmp_path, VALID))
     assert inventory.resolve("canaries/x.yaml") == tmp_path.resolve() / "canaries/x.yaml"
     assert inventory.resolve("/abs/x.yaml") == Path("/abs/x.yaml")
+
+
+@pytest.mark.parametrize(("yaml_key", "shown"), [
+    ('"\\r"', "workers[0]['\\r']"),
+    ('"a b"', "workers[0]['a b']"),
+    ('"x.y"', "workers[0]['x.y']"),
+    ("urll", "workers[0].urll"),
+])
+def test_odd_keys_are_quoted_in_errors(tmp_path: Path, yaml_key: str, shown: str) -> None:
+    """A key with a control character, a space or a dot is quoted, so the error stays one line."""
+    err = error_for(tmp_path, VALID.replace("    model: m\n    group", f"    {yaml_key}: 1\n    group"))
+    assert f":5: {shown}: unknown key" in str(err)
+    assert str(err).isprintable()
+
+
+def test_error_lines_escape_control_characters(capsys: pytest.CaptureFixture[str]) -> None:
+    """output.error writes one line whatever the message holds."""
+    from dynamo_ftctl.output import error
+
+    error("bad value 'a\rb\nc'")
+    assert capsys.readouterr().err == "error: bad value 'a\\rb\\nc'\n"
