@@ -241,6 +241,7 @@ class Pool:
         self._idle: dict[Key, list[Connection]] = {}
         self._all: set[Connection] = set()
         self._heads: dict[tuple[str, str], tuple[Key, bytes]] = {}
+        self._extras: dict[tuple[tuple[str, str], ...], bytes] = {}
 
     def head(self, method: str, url: str) -> tuple[Key, bytes]:
         """(host, port) and the request line, Host, User-Agent and Accept, cached per URL."""
@@ -264,20 +265,30 @@ class Pool:
                headers: dict[str, str] | None) -> tuple[Key, bytes]:
         """(host, port) and the whole request in bytes, written in one call."""
         key, head = self.head(method, url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1") \
-            if headers else b""
+        extra = b""
+        if headers:
+            items = tuple(headers.items())
+            extra = self._extras.get(items, b"")
+            if not extra:
+                extra = "".join(f"{k}: {v}\r\n" for k, v in items).encode("latin-1")
+                if len(self._extras) < 256:  # the same few header sets, request after request
+                    self._extras[items] = extra
         return key, b"%s%sContent-Length: %d\r\n\r\n%s" % (head, extra, len(body), body)
 
-    async def connect(self, key: Key, timeout_s: float | None) -> Connection:
-        """An idle connection to `key`, or a new one within `timeout_s`.
-
-        Raises `ConnectError` (refused, unreachable) or `TimeoutError`.
-        """
+    def take_idle(self, key: Key) -> Connection | None:
+        """An idle connection to `key`, or None."""
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
             if not conn.closed:
                 return conn
+        return None
+
+    async def open(self, key: Key, timeout_s: float | None) -> Connection:
+        """A new connection to `key` within `timeout_s`.
+
+        Raises `ConnectError` (refused, unreachable) or `TimeoutError`.
+        """
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
@@ -286,8 +297,6 @@ class Pool:
         except TimeoutError:
             msg = f"no connection to {key[0]}:{key[1]} within {timeout_s:g} s"
             raise TimeoutError(msg) from None
-        except HttpError:
-            raise
         except OSError as exc:
             msg = f"{type(exc).__name__}: {exc}"
             raise ConnectError(msg) from exc
@@ -315,7 +324,7 @@ class Pool:
         Close the response (or use it as an async context manager).
         """
         key, request = self.encode(method, url, body, headers)
-        conn = await self.connect(key, connect_timeout_s)
+        conn = self.take_idle(key) or await self.open(key, connect_timeout_s)
         response = Response(conn)
         conn.start(response, request)
         try:
