@@ -14,6 +14,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from dynamo_ftctl.errors import InvalidInput  # noqa: E402
+from dynamo_ftctl.kv import native  # noqa: E402
 from dynamo_ftctl.kv.copy import (  # noqa: E402
     CopyHandle,
     HostOps,
@@ -27,6 +28,31 @@ from dynamo_ftctl.kv.copy import (  # noqa: E402
 )
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
+
+
+@pytest.fixture(scope="session", params=["torch", "native"])
+def kernel(request: Any, tmp_path_factory: Any) -> Any:
+    """Each host copy test runs twice: on torch's kernels (`native=False`, the fallback
+    when no compiler was there at install) and on the C row-copy kernel, built here from
+    the shipped source the way the install hook builds it."""
+    if request.param == "torch":
+        return False
+    import subprocess
+
+    try:
+        path = native.build(tmp_path_factory.mktemp("rowcopy") / "_rowcopy.so")
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no C compiler could build the row-copy kernel: {exc}")
+    loaded = native.load(path)
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture
+def default_kernel(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`kernel`, also as the one callers get without asking (export/import, the sim)."""
+    monkeypatch.setattr(native, "kernel", lambda: kernel or None)
+    return kernel
 
 
 def make_cache(
@@ -71,8 +97,8 @@ def bits_equal(a: list[Any], b: list[Any]) -> bool:
     depth=st.integers(2, 4),
 )
 def test_random_copies_are_bit_exact(
-    data: Any, layers: int, src_blocks: int, dst_blocks: int, block_dim: int, dtype_index: int,
-    chunk_bytes: int, depth: int,
+    kernel: Any, data: Any, layers: int, src_blocks: int, dst_blocks: int, block_dim: int,
+    dtype_index: int, chunk_bytes: int, depth: int,
 ) -> None:
     """Any valid block lists, layouts, dtypes, chunk sizes and depths copy bit for bit."""
     dtype = DTYPES[dtype_index]
@@ -83,26 +109,29 @@ def test_random_copies_are_bit_exact(
     dst = make_cache(layers, dst_blocks, block_dim=block_dim, dtype=dtype, seed=2)
     want = expected_copy(src, dst, sids, dids, block_dim)
     handle = copy_blocks(src, dst, sids, dids, block_dim=block_dim, chunk_bytes=chunk_bytes,
-                         depth=depth)
+                         depth=depth, native=kernel)
     assert handle.wait().done()
     assert handle.blocks == count
     assert bits_equal(dst, want)
 
 
-def test_copy_within_one_cache_moves_blocks() -> None:
+def test_copy_within_one_cache_moves_blocks(kernel: Any) -> None:
     """Copying between disjoint block sets of the same cache is allowed and exact."""
     cache = make_cache(2, 10)
-    want = expected_copy(cache, cache, [0, 1, 2], [7, 8, 9])
-    copy_blocks(cache, cache, [0, 1, 2], [7, 8, 9]).wait()
+    want = expected_copy(cache, cache, [0, 1, 9, 2], [7, 8, 3, 5])
+    copy_blocks(cache, cache, [0, 1, 9, 2], [7, 8, 3, 5], native=kernel).wait()
     assert bits_equal(cache, want)
 
 
-def test_handle_counts_bytes_and_pieces() -> None:
-    """The handle reports the blocks, payload bytes and pipeline pieces it moved."""
+def test_handle_counts_bytes_and_pieces(kernel: Any) -> None:
+    """The handle reports the blocks, payload bytes and pieces it moved: torch's kernels
+    stage random ids in chunks, the row-copy kernel takes each layer in one pass."""
     src, dst = make_cache(3, 8), make_cache(3, 8, seed=5)
     block_bytes = src[0][0].numel() * src[0].element_size()
-    handle = copy_blocks(src, dst, [1, 3, 5, 7], [6, 4, 2, 0], chunk_bytes=2 * block_bytes)
-    assert (handle.blocks, handle.bytes, handle.pieces) == (4, 3 * 4 * block_bytes, 3 * 2)
+    handle = copy_blocks(src, dst, [1, 3, 5, 7], [6, 4, 2, 0], chunk_bytes=2 * block_bytes,
+                         native=kernel)
+    pieces = 3 if kernel else 3 * 2
+    assert (handle.blocks, handle.bytes, handle.pieces) == (4, 3 * 4 * block_bytes, pieces)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +141,7 @@ def test_handle_counts_bytes_and_pieces() -> None:
 )
 @pytest.mark.parametrize("block_dim", [0, 1])
 def test_a_run_of_blocks_copies_in_one_pass_per_layer(
-    sids: list[int], dids: list[int], block_dim: int,
+    kernel: Any, sids: list[int], dids: list[int], block_dim: int,
 ) -> None:
     """When either id list is one ascending run, each layer (each K/V half in the flash
     layout) is one unstaged piece, bit-exact."""
@@ -128,7 +157,7 @@ def test_a_run_of_blocks_copies_in_one_pass_per_layer(
             return super().staging(shape, dtype, device, pinned=pinned)
 
     handle = copy_blocks(src, dst, sids, dids, block_dim=block_dim, chunk_bytes=1,
-                         ops=CountingHostOps())
+                         ops=CountingHostOps(), native=kernel)
     # One per layer (flash: per layer and K/V, each blocks-first), despite one-block chunks.
     assert handle.pieces == 3 * (2 if block_dim else 1)
     assert staged == []  # no staging buffer was asked for
@@ -146,20 +175,38 @@ def test_a_run_of_blocks_copies_in_one_pass_per_layer(
         ([0, 1.0], [2, 3], "not an integer"),
     ],
 )
-def test_bad_block_ids_are_rejected(sids: list[Any], dids: list[Any], needle: str) -> None:
+def test_bad_block_ids_are_rejected(
+    kernel: Any, sids: list[Any], dids: list[Any], needle: str,
+) -> None:
     """Duplicate, out-of-range, non-integer or mismatched id lists raise InvalidInput."""
     src, dst = make_cache(1, 10), make_cache(1, 10, seed=3)
     before = [d.clone() for d in dst]
     with pytest.raises(InvalidInput, match=needle.replace("[", r"\[").replace(")", r"\)")):
-        copy_blocks(src, dst, sids, dids)
+        copy_blocks(src, dst, sids, dids, native=kernel)
     assert bits_equal(dst, before)
 
 
-def test_overlapping_ids_in_one_cache_are_rejected() -> None:
+@pytest.mark.parametrize("spread", [1, 1000], ids=["dense", "sparse"])
+def test_duplicates_are_found_by_counting_and_by_sorting(spread: int) -> None:
+    """Duplicate ids are refused, naming the smallest repeated one, both when the ids are
+    dense (counted) and when they are few in a large cache (sorted)."""
+    blocks = 64 * spread
+    src = [torch.zeros(blocks, 16, dtype=torch.uint8)]
+    dst = [torch.zeros(blocks, 16, dtype=torch.uint8)]
+    ids = [9 * spread, 5 * spread, 9 * spread, 2 * spread, 5 * spread]
+    with pytest.raises(InvalidInput, match=f"source: duplicate block id {5 * spread}$"):
+        copy_blocks(src, dst, ids, range(5))
+    sids = [3 * spread, 60 * spread, 0, 7 * spread]
+    copy_blocks(src, dst, sids, [1, 0, 3, 2]).wait()  # distinct: accepted either way
+
+
+def test_overlapping_ids_in_one_cache_are_rejected(kernel: Any) -> None:
     """When source and destination share storage, a block named on both sides is refused."""
     cache = make_cache(2, 10)
+    before = [c.clone() for c in cache]
     with pytest.raises(InvalidInput, match="share a cache and both name block 3"):
-        copy_blocks(cache, cache, [1, 3], [3, 4])
+        copy_blocks(cache, cache, [1, 3], [3, 4], native=kernel)
+    assert bits_equal(cache, before)
 
 
 def test_mismatched_caches_are_rejected() -> None:
@@ -183,7 +230,7 @@ def test_tensor_ids_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])
-def test_export_import_round_trip_is_exact(block_dim: int) -> None:
+def test_export_import_round_trip_is_exact(default_kernel: Any, block_dim: int) -> None:
     """Export then import moves blocks exactly, with one CRC-32 per block over all layers."""
     src = make_cache(3, 12, block_dim=block_dim, dtype=torch.bfloat16)
     dst = make_cache(3, 12, block_dim=block_dim, dtype=torch.bfloat16, seed=4)
@@ -200,7 +247,7 @@ def test_export_import_round_trip_is_exact(block_dim: int) -> None:
     assert bits_equal(dst, want)
 
 
-def test_import_refuses_a_corrupted_block_and_writes_nothing() -> None:
+def test_import_refuses_a_corrupted_block_and_writes_nothing(default_kernel: Any) -> None:
     """One flipped byte fails its block's checksum; the destination stays untouched."""
     src, dst = make_cache(2, 6), make_cache(2, 6, seed=8)
     exported = export_blocks(src, [0, 1, 2])
@@ -437,7 +484,9 @@ def test_host_staging_is_recycled_between_copies() -> None:
 
     src, dst = make_cache(1, 40, seed=31), make_cache(1, 40, seed=32)
     row_bytes = src[0][0].numel() * src[0].element_size()
-    first = copy_blocks(src, dst, list(range(8)), list(range(8, 16)), chunk_bytes=4 * row_bytes)
+    first = copy_blocks(src, dst, [7, 3, 5, 1, 0, 2, 4, 6], list(range(15, 7, -1)),
+                        chunk_bytes=4 * row_bytes, native=False)  # random ids: staged
+    assert first.pieces == 2
     assert first.release is None  # released already: host work is done on return
     rows = src[0].view(40, -1).view(torch.complex128).shape[1]
     taken = STAGING_POOL.take((4, rows), torch.complex128, pinned=False)
