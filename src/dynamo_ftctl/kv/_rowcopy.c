@@ -12,6 +12,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,7 +21,7 @@
 #endif
 
 /* Bumped whenever the signature of ftctl_copy_rows changes; native.py checks it. */
-int ftctl_rowcopy_abi(void) { return 1; }
+int ftctl_rowcopy_abi(void) { return 3; }
 
 static void copy_streaming(char *dst, const char *src, int64_t bytes) {
 #ifdef FTCTL_SSE2
@@ -56,4 +57,47 @@ void ftctl_copy_rows(char *dst, int64_t dst_stride, const char *src, int64_t src
 #ifdef FTCTL_SSE2
     if (stream && aligned) _mm_sfence(); /* streamed stores are visible before we return */
 #endif
+}
+
+/* Check n (>= 1) block ids of a cache of num_blocks blocks in one pass (plus one over a
+ * byte per block when they are not ascending). Returns the first id (>= 0) when they are
+ * one ascending run (ids[i] == ids[0] + i), -3 when ascending, -4 when distinct but
+ * unordered, -1 when an id is out of range or repeats (the caller then finds which, to
+ * name it), -2 when out of memory. */
+int64_t ftctl_check_ids(const int64_t *ids, int64_t n, int64_t num_blocks) {
+    int ascending = 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= num_blocks) return -1;
+        if (i && ids[i] <= ids[i - 1]) ascending = 0;
+    }
+    if (ascending) return ids[n - 1] - ids[0] == n - 1 ? ids[0] : -3;
+    unsigned char *seen = calloc((size_t)num_blocks, 1);
+    if (!seen) return -2;
+    int64_t status = -4;
+    for (int64_t i = 0; i < n && status == -4; i++) {
+        if (seen[ids[i]]) status = -1;
+        seen[ids[i]] = 1;
+    }
+    free(seen);
+    return status;
+}
+
+/* key_out = key ascending, other_out = other in the same order, for n distinct checked ids
+ * of a cache of num_blocks blocks (a counting sort). Returns 0, or -2 when out of memory. */
+int ftctl_sort_pairs(const int64_t *key, const int64_t *other, int64_t n, int64_t num_blocks,
+                     int64_t *key_out, int64_t *other_out) {
+    int64_t *slot = malloc((size_t)num_blocks * sizeof(int64_t));
+    if (!slot) return -2;
+    memset(slot, 0xff, (size_t)num_blocks * sizeof(int64_t)); /* every slot -1 */
+    for (int64_t i = 0; i < n; i++) slot[key[i]] = i;
+    int64_t j = 0;
+    for (int64_t b = 0; b < num_blocks && j < n; b++) {
+        if (slot[b] >= 0) {
+            key_out[j] = b;
+            other_out[j] = other[slot[b]];
+            j++;
+        }
+    }
+    free(slot);
+    return 0;
 }

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.kv.native import BAD_IDS, RUN_NONE
 
 if TYPE_CHECKING:
     import torch
@@ -337,12 +338,14 @@ def validate_block_ids(
 
 def _validate(
     ids: Sequence[int] | torch.Tensor, num_blocks: int, what: str,
+    kernel: RowKernel | None = None,
 ) -> tuple[torch.Tensor, int | None]:
     """`validate_block_ids`, and the first id when the ids are one ascending run
     (a, a+1, ..., a+n-1), else None. Ascending ids need no sort to prove them distinct.
 
-    The checks run in numpy on a zero-copy view: its calls cost about a microsecond
-    where each torch op costs several, which a 1k-block copy of 4 MiB notices."""
+    With the native `kernel`, one C pass checks them; otherwise (and to name a bad
+    id) numpy does, on a zero-copy view: its calls cost about a microsecond where
+    each torch op costs several, which a 1k-block copy of 4 MiB notices."""
     import numpy as np
     import torch
 
@@ -361,6 +364,8 @@ def _validate(
     count = index.shape[0]
     if count == 0:
         return index, None
+    if kernel is not None and (start := kernel.check_ids(index, num_blocks)) != BAD_IDS:
+        return index, (None if start == RUN_NONE else start)
     arr = index.numpy()
     low, high = int(arr.min()), int(arr.max())
     if low < 0 or high >= num_blocks:
@@ -390,16 +395,19 @@ def _counting_pays(count: int, num_blocks: int) -> bool:
 
 
 def _sorted_by(
-    key: torch.Tensor, other: torch.Tensor, num_blocks: int,
+    key: torch.Tensor, other: torch.Tensor, num_blocks: int, kernel: RowKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`key` (distinct, validated ids of a cache of `num_blocks`) ascending, and `other`
-    in the same order: a counting sort over the cache's blocks when the ids are dense
-    enough, else argsort."""
+    in the same order: a counting sort over the cache's blocks (in C with the native
+    `kernel`) when the ids are dense enough, else argsort."""
     import numpy as np
     import torch
 
+    dense = _counting_pays(key.shape[0], num_blocks)
+    if dense and kernel is not None and (pair := kernel.sort_pairs(key, other, num_blocks)):
+        return pair
     k_arr = key.numpy()
-    if _counting_pays(k_arr.shape[0], num_blocks):
+    if dense:
         slot = np.full(num_blocks, -1, dtype=np.int64)
         slot[k_arr] = np.arange(k_arr.shape[0], dtype=np.int64)
         order = slot[slot >= 0]
@@ -560,7 +568,7 @@ def _kernel_copy(
         return None
     count = s_ids.shape[0]
     if s_start is None:
-        s_ids, d_ids = _sorted_by(s_ids, d_ids, src[0].shape[0])
+        s_ids, d_ids = _sorted_by(s_ids, d_ids, src[0].shape[0], kernel)
         d_start = None  # a destination run is now written out of order: by its ids
     s_at = s_ids if s_start is None else s_start
     d_at = d_ids if d_start is None else d_start
@@ -779,8 +787,12 @@ def copy_blocks(
         raise InvalidInput(msg)
     _check_caches(src, dst, block_dim)
     dim = block_dim % src[0].dim()
-    s_ids, s_start = _validate(src_ids, src[0].shape[dim], "source")
-    d_ids, d_start = _validate(dst_ids, dst[0].shape[dim], "destination")
+    src_device, dst_device = src[0].device, dst[0].device
+    kernel: RowKernel | None = None
+    if src_device.type == dst_device.type == "cpu" and native is not False:
+        kernel = installed_kernel() if native is True else native
+    s_ids, s_start = _validate(src_ids, src[0].shape[dim], "source", kernel)
+    d_ids, d_start = _validate(dst_ids, dst[0].shape[dim], "destination", kernel)
     count = s_ids.shape[0]
     if count != d_ids.shape[0]:
         msg = f"{count} source block ids but {d_ids.shape[0]} destination block ids"
@@ -798,12 +810,9 @@ def copy_blocks(
         # is its own blocks-first tensor (a view), so a block's bytes stay contiguous
         # rows for the index kernels' row-at-a-time fast paths.
         src, dst, dim = _unbind_leading(src, dim), _unbind_leading(dst, dim), 0
-    src_device, dst_device = src[0].device, dst[0].device
-    if src_device.type == dst_device.type == "cpu" and native is not False:
-        kernel = installed_kernel() if native is True else native
-        if kernel is not None and (handle := _kernel_copy(
-                kernel, src, dst, s_ids, d_ids, s_start=s_start, d_start=d_start)) is not None:
-            return handle
+    if kernel is not None and (handle := _kernel_copy(
+            kernel, src, dst, s_ids, d_ids, s_start=s_start, d_start=d_start)) is not None:
+        return handle
 
     src_rows, dst_rows = _as_rows(src, dst, dim)
     row_bytes = src_rows[0][0].numel() * src_rows[0].element_size()

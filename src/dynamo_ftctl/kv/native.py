@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shlex
-import subprocess
-import sysconfig
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,20 +23,28 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ABI", "LIBRARY", "SOURCE", "RowKernel", "build", "kernel", "load"]
+__all__ = [
+    "ABI", "BAD_IDS", "LIBRARY", "RUN_NONE", "SOURCE", "RowKernel", "build", "kernel", "load",
+]
 
 SOURCE = Path(__file__).with_name("_rowcopy.c")
 LIBRARY = Path(__file__).with_name("_rowcopy.so")
-ABI = 1  # must equal ftctl_rowcopy_abi() in _rowcopy.c
+ABI = 3  # must equal ftctl_rowcopy_abi() in _rowcopy.c
 # Copies of at least this many bytes stream their stores past the cache (measured on the
 # CPU bench: 1.3-1.7x a cached copy from 4 MiB up; a small copy's rows stay cached for
 # whoever reads them next).
 STREAM_MIN_BYTES = 1 << 20
+# What `RowKernel.check_ids` answers besides a run's first block.
+RUN_NONE, BAD_IDS = -1, -2
 
 
 def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.0) -> Path:
     """Compile `source` into the shared library `out`; raises OSError or
     subprocess.CalledProcessError (with the compiler's output) when it cannot."""
+    import shlex
+    import subprocess
+    import sysconfig
+
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -68,8 +73,36 @@ class RowKernel:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_int]
         fn.restype = None
-        self._fn = fn
+        check = lib.ftctl_check_ids
+        check.argtypes = [ptr, i64, i64]
+        check.restype = i64
+        sort = lib.ftctl_sort_pairs
+        sort.argtypes = [ptr, ptr, i64, i64, ptr, ptr]
+        sort.restype = ctypes.c_int
+        self._fn, self._check, self._sort = fn, check, sort
         self.path = path
+
+    def check_ids(self, ids: torch.Tensor, num_blocks: int) -> int:
+        """For 1 or more contiguous int64 host `ids` of a cache of `num_blocks`: the first
+        id (>= 0) when they are one ascending run, RUN_NONE when they are distinct,
+        BAD_IDS when one is out of range or repeats (the caller names it)."""
+        status = int(self._check(ids.data_ptr(), ids.shape[0], num_blocks))
+        if status >= 0:
+            return status
+        return BAD_IDS if status in (-1, -2) else RUN_NONE
+
+    def sort_pairs(
+        self, key: torch.Tensor, other: torch.Tensor, num_blocks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`key` (checked distinct ids of a cache of `num_blocks`) ascending and `other`
+        in the same order, by a counting sort; None when scratch memory ran out."""
+        import torch
+
+        key_out, other_out = torch.empty_like(key), torch.empty_like(other)
+        if self._sort(key.data_ptr(), other.data_ptr(), key.shape[0], num_blocks,
+                      key_out.data_ptr(), other_out.data_ptr()):
+            return None
+        return key_out, other_out
 
     def copy_rows(
         self, dst: torch.Tensor, src: torch.Tensor,

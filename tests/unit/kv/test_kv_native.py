@@ -67,6 +67,31 @@ def test_small_copy_through_the_kernel_is_exact(kernel: native.RowKernel) -> Non
     assert torch.equal(dst, want)
 
 
+@pytest.mark.parametrize(
+    ("ids", "want"),
+    [([4, 5, 6], 4), ([7], 7), ([1, 5, 9], native.RUN_NONE), ([9, 1, 5], native.RUN_NONE),
+     ([3, 1, 3], native.BAD_IDS), ([1, 10], native.BAD_IDS), ([-1, 2], native.BAD_IDS),
+     ([2, 2], native.BAD_IDS)],
+    ids=["run", "one", "ascending", "unordered", "repeat", "too-high", "negative",
+         "repeat-adjacent"],
+)
+def test_the_kernel_checks_ids(kernel: native.RowKernel, ids: list[int], want: int) -> None:
+    """One C pass says run (its first block), distinct, or bad (out of range or repeated)."""
+    assert kernel.check_ids(torch.tensor(ids, dtype=torch.long), 10) == want
+
+
+def test_the_kernel_sorts_id_pairs(kernel: native.RowKernel) -> None:
+    """The counting sort orders the key ids and carries the other list along."""
+    gen = torch.Generator().manual_seed(8)
+    key = torch.randperm(5000, generator=gen)[:3000]
+    other = torch.randperm(5000, generator=gen)[:3000]
+    pair = kernel.sort_pairs(key, other, 5000)
+    assert pair is not None
+    order = key.argsort()
+    assert torch.equal(pair[0], key[order])
+    assert torch.equal(pair[1], other[order])
+
+
 def test_missing_or_foreign_library_falls_back(tmp_path: Path, capsys: Any) -> None:
     """No library means None silently; a file that is no library warns once and is None."""
     assert native.load(tmp_path / "absent.so") is None
