@@ -10,8 +10,9 @@ from dynamo_ftctl.cli._common import JsonFlag, finish
 
 app = typer.Typer(
     help=(
-        "Paged KV blocks: copy bandwidth of the block copier (gather → pinned staging → "
-        "copy stream → scatter) against one contiguous copy of the same bytes."
+        "Paged KV blocks: copy bandwidth of the block copier (host: the native row-copy "
+        "kernel; devices: gather → pinned staging → copy stream → scatter) against one "
+        "contiguous copy of the same bytes."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -59,11 +60,15 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
         "gather,scatter,random"),
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (median).")] = 5,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
+    kernel: Annotated[str, typer.Option(
+        help="Host copy kernel: auto (the native row-copy kernel when it was built at "
+             "install), native, or torch (index_select/index_copy_ and staging).")] = "auto",
     json_: JsonFlag = False,
 ) -> None:
     """Copier bandwidth vs one contiguous copy_ of the same bytes, plus a chunk-size sweep.
 
-    Exit 3 when --device cuda is asked for and no CUDA device is present.
+    Exit 3 when --device cuda is asked for and no CUDA device is present; exit 2 for
+    --kernel native when the row-copy kernel was not built at install.
 
     Example: ftctl kv bench --blocks 1000,10000,100000 --repeats 5
     """
@@ -74,7 +79,7 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layout=layout,
         chunk_bytes=chunk_kib * 1024,
         sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
-        sweep_blocks=sweep_blocks, repeats=repeats, threads=threads,
+        sweep_blocks=sweep_blocks, repeats=repeats, threads=threads, kernel=kernel,
         patterns=[p for p in patterns.replace(" ", "").split(",") if p],
     )
     finish(ctx, result, json_flag=json_)

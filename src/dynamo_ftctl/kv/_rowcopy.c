@@ -5,11 +5,15 @@
  * a staging buffer and a scatter out of it). A NULL id array means rows 0..n-1 of that side.
  * Ids are trusted: dynamo_ftctl.kv.copy validated them (range, duplicates, overlap).
  *
+ * `threads` splits one call's rows among that many POSIX threads (the caller sets it from
+ * torch's thread count, so a copy uses what torch's own copy_ would).
+ *
  * With `stream` set, whole 64-byte lines of 16-byte aligned destination rows are written with
  * non-temporal stores (SSE2, every x86-64): a large copy then does not read each destination
  * line into the cache before overwriting it, which is a third of the memory traffic of a
- * cached copy. Other CPUs, and unaligned rows, use memcpy. Plain C99, no Python headers.
+ * cached copy. Other CPUs, and unaligned rows, use memcpy. Plain C99 and pthreads, no Python headers.
  */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,7 +25,7 @@
 #endif
 
 /* Bumped whenever the signature of ftctl_copy_rows changes; native.py checks it. */
-int ftctl_rowcopy_abi(void) { return 3; }
+int ftctl_rowcopy_abi(void) { return 4; }
 
 static void copy_streaming(char *dst, const char *src, int64_t bytes) {
 #ifdef FTCTL_SSE2
@@ -42,21 +46,58 @@ static void copy_streaming(char *dst, const char *src, int64_t bytes) {
 #endif
 }
 
-void ftctl_copy_rows(char *dst, int64_t dst_stride, const char *src, int64_t src_stride,
-                     const int64_t *dst_ids, const int64_t *src_ids, int64_t n,
-                     int64_t row_bytes, int stream) {
-    int aligned = ((uintptr_t)dst % 16 == 0) && (dst_stride % 16 == 0);
-    for (int64_t i = 0; i < n; i++) {
-        char *d = dst + (dst_ids ? dst_ids[i] : i) * dst_stride;
-        const char *s = src + (src_ids ? src_ids[i] : i) * src_stride;
-        if (stream && aligned)
-            copy_streaming(d, s, row_bytes);
+struct rows_job {
+    char *dst;
+    const char *src;
+    int64_t dst_stride, src_stride, row_bytes, begin, end;
+    const int64_t *dst_ids, *src_ids;
+    int stream;
+};
+
+static void *copy_range(void *arg) {
+    const struct rows_job *job = arg;
+    int streamed = job->stream && ((uintptr_t)job->dst % 16 == 0) && (job->dst_stride % 16 == 0);
+    for (int64_t i = job->begin; i < job->end; i++) {
+        char *d = job->dst + (job->dst_ids ? job->dst_ids[i] : i) * job->dst_stride;
+        const char *s = job->src + (job->src_ids ? job->src_ids[i] : i) * job->src_stride;
+        if (streamed)
+            copy_streaming(d, s, job->row_bytes);
         else
-            memcpy(d, s, (size_t)row_bytes);
+            memcpy(d, s, (size_t)job->row_bytes);
     }
 #ifdef FTCTL_SSE2
-    if (stream && aligned) _mm_sfence(); /* streamed stores are visible before we return */
+    if (streamed) _mm_sfence(); /* this thread's streamed stores land before it is joined */
 #endif
+    return NULL;
+}
+
+#define FTCTL_MAX_THREADS 64
+
+/* `threads` > 1 splits the rows into that many contiguous slices, one per thread (the
+ * caller's and threads - 1 started here, joined before returning); a thread that cannot
+ * be started leaves its slice to the caller's thread. */
+void ftctl_copy_rows(char *dst, int64_t dst_stride, const char *src, int64_t src_stride,
+                     const int64_t *dst_ids, const int64_t *src_ids, int64_t n,
+                     int64_t row_bytes, int stream, int threads) {
+    struct rows_job jobs[FTCTL_MAX_THREADS];
+    pthread_t tids[FTCTL_MAX_THREADS];
+    int started[FTCTL_MAX_THREADS] = {0};
+    if (threads > FTCTL_MAX_THREADS) threads = FTCTL_MAX_THREADS;
+    if (threads < 1 || n < threads) threads = 1;
+    for (int t = 0; t < threads; t++) {
+        struct rows_job job = {dst, src, dst_stride, src_stride, row_bytes,
+                               n * t / threads, n * (t + 1) / threads, dst_ids, src_ids,
+                               stream};
+        jobs[t] = job;
+        if (t > 0) started[t] = pthread_create(&tids[t], NULL, copy_range, &jobs[t]) == 0;
+    }
+    copy_range(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            copy_range(&jobs[t]);
+    }
 }
 
 /* Check n (>= 1) block ids of a cache of num_blocks blocks in one pass (plus one over a

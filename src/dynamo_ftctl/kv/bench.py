@@ -4,18 +4,23 @@ The baseline is the best a copy of that many bytes can do on the same route
 (one `copy_` between two contiguous buffers: host memory, the device, or
 pinned host memory across the bus), measured in the same run, with the same
 torch thread count, and interleaved with the copier so that machine noise
-hits both alike. The figure that matters is the ratio; it is given from wall
-time and from the process's CPU time (which a busy shared host does not
-inflate by descheduling: on one thread, the fairer of the two).
+hits both alike. Its buffers are the two caches' own memory (all layers of a
+cache are one allocation), so a run needs no more memory than the caches.
+The figure that matters is the ratio; it is given from wall time and from
+the process's CPU time (which a busy shared host does not inflate by
+descheduling: on one thread, the fairer of the two).
 
 Three id patterns: `gather` (random source blocks into a run of destination
 blocks: an export into a buffer), `scatter` (a run of source blocks into
 random destination blocks: an import out of a buffer) and `random` (random
-blocks to random blocks: a move between two caches). On one device the first
-two are one index op per layer straight between the caches; `random` has no
-single torch op, so it gathers into an L2-sized staging slot and scatters
-from it (two passes). A chunk-size sweep of `random` shows how the slot size
-trades per-piece overhead against cache residency.
+blocks to random blocks: a move between two caches). On the host the native
+row-copy kernel (`kv.native`) copies all three in one pass per layer; with
+torch's kernels (`kernel="torch"`, and on devices) the first two are one
+index op per layer straight between the caches, and `random` has no single
+torch op, so it gathers into an L2-sized staging slot and scatters from it
+(two passes). A chunk-size sweep of `random` shows how the slot size trades
+per-piece overhead against cache residency (torch's kernels only: the native
+one stages nothing).
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ if TYPE_CHECKING:
     import torch
     from rich.console import Group
 
-__all__ = ["PATTERNS", "BenchRow", "KVBenchResult", "run_kv_bench"]
+__all__ = ["KERNELS", "PATTERNS", "BenchRow", "KVBenchResult", "run_kv_bench"]
 
 # Routes a device can run; on CPU only host-to-host exists.
 CUDA_ROUTES = ("d2d", "d2h", "h2d")
 # Which block ids are copied: see the module docstring.
 PATTERNS = ("gather", "scatter", "random")
+# Which host kernels copy: the native row-copy kernel when built ("auto"), or it or torch's.
+KERNELS = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class KVBenchResult:
     threads: int
     repeats: int
     layout: str
+    kernel: str  # what copied host blocks: "native" (the row-copy kernel) or "torch"
     rows: tuple[BenchRow, ...]
     sweep: tuple[BenchRow, ...]
 
@@ -91,8 +99,9 @@ class KVBenchResult:
                   round(r.ratio, 3), round(r.cpu_ratio, 3)) for r in rows],
             )
 
-        head = (f"device {self.device}, {self.layout} layout, {self.threads} torch threads "
-                f"(copier and baseline alike), median of {self.repeats} interleaved runs")
+        head = (f"device {self.device}, {self.layout} layout, {self.kernel} host kernel, "
+                f"{self.threads} torch threads (copier and baseline alike), "
+                f"median of {self.repeats} interleaved runs")
         parts: list[Any] = [head, render("copier vs one contiguous copy_", self.rows)]
         if self.sweep:
             parts.append(render("chunk-size sweep", self.sweep))
@@ -115,6 +124,7 @@ def _measure(
     *, route: str, pattern: str, device: torch.device, blocks: int, layers: int,
     layout: CacheLayout, block_shape: tuple[int, int, int], dtype: torch.dtype,
     chunk_bytes: int, repeats: int, clock: Clock, cpu_clock: Callable[[], float], seed: int,
+    native: bool,
 ) -> BenchRow:
     import torch
 
@@ -126,14 +136,16 @@ def _measure(
     # Caches hold a quarter more blocks than are copied, ids drawn at random.
     total = blocks + max(1, blocks // 4)
 
-    def cache(dev: torch.device) -> list[torch.Tensor]:
-        return [
-            torch.empty(cache_shape(layout, total, *block_shape), dtype=dtype, device=dev,
-                        pin_memory=pin and dev.type == "cpu").fill_(layer)
-            for layer in range(layers)
-        ]
+    def cache(dev: torch.device) -> torch.Tensor:
+        """All layers in one allocation (a layer is a view), filled with its layer number."""
+        layered = torch.empty((layers, *cache_shape(layout, total, *block_shape)),
+                              dtype=dtype, device=dev, pin_memory=pin and dev.type == "cpu")
+        for layer in range(layers):
+            layered[layer].fill_(layer)
+        return layered
 
-    src, dst = cache(src_dev), cache(dst_dev)
+    src_all, dst_all = cache(src_dev), cache(dst_dev)
+    src, dst = list(src_all.unbind(0)), list(dst_all.unbind(0))
     src_ids = torch.randperm(total, generator=gen)[:blocks]
     dst_ids = torch.randperm(total, generator=gen)[:blocks]
     run = torch.arange(blocks) + (total - blocks) // 2
@@ -144,12 +156,10 @@ def _measure(
     block_bytes = src[0].select(layout.block_dim, 0).numel() * src[0].element_size()
     nbytes = blocks * layers * block_bytes
     flat = nbytes // 16 * 16
-    a = torch.empty(flat, dtype=torch.uint8, device=src_dev,
-                    pin_memory=pin and src_dev.type == "cpu")
-    b = torch.empty(flat, dtype=torch.uint8, device=dst_dev,
-                    pin_memory=pin and dst_dev.type == "cpu")
-    a.fill_(1)
-    b.fill_(0)
+    # The baseline copies the first `flat` bytes of one cache's memory into the other's:
+    # the same bytes, contiguous, with no buffers beside the caches.
+    a = src_all.view(-1).view(torch.uint8)[:flat]
+    b = dst_all.view(-1).view(torch.uint8)[:flat]
 
     def sync() -> None:
         if cuda is not None:
@@ -157,7 +167,7 @@ def _measure(
 
     def copier() -> None:
         copy_blocks(src, dst, src_ids, dst_ids, block_dim=layout.block_dim,
-                    chunk_bytes=chunk_bytes).wait()
+                    chunk_bytes=chunk_bytes, native=native).wait()
 
     def contiguous() -> None:
         b.copy_(a, non_blocking=cuda is not None)
@@ -196,6 +206,7 @@ def run_kv_bench(
     patterns: Sequence[str] = PATTERNS,
     repeats: int = 5,
     threads: int | None = None,
+    kernel: str = "auto",
     clock: Clock = SYSTEM_CLOCK,
     cpu_clock: Callable[[], float] = time.process_time,
 ) -> KVBenchResult:
@@ -206,7 +217,9 @@ def run_kv_bench(
     fp16 = 4 KiB) in a cache `layout` of `kv.layout.LAYOUTS`: vllm
     `[num_blocks, 2, ...]`, or flash `[2, num_blocks, ...]` (K and V of a block apart).
     On CUDA each size runs D2D, D2H and H2D; `Unreachable` (exit 3) when CUDA is
-    asked for and no device is present.
+    asked for and no device is present. `kernel` picks the host copy kernel: "auto"
+    (the native row-copy kernel when it was built at install), "native" (InvalidInput
+    when it was not) or "torch".
     """
     try:
         import torch
@@ -226,6 +239,16 @@ def run_kv_bench(
         msg = ("--device cuda: no CUDA device is available to this process "
                f"(torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'no'})")
         raise Unreachable(msg)
+    if kernel not in KERNELS:
+        msg = f"--kernel: {kernel!r} (choose from {', '.join(KERNELS)})"
+        raise InvalidInput(msg)
+    from dynamo_ftctl.kv.native import kernel as installed_kernel
+
+    native = kernel != "torch" and installed_kernel() is not None
+    if kernel == "native" and not native:
+        msg = ("--kernel native: the row-copy kernel is not available (not built at install: "
+               "no C compiler? or FTCTL_KV_NATIVE=0); reinstall with a C compiler")
+        raise InvalidInput(msg)
     if layout not in LAYOUTS:
         msg = f"--layout: {layout!r} (choose from {', '.join(LAYOUTS)})"
         raise InvalidInput(msg)
@@ -241,7 +264,7 @@ def run_kv_bench(
     common: dict[str, Any] = {
         "device": dev, "layers": layers, "layout": LAYOUTS[layout], "block_shape": shape,
         "dtype": torch_dtype,
-        "repeats": repeats, "clock": clock, "cpu_clock": cpu_clock,
+        "repeats": repeats, "clock": clock, "cpu_clock": cpu_clock, "native": native,
     }
     rows = tuple(
         _measure(route=route, pattern=pattern, blocks=n, chunk_bytes=chunk_bytes, seed=i,
@@ -254,5 +277,5 @@ def run_kv_bench(
         for size in sweep_chunks for route in routes
     )
     return KVBenchResult(device=device, threads=torch.get_num_threads(), repeats=repeats,
-                         layout=layout,
+                         layout=layout, kernel="native" if native else "torch",
                          rows=rows, sweep=sweep)

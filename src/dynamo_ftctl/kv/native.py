@@ -29,11 +29,14 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("_rowcopy.c")
 LIBRARY = Path(__file__).with_name("_rowcopy.so")
-ABI = 3  # must equal ftctl_rowcopy_abi() in _rowcopy.c
+ABI = 4  # must equal ftctl_rowcopy_abi() in _rowcopy.c
 # Copies of at least this many bytes stream their stores past the cache (measured on the
 # CPU bench: 1.3-1.7x a cached copy from 4 MiB up; a small copy's rows stay cached for
 # whoever reads them next).
 STREAM_MIN_BYTES = 1 << 20
+# Copies of at least this many bytes split among torch's intra-op threads (starting a thread
+# costs ~20 us; below this torch's own copy_ gains nothing from its second thread either).
+PARALLEL_MIN_BYTES = 4 << 20
 # What `RowKernel.check_ids` answers besides a run's first block.
 RUN_NONE, BAD_IDS = -1, -2
 
@@ -50,7 +53,8 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         subprocess.run(
-            [*cc, "-O2", "-shared", "-fPIC", "-std=c99", "-o", str(partial), str(source)],
+            [*cc, "-O2", "-shared", "-fPIC", "-std=c99", "-pthread", "-o", str(partial),
+             str(source)],
             check=True, capture_output=True, text=True, timeout=timeout_s,
         )
         partial.replace(out)  # atomic: a concurrent loader never sees half a library
@@ -71,7 +75,7 @@ class RowKernel:
             raise OSError(msg)
         fn = lib.ftctl_copy_rows
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_int]
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
         fn.restype = None
         check = lib.ftctl_check_ids
         check.argtypes = [ptr, i64, i64]
@@ -107,18 +111,26 @@ class RowKernel:
     def copy_rows(
         self, dst: torch.Tensor, src: torch.Tensor,
         dst_ids: torch.Tensor | int, src_ids: torch.Tensor | int, rows: int,
+        *, threads: int | None = None,
     ) -> None:
         """Copy `rows` rows: src row `src_ids[i]` to dst row `dst_ids[i]`, where an int
         is the first row of a run. Rows are dim 0 of 2-D host tensors whose rows are
         contiguous, the same byte length on both sides; ids are int64, contiguous and
-        already validated (range, duplicates, overlap): the kernel trusts them."""
+        already validated (range, duplicates, overlap): the kernel trusts them.
+        Copies of PARALLEL_MIN_BYTES or more use `threads` threads (default: torch's
+        intra-op thread count, what its own `copy_` uses)."""
         row_bytes = src.shape[1] * src.element_size()
         d_ptr, d_ids = _base(dst, dst_ids)
         s_ptr, s_ids = _base(src, src_ids)
-        stream = int(rows * row_bytes >= STREAM_MIN_BYTES)
+        nbytes = rows * row_bytes
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
         # ctypes releases the GIL for the call.
         self._fn(d_ptr, dst.stride(0) * dst.element_size(), s_ptr,
-                 src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes, stream)
+                 src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
+                 int(nbytes >= STREAM_MIN_BYTES), threads)
 
 
 def _base(rows: torch.Tensor, ids: torch.Tensor | int) -> tuple[int, int | None]:

@@ -58,6 +58,24 @@ def test_large_copies_stream_bit_exact(kernel: native.RowKernel, width: int, pat
     assert torch.equal(dst, want)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 100])
+def test_threaded_copies_are_exact(kernel: native.RowKernel, threads: int) -> None:
+    """Rows split among threads (more threads than the 64 allowed, or than rows, too)
+    land exactly once each."""
+    count, total = 300, 400
+    src, dst = rows(total, 4096, 9), rows(total, 4096, 10)
+    gen = torch.Generator().manual_seed(11)
+    sids = torch.randperm(total, generator=gen)[:count]
+    dids = torch.randperm(total, generator=gen)[:count]
+    want = dst.clone()
+    want[dids] = src[sids]
+    kernel.copy_rows(dst, src, dids, sids, count, threads=threads)
+    assert torch.equal(dst, want)
+    few_src, few_dst = rows(5, 64, 12), rows(5, 64, 13)
+    kernel.copy_rows(few_dst, few_src, 0, 0, 5, threads=threads)
+    assert torch.equal(few_dst, few_src)
+
+
 def test_small_copy_through_the_kernel_is_exact(kernel: native.RowKernel) -> None:
     """Below the streaming threshold the kernel copies with cached stores, exactly."""
     src, dst = rows(50, 4096, 4), rows(50, 4096, 5)
