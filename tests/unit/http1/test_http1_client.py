@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 import pytest
 
@@ -14,10 +14,12 @@ from dynamo_ftctl.http1 import (
     Client,
     ConnectError,
     ConnectionBroken,
+    HttpError,
     Pool,
     ProtocolError,
 )
 
+T = TypeVar("T")
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
 
@@ -76,9 +78,25 @@ class Server:
         await self._server.wait_closed()
 
 
-def run(scenario: Callable[[], Awaitable[Any]]) -> Any:
+def run(scenario: Callable[[], Awaitable[T]]) -> T:
     """Run a scenario on a fresh loop, bounded."""
-    return asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    async def bounded() -> T:
+        return await asyncio.wait_for(scenario(), timeout=30)
+
+    return asyncio.run(bounded())
+
+
+def run_with(handler: Handler, scenario: Callable[[Server, Pool], Awaitable[T]]) -> T:
+    """Run `scenario` against a loopback server running `handler`, with a fresh pool."""
+    async def go() -> T:
+        async with Server(handler) as server:
+            pool = Pool()
+            try:
+                return await scenario(server, pool)
+            finally:
+                pool.close()
+
+    return run(go)
 
 
 async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
@@ -101,21 +119,16 @@ def test_content_length_answers_reuse_one_connection() -> None:
             seen.append(await read_request(reader))
             writer.write(answer(200, b'{"ok":true}', "content-type: application/json"))
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                for i in range(3):
-                    async with await pool.request("POST", f"{server.url}/v1/x?q=1", b"abc%d" % i,
-                                                  {"X-Request-Id": f"r{i}"}) as resp:
-                        assert resp.status == 200
-                        assert resp.header("content-type") == "application/json"
-                        assert await resp.read() == b'{"ok":true}'
-            finally:
-                pool.close()
-            assert server.connections == 1
+    async def scenario(server: Server, pool: Pool) -> None:
+        for i in range(3):
+            async with await pool.request("POST", f"{server.url}/v1/x?q=1", b"abc%d" % i,
+                                          {"X-Request-Id": f"r{i}"}) as resp:
+                assert resp.status == 200
+                assert resp.header("content-type") == "application/json"
+                assert await resp.read() == b'{"ok":true}'
+        assert server.connections == 1
 
-    run(scenario)
+    run_with(handler, scenario)
     assert [body for _, body in seen] == [b"abc0", b"abc1", b"abc2"]
     assert seen[2][0].startswith(b"POST /v1/x?q=1 HTTP/1.1\r\n")
     assert b"\r\nX-Request-Id: r2\r\n" in seen[2][0]
@@ -137,22 +150,17 @@ def test_chunked_stream_arrives_piece_by_piece_and_the_connection_is_reused(piec
                 writer.write(framed[i:i + piece])
                 await writer.drain()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                for _ in range(2):
-                    async with await pool.request("POST", f"{server.url}/s", b"{}") as resp:
-                        parts = []
-                        while piece_ := await resp.next_chunk(5.0):
-                            parts.append(piece_)
-                        assert b"".join(parts) == body
-                        assert resp.complete
-            finally:
-                pool.close()
-            assert server.connections == 1
+    async def scenario(server: Server, pool: Pool) -> None:
+        for _ in range(2):
+            async with await pool.request("POST", f"{server.url}/s", b"{}") as resp:
+                parts = []
+                while piece_ := await resp.next_chunk(5.0):
+                    parts.append(piece_)
+                assert b"".join(parts) == body
+                assert resp.complete
+        assert server.connections == 1
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_early_close_mid_body_is_a_broken_connection_never_reused() -> None:
@@ -169,21 +177,16 @@ def test_early_close_mid_body_is_a_broken_connection_never_reused() -> None:
         await writer.drain()
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                async with await pool.request("GET", server.url) as resp:
-                    assert await resp.next_chunk(5.0) == b"0123456789"
-                    with pytest.raises(ConnectionBroken):
-                        await resp.next_chunk(5.0)
-                async with await pool.request("GET", server.url) as resp:
-                    assert await resp.read() == b"fine"
-            finally:
-                pool.close()
-            assert server.connections == 2
+    async def scenario(server: Server, pool: Pool) -> None:
+        async with await pool.request("GET", server.url) as resp:
+            assert await resp.next_chunk(5.0) == b"0123456789"
+            with pytest.raises(ConnectionBroken):
+                await resp.next_chunk(5.0)
+        async with await pool.request("GET", server.url) as resp:
+            assert await resp.read() == b"fine"
+        assert server.connections == 2
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
@@ -195,18 +198,13 @@ def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/"
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                with pytest.raises(ConnectError):
-                    await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
-                with pytest.raises(ConnectError):
-                    await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
-            finally:
-                pool.close()
+    async def scenario(server: Server, pool: Pool) -> None:
+        with pytest.raises(ConnectError):
+            await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
+        with pytest.raises(ConnectError):
+            await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_cancel_mid_body_hangs_up_and_the_connection_is_not_reused() -> None:
@@ -227,32 +225,27 @@ def test_cancel_mid_body_hangs_up_and_the_connection_is_not_reused() -> None:
         await writer.drain()
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                resp = await pool.request("POST", server.url, b"{}")
-                got: list[bytes] = []
+    async def scenario(server: Server, pool: Pool) -> None:
+        resp = await pool.request("POST", server.url, b"{}")
+        got: list[bytes] = []
 
-                async def consume() -> None:
-                    async with resp:
-                        while True:
-                            got.append(await resp.next_chunk())
+        async def consume() -> None:
+            async with resp:
+                while True:
+                    got.append(await resp.next_chunk())
 
-                task = asyncio.ensure_future(consume())
-                await until(lambda: bool(got))
-                task.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await task
-                await asyncio.wait_for(hung_up.wait(), 5)
-                async with await pool.request("GET", server.url) as again:
-                    assert await again.read() == b"second"
-                assert got == [b"first"]
-            finally:
-                pool.close()
-            assert server.connections == 2
+        task = asyncio.ensure_future(consume())
+        await until(lambda: bool(got))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(hung_up.wait(), 5)
+        async with await pool.request("GET", server.url) as again:
+            assert await again.read() == b"second"
+        assert got == [b"first"]
+        assert server.connections == 2
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_stall_between_chunks_times_out() -> None:
@@ -264,21 +257,16 @@ def test_stall_between_chunks_times_out() -> None:
         await writer.drain()
         await reader.read()  # nothing more until the client hangs up
 
-    async def scenario() -> float:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                async with await pool.request("POST", server.url, b"{}") as resp:
-                    assert await resp.next_chunk(5.0) == b"tok"
-                    loop = asyncio.get_running_loop()
-                    started = loop.time()
-                    with pytest.raises(TimeoutError):
-                        await resp.next_chunk(0.2)
-                    return loop.time() - started
-            finally:
-                pool.close()
+    async def scenario(server: Server, pool: Pool) -> float:
+        async with await pool.request("POST", server.url, b"{}") as resp:
+            assert await resp.next_chunk(5.0) == b"tok"
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await resp.next_chunk(0.2)
+            return loop.time() - started
 
-    assert 0.15 <= run(scenario) < 5
+    assert 0.15 <= run_with(handler, scenario) < 5
 
 
 def test_headers_that_never_come_time_out() -> None:
@@ -287,16 +275,11 @@ def test_headers_that_never_come_time_out() -> None:
         await read_request(reader)
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                with pytest.raises(TimeoutError):
-                    await pool.request("POST", server.url, b"{}", head_timeout_s=0.2)
-            finally:
-                pool.close()
+    async def scenario(server: Server, pool: Pool) -> None:
+        with pytest.raises(TimeoutError):
+            await pool.request("POST", server.url, b"{}", head_timeout_s=0.2)
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_oversize_body_is_refused_and_the_connection_closed() -> None:
@@ -311,20 +294,15 @@ def test_oversize_body_is_refused_and_the_connection_closed() -> None:
         await writer.drain()
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                async with await pool.request("GET", server.url) as resp:
-                    with pytest.raises(BodyTooLarge):
-                        await resp.read(limit=1000)
-                async with await pool.request("GET", server.url) as resp:
-                    assert len(await resp.read()) == 50_000
-            finally:
-                pool.close()
-            assert server.connections == 2
+    async def scenario(server: Server, pool: Pool) -> None:
+        async with await pool.request("GET", server.url) as resp:
+            with pytest.raises(BodyTooLarge):
+                await resp.read(limit=1000)
+        async with await pool.request("GET", server.url) as resp:
+            assert len(await resp.read()) == 50_000
+        assert server.connections == 2
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_unread_stream_pauses_the_socket_and_resumes_when_read() -> None:
@@ -339,17 +317,12 @@ def test_unread_stream_pauses_the_socket_and_resumes_when_read() -> None:
         await writer.drain()
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                async with await pool.request("GET", server.url) as resp:
-                    await until(lambda: resp.connection.paused)
-                    assert await resp.read(limit=len(body)) == body
-            finally:
-                pool.close()
+    async def scenario(server: Server, pool: Pool) -> None:
+        async with await pool.request("GET", server.url) as resp:
+            await until(lambda: resp.connection.paused)
+            assert await resp.read(limit=len(body)) == body
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_not_http_is_a_protocol_error() -> None:
@@ -361,16 +334,11 @@ def test_not_http_is_a_protocol_error() -> None:
         await writer.drain()
         await reader.read()
 
-    async def scenario() -> None:
-        async with Server(handler) as server:
-            pool = Pool()
-            try:
-                with pytest.raises(ProtocolError):
-                    await pool.request("GET", server.url, head_timeout_s=5.0)
-            finally:
-                pool.close()
+    async def scenario(server: Server, pool: Pool) -> None:
+        with pytest.raises(ProtocolError):
+            await pool.request("GET", server.url, head_timeout_s=5.0)
 
-    run(scenario)
+    run_with(handler, scenario)
 
 
 def test_body_until_close_is_whole_and_the_client_fetches_it() -> None:
@@ -391,3 +359,24 @@ def test_body_until_close_is_whole_and_the_client_fetches_it() -> None:
                 await client.close()
 
     assert run(scenario) == (503, b"no room")
+
+
+def test_https_goes_through_aiohttp_and_its_failures_are_http_errors() -> None:
+    """An https:// URL takes the aiohttp fallback; a server that does not speak TLS makes
+    it fail with an HttpError, as a plain-http failure would."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await reader.read(1)
+        writer.write(b"HTTP/1.1 400 Not TLS\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    async def scenario(server: Server, _pool: Pool) -> None:
+        client = Client()
+        try:
+            with pytest.raises(HttpError):
+                await client.request("GET", server.url.replace("http://", "https://"),
+                                     connect_timeout_s=5.0, head_timeout_s=5.0)
+        finally:
+            await client.close()
+
+    run_with(handler, scenario)
