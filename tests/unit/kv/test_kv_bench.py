@@ -1,0 +1,70 @@
+"""`ftctl kv bench`: the host kernel it measures, and refusing one that is not there."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from typer.testing import CliRunner
+
+from dynamo_ftctl.cli.main import app, main
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.kv import native
+from dynamo_ftctl.kv.bench import run_kv_bench
+
+runner = CliRunner()
+
+
+def small(**kwargs: Any) -> Any:
+    return run_kv_bench(blocks=(24,), sweep_chunks=(), repeats=1, **kwargs)
+
+
+def test_torch_kernel_is_measured_when_asked() -> None:
+    """--kernel torch measures torch's kernels and says so, for every pattern."""
+    result = small(kernel="torch", patterns=("gather", "random"))
+    assert result.kernel == "torch"
+    assert [(r.pattern, r.blocks, r.bytes) for r in result.rows] == [
+        ("gather", 24, 24 * 4096), ("random", 24, 24 * 4096)]
+    assert all(r.ratio > 0 and r.copier_gb_per_s > 0 for r in result.rows)
+
+
+def test_auto_uses_the_native_kernel_when_it_is_there(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Any) -> None:
+    """With a built kernel, auto and native measure it; without, auto falls back to torch."""
+    import subprocess
+
+    try:
+        built = native.load(native.build(tmp_path / "_rowcopy.so"))
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"no C compiler could build the row-copy kernel: {exc}")
+    monkeypatch.setattr(native, "kernel", lambda: built)
+    assert small(kernel="auto").kernel == "native"
+    assert small(kernel="native").kernel == "native"
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    assert small(kernel="auto").kernel == "torch"
+
+
+def test_native_kernel_that_was_not_built_is_bad_input(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: Any) -> None:
+    """--kernel native without a built kernel is exit 2 saying why; unknown kernels too."""
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    with pytest.raises(InvalidInput, match="row-copy kernel is not available"):
+        small(kernel="native")
+    assert main(["kv", "bench", "--kernel", "native", "--blocks", "8"]) == 2
+    assert "--kernel native: the row-copy kernel is not available" in capsys.readouterr().err
+    assert main(["kv", "bench", "--kernel", "simd", "--blocks", "8"]) == 2
+    assert "'simd' (choose from auto, native, torch)" in capsys.readouterr().err
+
+
+def test_cli_json_names_the_kernel() -> None:
+    """`ftctl kv bench --kernel torch --json` carries the kernel beside the rows."""
+    result = runner.invoke(app, ["kv", "bench", "--kernel", "torch", "--blocks", "16",
+                                 "--sweep-kib", "", "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["kernel"] == "torch"
+    assert [r["pattern"] for r in doc["rows"]] == ["gather", "scatter", "random"]
