@@ -31,21 +31,10 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]
 
 
 @pytest.fixture(scope="session", params=["torch", "native"])
-def kernel(request: Any, tmp_path_factory: Any) -> Any:
+def kernel(request: Any) -> Any:
     """Each host copy test runs twice: on torch's kernels (`native=False`, the fallback
-    when no compiler was there at install) and on the C row-copy kernel, built here from
-    the shipped source the way the install hook builds it."""
-    if request.param == "torch":
-        return False
-    import subprocess
-
-    try:
-        path = native.build(tmp_path_factory.mktemp("rowcopy") / "_rowcopy.so")
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"no C compiler could build the row-copy kernel: {exc}")
-    loaded = native.load(path)
-    assert loaded is not None
-    return loaded
+    when no compiler was there at install) and on the C row-copy kernel."""
+    return False if request.param == "torch" else request.getfixturevalue("row_kernel")
 
 
 @pytest.fixture

@@ -18,16 +18,10 @@ from dynamo_ftctl.kv.copy import copy_blocks  # noqa: E402
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: Any) -> native.RowKernel:
-    """The kernel built from the shipped source into a temporary directory."""
-    try:
-        path = native.build(tmp_path_factory.mktemp("rowcopy") / "_rowcopy.so")
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"no C compiler could build the row-copy kernel: {exc}")
-    loaded = native.load(path)
-    assert loaded is not None
-    return loaded
+@pytest.fixture
+def kernel(row_kernel: native.RowKernel) -> native.RowKernel:
+    """The kernel built from the shipped source (conftest)."""
+    return row_kernel
 
 
 def rows(count: int, width: int, seed: int) -> Any:
