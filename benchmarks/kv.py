@@ -60,8 +60,8 @@ def main() -> int:
         for kernel in kernels:
             for count in threads:
                 for label, heads, dim, blocks in SHAPES:
-                    sweep = run == 0 and kernel == "torch" and count == threads[0] \
-                        and label == SHAPES[0][0]
+                    sweep = run == 0 and kernel == kernels[0] and count == threads[0] \
+                        and label == SHAPES[0][0]  # (the sweep is of torch's kernels)
                     result = run_kv_bench(
                         device=args.device, blocks=blocks, kv_heads=heads, head_dim=dim,
                         repeats=5, threads=count, kernel=kernel,

@@ -42,6 +42,28 @@ def test_auto_uses_the_native_kernel_when_it_is_there(monkeypatch: pytest.Monkey
     assert small(kernel="auto").kernel == "torch"
 
 
+def test_the_chunk_sweep_measures_torchs_kernels(monkeypatch: pytest.MonkeyPatch,
+                                                 row_kernel: native.RowKernel) -> None:
+    """The rows use the native kernel, the chunk-size sweep torch's staged copy (the only
+    one that has chunks)."""
+    from dynamo_ftctl.kv import bench
+
+    monkeypatch.setattr(native, "kernel", lambda: row_kernel)
+    seen: list[tuple[str, Any]] = []
+    real = bench.copy_blocks
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append((kwargs["chunk_bytes"], kwargs["native"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "copy_blocks", spy)
+    result = run_kv_bench(blocks=(16,), patterns=("random",), sweep_chunks=(8192,),
+                          sweep_blocks=16, repeats=1, kernel="native")
+    assert result.kernel == "native"
+    assert {native_arg for chunk, native_arg in seen if chunk == 8192} == {False}
+    assert {native_arg for chunk, native_arg in seen if chunk != 8192} == {True}
+
+
 def test_native_kernel_that_was_not_built_is_bad_input(monkeypatch: pytest.MonkeyPatch,
                                                        capsys: Any) -> None:
     """--kernel native without a built kernel is exit 2 saying why; unknown kernels too."""
