@@ -112,6 +112,18 @@ def test_copy_within_one_cache_moves_blocks(kernel: Any) -> None:
     assert bits_equal(cache, want)
 
 
+def test_blocks_that_are_not_contiguous_copy_exactly(kernel: Any) -> None:
+    """A cache whose blocks are strided views (last two dims swapped) is not the kernel's:
+    torch's kernels copy it, bit for bit."""
+    src = [t.transpose(-1, -2) for t in make_cache(2, 12, seed=51)]
+    dst = [t.transpose(-1, -2) for t in make_cache(2, 12, seed=52)]
+    assert not src[0][0].is_contiguous()
+    want = expected_copy(src, dst, [11, 0, 5], [3, 9, 1])
+    handle = copy_blocks(src, dst, [11, 0, 5], [3, 9, 1], chunk_bytes=1, native=kernel)
+    assert handle.pieces == 2 * 3  # staged per block and layer: not the one-pass kernel
+    assert bits_equal([t.contiguous() for t in dst], [t.contiguous() for t in want])
+
+
 def test_handle_counts_bytes_and_pieces(kernel: Any) -> None:
     """The handle reports the blocks, payload bytes and pieces it moved: torch's kernels
     stage random ids in chunks, the row-copy kernel takes each layer in one pass."""
