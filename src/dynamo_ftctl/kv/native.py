@@ -45,10 +45,15 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     """Compile `source` into the shared library `out`; raises OSError or
     subprocess.CalledProcessError (with the compiler's output) when it cannot."""
     import shlex
+    import shutil
     import subprocess
     import sysconfig
 
-    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    cc = shlex.split(os.environ.get("CC") or "")
+    if not cc:  # the compiler Python was built with, when this machine has it; else cc
+        cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
+        if shutil.which(cc[0]) is None:
+            cc = ["cc"]
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
