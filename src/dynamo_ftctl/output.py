@@ -9,7 +9,6 @@ key/value table of its JSON form.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import math
@@ -52,7 +51,9 @@ def to_jsonable(value: Any) -> Any:
         return to_jsonable(value.model_dump(mode="json", by_alias=True))
     if hasattr(value, "to_json"):
         return to_jsonable(value.to_json())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        import dataclasses  # not at the top: the one-shot probe renders no dataclass
+
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     struct_fields = getattr(type(value), "__struct_fields__", None)  # a msgspec.Struct
     if struct_fields is not None:
