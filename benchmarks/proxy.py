@@ -16,7 +16,9 @@ token; a text prompt starting with FAIL is cut after `--fail-after` tokens
 (continuations carry token ids, so they run on). The client is
 `dynamo_ftctl.http1` on uvloop too: upstream and client share the other
 core(s) and must outrun the proxy, pinned to CPU 0, on its own.
-Usage: python benchmarks/proxy.py [--quick] [--only FIGURE]
+Usage: python benchmarks/proxy.py [--quick] [--only FIGURE] [--baseline-src DIR]
+(DIR: another source tree, e.g. `git archive REV src | tar -x -C DIR`, whose proxy
+is measured beside this one in the same run).
 """
 
 from __future__ import annotations
