@@ -370,6 +370,11 @@ class CanaryConfig(StrictStruct, frozen=True):
         _doc("Failed half-open trials before DEAD (the first one moves to DRAINING).", ge=1,
              le=100),
     ] = 2
+    parallel_prompts: Annotated[
+        bool,
+        _doc("Send a set's prompts at once: a probe's latency is its slowest answer (false: "
+             "one after another, its latency is their sum)."),
+    ] = True
     concurrency: Annotated[
         int, _doc("Probes in flight at once in the daemon.", ge=1, le=10000),
     ] = 256

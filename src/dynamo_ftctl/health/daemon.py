@@ -132,8 +132,10 @@ class HealthDaemon:
         self.config = config
         self.clock = clock
         self._own_transport = transport is None
+        # One connection per request in flight: a probe sends its whole set at once.
+        per_probe = len(canary_set.prompts) if config.parallel_prompts else 1
         self.transport: AsyncTransport = transport or AiohttpTransport(
-            concurrency=config.concurrency)
+            concurrency=config.concurrency * per_probe)
         self.baselines = baselines or Baselines()
         self.on_transition = on_transition
         self.on_action = on_action

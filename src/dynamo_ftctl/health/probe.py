@@ -15,7 +15,7 @@ exit code: 1 if any answered wrongly, else 3 if any did not answer, else 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -200,14 +200,13 @@ def _conclude(
     failed = next((c for c in checks if not c.ok), None)
     if failed is not None:
         verdict: ProbeVerdict = "unreachable" if failed.kind == "unreachable" else "unhealthy"
-        latencies = [c.latency_s for c in checks if c.latency_s is not None]
         entry = baselines.entries.get(target.name) if baselines is not None else None
         return ProbeResult(
             target.name, target.url, verdict, failed.kind, f"{failed.prompt}: {failed.reason}",
-            sum(latencies) if latencies else None, entry.ema_s if entry else None, wall_s,
+            _set_latency(checks, config), entry.ema_s if entry else None, wall_s,
             tuple(checks), failed.mismatch,
         )
-    latency = sum(c.latency_s or 0.0 for c in checks)
+    latency = _set_latency(checks, config) or 0.0
     if baselines is None:
         return ProbeResult(target.name, target.url, "healthy", "ok",
                            f"{len(checks)} prompts ok (no latency baseline)", latency, None,
@@ -222,6 +221,14 @@ def _conclude(
         reason += " (latency baseline building)"
     return ProbeResult(target.name, target.url, "healthy", "ok", reason, latency,
                        judged.baseline_s, wall_s, tuple(checks))
+
+
+def _set_latency(checks: Sequence[PromptCheck], config: CanaryConfig) -> float | None:
+    """The set's latency: its slowest answer when sent at once, else the sum of answers."""
+    latencies = [c.latency_s for c in checks if c.latency_s is not None]
+    if not latencies:
+        return None
+    return max(latencies) if config.parallel_prompts else sum(latencies)
 
 
 def _timeout(prompt: CanaryPrompt, config: CanaryConfig) -> float:
@@ -277,13 +284,43 @@ def _run_prompts_sync(
     target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig,
     transport: SyncTransport, clock: Clock,
 ) -> list[PromptCheck]:
+    def probe(prompt: CanaryPrompt) -> PromptCheck:
+        return _probe_prompt(target, canary_set, prompt, config, transport=transport, clock=clock)
+
+    if config.parallel_prompts and len(canary_set.prompts) > 1:
+        return _in_threads(probe, canary_set.prompts)
     checks: list[PromptCheck] = []
     for prompt in canary_set.prompts:
-        check = _probe_prompt(target, canary_set, prompt, config, transport=transport, clock=clock)
-        checks.append(check)
-        if check.kind == "unreachable":
+        checks.append(probe(prompt))
+        if checks[-1].kind == "unreachable":
             break  # a dead or hung worker costs one timeout, not one per prompt
     return checks
+
+
+def _in_threads(probe: Callable[[CanaryPrompt], PromptCheck],
+                prompts: Sequence[CanaryPrompt]) -> list[PromptCheck]:
+    """`probe` every prompt at once: the first in this thread, the others in their own."""
+    import threading
+
+    checks: list[PromptCheck | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            checks[index] = probe(prompts[index])
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True)
+               for i in range(1, len(prompts))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [check for check in checks if check is not None]
 
 
 def probe_worker(
@@ -355,11 +392,17 @@ async def aprobe_worker(
 ) -> ProbeResult:
     """Probe one worker once (the daemon); `baselines` is updated in memory."""
     begin = clock.now()
-    checks: list[PromptCheck] = []
-    for prompt in canary_set.prompts:
-        check = await _aprobe_prompt(target, canary_set, prompt, config,
-                                     transport=transport, clock=clock)
-        checks.append(check)
-        if check.kind == "unreachable":
-            break
+    if config.parallel_prompts and len(canary_set.prompts) > 1:
+        import asyncio
+
+        checks = list(await asyncio.gather(*(
+            _aprobe_prompt(target, canary_set, prompt, config, transport=transport, clock=clock)
+            for prompt in canary_set.prompts)))
+    else:
+        checks = []
+        for prompt in canary_set.prompts:
+            checks.append(await _aprobe_prompt(target, canary_set, prompt, config,
+                                               transport=transport, clock=clock))
+            if checks[-1].kind == "unreachable":
+                break
     return _conclude(target, checks, clock.now() - begin, baselines, config)

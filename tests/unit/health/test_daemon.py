@@ -145,8 +145,12 @@ def test_concurrency_is_bounded() -> None:
 
     daemon, _ = daemon_for("rf", 20, Slow(clock), clock, concurrency=4)
     asyncio.run(daemon.probe_round())
-    assert peak == 4
+    assert peak == 4 * len(SET.prompts)  # each probe sends its set's prompts at once
     assert daemon.probes == 20
+    peak = 0
+    daemon, _ = daemon_for("rs", 20, Slow(clock), clock, concurrency=4, parallel_prompts=False)
+    asyncio.run(daemon.probe_round())
+    assert peak == 4
 
 
 def test_http_api_serves_weights_the_proxy_understands() -> None:

@@ -15,7 +15,8 @@ from dynamo_ftctl.inventory import CanaryConfig
 from .fakes import SET, FakeWorkers, corrupt, refused, reset
 
 URL = "http://w1"
-CONFIG = CanaryConfig(max_retries=2, timeout_s=1.0)
+# One prompt after another: the fake transport's time then adds up deterministically.
+CONFIG = CanaryConfig(max_retries=2, timeout_s=1.0, parallel_prompts=False)
 
 
 def test_healthy_worker_exits_zero() -> None:
@@ -92,3 +93,49 @@ def test_wrong_model_is_bad_input() -> None:
     with pytest.raises(InvalidInput, match="serves 'other'"):
         probe_worker(ProbeTarget("w1", URL, "other"), SET, CONFIG,
                      transport=FakeWorkers(FakeClock()))
+
+
+class _Rendezvous:
+    """A transport whose answers wait until every prompt of the set has arrived (or 5 s)."""
+
+    def __init__(self, expected: int, behaviour: object = None) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(expected, timeout=5)
+        self.behaviour = behaviour
+        self.calls = 0
+
+    def post_json(self, url: str, body: bytes, *, timeout_s: float,
+                  headers: object = None) -> object:
+        import json
+
+        from .fakes import good
+
+        del url, timeout_s, headers
+        self.calls += 1
+        self.barrier.wait()  # BrokenBarrierError unless the prompts are in flight together
+        prompt = json.loads(body)["prompt"]
+        result = (self.behaviour or good)(prompt)  # type: ignore[operator]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def test_parallel_prompts_are_in_flight_together() -> None:
+    """By default a set's prompts are sent at once; the verdict is the same."""
+    fake = _Rendezvous(len(SET.prompts))
+    result = probe_worker(ProbeTarget("w1", URL), SET, CanaryConfig(timeout_s=1.0),
+                          transport=fake)  # type: ignore[arg-type]
+    assert result.healthy, result.reason
+    assert [c.prompt for c in result.checks] == [p.name for p in SET.prompts]
+    assert result.latency_s == max(c.latency_s or 0.0 for c in result.checks)
+
+
+def test_parallel_wrong_answer_and_refusal_keep_their_verdicts() -> None:
+    """Sent at once, a corrupted worker is still unhealthy and a dead one unreachable."""
+    for behaviour, verdict, code in ((corrupt, "unhealthy", 1), (refused, "unreachable", 3)):
+        fake = _Rendezvous(len(SET.prompts), behaviour)
+        report = probe_workers([ProbeTarget("w1", URL)], SET, CanaryConfig(timeout_s=1.0),
+                               transport=fake)  # type: ignore[arg-type]
+        assert (report.results[0].verdict, report.exit_code) == (verdict, code)
+        assert fake.calls == len(SET.prompts)
