@@ -324,7 +324,19 @@ class Pool:
         Close the response (or use it as an async context manager).
         """
         key, request = self.encode(method, url, body, headers)
-        conn = self.take_idle(key) or await self.open(key, connect_timeout_s)
+        idle = self.take_idle(key)
+        if idle is not None:
+            try:
+                return await self._send(idle, request, head_timeout_s)
+            except ConnectError:
+                # Closed before any byte of an answer on a kept-alive connection: the
+                # server timed it out as we reused it (the keep-alive race). Once more on a
+                # new connection; a worker that is really gone then refuses it.
+                pass
+        return await self._send(await self.open(key, connect_timeout_s), request, head_timeout_s)
+
+    @staticmethod
+    async def _send(conn: Connection, request: bytes, head_timeout_s: float | None) -> Response:
         response = Response(conn)
         conn.start(response, request)
         try:

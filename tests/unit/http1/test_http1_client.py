@@ -200,8 +200,34 @@ def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
     async def scenario(server: Server, pool: Pool) -> None:
         with pytest.raises(ConnectError):
             await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
+        assert server.connections == 1  # a fresh connection's failure is not retried
         with pytest.raises(ConnectError):
             await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
+
+    run_with(handler, scenario)
+
+
+def test_a_kept_alive_connection_closed_under_the_request_is_retried_on_a_new_one() -> None:
+    """The keep-alive race: a reused connection the server closes without answering gets
+    the request again on a fresh connection (which then stays in the pool)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      n: int) -> None:
+        await read_request(reader)
+        writer.write(answer(200, b"first" if n == 1 else b"again"))
+        await read_request(reader)
+        if n == 1:
+            return  # the second request on the kept-alive connection: hang up, no answer
+        while True:
+            writer.write(answer(200, b"again"))
+            await read_request(reader)
+
+    async def scenario(server: Server, pool: Pool) -> None:
+        async with await pool.request("POST", server.url, b"a") as resp:
+            assert await resp.read() == b"first"
+        for body in (b"b", b"c"):
+            async with await pool.request("POST", server.url, body, head_timeout_s=5.0) as resp:
+                assert await resp.read() == b"again"
+        assert server.connections == 2
 
     run_with(handler, scenario)
 
