@@ -7,10 +7,10 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from tests.loopback import Handler, Server
 
 from dynamo_ftctl.loadgen.config import Length, Workload
 from dynamo_ftctl.loadgen.http1 import Http1Sender
@@ -19,7 +19,6 @@ from dynamo_ftctl.loadgen.workload import RequestFactory
 
 pytestmark = pytest.mark.integration
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
 
 def _body_doc(tokens: int) -> bytes:
@@ -56,39 +55,6 @@ async def _read_request(reader: asyncio.StreamReader) -> bytes:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
     return await reader.readexactly(length) if length else b""
-
-
-class Server:
-    """A loopback server that hands each connection to `handler` (with its number)."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Server:
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self.connections += 1
-            try:
-                await self.handler(reader, writer, self.connections)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        self._server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 def _exchange(handler: Handler, *, requests: int = 1, stream: bool = True,

@@ -18,9 +18,9 @@ from dynamo_ftctl.http1 import (
     Pool,
     ProtocolError,
 )
+from tests.loopback import Handler, Server
 
 T = TypeVar("T")
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -46,35 +46,6 @@ def chunked_head(*headers: str) -> bytes:
 
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
-
-
-class Server:
-    """A loopback server handing each connection to `handler` (with its number)."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.url = ""
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Server:
-        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self.connections += 1
-            try:
-                await self.handler(reader, writer, self.connections)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass  # the client hung up: what some tests do on purpose
-            finally:
-                writer.close()
-
-        self._server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
 
 
 def run(scenario: Callable[[], Awaitable[T]]) -> T:
