@@ -11,10 +11,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import ExitCode, FtctlError
 
-__all__ = ["DEFAULT_INVENTORY", "guarded", "inventory_path", "named_inventory_path"]
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory import Inventory
+
+__all__ = ["DEFAULT_INVENTORY", "guarded", "inventory_path", "optional_inventory"]
 
 DEFAULT_INVENTORY = Path("ftctl.yaml")
 
@@ -27,15 +31,20 @@ def inventory_path(chosen: Path | None) -> Path:
     return Path(env) if env else DEFAULT_INVENTORY
 
 
-def named_inventory_path(chosen: Path | None) -> Path | None:
-    """The inventory path when one was named or ./ftctl.yaml exists; None for "no inventory".
+def optional_inventory(chosen: Path | None, *, required: bool) -> Inventory | None:
+    """The inventory, for commands that also work without one (`canary --url`, `gpu`).
 
-    For commands that also work without an inventory (`canary --url`, `gpu`): a
-    named file that does not exist is still returned, so loading it says so.
+    `required`: always loaded from `inventory_path(chosen)`. Otherwise None when
+    none was named (`-i`, $FTCTL_INVENTORY) and ./ftctl.yaml does not exist; a
+    named file that does not exist is still loaded, so the error says so.
     """
     path = inventory_path(chosen)
     named = chosen is not None or bool(os.environ.get("FTCTL_INVENTORY"))
-    return path if named or path.exists() else None
+    if not (required or named or path.exists()):
+        return None
+    from dynamo_ftctl.inventory import load_inventory
+
+    return load_inventory(path)
 
 
 def guarded(call: Callable[[], int], *, debug: bool) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
-from dynamo_ftctl.cli._light import inventory_path, named_inventory_path
+from dynamo_ftctl.cli._light import optional_inventory
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
@@ -37,11 +37,7 @@ SetOption = Annotated[
 
 def _inventory(ctx: typer.Context, *, required: bool) -> Inventory | None:
     """The inventory, or None when none was named and ./ftctl.yaml does not exist."""
-    from dynamo_ftctl.inventory import load_inventory
-
-    chosen = global_options(ctx).inventory
-    path = inventory_path(chosen) if required else named_inventory_path(chosen)
-    return load_inventory(path) if path is not None else None
+    return optional_inventory(global_options(ctx).inventory, required=required)
 
 
 def _print_transition(record: Any) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
-from dynamo_ftctl.cli._light import named_inventory_path
+from dynamo_ftctl.cli._light import optional_inventory
 
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
@@ -81,12 +81,8 @@ def _workers(ctx: typer.Context) -> WorkerMap:
     """Workers from the inventory when one is given or ./ftctl.yaml exists; else none."""
     from dynamo_ftctl.gpu.events import WorkerMap
 
-    path = named_inventory_path(global_options(ctx).inventory)
-    if path is None:
-        return WorkerMap()
-    from dynamo_ftctl.inventory import load_inventory
-
-    return WorkerMap(load_inventory(path))
+    inventory = optional_inventory(global_options(ctx).inventory, required=False)
+    return WorkerMap() if inventory is None else WorkerMap(inventory)
 
 
 def _node(node: str | None, workers: WorkerMap) -> str:

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_ftctl.cli._light import guarded, inventory_path, named_inventory_path
+from dynamo_ftctl.cli._light import guarded, optional_inventory
 
-__all__ = ["FAST_FLAGS", "FAST_OPTIONS", "fast_canary", "parse_one_shot", "probe_once"]
+__all__ = ["FAST_FLAGS", "FAST_OPTIONS", "ROOT_FLAGS", "ROOT_OPTIONS", "fast_canary",
+           "parse_one_shot", "probe_once"]
 
 # The one-shot spellings the fast path accepts: option -> keyword of probe_once.
 # Root options (before `canary`) and the command's own (after it).
@@ -45,13 +46,7 @@ def probe_once(*, inventory: Path | None = None, workers: Sequence[str] = (),
     from dynamo_ftctl.health.run import run_canary
     from dynamo_ftctl.output import emit
 
-    required = bool(workers) or all_workers
-    path = inventory_path(inventory) if required else named_inventory_path(inventory)
-    loaded = None
-    if path is not None:
-        from dynamo_ftctl.inventory import load_inventory
-
-        loaded = load_inventory(path)
+    loaded = optional_inventory(inventory, required=bool(workers) or all_workers)
     report = run_canary(loaded, workers=workers, all_workers=all_workers, url=url,
                         set_path=set_path, state_file=state_file, use_state=use_state,
                         timeout_s=timeout_s)
