@@ -7,8 +7,9 @@ concurrency meant to saturate the worker, always bounded in time (`--bound`).
 It writes a pid file first thing (JSON: pid, argv, started), and the revert
 record names that file: `stop_overload` (the revert step, also from
 `ftctl inject revert --all` after a crashed injector) checks that the pid is
-still this module's process (never a reused pid), SIGTERMs it, and waits for
-it to end with a deadline (SIGKILL after).
+still this module's process (never a reused pid), SIGTERMs it, and waits with
+a deadline (SIGKILL after) until that process, known by its start time, is a
+zombie or gone.
 """
 
 from __future__ import annotations
@@ -59,14 +60,39 @@ class OverloadLoad:
         return argv
 
 
-def _is_ours(pid: int) -> bool:
-    """True while `pid` is a live (not zombie) process running this module."""
+_PROC = Path("/proc")
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state, start time) of `pid` from /proc, or None once it is gone."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        fields = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], fields[19]
     except (OSError, IndexError):
-        return False
-    return state != "Z" and _MODULE.encode() in cmdline
+        return None
+
+
+def _identify(pid: int) -> str | None:
+    """The start time of `pid` while it is a live process running this module, else None."""
+    stat = _stat(pid)
+    try:
+        cmdline = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if stat is None or stat[0] == "Z" or _MODULE.encode() not in cmdline:
+        return None
+    return stat[1]
+
+
+def _alive(pid: int, started: str) -> bool:
+    """True until the process identified by (pid, start time) is a zombie or gone.
+
+    Not by its command line: that reads empty while an exiting process tears
+    down (its memory is gone, its sockets not yet closed), and such a process
+    has not ended.
+    """
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[1] == started
 
 
 def _reap(pid: int) -> None:
@@ -127,7 +153,8 @@ def stop_overload(pid_file: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         msg = f"unreadable load pid file {pid_file}: {exc}"
         raise Unreachable(msg) from None
-    if not _is_ours(pid):
+    started = _identify(pid)
+    if started is None:
         _reap(pid)
         pid_file.unlink(missing_ok=True)
         return f"load pid {pid} had already ended"
@@ -136,8 +163,8 @@ def stop_overload(pid_file: Path) -> str:
             os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            _reap(pid)
-            if not _is_ours(pid):
+            if not _alive(pid, started):
+                _reap(pid)
                 pid_file.unlink(missing_ok=True)
                 return f"stopped load pid {pid} ({sig.name})"
             time.sleep(0.02)  # polling the process's end with a deadline

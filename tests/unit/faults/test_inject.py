@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -386,3 +387,44 @@ def test_stop_overload_never_signals_a_process_that_is_not_the_load(tmp_path: Pa
     garbage.write_text("not json")
     with pytest.raises(Unreachable, match="unreadable load pid file"):
         stop_overload(garbage)
+
+
+def test_stop_overload_waits_for_an_exiting_load_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SIGTERMed load whose command line already reads empty (its memory torn down, its
+    sockets not yet closed) has not ended: the revert waits until it is a zombie."""
+    import threading
+
+    from dynamo_ftctl.faults import overload
+
+    proc = tmp_path / "proc" / "4242"
+    proc.mkdir(parents=True)
+
+    def stat(state: str) -> str:
+        return f"4242 (python) {state} 1 4242 4242" + " 0" * 13 + " 777 0 0\n"
+
+    (proc / "stat").write_text(stat("S"))
+    (proc / "cmdline").write_bytes(b"python\0-m\0dynamo_ftctl.faults.overload\0--url\0x\0")
+    ended = threading.Event()
+    signals: list[int] = []
+
+    def finish() -> None:
+        (proc / "stat").write_text(stat("Z"))
+        ended.set()
+
+    def fake_kill(pid: int, sig: int) -> None:
+        assert pid == 4242
+        signals.append(sig)
+        (proc / "cmdline").write_bytes(b"")
+        (proc / "stat").write_text(stat("R"))
+        threading.Timer(0.3, finish).start()
+
+    monkeypatch.setattr(overload, "_PROC", tmp_path / "proc")
+    monkeypatch.setattr(overload.os, "kill", fake_kill)
+    pid_file = tmp_path / "load.json"
+    pid_file.write_text(json.dumps({"pid": 4242}))
+    assert overload.stop_overload(pid_file) == "stopped load pid 4242 (SIGTERM)"
+    assert ended.is_set()
+    assert signals == [signal.SIGTERM]
+    assert not pid_file.exists()
