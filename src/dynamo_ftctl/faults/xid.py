@@ -13,7 +13,9 @@ management guide for A100/H100 (row remapping, containment,
 https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/). Where the catalog's
 action depends on details of the event (Xid 74 and 144-150 carry severity bits,
 Xid 154 names its own recovery action) the entry holds the conservative action
-and `action_for_message` refines it from the log text.
+and `action_for_message` refines it from the log text. Likewise for the
+catalog's WORKFLOW_* buckets (45, 48, 74): the entry holds the action the
+workflow ends in. `name` is the catalog's mnemonic (the driver's `nverror.h`).
 
 `effect` is how the fault shows to a serving engine, for injection (issue 11):
 "crash" (the engine process ends with the Xid logged), "request" (only the
@@ -116,31 +118,36 @@ _ROWS: tuple[XidInfo, ...] = (
     _xid(13, "ROBUST_CHANNEL_GR_EXCEPTION", "Graphics Engine Exception",
          "an application fault (out-of-range access, illegal instruction); rarely hardware",
          _A.RESTART_APP, "crash"),
-    _xid(31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR", "GPU memory page fault",
+    _xid(31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR_FLT", "GPU memory page fault",
          "an illegal memory access by the application (MMU fault); rarely driver or hardware",
          _A.RESTART_APP, "crash"),
     _xid(32, "ROBUST_CHANNEL_PBDMA_ERROR", "Invalid or corrupted push buffer stream",
-         "driver error, system memory corruption, PCIe bus error or a thermal issue",
-         _A.RESET_GPU, "crash"),
-    _xid(38, "ROBUST_CHANNEL_FECS_ERR", "Driver firmware error",
-         "an error in the GPU's firmware (FECS); driver bug or corrupted firmware state",
-         _A.RESET_GPU, "crash"),
+         "the DMA controller between driver and GPU reported a fault: mostly PCIe link "
+         "quality, rarely the application", _A.RESTART_APP, "crash"),
+    _xid(38, "ROBUST_CHANNEL_FECS_ERR_WATCHDOG_TIMEOUT", "Driver firmware error",
+         "the GPU's context-switch firmware (FECS) watchdog timed out; driver or firmware",
+         _A.IGNORE, "log"),
     _xid(43, "ROBUST_CHANNEL_RESETCHANNEL_VERIF_ERROR", "GPU stopped processing",
          "the application hit a software-induced fault and its channel was stopped; "
-         "the GPU itself stays healthy", _A.RESTART_APP, "hang"),
+         "the GPU itself stays healthy", _A.IGNORE, "hang"),
     _xid(45, "ROBUST_CHANNEL_PREEMPTIVE_REMOVAL", "Preemptive cleanup, due to previous errors",
          "channels torn down after a process exit, kill or an earlier Xid (look at the "
          "Xid before it)", _A.IGNORE, "log"),
-    _xid(48, "DBE", "Double Bit ECC Error (uncorrectable memory error)",
+    _xid(48, "ROBUST_CHANNEL_GPU_ECC_DBE", "Double Bit ECC Error (uncorrectable memory error)",
          "an uncorrectable error in GPU memory; hardware. The row is remapped on the next "
          "GPU reset", _A.RESET_GPU, "crash", _NV_CATALOG + "; " + _NV_MEMORY),
-    _xid(56, "ROBUST_CHANNEL_DISPLAY_ERR", "Display Engine error",
-         "display engine hardware or driver error", _A.CONTACT_SUPPORT, "crash"),
-    _xid(57, "ROBUST_CHANNEL_FB_ERR", "Error programming video memory interface",
-         "driver error, thermal issue or frame-buffer hardware fault", _A.RESET_GPU, "crash"),
+    # 56, 57 and 61 are "Unused" on A100/H100/B100/GB200 in NVIDIA's catalog (its
+    # bucket for those is CONTACT_SUPPORT); kept for older GPUs, meanings from the
+    # Xid whitepaper.
+    _xid(56, "DISPLAY_CHANNEL_EXCEPTION", "Display Engine error",
+         "display engine hardware or driver error; not logged by data-center GPUs since "
+         "Ampere", _A.CONTACT_SUPPORT, "log"),
+    _xid(57, "FB_LINK_TRAINING_FAILURE_ERROR", "Error programming video memory interface",
+         "frame-buffer link training failed: driver, thermal or memory-interface hardware; "
+         "not logged by data-center GPUs since Ampere", _A.CONTACT_SUPPORT, "crash"),
     _xid(61, "PMU_BREAKPOINT", "Internal micro-controller breakpoint/warning",
-         "the GPU's internal micro-controller (PMU) hit a breakpoint; driver or firmware",
-         _A.RESET_GPU, "crash"),
+         "the GPU's internal micro-controller (PMU) hit a breakpoint, non-fatal; not logged "
+         "by data-center GPUs since Ampere", _A.CONTACT_SUPPORT, "log"),
     _xid(62, "PMU_HALT_ERROR", "Internal micro-controller halt",
          "the GPU's internal micro-controller halted; firmware, driver or thermal",
          _A.RESET_GPU, "crash"),
@@ -152,17 +159,18 @@ _ROWS: tuple[XidInfo, ...] = (
     _xid(64, "INFOROM_DRAM_RETIREMENT_FAILURE",
          "ECC page retirement or row remapper recording failure",
          "remapping or retirement failed (no spare rows or InfoROM write failure); failing "
-         "memory", _A.CONTACT_SUPPORT, "crash", _NV_CATALOG + "; " + _NV_MEMORY),
-    _xid(68, "NVDEC0_EXCEPTION", "NVDEC0 (video decoder) exception",
+         "memory; reset the GPU, then contact support", _A.RESET_GPU, "crash",
+         _NV_CATALOG + "; " + _NV_MEMORY),
+    _xid(68, "ROBUST_CHANNEL_NVDEC0_ERROR", "NVDEC0 (video decoder) exception",
          "video decoder hardware or driver error", _A.RESTART_APP, "crash"),
-    _xid(69, "GR_CLASS_ERROR", "Graphics Engine class error",
+    _xid(69, "ROBUST_CHANNEL_GR_CLASS_ERROR", "Graphics Engine class error",
          "an illegal class or method sent to the graphics engine; application or driver",
          _A.RESTART_APP, "crash"),
     _xid(74, "NVLINK_ERROR", "NVLink error",
          "an NVLink/NVSwitch link fault: a degraded link, seating or switch problem; the "
          "catalog action depends on the error bits (fatal ones need a GPU reset)",
          _A.RESET_GPU, "crash"),
-    _xid(79, "GPU_HAS_FALLEN_OFF_THE_BUS", "GPU has fallen off the bus",
+    _xid(79, "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS", "GPU has fallen off the bus",
          "the GPU stopped answering on PCIe: hardware, power, thermal or bus fault",
          _A.RESTART_BM, "crash"),
     _xid(92, "EXCESSIVE_SBE_INTERRUPTS", "High single-bit ECC error rate",
@@ -177,19 +185,20 @@ _ROWS: tuple[XidInfo, ...] = (
          "the GPU is affected", _A.RESET_GPU, "crash", _NV_CATALOG + "; " + _NV_MEMORY),
     _xid(109, "ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR", "Context switch timeout error",
          "a context switch did not finish in time: long-running kernels, application, "
-         "driver or hardware", _A.RESTART_APP, "crash"),
+         "driver or hardware", _A.RESET_GPU, "crash"),
     _xid(119, "GSP_RPC_TIMEOUT", "GSP RPC timeout",
          "the GPU System Processor (GSP firmware) did not answer a driver RPC in time",
          _A.RESET_GPU, "crash"),
     _xid(120, "GSP_ERROR", "GSP error",
          "the GPU System Processor (GSP firmware) reported an error", _A.RESET_GPU, "crash"),
-    _xid(121, "C2C_LINK_CORRECTED_ERROR", "C2C link corrected error",
+    _xid(121, "C2C_ERROR", "C2C link corrected error",
          "a corrected error on the chip-to-chip (Grace-Hopper/Blackwell C2C) link; contact "
          "support if it recurs", _A.IGNORE, "log"),
-    _xid(140, "UNRECOVERED_ECC_ERROR", "Unrecovered ECC error",
-         "an uncorrectable ECC error the GPU could not recover from (memory or on-chip SRAM)",
+    _xid(140, "UNRECOVERABLE_ECC_ERROR_ESCAPE", "ECC unrecovered error",
+         "uncorrectable memory errors that kept the driver from offlining the page or "
+         "remapping the row; reset, contact the vendor if it recurs",
          _A.RESET_GPU, "crash"),
-    _xid(143, "GPU_INIT_FAILURE", "GPU initialization failure",
+    _xid(143, "GPU_INIT_ERROR", "GPU initialization error",
          "the GPU failed to initialize: firmware, driver or hardware", _A.RESET_GPU, "crash"),
     _xid(144, "NVLINK_SAW_ERROR", "NVLink SAW error",
          "NVLink error in the SAW block (Blackwell); the catalog action depends on severity",

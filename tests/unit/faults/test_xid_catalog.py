@@ -43,6 +43,25 @@ def test_key_actions_follow_nvidia() -> None:
     assert lookup_xid(92).action is XidAction.IGNORE
 
 
+@pytest.mark.parametrize(("code", "name", "action"), [
+    (31, "ROBUST_CHANNEL_FIFO_ERROR_MMU_ERR_FLT", XidAction.RESTART_APP),
+    (32, "ROBUST_CHANNEL_PBDMA_ERROR", XidAction.RESTART_APP),
+    (38, "ROBUST_CHANNEL_FECS_ERR_WATCHDOG_TIMEOUT", XidAction.IGNORE),
+    (43, "ROBUST_CHANNEL_RESETCHANNEL_VERIF_ERROR", XidAction.IGNORE),
+    (48, "ROBUST_CHANNEL_GPU_ECC_DBE", XidAction.RESET_GPU),
+    (61, "PMU_BREAKPOINT", XidAction.CONTACT_SUPPORT),
+    (64, "INFOROM_DRAM_RETIREMENT_FAILURE", XidAction.RESET_GPU),
+    (109, "ROBUST_CHANNEL_CTXSW_TIMEOUT_ERROR", XidAction.RESET_GPU),
+    (121, "C2C_ERROR", XidAction.IGNORE),
+    (140, "UNRECOVERABLE_ECC_ERROR_ESCAPE", XidAction.RESET_GPU),
+    (143, "GPU_INIT_ERROR", XidAction.RESET_GPU),
+])
+def test_rows_match_nvidias_catalog(code: int, name: str, action: XidAction) -> None:
+    """Mnemonic and immediate action are those of NVIDIA's Xid catalog for Ampere and newer."""
+    info = lookup_xid(code)
+    assert (info.name, info.action) == (name, action)
+
+
 def test_injection_effects() -> None:
     """Effects used by fault injection: crash, contained request failure, hang, log-only."""
     assert lookup_xid(48).effect == "crash"
