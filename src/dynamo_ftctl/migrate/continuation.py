@@ -170,7 +170,14 @@ def _choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
     return first
 
 
+_INT = {int}
+
+
 def _int_list(value: Any, what: str) -> list[int]:
+    # Fast path for what a JSON decoder gives: a list of exact ints, checked in C
+    # (a 120-token prompt's ids: 3 us instead of 12 us for the generator below).
+    if type(value) is list and (not value or set(map(type, value)) == _INT):
+        return value
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):

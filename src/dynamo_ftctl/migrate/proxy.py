@@ -2,7 +2,12 @@
 
 `build_app(inventory, config)` returns the ASGI app (`ProxyApp`: the two
 generation routes go straight to the proxy, everything else through a
-Starlette router); `serve(...)` runs it under uvicorn. Upstream requests (the
+Starlette router), for any ASGI server and the tests. `serve(...)` runs no ASGI
+server: `dynamo_ftctl.httpserver` (asyncio protocols + httptools) answers the
+generation routes with `front_door` and hands only the other routes to the
+Starlette router; under uvicorn, the ASGI messages and a socket write per
+message were ~40% of the proxy's CPU and most of the TTFT it added (py-spy,
+benchmarks/proxy.py). Upstream requests (the
 generations, the /metrics and /v1/models scrapes, the canary daemon's /workers
 and /report) go through `dynamo_ftctl.http1.Client`: asyncio protocols parsed
 by httptools with a keep-alive pool per worker, the load generator's client.
@@ -41,6 +46,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -50,6 +56,7 @@ import msgspec
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client
+from dynamo_ftctl.httpserver import Reply, Stream, call_asgi, start_server
 from dynamo_ftctl.migrate.admission import (
     BUSY_BODY,
     Thresholds,
@@ -76,6 +83,8 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
+    from dynamo_ftctl.httpserver import Handler
+    from dynamo_ftctl.httpserver import Request as HttpRequest
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.admission import WorkerLoad
     from dynamo_ftctl.migrate.calibrate import Calibration
@@ -315,7 +324,13 @@ class MigratingProxy:
         return degradation_level(self.router.healthy_capacity())
 
     def refresh_gauges(self) -> None:
+        """Set the gauges (each scrape of /metrics and of the workers does).
+
+        The hot path only counts (`_queued`, the breakers): a gauge's `set` takes
+        a lock, and three per request were ~4% of a request's CPU.
+        """
         self.metrics.DEGRADATION_LEVEL.set(self.level())
+        self.metrics.QUEUED_REQUESTS.set(self._queued)
         for slot in self.router.slots.values():
             self.metrics.CIRCUIT_BREAKER_STATE.labels(slot.name).set(
                 self.router.breaker_gauge(slot),
@@ -325,7 +340,6 @@ class MigratingProxy:
         """Raise `ProxyError` (503/529 + Retry-After) when the request must be refused."""
         priority = parse_priority(priority_header)
         level = self.level()
-        self.metrics.DEGRADATION_LEVEL.set(level)
         decision = decide(priority, level, self._refresh_busy(model),
                           premium_when_busy=self.config.premium_when_busy == "admit")
         if decision.admitted:
@@ -464,7 +478,6 @@ class MigratingProxy:
         method = ""
         kv_payload = b""  # a KV export to import on the next worker (method "kv")
         self._queued += 1
-        self.metrics.QUEUED_REQUESTS.set(self._queued)
         queued = True
         try:
             while True:
@@ -501,7 +514,6 @@ class MigratingProxy:
                             if queued:
                                 queued = False
                                 self._queued -= 1
-                                self.metrics.QUEUED_REQUESTS.set(self._queued)
                             if failed_at is not None:
                                 # Counted once the stream goes on (a KV import that
                                 # failed and fell back to re-prefill counts as that).
@@ -552,7 +564,6 @@ class MigratingProxy:
         finally:
             if queued:
                 self._queued -= 1
-                self.metrics.QUEUED_REQUESTS.set(self._queued)
 
     def _next_body(self, ledger: StreamLedger, reason: str) -> tuple[dict[str, Any], str]:
         """The next upstream body and the migration method; ({}, "") ends with "length"."""
@@ -660,55 +671,56 @@ class MigratingProxy:
 
     async def handle_generation(
         self, endpoint: Endpoint, raw_body: bytes, priority: str | None,
-    ) -> Response | EventStreamResponse | CollectedResponse:
-        """POST /v1/completions and /v1/chat/completions (`priority`: the tier header)."""
-        from starlette.responses import Response
+    ) -> Reply | Stream | Collected:
+        """POST /v1/completions and /v1/chat/completions (`priority`: the tier header).
 
+        A `Stream` has its first batch in hand (the worker answered): the client's
+        headers can name the serving worker. A `Collected` answer is built by
+        awaiting its `build()` while the client waits.
+        """
         try:
             raw = _loads(raw_body)
             body = prepare_request(endpoint, raw)
         except (ValueError, RequestRejected) as exc:
             param = exc.param if isinstance(exc, RequestRejected) else None
-            return _json(400, error_body(f"invalid request: {exc}",
-                                         type="invalid_request_error", param=param, code=400))
+            return _reply(400, error_body(f"invalid request: {exc}",
+                                          type="invalid_request_error", param=param, code=400))
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or not self.router.serves(model)):
-            return _json(404, _openai_error(f"The model {model!r} does not exist.",
-                                            "NotFoundError", 404))
+            return _reply(404, _openai_error(f"The model {model!r} does not exist.",
+                                             "NotFoundError", 404))
         try:
             self.admit(model, priority)
         except ProxyError as exc:
-            return _json(exc.status, exc.body, exc.headers)
+            return _reply(exc.status, exc.body, exc.headers)
         ledger = StreamLedger(endpoint=endpoint, body=body,
                               migration_limit=self.config.migration_limit)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         chunks = self.generate(ledger, path)
         if not ledger.client_streams:
 
-            async def collect() -> Response:
+            async def collect() -> Reply:
                 try:
                     async for _ in chunks:
                         pass
                 except ProxyError as exc:
-                    return _json(exc.status, exc.body, exc.headers)
+                    return _reply(exc.status, exc.body, exc.headers)
                 except StreamAborted as exc:
-                    return _json(502, _openai_error(str(exc), "worker_failed", 502))
+                    return _reply(502, _openai_error(str(exc), "worker_failed", 502))
                 finally:
                     await chunks.aclose()
-                return Response(_dumps(ledger.response()), media_type="application/json",
-                                headers=self._answer_headers(ledger))
+                return Reply(200, _dumps(ledger.response()), headers=self._answer_headers(ledger))
 
-            return CollectedResponse(collect)
+            return Collected(collect)
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
         except ProxyError as exc:
-            return _json(exc.status, exc.body, exc.headers)
+            return _reply(exc.status, exc.body, exc.headers)
         except StreamAborted as exc:
-            return _json(502, _openai_error(str(exc), "worker_failed", 502))
-        headers = self._answer_headers(ledger)
-        return EventStreamResponse(self._sse_body(ledger, first, chunks), headers)
+            return _reply(502, _openai_error(str(exc), "worker_failed", 502))
+        return Stream(self._sse_body(ledger, first, chunks), headers=self._answer_headers(ledger))
 
     @staticmethod
     def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
@@ -885,40 +897,54 @@ class cancel_on_disconnect:  # noqa: N801 (named like the function it replaced)
         return False
 
 
-class EventStreamResponse:
-    """A lean ASGI response for an SSE body, cancelled when the client leaves."""
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """A non-streamed answer: `build()` runs the generation (cancelled if the client leaves)."""
 
-    def __init__(self, body: AsyncIterator[bytes], headers: Mapping[str, str]) -> None:
-        self.body = body
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
-        ]
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # noqa: ARG002
-        try:
-            async with cancel_on_disconnect(receive):
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": self.raw_headers})
-                async for chunk in self.body:
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            aclose = getattr(self.body, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    build: Callable[[], Awaitable[Reply]]
 
 
-class CollectedResponse:
-    """A non-streamed answer built inside the ASGI call, cancelled when the client leaves."""
+async def _send_reply(reply: Reply, send: Any) -> None:
+    """A whole `Reply` as ASGI messages."""
+    headers = [(b"content-type", reply.content_type.encode("latin-1")),
+               (b"content-length", str(len(reply.body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                for k, v in reply.headers.items()]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
-    def __init__(self, build: Callable[[], Awaitable[Response]]) -> None:
-        self.build = build
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+async def _send_stream(stream: Stream, receive: Any, send: Any) -> None:
+    """A `Stream` as ASGI messages, cancelled when the client leaves."""
+    headers = [(b"content-type", stream.content_type.encode("latin-1"))] + [
+        (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in stream.headers.items()
+    ]
+    try:
         async with cancel_on_disconnect(receive):
-            response = await self.build()
-            await response(scope, receive, send)
+            await send({"type": "http.response.start", "status": stream.status,
+                        "headers": headers})
+            async for chunk in stream.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        aclose = getattr(stream.chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _send_answer(answer: Reply | Stream | Collected, receive: Any, send: Any) -> None:
+    """A generation answer over ASGI (the app served by any ASGI server, and the tests)."""
+    if isinstance(answer, Collected):
+        async with cancel_on_disconnect(receive):
+            await _send_reply(await answer.build(), send)
+    elif isinstance(answer, Reply):
+        await _send_reply(answer, send)
+    else:
+        await _send_stream(answer, receive, send)
+
+
+def _reply(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Reply:
+    return Reply(status, _dumps(doc), headers=headers or {})
 
 
 def _json(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Response:
@@ -940,6 +966,9 @@ class ProxyApp:
     The hot path skips Starlette's middleware, router and `Request` (a quarter of
     the proxy's CPU per non-streamed request in py-spy); the other routes
     (/health, /metrics, /v1/models, /busy_threshold) and the lifespan keep it.
+    `serve` does not run it under an ASGI server: `front_door` answers the
+    generation routes on `dynamo_ftctl.httpserver` and only the other routes
+    go through this app's Starlette router.
     """
 
     def __init__(self, proxy: MigratingProxy, router: Starlette) -> None:
@@ -954,8 +983,8 @@ class ProxyApp:
                 body = await _read_body(receive)
                 priority = next((v.decode("latin-1") for k, v in scope["headers"]
                                  if k == _PRIORITY_KEY), None)
-                response = await self.proxy.handle_generation(endpoint, body, priority)
-                await response(scope, receive, send)
+                answer = await self.proxy.handle_generation(endpoint, body, priority)
+                await _send_answer(answer, receive, send)
                 return
         await self.router(scope, receive, send)
 
@@ -1025,35 +1054,85 @@ class ServeResult:
     uptime_s: float
 
 
-def serve(inventory: Inventory, config: ProxyConfig, *,
-          on_ready: Callable[[str], None] | None = None) -> ServeResult:
-    """Run the proxy on `config.listen` until interrupted (blocking)."""
-    import uvicorn
+def front_door(app: ProxyApp) -> Handler:
+    """The `httpserver` handler of the proxy: generations direct, other routes via Starlette."""
+    proxy = app.proxy
+    routes = _GENERATION_ROUTES
+    priority_key = _PRIORITY_KEY
 
+    async def handle(request: HttpRequest) -> Reply | Stream:
+        endpoint = routes.get(request.path) if request.method == "POST" else None
+        if endpoint is None:
+            return await call_asgi(app.router, request)
+        priority = request.header(priority_key)
+        answer = await proxy.handle_generation(
+            endpoint, request.body, None if priority is None else priority.decode("latin-1"))
+        if isinstance(answer, Collected):
+            return await answer.build()
+        return answer
+
+    return handle
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when installed (the `sim` extra): ~2x the default loop's request rate."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def serve(inventory: Inventory, config: ProxyConfig, *,
+          on_ready: Callable[[str], None] | None = None,
+          shutdown_deadline_s: float = 5.0) -> ServeResult:
+    """Run the proxy on `config.listen` until SIGTERM or SIGINT (blocking).
+
+    The front door is `dynamo_ftctl.httpserver` (no ASGI server): on a signal it
+    stops accepting, lets answers in flight finish for `shutdown_deadline_s`,
+    cancels the rest and closes the upstream pools. A second signal cuts the wait
+    short. SIGINT then raises `KeyboardInterrupt` (exit 130); SIGTERM returns.
+    """
     host, _, port = config.listen.rpartition(":")
     host = host.strip("[]")
     app = build_app(inventory, config)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=int(port), log_level="warning", access_log=False,
-        lifespan="on", timeout_graceful_shutdown=5,
-        # No X-Forwarded-For rewriting and no Server header: work per request for nothing.
-        proxy_headers=False, server_header=False,
-    ))
     started = time.monotonic()
+    received: list[int] = []
 
     async def run() -> None:
-        task = asyncio.ensure_future(server.serve())
-        while not server.started and not task.done():
-            await asyncio.sleep(0.01)
-        if server.started and on_ready is not None:
-            sockets = [s for srv in server.servers for s in srv.sockets]
-            bound = sockets[0].getsockname() if sockets else (host, port)
-            on_ready(f"http://{bound[0]}:{bound[1]}")
-        await task
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        hurry = asyncio.Event()
 
-    # uvloop and httptools when installed (the `sim` extra): uvicorn's pure-Python h11
-    # parser and the default loop halve the proxy's request rate (benchmarks/proxy.py).
-    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        def on_signal(signum: int) -> None:
+            received.append(signum)
+            (hurry if stop.is_set() else stop).set()
+
+        await app.proxy.start()
+        try:
+            server = await start_server(front_door(app), host, int(port))
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, on_signal, signum)
+            try:
+                if on_ready is not None:
+                    on_ready(server.address)
+                await stop.wait()
+                shutdown = asyncio.ensure_future(server.shutdown(shutdown_deadline_s))
+                hurried = asyncio.ensure_future(hurry.wait())
+                await asyncio.wait({shutdown, hurried}, return_when=asyncio.FIRST_COMPLETED)
+                if not shutdown.done():
+                    await server.shutdown(0.0)
+                hurried.cancel()
+                await shutdown
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+        finally:
+            await app.proxy.stop()
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run())
+    if received and received[0] == signal.SIGINT:
+        raise KeyboardInterrupt
     return ServeResult(listen=config.listen, workers=len(inventory.workers),
                        uptime_s=round(time.monotonic() - started, 3))

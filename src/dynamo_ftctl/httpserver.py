@@ -1,0 +1,428 @@
+"""A lean HTTP/1.1 server: asyncio protocols, httptools' C parser, no ASGI messages.
+
+The migrating proxy's front door (`migrate.proxy.serve`): a request goes
+parse -> handler -> `transport.write`, where uvicorn's ASGI cycle (scope,
+receive/send messages, a write per message) cost the proxy's one core ~350 us
+a request start and ~40% of its CPU (py-spy, benchmarks/proxy.py). The server
+side of `dynamo_ftctl.http1`.
+
+- `Request`: method, path, query, lower-cased headers and the whole body (by
+  Content-Length or chunked; more than `max_body` bytes is 413).
+- A handler returns a `Reply` (a whole body, sent with Content-Length) or a
+  `Stream` (chunked: its first piece goes out in the same write as the head).
+- Keep-alive; pipelined requests are answered in order (reading pauses while
+  one waits). Malformed HTTP is answered 400 and the connection closed.
+- Backpressure: a `Stream` is not pulled while the client's socket buffer is
+  above its high-water mark (`pause_writing`), so a slow reader slows the
+  upstream instead of filling this process's memory.
+- A client that hangs up cancels its handler's task (the upstream request
+  ends with it).
+- `Server.shutdown(deadline_s)`: stop accepting, close idle connections, wait
+  for answers in flight until the deadline, then cancel them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import cast
+from urllib.parse import unquote
+
+import httptools
+
+__all__ = [
+    "DEFAULT_MAX_BODY", "Handler", "Reply", "Request", "Server", "Stream", "call_asgi",
+    "start_server",
+]
+
+log = logging.getLogger("ftctl.httpserver")
+
+# A generation request is a few KiB (a long prompt as token ids: ~1 MiB); more is abuse.
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+# Request line and headers together: as much as common servers allow (nginx: 4 x 8 KiB).
+_MAX_HEAD = 64 * 1024
+# The client socket's write buffer above which a `Stream` is no longer pulled.
+_WRITE_HIGH_WATER = 64 * 1024
+
+_STATUS_LINES: dict[int, bytes] = {
+    s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus
+}
+_CHUNKED_END = b"0\r\n\r\n"
+
+
+def _status_line(status: int) -> bytes:
+    return _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
+
+
+@dataclass(slots=True)
+class Request:
+    """One parsed request (header names lower-cased, the body read whole)."""
+
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    client: tuple[str, int] | None = None
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first header called `name` (lower case), or None."""
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole answer, sent with Content-Length."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A streamed answer, sent with chunked transfer coding as `chunks` yields."""
+
+    chunks: AsyncIterator[bytes]
+    content_type: str = "text/event-stream; charset=utf-8"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    status: int = 200
+
+
+Handler = Callable[[Request], Awaitable[Reply | Stream]]
+
+
+def _head(status: int, content_type: str, headers: Mapping[str, str], framing: bytes,
+          keep_alive: bool) -> bytes:
+    lines = [_status_line(status), b"content-type: ", content_type.encode("latin-1"), b"\r\n"]
+    lines.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
+    lines.append(framing)
+    if not keep_alive:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+def _error_bytes(status: int, message: str) -> bytes:
+    body = message.encode()
+    return _head(status, "text/plain; charset=utf-8", {}, b"content-length: %d\r\n" % len(body),
+                 keep_alive=False) + body
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests and runs one handler task at a time."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.client: tuple[str, int] | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.pending: deque[Request] = deque()
+        self.closed = False
+        self.discarding = False  # after a 400/413: ignore the rest of the input
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._head_sent = False
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast("asyncio.Transport", transport)  # uvloop's is no subclass
+        self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.discarding:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.fail(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            if not self.discarding:
+                self.fail(400, f"malformed HTTP request: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
+        self.closed = True
+        self.server.connections.discard(self)
+        self.pending.clear()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client hung up: its upstream request ends now
+        self._wake_writer()
+
+    @property
+    def writing_paused(self) -> bool:
+        """The client's socket buffer is above its high-water mark (its `Stream` waits)."""
+        return self._write_paused
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        waiter = self._drained
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+        self._body = []
+        self._size = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._size += len(url)
+        if self._size > _MAX_HEAD:
+            self.fail(431, "request line too long")
+            raise httptools.HttpParserError("head too large")  # stops this feed_data
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+        self._size += len(name) + len(value)
+        if self._size > _MAX_HEAD:
+            self.fail(431, "request headers too large")
+            raise httptools.HttpParserError("head too large")
+
+    def on_headers_complete(self) -> None:
+        self._size = 0
+        for name, value in self._headers:
+            if name == b"content-length" and value.strip().isdigit() \
+                    and int(value) > self.server.max_body:
+                self.too_large()
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size > self.server.max_body:
+            self.too_large()
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parts = httptools.parse_url(self._url)
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = Request(
+            method=self.parser.get_method().decode("latin-1"),
+            path=(parts.path or b"/").decode("latin-1"),
+            query=(parts.query or b"").decode("latin-1"),
+            headers=self._headers, body=body, client=self.client,
+        )
+        self._body = []
+        keep_alive = self.parser.should_keep_alive()
+        if self.task is None:
+            self.task = self.loop.create_task(self._answer(request, keep_alive))
+            self.server.tasks.add(self.task)
+        else:  # pipelined: answered in order; stop reading until its turn
+            self.pending.append(request)
+            if keep_alive is False:
+                self.discarding = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+
+    # -- answering
+    def too_large(self) -> None:
+        self.fail(413, f"request body larger than {self.server.max_body:,} bytes")
+        raise httptools.HttpParserError("body too large")
+
+    def fail(self, status: int, message: str) -> None:
+        """Answer a request this server refuses, then hang up (nothing more is read)."""
+        self.discarding = True
+        if self.transport is not None and not self.closed:
+            if self.task is None:
+                self.transport.write(_error_bytes(status, message))
+            self.transport.close()
+
+    async def _answer(self, request: Request, keep_alive: bool) -> None:
+        try:
+            while True:
+                self._head_sent = False
+                try:
+                    reply = await self.server.handler(request)
+                    keep_alive = keep_alive and not self.server.stopping
+                    if isinstance(reply, Reply):
+                        self._write(_head(reply.status, reply.content_type, reply.headers,
+                                          b"content-length: %d\r\n" % len(reply.body),
+                                          keep_alive) + reply.body)
+                    else:
+                        await self._stream(reply, keep_alive)
+                except asyncio.CancelledError:
+                    self.hang_up()  # the client left, or a shutdown deadline passed
+                    raise
+                except Exception:
+                    log.exception("handler failed for %s %s", request.method, request.path)
+                    if not self._head_sent:
+                        self._write(_error_bytes(500, "internal server error"))
+                    keep_alive = False  # a broken stream ends with the connection
+                if not keep_alive or self.closed or self.server.stopping:
+                    self.hang_up()
+                    return
+                if not self.pending:
+                    return
+                request = self.pending.popleft()
+                if not self.pending and self.transport is not None:
+                    self.transport.resume_reading()
+        finally:
+            self.server.tasks.discard(cast("asyncio.Task[None]", asyncio.current_task()))
+            self.task = None
+
+    async def _stream(self, reply: Stream, keep_alive: bool) -> None:
+        chunks = reply.chunks
+        try:
+            head = _head(reply.status, reply.content_type, reply.headers,
+                         b"transfer-encoding: chunked\r\n", keep_alive)
+            async for chunk in chunks:
+                if chunk:
+                    # The head leaves with the first piece: one write, one wake-up of
+                    # the client, for the first token.
+                    self._write(b"%s%x\r\n%s\r\n" % (head, len(chunk), chunk))
+                    head = b""
+                    self._head_sent = True
+                    if self._write_paused:
+                        await self._drain()
+                if self.closed:
+                    return
+            self._write(head + _CHUNKED_END)
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _write(self, data: bytes) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(data)
+
+    async def _drain(self) -> None:
+        """Wait until the client's socket buffer is below its low-water mark (or it left)."""
+        while self._write_paused and not self.closed:
+            self._drained = self.loop.create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+
+    def hang_up(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def close_if_idle(self) -> None:
+        """Hang up unless an answer is in flight (shutdown)."""
+        if self.task is None:
+            self.hang_up()
+
+
+class Server:
+    """The listening sockets, live connections and handler tasks of one server."""
+
+    def __init__(self, handler: Handler, *, max_body: int = DEFAULT_MAX_BODY) -> None:
+        self.handler = handler
+        self.max_body = max_body
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[_Connection] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self._server: asyncio.Server | None = None
+
+    async def listen(self, host: str, port: int) -> None:
+        """Bind and listen on `host:port` (port 0: a free one, see `address`)."""
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True)
+
+    @property
+    def address(self) -> str:
+        """The bound address as a URL, IPv6 hosts in brackets."""
+        assert self._server is not None
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    async def shutdown(self, deadline_s: float) -> None:
+        """Stop accepting, finish answers in flight within `deadline_s`, cancel the rest."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close_if_idle()
+        tasks = set(self.tasks)
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=deadline_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        for conn in list(self.connections):
+            conn.hang_up()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+
+async def call_asgi(app: Callable[..., Awaitable[None]], request: Request) -> Reply:
+    """Answer `request` with an ASGI app (routes off the hot path); its answer is buffered.
+
+    The app's `receive` gives the body, then waits: a client that leaves cancels
+    the handler task, the app with it.
+    """
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1", "method": request.method, "scheme": "http",
+        "path": unquote(request.path), "raw_path": request.path.encode("latin-1"),
+        "query_string": request.query.encode("latin-1"), "root_path": "",
+        "headers": request.headers, "client": request.client, "server": None, "state": {},
+    }
+    delivered = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": request.body, "more_body": False}
+        await asyncio.get_running_loop().create_future()  # never set: cancelled with the task
+        return {"type": "http.disconnect"}  # pragma: no cover
+
+    status = 500
+    content_type = "application/octet-stream"
+    headers: dict[str, str] = {}
+    parts: list[bytes] = []
+
+    async def send(message: Mapping[str, object]) -> None:
+        nonlocal status, content_type
+        if message["type"] == "http.response.start":
+            status = cast("int", message["status"])
+            for name, value in cast("Iterable[tuple[bytes, bytes]]", message.get("headers", ())):
+                key = name.decode("latin-1").lower()
+                if key == "content-type":
+                    content_type = value.decode("latin-1")
+                elif key not in ("content-length", "transfer-encoding", "connection"):
+                    headers[key] = value.decode("latin-1")
+        elif message["type"] == "http.response.body":
+            parts.append(cast("bytes", message.get("body", b"")))
+
+    await app(scope, receive, send)
+    return Reply(status, b"".join(parts), content_type=content_type, headers=headers)
+
+
+async def start_server(handler: Handler, host: str, port: int, *,
+                       max_body: int = DEFAULT_MAX_BODY) -> Server:
+    """A `Server` listening on `host:port` (an IPv6 host without brackets)."""
+    server = Server(handler, max_body=max_body)
+    await server.listen(host, port)
+    return server
+

@@ -1,0 +1,365 @@
+"""The lean HTTP/1.1 server against raw client sockets on loopback (port 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from dynamo_ftctl.httpserver import Reply, Request, Server, Stream, call_asgi, start_server
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    """Run a test coroutine on a fresh loop with a deadline."""
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 30)
+    return asyncio.run(bounded())
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for a condition with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not check():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+async def echo(request: Request) -> Reply:
+    """Answers with the method, path, query, a header and the body it got."""
+    tag = request.header(b"x-tag") or b"-"
+    return Reply(200, b"%s %s?%s %s %s" % (request.method.encode(), request.path.encode(),
+                                           request.query.encode(), tag, request.body),
+                 content_type="text/plain", headers={"x-seen": str(len(request.body))})
+
+
+class Client:
+    """One raw connection to the server."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, server: Server, **kwargs: Any) -> Client:
+        port = int(server.address.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, **kwargs)
+        return cls(reader, writer)
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def response(self) -> tuple[int, dict[str, str], bytes]:
+        """One response: status, headers (lower-cased) and the de-chunked body."""
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in
+                   (line.partition(":") for line in lines[1:] if line)}
+        if "content-length" in headers:
+            return status, headers, await self.reader.readexactly(int(headers["content-length"]))
+        assert headers.get("transfer-encoding") == "chunked"
+        body = b""
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
+            data = await self.reader.readexactly(size + 2)
+            if size == 0:
+                return status, headers, body
+            body += data[:-2]
+
+    async def closed(self) -> bool:
+        """The server hung up (EOF) once what it sent is read; the client closes too."""
+        try:
+            return await asyncio.wait_for(self.reader.read(), 5) == b""
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def serving(handler: Callable[[Request], Awaitable[Reply | Stream]],
+            test: Callable[[Server], Awaitable[None]], **kwargs: Any) -> None:
+    """Run `test` against a server answering with `handler`, then shut it down."""
+    async def go() -> None:
+        server = await start_server(handler, "127.0.0.1", 0, **kwargs)
+        try:
+            await test(server)
+        finally:
+            await server.shutdown(1.0)
+    run(go())
+
+
+def test_keep_alive_answers_several_requests_on_one_connection() -> None:
+    """Requests on one kept-alive connection are each answered, with Content-Length."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        for i in range(3):
+            client.send(b"POST /echo?i=%d HTTP/1.1\r\nHost: x\r\nX-Tag: t%d\r\n"
+                        b"Content-Length: 5\r\n\r\nhello" % (i, i))
+            status, headers, body = await client.response()
+            assert status == 200
+            assert body == b"POST /echo?i=%d t%d hello" % (i, i)
+            assert headers["x-seen"] == "5"
+            assert headers["content-type"] == "text/plain"
+        client.close()
+    serving(echo, test)
+
+
+def test_pipelined_requests_are_answered_in_order() -> None:
+    """Two requests sent in one write get their answers in order."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[2].startswith(b"GET /a?")
+        assert (await client.response())[2].startswith(b"GET /b?")
+        client.close()
+    serving(echo, test)
+
+
+def test_chunked_request_body_is_read_whole() -> None:
+    """A chunked request body reaches the handler whole."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+        status, _, body = await client.response()
+        assert status == 200
+        assert body == b"POST /c? - hello world"
+        client.close()
+    serving(echo, test)
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+def test_request_larger_than_the_bound_is_413_and_never_handled(framing: str) -> None:
+    """A body above max_body (declared or streamed) is answered 413 and the connection closed."""
+    called: list[Request] = []
+
+    async def handler(request: Request) -> Reply:
+        called.append(request)
+        return Reply(200, b"")
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        if framing == "length":
+            client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n")
+        else:
+            client.send(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        + b"40\r\n" + b"x" * 64 + b"\r\n" + b"40\r\n" + b"x" * 64 + b"\r\n")
+        status, headers, _ = await client.response()
+        assert status == 413
+        assert headers["connection"] == "close"
+        assert await client.closed()
+        assert not called
+    serving(handler, test, max_body=100)
+
+
+@pytest.mark.parametrize("garbage", [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nHost x\r\n\r\n"])
+def test_malformed_http_is_400_and_the_connection_closed(garbage: bytes) -> None:
+    """Bytes that are not an HTTP/1.1 request get a 400 and a hang-up."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(garbage)
+        status, _, body = await client.response()
+        assert status == 400
+        assert b"malformed" in body
+        assert await client.closed()
+    serving(echo, test)
+
+
+def test_handler_failure_is_500() -> None:
+    """A handler that raises gets the client a 500, not a hang."""
+    async def handler(_: Request) -> Reply:
+        msg = "boom"
+        raise RuntimeError(msg)
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[0] == 500
+        assert await client.closed()
+    serving(handler, test)
+
+
+def test_stream_is_chunked_and_the_connection_stays_alive() -> None:
+    """A `Stream` arrives chunked, piece by piece, and the connection serves the next request."""
+    async def pieces() -> AsyncIterator[bytes]:
+        for piece in (b"data: 1\n\n", b"", b"data: 2\n\n"):
+            yield piece
+
+    async def handler(request: Request) -> Reply | Stream:
+        if request.path == "/stream":
+            return Stream(pieces(), headers={"x-worker": "w1"})
+        return await echo(request)
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = await client.response()
+        assert (status, headers["x-worker"], body) == (200, "w1", b"data: 1\n\ndata: 2\n\n")
+        assert headers["content-type"].startswith("text/event-stream")
+        client.send(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[2].startswith(b"GET /after?")
+        client.close()
+    serving(handler, test)
+
+
+def test_client_disconnect_cancels_the_handler() -> None:
+    """A client that hangs up mid-answer cancels its handler's task (and what it awaits)."""
+    started = asyncio.Event()
+    outcome: list[str] = []
+
+    async def handler(_: Request) -> Reply:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+        return Reply(200, b"late")
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        client.close()
+        await until(lambda: outcome == ["cancelled"])
+        await until(lambda: not server.tasks and not server.connections)
+    serving(handler, test)
+
+
+def test_slow_reader_pauses_the_stream_until_it_reads() -> None:
+    """A client that stops reading stops the stream being pulled; reading resumes it."""
+    piece = b"x" * (1 << 20)
+    total = 64
+    pulled: list[int] = []
+    finished = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for i in range(total):
+            pulled.append(i)
+            yield piece
+        finished.set()
+
+    async def handler(_: Request) -> Stream:
+        return Stream(pieces())
+
+    async def test(server: Server) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(("127.0.0.1", int(server.address.rsplit(":", 1)[1])))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
+        client = Client(reader, writer)
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await until(lambda: any(c.writing_paused for c in server.connections))
+        stalled_at = len(pulled)
+        await asyncio.sleep(0)  # a paused stream is awaiting its drain: nothing more is pulled
+        assert len(pulled) == stalled_at < total
+        assert not finished.is_set()
+        _, _, body = await client.response()
+        assert len(body) == total * len(piece)
+        assert finished.is_set()
+        client.close()
+    serving(handler, test)
+
+
+def test_shutdown_finishes_answers_in_flight_and_closes_idle_connections() -> None:
+    """Shutdown lets a running answer finish, hangs up idle connections, refuses new ones."""
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def handler(request: Request) -> Reply:
+        if request.path == "/slow":
+            started.set()
+            await release.wait()
+        return Reply(200, b"done")
+
+    async def go() -> None:
+        server = await start_server(handler, "127.0.0.1", 0)
+        port = int(server.address.rsplit(":", 1)[1])
+        idle = await Client.connect(server)
+        busy = await Client.connect(server)
+        busy.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        stopping = asyncio.ensure_future(server.shutdown(10.0))
+        assert await idle.closed()
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+        release.set()
+        status, headers, body = await busy.response()
+        assert (status, body, headers["connection"]) == (200, b"done", "close")
+        await asyncio.wait_for(stopping, 5)
+        assert await busy.closed()
+    run(go())
+
+
+def test_shutdown_deadline_cancels_what_is_still_running() -> None:
+    """An answer still running at the shutdown deadline is cancelled and its client hung up on."""
+    started = asyncio.Event()
+    cancelled: list[bool] = []
+
+    async def handler(_: Request) -> Reply:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return Reply(200, b"")
+
+    async def go() -> None:
+        server = await start_server(handler, "127.0.0.1", 0)
+        client = await Client.connect(server)
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.wait_for(server.shutdown(0.05), 5)
+        assert cancelled == [True]
+        assert await client.closed()
+    run(go())
+
+
+def test_call_asgi_buffers_an_asgi_apps_answer() -> None:
+    """Routes off the hot path go through an ASGI app: its status, headers and body come back."""
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        message = await receive()
+        body = b"%s %s %s" % (scope["method"].encode(), scope["query_string"], message["body"])
+        await send({"type": "http.response.start", "status": 201,
+                    "headers": [(b"content-type", b"text/plain"), (b"x-a", b"1"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def go() -> None:
+        request = Request("POST", "/p", "q=1", [(b"host", b"x")], b"hi")
+        reply = await call_asgi(app, request)
+        assert (reply.status, reply.body, reply.content_type) == (201, b"POST q=1 hi",
+                                                                   "text/plain")
+        assert dict(reply.headers) == {"x-a": "1"}
+    run(go())
+
+
+def test_ipv6_listen_address_is_bracketed() -> None:
+    """A server on [::1] reports its address with the host in brackets, and answers there."""
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+
+    async def go() -> None:
+        try:
+            server = await start_server(echo, "::1", 0)
+        except OSError as exc:
+            pytest.skip(f"cannot bind [::1]: {exc}")
+        try:
+            assert server.address.startswith("http://[::1]:")
+            port = int(server.address.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("::1", port)
+            client = Client(reader, writer)
+            client.send(b"GET /six HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await client.response())[2].startswith(b"GET /six?")
+            client.close()
+        finally:
+            await server.shutdown(1.0)
+    run(go())
