@@ -12,6 +12,8 @@ side of `dynamo_ftctl.http1`.
   `Stream` (chunked: its first piece goes out in the same write as the head).
 - Keep-alive; pipelined requests are answered in order (reading pauses while
   one waits). Malformed HTTP is answered 400 and the connection closed.
+  `Expect: 100-continue` is answered at once; HEAD gets the head only; an
+  HTTP/1.0 client gets a `Stream` close-delimited (it has no chunked coding).
 - Backpressure: a `Stream` is not pulled while the client's socket buffer is
   above its high-water mark (`pause_writing`), so a slow reader slows the
   upstream instead of filling this process's memory.
@@ -128,7 +130,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.client: tuple[str, int] | None = None
         self.task: asyncio.Task[None] | None = None
-        self.pending: deque[Request] = deque()
+        self.pending: deque[tuple[Request, bool, bool]] = deque()
         self.closed = False
         self.discarding = False  # after a 400/413: ignore the rest of the input
         self._url = b""
@@ -210,6 +212,10 @@ class _Connection(asyncio.Protocol):
             if name == b"content-length" and value.strip().isdigit() \
                     and int(value) > self.server.max_body:
                 self.too_large()
+            elif name == b"expect" and value.lower() == b"100-continue" \
+                    and self.transport is not None:
+                # curl and some SDKs wait for this (1 s in curl) before sending a body.
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -228,11 +234,13 @@ class _Connection(asyncio.Protocol):
         )
         self._body = []
         keep_alive = self.parser.should_keep_alive()
+        # HTTP/1.0 has no chunked coding: a stream to such a client ends with the connection.
+        http11 = self.parser.get_http_version() != "1.0"
         if self.task is None:
-            self.task = self.loop.create_task(self._answer(request, keep_alive))
+            self.task = self.loop.create_task(self._answer(request, keep_alive, http11))
             self.server.tasks.add(self.task)
         else:  # pipelined: answered in order; stop reading until its turn
-            self.pending.append(request)
+            self.pending.append((request, keep_alive, http11))
             if keep_alive is False:
                 self.discarding = True
             assert self.transport is not None
@@ -251,7 +259,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(_error_bytes(status, message))
             self.transport.close()
 
-    async def _answer(self, request: Request, keep_alive: bool) -> None:
+    async def _answer(self, request: Request, keep_alive: bool, http11: bool) -> None:
         try:
             while True:
                 self._head_sent = False
@@ -259,11 +267,12 @@ class _Connection(asyncio.Protocol):
                     reply = await self.server.handler(request)
                     keep_alive = keep_alive and not self.server.stopping
                     if isinstance(reply, Reply):
-                        self._write(_head(reply.status, reply.content_type, reply.headers,
-                                          b"content-length: %d\r\n" % len(reply.body),
-                                          keep_alive) + reply.body)
+                        head = _head(reply.status, reply.content_type, reply.headers,
+                                     b"content-length: %d\r\n" % len(reply.body), keep_alive)
+                        self._write(head if request.method == "HEAD" else head + reply.body)
                     else:
-                        await self._stream(reply, keep_alive)
+                        keep_alive = keep_alive and http11
+                        await self._stream(reply, keep_alive, chunked=http11)
                 except asyncio.CancelledError:
                     self.hang_up()  # the client left, or a shutdown deadline passed
                     raise
@@ -277,30 +286,31 @@ class _Connection(asyncio.Protocol):
                     return
                 if not self.pending:
                     return
-                request = self.pending.popleft()
+                request, keep_alive, http11 = self.pending.popleft()
                 if not self.pending and self.transport is not None:
                     self.transport.resume_reading()
         finally:
             self.server.tasks.discard(cast("asyncio.Task[None]", asyncio.current_task()))
             self.task = None
 
-    async def _stream(self, reply: Stream, keep_alive: bool) -> None:
+    async def _stream(self, reply: Stream, keep_alive: bool, *, chunked: bool) -> None:
         chunks = reply.chunks
         try:
             head = _head(reply.status, reply.content_type, reply.headers,
-                         b"transfer-encoding: chunked\r\n", keep_alive)
+                         b"transfer-encoding: chunked\r\n" if chunked else b"", keep_alive)
             async for chunk in chunks:
                 if chunk:
                     # The head leaves with the first piece: one write, one wake-up of
                     # the client, for the first token.
-                    self._write(b"%s%x\r\n%s\r\n" % (head, len(chunk), chunk))
+                    self._write(b"%s%x\r\n%s\r\n" % (head, len(chunk), chunk) if chunked
+                                else head + chunk)
                     head = b""
                     self._head_sent = True
                     if self._write_paused:
                         await self._drain()
                 if self.closed:
                     return
-            self._write(head + _CHUNKED_END)
+            self._write(head + _CHUNKED_END if chunked else head)
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:

@@ -9,13 +9,18 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.proxy.test_proxy_sim import MODEL, ProxyFactory, proxy_factory
+from tests.integration.proxy.test_proxy_sim import (
+    MODEL,
+    ProxyFactory,
+    proxy_factory,
+    threaded_server,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -59,15 +64,8 @@ def paced_worker() -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with threaded_server(Handler) as url:
+        yield url
 
 
 BODY = {"model": MODEL, "prompt": "hello", "max_tokens": TOKENS, "stream": True,

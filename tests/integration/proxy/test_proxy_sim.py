@@ -325,6 +325,21 @@ def test_client_disconnect_cancels_the_upstream_request(
 
 
 @contextmanager
+def threaded_server(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve `handler` on a free loopback port in threads; its URL; stopped on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@contextmanager
 def fake_daemon(weights: dict[str, float]) -> Iterator[tuple[str, list[Any]]]:
     """A stand-in canary daemon: GET /workers from `weights`, POST /report recorded."""
     reports: list[Any] = []
@@ -348,15 +363,8 @@ def fake_daemon(weights: dict[str, float]) -> Iterator[tuple[str, list[Any]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", reports
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with threaded_server(Handler) as url:
+        yield url, reports
 
 
 LEVEL_WEIGHTS = {
@@ -485,16 +493,8 @@ def garbage_worker(mode: str) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with threaded_server(Handler) as url:
+        yield url
 
 
 @pytest.mark.parametrize("mode", ["html502", "bad_json", "endless"])

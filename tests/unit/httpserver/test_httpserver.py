@@ -122,6 +122,47 @@ def test_pipelined_requests_are_answered_in_order() -> None:
     serving(echo, test)
 
 
+def test_pipelined_connection_close_is_honoured_per_request() -> None:
+    """The second of two pipelined requests asks to close: both answered, then the hang-up."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n"
+                    b"GET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        _, first, _ = await client.response()
+        _, second, body = await client.response()
+        assert "connection" not in first
+        assert (second["connection"], body[:6]) == ("close", b"GET /b")
+        assert await client.closed()
+    serving(echo, test)
+
+
+def test_expect_100_continue_is_answered_before_the_body() -> None:
+    """A client that waits for 100 Continue gets it, then sends its body and gets the answer."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"POST /e HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                    b"Content-Length: 2\r\n\r\n")
+        interim = await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        client.send(b"hi")
+        assert (await client.response())[2] == b"POST /e? - hi"
+        client.close()
+    serving(echo, test)
+
+
+def test_head_gets_the_head_without_the_body() -> None:
+    """HEAD is answered with the headers only, and the connection stays usable."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"HEAD /h HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await client.reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        client.send(b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[2].startswith(b"GET /next?")
+        client.close()
+    serving(echo, test)
+
+
 def test_chunked_request_body_is_read_whole() -> None:
     """A chunked request body reaches the handler whole."""
     async def test(server: Server) -> None:
@@ -205,6 +246,27 @@ def test_stream_is_chunked_and_the_connection_stays_alive() -> None:
         assert headers["content-type"].startswith("text/event-stream")
         client.send(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await client.response())[2].startswith(b"GET /after?")
+        client.close()
+    serving(handler, test)
+
+
+def test_http10_client_gets_a_close_delimited_stream() -> None:
+    """An HTTP/1.0 client (no chunked coding) gets the stream's bytes raw, ended by a hang-up."""
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        yield b"data: 2\n\n"
+
+    async def handler(_: Request) -> Stream:
+        return Stream(pieces())
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /s HTTP/1.0\r\n\r\n")
+        raw = await asyncio.wait_for(client.reader.read(), 5)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head.lower()
+        assert b"connection: close" in head
+        assert body == b"data: 1\n\ndata: 2\n\n"
         client.close()
     serving(handler, test)
 
