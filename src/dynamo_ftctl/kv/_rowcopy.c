@@ -5,27 +5,34 @@
  * a staging buffer and a scatter out of it). A NULL id array means rows 0..n-1 of that side.
  * Ids are trusted: dynamo_ftctl.kv.copy validated them (range, duplicates, overlap).
  *
- * `threads` splits one call's rows among that many POSIX threads (the caller sets it from
- * torch's thread count, so a copy uses what torch's own copy_ would).
+ * `threads` > 1 shares a call's rows, in pieces, among that many threads (the caller sets it
+ * from torch's thread count, so a copy uses what torch's own copy_ would): torch's OpenMP
+ * team when native.py hands it over (ftctl_use_openmp), else a pool of POSIX threads kept
+ * from call to call (both below).
  *
  * With `stream` set, whole 64-byte lines of 16-byte aligned destination rows are written with
  * non-temporal stores (SSE2, every x86-64): a large copy then does not read each destination
  * line into the cache before overwriting it, which is a third of the memory traffic of a
- * cached copy. Other CPUs, and unaligned rows, use memcpy. Plain C99 and pthreads, no Python headers.
+ * cached copy. Other CPUs, and unaligned rows, use memcpy. Plain C11 (atomics) and pthreads, no
+ * Python headers.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
 #define FTCTL_SSE2 1
 #endif
 
-/* Bumped whenever the signature of ftctl_copy_rows changes; native.py checks it. */
-int ftctl_rowcopy_abi(void) { return 4; }
+/* Bumped whenever an exported signature changes or one is added; native.py checks it. */
+int ftctl_rowcopy_abi(void) { return 5; }
 
 static void copy_streaming(char *dst, const char *src, int64_t bytes) {
 #ifdef FTCTL_SSE2
@@ -54,8 +61,7 @@ struct rows_job {
     int stream;
 };
 
-static void *copy_range(void *arg) {
-    const struct rows_job *job = arg;
+static void copy_range(const struct rows_job *job) {
     int streamed = job->stream && ((uintptr_t)job->dst % 16 == 0) && (job->dst_stride % 16 == 0);
     for (int64_t i = job->begin; i < job->end; i++) {
         char *d = job->dst + (job->dst_ids ? job->dst_ids[i] : i) * job->dst_stride;
@@ -66,38 +72,256 @@ static void *copy_range(void *arg) {
             memcpy(d, s, (size_t)job->row_bytes);
     }
 #ifdef FTCTL_SSE2
-    if (streamed) _mm_sfence(); /* this thread's streamed stores land before it is joined */
+    if (streamed) _mm_sfence(); /* the streamed stores land before the piece counts as done */
 #endif
-    return NULL;
 }
 
 #define FTCTL_MAX_THREADS 64
 
-/* `threads` > 1 splits the rows into that many contiguous slices, one per thread (the
- * caller's and threads - 1 started here, joined before returning); a thread that cannot
- * be started leaves its slice to the caller's thread. */
+/* The worker pool: up to FTCTL_MAX_THREADS - 1 threads started by the first call that asks
+ * for them and kept, so that a call costs a wake-up, not a pthread_create and join (tens of
+ * microseconds against a 4 MiB copy of a few hundred).
+ *
+ * A call cuts its rows into pieces of about FTCTL_PIECE_BYTES and posts them; the caller's
+ * thread and the woken workers claim pieces one at a time from one atomic word until none
+ * is left, so a worker that wakes late (a busy host gives its core to someone else) only
+ * copies less: the call never waits for a worker to start, only for pieces already claimed
+ * to finish. That word holds the call's generation, its thread count and the next piece:
+ * a worker claims a piece only with a compare-and-swap that also checks the generation, so
+ * a worker that was slow to look can never copy a piece of a later call, and it reads the
+ * call's job only after a claim, while the caller still waits for that piece.
+ *
+ * Between calls a worker spins a while (FTCTL_SPIN_NS: back-to-back calls, one per layer,
+ * find it awake, as torch's OpenMP threads are) and then sleeps on a condition variable.
+ * One call at a time uses the pool (`owner`): a concurrent caller copies on its own thread
+ * rather than wait. fork() runs the handlers below: the child has no workers (fork copies
+ * only the calling thread) and starts its own on its first threaded call. */
+#define FTCTL_PIECE_BYTES (256 << 10)
+#define FTCTL_SPIN_NS 50000L /* a worker's spin before it sleeps; a waiting caller's too */
+
+#define FTCTL_MAX_PIECES (4 * FTCTL_MAX_THREADS) /* larger pieces for larger copies */
+
+/* The posted word: generation (32 bits) | threads (8) | pieces (12) | next piece (12). */
+#define POST(gen, threads, pieces) \
+    (((uint64_t)(gen) << 32) | ((uint64_t)(threads) << 24) | ((uint64_t)(pieces) << 12))
+#define POST_GEN(word) ((uint32_t)((word) >> 32))
+#define POST_THREADS(word) ((int)(((word) >> 24) & 0xff))
+#define POST_PIECES(word) ((uint32_t)(((word) >> 12) & 0xfff))
+#define POST_NEXT(word) ((uint32_t)((word) & 0xfff))
+
+static struct {
+    pthread_mutex_t owner; /* held by the one call using the workers, and across fork() */
+    pthread_mutex_t lock;  /* guards the sleeps below */
+    pthread_cond_t wake;   /* idle workers sleep here */
+    pthread_cond_t done;   /* a caller waiting for claimed pieces sleeps here */
+    int started;           /* workers running, numbered 1..started */
+    int sleepers;          /* workers asleep on wake */
+    int caller_asleep;
+    uint32_t gen;          /* the current call's generation (owner's) */
+    struct rows_job job;   /* the current call; pieces of `piece_rows` rows */
+    int64_t piece_rows;
+    _Atomic uint64_t post;     /* POST(gen, threads, pieces) + next piece */
+    _Atomic uint32_t finished; /* pieces of the current call copied */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, {0}, 0, 0, 0};
+
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void before_fork(void) {
+    pthread_mutex_lock(&pool.owner); /* no call is half done in the child's copy */
+    pthread_mutex_lock(&pool.lock);
+}
+
+static void after_fork_parent(void) {
+    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_unlock(&pool.owner);
+}
+
+static void after_fork_child(void) {
+    /* Only the forking thread exists here: no workers, and the sync objects may still
+     * record the parent's sleepers, so they start afresh. */
+    pthread_mutex_init(&pool.owner, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = pool.sleepers = pool.caller_asleep = 0;
+}
+
+static void register_atfork(void) {
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void spin_pause(void) {
+#ifdef FTCTL_SSE2
+    _mm_pause();
+#endif
+}
+
+/* Claim and copy pieces of generation `gen` until none is left (`self` is the caller's
+ * thread 0 or a worker's number, which joins only when the call asked for that many). */
+static void copy_pieces(uint32_t gen, int self) {
+    uint64_t word = atomic_load_explicit(&pool.post, memory_order_acquire);
+    for (;;) {
+        if (POST_GEN(word) != gen || self >= POST_THREADS(word) ||
+            POST_NEXT(word) >= POST_PIECES(word))
+            return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.post, &word, word + 1,
+                                                   memory_order_acq_rel, memory_order_acquire))
+            continue;
+        struct rows_job piece = pool.job;
+        piece.begin = (int64_t)POST_NEXT(word) * pool.piece_rows;
+        piece.end = piece.begin + pool.piece_rows < pool.job.end ? piece.begin + pool.piece_rows
+                                                                : pool.job.end;
+        copy_range(&piece);
+        if (atomic_fetch_add_explicit(&pool.finished, 1, memory_order_acq_rel) + 1 ==
+            POST_PIECES(word)) {
+            pthread_mutex_lock(&pool.lock);
+            if (pool.caller_asleep) pthread_cond_signal(&pool.done);
+            pthread_mutex_unlock(&pool.lock);
+        }
+        word = atomic_load_explicit(&pool.post, memory_order_acquire);
+    }
+}
+
+static void *work_loop(void *arg) {
+    int self = (int)(intptr_t)arg;
+    uint32_t seen = POST_GEN(atomic_load(&pool.post));
+    for (;;) {
+        uint32_t gen = seen;
+        int64_t until = now_ns() + FTCTL_SPIN_NS;
+        for (int i = 0; gen == seen; i++) {
+            gen = POST_GEN(atomic_load_explicit(&pool.post, memory_order_acquire));
+            if (gen != seen || ((i & 63) == 63 && now_ns() > until)) break;
+            spin_pause();
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.lock);
+            pool.sleepers++;
+            while ((gen = POST_GEN(atomic_load(&pool.post))) == seen)
+                pthread_cond_wait(&pool.wake, &pool.lock);
+            pool.sleepers--;
+            pthread_mutex_unlock(&pool.lock);
+        }
+        seen = gen;
+        copy_pieces(gen, self);
+    }
+    return NULL;
+}
+
+/* Start workers until workers 1..threads - 1 run; returns how many threads a call can use
+ * (fewer when the system refuses a thread). Called with pool.owner held. */
+static int start_workers(int threads) {
+    pthread_once(&atfork_once, register_atfork);
+    while (pool.started < threads - 1) {
+        pthread_attr_t attr;
+        pthread_t tid;
+        if (pthread_attr_init(&attr) != 0) break;
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int ok = pthread_create(&tid, &attr, work_loop, (void *)(intptr_t)(pool.started + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break;
+        pool.started++;
+    }
+    return pool.started + 1 < threads ? pool.started + 1 : threads;
+}
+
+/* torch's own intra-op threads, when its parallel backend is OpenMP: GOMP_parallel (the
+ * GNU OpenMP entry point `#pragma omp parallel` compiles to, which torch's at::parallel_for
+ * uses and LLVM's and Intel's runtimes export too), found by native.py in the process and
+ * handed over with ftctl_use_openmp. A copy then runs on the very threads torch's copy_
+ * runs on: they spin for a few milliseconds after each torch op, so a pool of our own
+ * would wait for one of them to leave its core. GNU OpenMP cannot be used in a child of
+ * fork() (its threads are gone but it believes them there): a child uses the pool. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel;
+static pid_t gomp_pid;
+
+void ftctl_use_openmp(gomp_parallel_fn parallel) {
+    gomp_parallel = parallel;
+    gomp_pid = getpid();
+}
+
+struct team_copy {
+    struct rows_job job;
+    int64_t piece_rows;
+    int64_t pieces;
+    _Atomic int64_t next;
+};
+
+static void team_member(void *arg) {
+    struct team_copy *team = arg;
+    for (;;) {
+        int64_t k = atomic_fetch_add_explicit(&team->next, 1, memory_order_relaxed);
+        if (k >= team->pieces) return;
+        struct rows_job piece = team->job;
+        piece.begin = k * team->piece_rows;
+        piece.end = piece.begin + team->piece_rows < team->job.end
+                        ? piece.begin + team->piece_rows : team->job.end;
+        copy_range(&piece);
+    }
+}
+
+/* `threads` > 1 shares the rows, in pieces, among the caller's thread and threads - 1 others:
+ * torch's OpenMP team when handed over (and this is not a child of fork()), else pool
+ * workers. When another call holds the pool, or no worker can be started, the caller's
+ * thread copies them all; so it does a copy of one piece or less. */
 void ftctl_copy_rows(char *dst, int64_t dst_stride, const char *src, int64_t src_stride,
                      const int64_t *dst_ids, const int64_t *src_ids, int64_t n,
                      int64_t row_bytes, int stream, int threads) {
-    struct rows_job jobs[FTCTL_MAX_THREADS];
-    pthread_t tids[FTCTL_MAX_THREADS];
-    int started[FTCTL_MAX_THREADS] = {0};
+    struct rows_job job = {dst, src, dst_stride, src_stride, row_bytes, 0, n,
+                           dst_ids, src_ids, stream};
+    int64_t piece_rows = FTCTL_PIECE_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    if (piece_rows < 1) piece_rows = 1;
+    if (piece_rows * FTCTL_MAX_PIECES < n)
+        piece_rows = (n + FTCTL_MAX_PIECES - 1) / FTCTL_MAX_PIECES;
     if (threads > FTCTL_MAX_THREADS) threads = FTCTL_MAX_THREADS;
-    if (threads < 1 || n < threads) threads = 1;
-    for (int t = 0; t < threads; t++) {
-        struct rows_job job = {dst, src, dst_stride, src_stride, row_bytes,
-                               n * t / threads, n * (t + 1) / threads, dst_ids, src_ids,
-                               stream};
-        jobs[t] = job;
-        if (t > 0) started[t] = pthread_create(&tids[t], NULL, copy_range, &jobs[t]) == 0;
+    if (n > piece_rows && threads > 1 && gomp_parallel && getpid() == gomp_pid) {
+        struct team_copy team = {job, piece_rows, (n + piece_rows - 1) / piece_rows, 0};
+        gomp_parallel(team_member, &team, (unsigned)threads, 0);
+        return;
     }
-    copy_range(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            copy_range(&jobs[t]);
+    if (n <= piece_rows || threads < 2 || pthread_mutex_trylock(&pool.owner) != 0) {
+        copy_range(&job);
+        return;
     }
+    threads = start_workers(threads);
+    if (threads < 2) {
+        pthread_mutex_unlock(&pool.owner);
+        copy_range(&job);
+        return;
+    }
+    uint32_t pieces = (uint32_t)((n + piece_rows - 1) / piece_rows);
+    pool.job = job;
+    pool.piece_rows = piece_rows;
+    atomic_store_explicit(&pool.finished, 0, memory_order_relaxed);
+    pool.gen++;
+    atomic_store_explicit(&pool.post, POST(pool.gen, threads, pieces), memory_order_release);
+    pthread_mutex_lock(&pool.lock);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    copy_pieces(pool.gen, 0);
+    /* Every piece is claimed: wait for the workers' last ones. */
+    int64_t until = now_ns() + FTCTL_SPIN_NS;
+    for (int i = 0; atomic_load_explicit(&pool.finished, memory_order_acquire) != pieces;
+         i++) {
+        if ((i & 63) == 63 && now_ns() > until) {
+            pthread_mutex_lock(&pool.lock);
+            pool.caller_asleep = 1;
+            while (atomic_load_explicit(&pool.finished, memory_order_acquire) != pieces)
+                pthread_cond_wait(&pool.done, &pool.lock);
+            pool.caller_asleep = 0;
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+        spin_pause();
+    }
+    pthread_mutex_unlock(&pool.owner);
 }
 
 /* Check n (>= 1) block ids of a cache of num_blocks blocks in one pass (plus one over a

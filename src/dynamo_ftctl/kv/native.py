@@ -3,7 +3,9 @@
 torch's CPU `index_select`/`index_copy_` dispatch a small copy per row (or per
 element) and have no op for random rows to random rows, which then takes two
 passes through a staging buffer. `_rowcopy.c` copies any of the three patterns
-in one pass of `memcpy`-sized rows, streaming large copies past the cache.
+in one pass of `memcpy`-sized rows, streaming copies too large for the
+last-level cache past it, on torch's own intra-op threads (its OpenMP team,
+`RowKernel.team`) or, where torch has none, a pool of the kernel's own.
 
 `pip install` builds it (`hatch_build.py` calls `build()`: the platform's C
 compiler, `-O2 -shared -fPIC`, no Python headers) beside this file; a missing
@@ -24,19 +26,36 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ABI", "BAD_IDS", "LIBRARY", "RUN_NONE", "SOURCE", "RowKernel", "build", "kernel", "load",
+    "ABI", "BAD_IDS", "LIBRARY", "RUN_NONE", "SOURCE", "STREAM_MIN_BYTES", "RowKernel", "build",
+    "kernel", "last_level_cache_bytes", "load",
 ]
 
 SOURCE = Path(__file__).with_name("_rowcopy.c")
 LIBRARY = Path(__file__).with_name("_rowcopy.so")
-ABI = 4  # must equal ftctl_rowcopy_abi() in _rowcopy.c
-# Copies of at least this many bytes stream their stores past the cache (measured on the
-# CPU bench: 1.3-1.7x a cached copy from 4 MiB up; a small copy's rows stay cached for
-# whoever reads them next).
-STREAM_MIN_BYTES = 1 << 20
-# Copies of at least this many bytes split among torch's intra-op threads (starting a thread
-# costs ~20 us; below this torch's own copy_ gains nothing from its second thread either).
-PARALLEL_MIN_BYTES = 4 << 20
+ABI = 5  # must equal ftctl_rowcopy_abi() in _rowcopy.c
+
+
+def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the largest cache `cpu` (Linux sysfs) lists, or None where it lists none."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for entry in cpu.glob("index*/size"):
+        text = entry.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes, default=None)
+
+
+# Copies of at least this many bytes stream their stores past the cache: a quarter of the
+# last-level cache (glibc's memcpy switches to non-temporal stores at about the same size).
+# A smaller copy's source and destination both stay cached (for whoever reads them next),
+# and cached stores then copy faster: 4 MiB of 4 KiB blocks on a 32 MiB L3, two threads,
+# ~110 us cached against ~230 us streamed. From there up a copy is DRAM-bound and
+# streaming saves the destination's reads: 1.3-1.6x a cached copy (10k-40k blocks).
+# 8 MiB where sysfs names no cache.
+STREAM_MIN_BYTES = max(1 << 20, (last_level_cache_bytes() or 32 << 20) // 4)
 # What `RowKernel.check_ids` answers besides a run's first block.
 RUN_NONE, BAD_IDS = -1, -2
 
@@ -58,7 +77,7 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         subprocess.run(
-            [*cc, "-O2", "-shared", "-fPIC", "-std=c99", "-pthread", "-o", str(partial),
+            [*cc, "-O2", "-shared", "-fPIC", "-std=c11", "-pthread", "-o", str(partial),
              str(source)],
             check=True, capture_output=True, text=True, timeout=timeout_s,
         )
@@ -69,9 +88,15 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
 
 
 class RowKernel:
-    """`_rowcopy.c` loaded from `path`: `copy_rows` between 2-D host tensors of byte rows."""
+    """`_rowcopy.c` loaded from `path`: `copy_rows` between 2-D host tensors of byte rows.
 
-    def __init__(self, path: Path) -> None:
+    A copy larger than one piece (256 KiB) is shared among torch's intra-op threads:
+    `team` says on which. "openmp": torch's own OpenMP team (GOMP_parallel, what its
+    `at::parallel_for` runs on), when torch's parallel backend is OpenMP and `openmp`
+    is true; "pool": the kernel's own threads, started once and kept (also what a child
+    of fork() uses, where OpenMP cannot run)."""
+
+    def __init__(self, path: Path, *, openmp: bool = True) -> None:
         lib = ctypes.CDLL(str(path))
         abi = lib.ftctl_rowcopy_abi
         abi.restype = ctypes.c_int
@@ -90,6 +115,12 @@ class RowKernel:
         sort.restype = ctypes.c_int
         self._fn, self._check, self._sort = fn, check, sort
         self.path = path
+        parallel = _openmp_parallel() if openmp else None
+        use = lib.ftctl_use_openmp
+        use.argtypes = [ptr]
+        use.restype = None
+        use(parallel)
+        self.team = "pool" if parallel is None else "openmp"
 
     def check_ids(self, ids: torch.Tensor, num_blocks: int) -> int:
         """For 1 or more contiguous int64 host `ids` of a cache of `num_blocks`: the first
@@ -122,8 +153,8 @@ class RowKernel:
         is the first row of a run. Rows are dim 0 of 2-D host tensors whose rows are
         contiguous, the same byte length on both sides; ids are int64, contiguous and
         already validated (range, duplicates, overlap): the kernel trusts them.
-        Copies of PARALLEL_MIN_BYTES or more use `threads` threads (default: torch's
-        intra-op thread count, what its own `copy_` uses)."""
+        A copy of more than one piece shares its pieces among `threads` threads
+        (default: torch's intra-op thread count, what its own `copy_` uses) of `team`."""
         row_bytes = src.shape[1] * src.element_size()
         d_ptr, d_ids = _base(dst, dst_ids)
         s_ptr, s_ids = _base(src, src_ids)
@@ -131,11 +162,28 @@ class RowKernel:
         if threads is None:
             import torch
 
-            threads = torch.get_num_threads() if nbytes >= PARALLEL_MIN_BYTES else 1
+            threads = torch.get_num_threads()
         # ctypes releases the GIL for the call.
         self._fn(d_ptr, dst.stride(0) * dst.element_size(), s_ptr,
                  src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
                  int(nbytes >= STREAM_MIN_BYTES), threads)
+
+
+def _openmp_parallel() -> int | None:
+    """The address of GOMP_parallel in this process when torch runs its intra-op work on
+    OpenMP (GNU's runtime, or LLVM's or Intel's, which export the same entry), else None."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover (the copier needs torch; the kernel alone not)
+        return None
+    if not torch._C.has_openmp:  # what torch.backends.openmp.is_available() reads
+        return None
+    try:
+        entry = ctypes.CDLL(None).GOMP_parallel  # torch loads its OpenMP runtime globally
+    except AttributeError:
+        return None
+    address = ctypes.cast(entry, ctypes.c_void_p).value
+    return int(address) if address else None
 
 
 def _base(rows: torch.Tensor, ids: torch.Tensor | int) -> tuple[int, int | None]:
@@ -145,12 +193,13 @@ def _base(rows: torch.Tensor, ids: torch.Tensor | int) -> tuple[int, int | None]
     return rows.data_ptr(), ids.data_ptr()
 
 
-def load(path: Path = LIBRARY) -> RowKernel | None:
-    """The kernel at `path`, or None when it is missing or cannot be loaded."""
+def load(path: Path = LIBRARY, *, openmp: bool = True) -> RowKernel | None:
+    """The kernel at `path` (`openmp`: see RowKernel), or None when it is missing or cannot
+    be loaded."""
     if not path.is_file():
         return None
     try:
-        return RowKernel(path)
+        return RowKernel(path, openmp=openmp)
     except (OSError, AttributeError) as exc:  # wrong architecture, stale ABI, not ours
         from dynamo_ftctl.output import warn
 

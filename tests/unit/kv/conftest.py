@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from typing import Any
 
@@ -20,4 +21,16 @@ def row_kernel(tmp_path_factory: Any) -> native.RowKernel:
         pytest.skip(f"no C compiler could build the row-copy kernel: {exc}")
     loaded = native.load(path)
     assert loaded is not None
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def pool_kernel(row_kernel: native.RowKernel, tmp_path_factory: Any) -> native.RowKernel:
+    """The same kernel loaded a second time (a copy of the file: its own globals) with its
+    own worker pool instead of torch's OpenMP team."""
+    path = tmp_path_factory.mktemp("rowcopy-pool") / "_rowcopy.so"
+    shutil.copy(row_kernel.path, path)
+    loaded = native.load(path, openmp=False)
+    assert loaded is not None
+    assert loaded.team == "pool"
     return loaded

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +56,109 @@ def test_large_copies_stream_bit_exact(kernel: native.RowKernel, width: int, pat
     assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("threads", [2, 3, 100])
-def test_threaded_copies_are_exact(kernel: native.RowKernel, threads: int) -> None:
-    """Rows split among threads (more threads than the 64 allowed, or than rows, too)
-    land exactly once each."""
-    count, total = 300, 400
-    src, dst = rows(total, 4096, 9), rows(total, 4096, 10)
-    gen = torch.Generator().manual_seed(11)
+@pytest.fixture(params=["openmp", "pool"])
+def team_kernel(
+    request: pytest.FixtureRequest, row_kernel: native.RowKernel, pool_kernel: native.RowKernel,
+) -> native.RowKernel:
+    """The kernel sharing rows on torch's OpenMP team (where torch has one), then on its own
+    pool."""
+    return row_kernel if request.param == "openmp" else pool_kernel
+
+
+def random_copy(count: int, width: int, seed: int) -> tuple[Any, Any, Any, Any, Any]:
+    """Source and destination rows, random distinct ids on both sides, and the expected
+    destination after the copy."""
+    total = count + count // 3
+    src, dst = rows(total, width, seed), rows(total, width, seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
     sids = torch.randperm(total, generator=gen)[:count]
     dids = torch.randperm(total, generator=gen)[:count]
     want = dst.clone()
     want[dids] = src[sids]
-    kernel.copy_rows(dst, src, dids, sids, count, threads=threads)
+    return src, dst, sids, dids, want
+
+
+def test_the_kernel_shares_rows_on_torchs_openmp_team(row_kernel: native.RowKernel) -> None:
+    """Where torch runs its intra-op work on OpenMP, the kernel uses that team."""
+    openmp = torch._C.has_openmp
+    assert row_kernel.team == ("openmp" if openmp else "pool")
+
+
+@pytest.mark.parametrize("threads", [2, 3, 100])
+def test_threaded_copies_are_exact(team_kernel: native.RowKernel, threads: int) -> None:
+    """Rows shared among threads (more threads than the 64 allowed, or than pieces, too)
+    land exactly once each; a copy of one piece stays on the caller's thread."""
+    src, dst, sids, dids, want = random_copy(300, 4096, 9)  # 1.2 MiB: 5 pieces
+    team_kernel.copy_rows(dst, src, dids, sids, 300, threads=threads)
     assert torch.equal(dst, want)
     few_src, few_dst = rows(5, 64, 12), rows(5, 64, 13)
-    kernel.copy_rows(few_dst, few_src, 0, 0, 5, threads=threads)
+    team_kernel.copy_rows(few_dst, few_src, 0, 0, 5, threads=threads)
     assert torch.equal(few_dst, few_src)
+
+
+def test_many_calls_at_changing_thread_counts_are_exact(team_kernel: native.RowKernel) -> None:
+    """Hundreds of threaded calls in a row, the thread count changing between them (the
+    pool starts more workers, or leaves some idle), copy every row exactly."""
+    src, dst, sids, dids, want = random_copy(2000, 1024, 20)  # 2 MiB: 8 pieces
+    counts = [2, 4, 1, 3, 8, 2]
+    for call in range(300):
+        dst_copy = dst.clone()
+        team_kernel.copy_rows(dst_copy, src, dids, sids, 2000, threads=counts[call % 6])
+        assert torch.equal(dst_copy, want), f"call {call}"
+
+
+def test_concurrent_callers_are_exact(team_kernel: native.RowKernel) -> None:
+    """Python threads copying at once (ctypes releases the GIL) each get exact copies: on
+    the pool one call owns the workers and the others copy on their own threads."""
+    cases = [random_copy(1500, 2048, 40 + 10 * k) for k in range(4)]
+    failures: list[str] = []
+
+    def copy_many(k: int) -> None:
+        src, dst, sids, dids, want = cases[k]
+        for call in range(40):
+            out = dst.clone()
+            team_kernel.copy_rows(out, src, dids, sids, 1500, threads=2 + k % 2)
+            if not torch.equal(out, want):
+                failures.append(f"thread {k} call {call}")
+
+    threads = [threading.Thread(target=copy_many, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_a_forked_child_copies_on_threads_of_its_own(team_kernel: native.RowKernel) -> None:
+    """After threaded copies started the team or pool, a child of fork() still copies on
+    two threads, exactly, and exits: fork copies no worker, and the kernel starts its
+    own pool there instead of waiting on threads that do not exist."""
+    src, dst, sids, dids, want = random_copy(1200, 4096, 60)  # 4.7 MiB: 19 pieces
+    team_kernel.copy_rows(dst.clone(), src, dids, sids, 1200, threads=2)
+    pid = os.fork()
+    if pid == 0:  # the child: torch's own OpenMP team cannot run here, so torch on 1 thread
+        code = 1
+        try:
+            torch.set_num_threads(1)
+            for _ in range(3):
+                out = dst.clone()
+                team_kernel.copy_rows(out, src, dids, sids, 1200, threads=2)
+                if not torch.equal(out, want):
+                    break
+            else:
+                code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child did not finish its copies within 60 s (deadlock)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's copies were not exact"
 
 
 def test_small_copy_through_the_kernel_is_exact(kernel: native.RowKernel) -> None:
