@@ -1092,6 +1092,7 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
     stops accepting, lets answers in flight finish for `shutdown_deadline_s`,
     cancels the rest and closes the upstream pools. A second signal cuts the wait
     short. SIGINT then raises `KeyboardInterrupt` (exit 130); SIGTERM returns.
+    An address it cannot listen on (in use, not local) is `InvalidInput` (exit 2).
     """
     host, _, port = config.listen.rpartition(":")
     host = host.strip("[]")
@@ -1110,7 +1111,13 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
 
         await app.proxy.start()
         try:
-            server = await start_server(front_door(app), host, int(port))
+            try:
+                server = await start_server(front_door(app), host, int(port))
+            except OSError as exc:
+                from dynamo_ftctl.errors import InvalidInput
+
+                msg = f"proxy.listen {config.listen}: cannot listen there: {exc.strerror or exc}"
+                raise InvalidInput(msg) from None
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, on_signal, signum)
             try:

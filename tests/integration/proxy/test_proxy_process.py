@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -101,6 +104,25 @@ def test_sigint_exits_130(proxy_factory: ProxyFactory) -> None:
         assert httpx.get(f"{proxy.url}/health", timeout=5).status_code == 200
         proxy.proc.send_signal(signal.SIGINT)
         assert proxy.proc.wait(10) == 130
+
+
+def test_address_in_use_exits_2_with_one_line(tmp_path: Path) -> None:
+    """A listen address already taken is a one-line error naming proxy.listen, exit 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        inventory = tmp_path / "inventory.yaml"
+        inventory.write_text(
+            f"cluster: t\nworkers:\n  - {{name: w1, url: 'http://127.0.0.1:9', model: {MODEL}}}\n"
+            f"proxy:\n  listen: 127.0.0.1:{port}\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
+            capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"proxy.listen 127.0.0.1:{port}: cannot listen there" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "serving" not in done.stderr
 
 
 def test_ipv6_listen_address(proxy_factory: ProxyFactory) -> None:

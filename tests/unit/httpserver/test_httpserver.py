@@ -213,6 +213,18 @@ def test_malformed_http_is_400_and_the_connection_closed(garbage: bytes) -> None
     serving(echo, test)
 
 
+def test_oversized_head_is_431_and_never_handled() -> None:
+    """Request headers beyond 64 KiB get a 431 and a hang-up, not a handler call."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n"
+                    + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))
+                    + b"\r\n")
+        assert (await client.response())[0] == 431
+        assert await client.closed()
+    serving(echo, test)
+
+
 def test_handler_failure_is_500() -> None:
     """A handler that raises gets the client a 500, not a hang."""
     async def handler(_: Request) -> Reply:
