@@ -13,8 +13,9 @@ import httpx
 import pytest
 from aiohttp import web
 
+from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
-from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, build_app
+from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, build_app, front_door
 
 MODEL = "fake-model"
 
@@ -145,12 +146,18 @@ def run() -> Callable[..., Any]:
 
 
 class Cluster:
-    """Fake workers on loopback plus the proxy app, driven through httpx's ASGI transport."""
+    """Fake workers on loopback plus the proxy, behind one of its two front doors.
 
-    def __init__(self, workers: list[FakeWorker], **proxy: Any) -> None:
+    `front="asgi"`: the ASGI app through httpx's ASGI transport; `front="lean"`:
+    `front_door` on `dynamo_ftctl.httpserver` over a loopback socket, as `serve` runs it.
+    """
+
+    def __init__(self, workers: list[FakeWorker], *, front: str = "asgi", **proxy: Any) -> None:
         self.workers = workers
+        self.front = front
         self.proxy_settings = proxy
         self.runners: list[web.AppRunner] = []
+        self.server: Server | None = None
 
     async def __aenter__(self) -> Cluster:
         for fake in self.workers:
@@ -176,12 +183,18 @@ class Cluster:
         self.proxy = self.app.state.proxy
         await self.proxy.start()
         await self.proxy.scrape_once()
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
-                                        base_url="http://proxy", timeout=30)
+        if self.front == "lean":
+            self.server = await start_server(front_door(self.app), "127.0.0.1", 0)
+            self.client = httpx.AsyncClient(base_url=self.server.address, timeout=30)
+        else:
+            self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
+                                            base_url="http://proxy", timeout=30)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.aclose()
+        if self.server is not None:
+            await self.server.shutdown(5.0)
         await self.proxy.stop()
         for runner in self.runners:
             await runner.cleanup()
@@ -219,10 +232,14 @@ BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 20, "temperature"
         "seed": 5, "stream_options": {"include_usage": True}}
 
 
-def test_stream_without_failure_passes_through(run: Callable[..., Any]) -> None:
+FRONTS = pytest.mark.parametrize("front", ["asgi", "lean"])
+
+
+@FRONTS
+def test_stream_without_failure_passes_through(run: Callable[..., Any], front: str) -> None:
     """A healthy stream reaches the client unchanged, with the proxy's one id and usage."""
     async def go() -> None:
-        async with Cluster([FakeWorker(), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(), FakeWorker()], front=front) as c:
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert MIGRATED_HEADER not in resp.headers
@@ -237,11 +254,13 @@ def test_stream_without_failure_passes_through(run: Callable[..., Any]) -> None:
     run(go())
 
 
+@FRONTS
 @pytest.mark.parametrize("cut", [1, 7, 19])
-def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut: int) -> None:
+def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut: int,
+                                                    front: str) -> None:
     """A worker dropping the connection after `cut` tokens: the client sees one identical stream."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=cut), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(fail_after=cut), FakeWorker()], front=front) as c:
             # make the breaking worker the router's first choice
             c.proxy.router.slots["w1"].outstanding = 5
             _, events = await c.stream("/v1/completions", BODY)
@@ -280,10 +299,11 @@ def test_chat_continuation_uses_continue_final_message(run: Callable[..., Any]) 
     run(go())
 
 
-def test_non_streaming_request_is_migrated(run: Callable[..., Any]) -> None:
+@FRONTS
+def test_non_streaming_request_is_migrated(run: Callable[..., Any], front: str) -> None:
     """A non-streamed request broken midway still gets one complete JSON answer."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=4), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(fail_after=4), FakeWorker()], front=front) as c:
             c.proxy.router.slots["w1"].outstanding = 5
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             doc = resp.json()
@@ -406,13 +426,14 @@ def test_all_workers_busy_answers_503_with_retry_after(run: Callable[..., Any]) 
     run(go())
 
 
+@FRONTS
 def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            monkeypatch: pytest.MonkeyPatch, front: str) -> None:
     """POST /busy_threshold with the admin token lifts the rejection at once."""
     monkeypatch.setenv("FTCTL_ADMIN_TOKEN", "s3cret")
 
     async def go() -> None:
-        async with Cluster([FakeWorker()], reject_status=529,
+        async with Cluster([FakeWorker()], front=front, reject_status=529,
                            busy={"active_decode_blocks_threshold": 0.05}) as c:
             assert (await c.client.post("/v1/completions", json=BODY)).status_code == 529
             bad = await c.client.post("/busy_threshold", json={"model": MODEL},
@@ -429,10 +450,11 @@ def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
     run(go())
 
 
-def test_metrics_and_health_are_served(run: Callable[..., Any]) -> None:
+@FRONTS
+def test_metrics_and_health_are_served(run: Callable[..., Any], front: str) -> None:
     """/metrics carries the migration counter after a migration; /health names the workers."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=2), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()], front=front) as c:
             c.proxy.router.slots["w1"].outstanding = 5
             await c.stream("/v1/completions", BODY)
             text = (await c.client.get("/metrics")).text
@@ -491,6 +513,29 @@ def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
             assert call.done()
             await _until(lambda: slow.disconnects == 1)
             assert c.proxy.router.slots["w0"].outstanding == 0
+    run(go())
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_lean_front_door_client_hang_up_cancels_the_upstream_request(
+        run: Callable[..., Any], streamed: bool) -> None:
+    """Over the lean server, a client that hangs up mid-generation makes the proxy drop upstream."""
+    async def go() -> None:
+        slow = FakeWorker(mode="stall", fail_after=2)
+        async with Cluster([slow], front="lean", stall_timeout_s=20) as c:
+            assert c.server is not None
+            port = int(c.server.address.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = json.dumps({**BODY, "stream": streamed}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await _until(lambda: bool(slow.requests))
+            if streamed:  # the first tokens came through before the worker stalled
+                assert b"200 OK" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            writer.close()
+            await _until(lambda: slow.disconnects == 1)
+            await _until(lambda: c.proxy.router.slots["w0"].outstanding == 0)
+            await _until(lambda: not c.server.tasks)
     run(go())
 
 
