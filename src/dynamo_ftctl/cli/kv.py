@@ -63,6 +63,10 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
     kernel: Annotated[str, typer.Option(
         help="Host copy kernel: auto (the native row-copy kernel when it was built at "
              "install), native, or torch (index_select/index_copy_ and staging).")] = "auto",
+    cache: Annotated[str, typer.Option(
+        help="Host caches at the start of each timed run, copier and baseline alike: warm "
+             "(runs back to back) or cold (evicted first by reading twice the last-level "
+             "cache).")] = "warm",
     json_: JsonFlag = False,
 ) -> None:
     """Copier bandwidth vs one contiguous copy_ of the same bytes, plus a chunk-size sweep.
@@ -79,7 +83,7 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layout=layout,
         chunk_bytes=chunk_kib * 1024,
         sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
-        sweep_blocks=sweep_blocks, repeats=repeats, threads=threads, kernel=kernel,
+        sweep_blocks=sweep_blocks, repeats=repeats, threads=threads, kernel=kernel, cache=cache,
         patterns=[p for p in patterns.replace(" ", "").split(",") if p],
     )
     finish(ctx, result, json_flag=json_)

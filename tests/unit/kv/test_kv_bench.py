@@ -84,3 +84,41 @@ def test_cli_json_names_the_kernel() -> None:
     doc = json.loads(result.output)
     assert doc["kernel"] == "torch"
     assert [r["pattern"] for r in doc["rows"]] == ["gather", "scatter", "random"]
+
+
+def test_cold_caches_are_evicted_before_every_timed_run() -> None:
+    """--cache cold evicts before each timed run of the copier and of the baseline alike
+    (and warm never): the two are measured from the same cache state."""
+    calls: list[int] = []
+    evict = lambda: calls.append(1)  # noqa: E731 - a counting evictor
+    result = run_kv_bench(blocks=(24,), sweep_chunks=(), repeats=3, cache="cold", evict=evict,
+                          patterns=("gather", "random"))
+    assert result.cache == "cold"
+    assert len(calls) == 2 * 2 * 3  # 2 patterns x (copier + baseline) x 3 repeats
+    calls.clear()
+    assert small(cache="warm", evict=evict).cache == "warm"
+    assert calls == []
+    with pytest.raises(InvalidInput, match="--cache: 'hot' \\(choose from warm, cold\\)"):
+        small(cache="hot")
+
+
+def test_the_default_evictor_reads_past_the_last_level_cache() -> None:
+    """The evictor owns a written buffer twice the last-level cache (not zero pages, which
+    all share one physical page and evict nothing)."""
+    from dynamo_ftctl.kv.bench import _cache_evictor
+
+    evict = _cache_evictor()
+    buffer = next(c.cell_contents for c in evict.__closure__ or () if isinstance(
+        c.cell_contents, bytes))
+    assert len(buffer) == 2 * (native.last_level_cache_bytes() or 32 << 20)
+    assert buffer.count(b"\x02") == len(buffer)
+    evict()
+
+
+def test_cli_cache_mode_reaches_the_result() -> None:
+    """`ftctl kv bench --cache cold --json` reports the cold cache state."""
+    result = runner.invoke(app, ["kv", "bench", "--kernel", "torch", "--blocks", "16",
+                                 "--sweep-kib", "", "--repeats", "1", "--cache", "cold",
+                                 "--patterns", "gather", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["cache"] == "cold"
