@@ -144,6 +144,11 @@ class RowKernel:
             return None
         return key_out, other_out
 
+    @staticmethod
+    def streams(nbytes: int) -> bool:
+        """Whether a copy of `nbytes` (one call) stores past the cache."""
+        return nbytes >= STREAM_MIN_BYTES
+
     def copy_rows(
         self, dst: torch.Tensor, src: torch.Tensor,
         dst_ids: torch.Tensor | int, src_ids: torch.Tensor | int, rows: int,
@@ -166,7 +171,7 @@ class RowKernel:
         # ctypes releases the GIL for the call.
         self._fn(d_ptr, dst.stride(0) * dst.element_size(), s_ptr,
                  src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
-                 int(nbytes >= STREAM_MIN_BYTES), threads)
+                 int(self.streams(nbytes)), threads)
 
 
 def _openmp_parallel() -> int | None:
