@@ -160,3 +160,31 @@ def test_lock_status_imports_nothing_heavy(lock_path: Path) -> None:
     loaded = {line.rsplit("|", 1)[1].strip().split(".")[0]
               for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+def test_ctrl_c_while_waiting_exits_130_with_one_line(lock_path: Path) -> None:
+    """Ctrl-C (SIGINT) while `lock acquire` waits on a held lock: exit 130 and "interrupted"."""
+    import fcntl
+    import signal
+    import time
+
+    with lock_path.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # an open file description of ours holds it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--path", str(lock_path),
+             "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            inode = lock_path.stat().st_ino
+            deadline = time.monotonic() + 30
+            while not any("->" in line and f":{inode} " in line
+                          for line in Path("/proc/locks").read_text().splitlines()):
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < deadline, "ftctl never blocked in flock"
+                time.sleep(0.01)  # polling /proc/locks for the queued waiter, with a deadline
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130
+    assert err == "interrupted\n"
