@@ -12,15 +12,11 @@ with `--debug`.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import click
 import typer
@@ -62,6 +58,17 @@ _COMPLETION_PARAMS = frozenset({"install_completion", "show_completion"})
 
 class LazyGroup(TyperGroup):
     """A click group whose subcommands are imported on first use."""
+
+    # Commands that ended by Ctrl-C (KeyboardInterrupt), which typer turns into a
+    # silent exit 130 before main() could say so.
+    interrupted: ClassVar[list[str]] = []
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            LazyGroup.interrupted.append(ctx.invoked_subcommand or "")
+            raise
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*COMMANDS, *super().list_commands(ctx)})
@@ -142,46 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
 
     def run() -> int:
-        with _noting_ctrl_c() as ctrl_c:
-            try:
-                rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
-            except click.exceptions.Abort:
-                raise KeyboardInterrupt from None
-            except click.ClickException as exc:
-                exc.show()
-                return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
-        if rc == ExitCode.INTERRUPTED and ctrl_c:
+        interrupted = len(LazyGroup.interrupted)
+        try:
+            rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
+        except click.exceptions.Abort:
+            raise KeyboardInterrupt from None
+        except click.ClickException as exc:
+            exc.show()
+            return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
+        if len(LazyGroup.interrupted) > interrupted:
             # typer turns Ctrl-C into a silent exit 130: say it, as `guarded` does.
             raise KeyboardInterrupt
         return rc if isinstance(rc, int) else 0
 
     return guarded(run, debug="--debug" in args)
-
-
-@contextlib.contextmanager
-def _noting_ctrl_c() -> Iterator[list[int]]:
-    """Python's SIGINT behaviour (KeyboardInterrupt), noting each Ctrl-C in the list.
-
-    Left alone where SIGINT already has another handler or off the main thread.
-    """
-    seen: list[int] = []
-
-    def on_sigint(signum: int, frame: FrameType | None) -> None:
-        seen.append(signum)
-        signal.default_int_handler(signum, frame)
-
-    try:
-        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield seen
-            return
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:  # not the main thread
-        yield seen
-        return
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

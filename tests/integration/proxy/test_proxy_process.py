@@ -98,12 +98,13 @@ def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(
 
 
 def test_sigint_exits_130(proxy_factory: ProxyFactory) -> None:
-    """SIGINT (Ctrl-C) stops the proxy with exit code 130."""
+    """SIGINT (Ctrl-C) stops the proxy with exit code 130 and says so in one last line."""
     with paced_worker() as url:
         proxy = proxy_factory([("w1", url)])
         assert httpx.get(f"{proxy.url}/health", timeout=5).status_code == 200
         proxy.proc.send_signal(signal.SIGINT)
         assert proxy.proc.wait(10) == 130
+        assert proxy.log_text().endswith("interrupted\n")
 
 
 def test_address_in_use_exits_2_with_one_line(tmp_path: Path) -> None:
