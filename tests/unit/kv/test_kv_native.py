@@ -195,6 +195,19 @@ def test_the_kernel_sorts_id_pairs(kernel: native.RowKernel) -> None:
     assert torch.equal(pair[1], other[order])
 
 
+def test_the_last_level_cache_is_the_largest_sysfs_lists(tmp_path: Path) -> None:
+    """The largest cache of sysfs's index*/size entries (K/M suffixes or plain bytes);
+    None where there are none."""
+    for index, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(f"{size}\n")
+    assert native.last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index4").mkdir()
+    (tmp_path / "index4" / "size").write_text("67108864\n")
+    assert native.last_level_cache_bytes(tmp_path) == 64 << 20
+    assert native.last_level_cache_bytes(tmp_path / "absent") is None
+
+
 def test_missing_or_foreign_library_falls_back(tmp_path: Path, capsys: Any) -> None:
     """No library means None silently; a file that is no library warns once and is None."""
     assert native.load(tmp_path / "absent.so") is None
