@@ -13,16 +13,20 @@ descheduling: on one thread, the fairer of the two).
 What the caches hold (`cache`). Each cache holds a quarter more blocks than
 are copied; the copier reads its blocks scattered over the source cache and
 writes them over the destination's, the baseline reads and writes the first
-bytes of the same two allocations: the same bytes, in the same memory. "warm"
-(the default) runs both back to back, so whatever of that memory the last-level
-cache holds it holds for both: 1k blocks of 4 KiB (two 5 MiB caches) stay in a
-32 MiB L3 run after run for the copier as for the baseline (on 2 threads the
-baseline's copy of 4 MiB takes ~100-200 us there, against ~450 us evicted);
-10k blocks and up do not fit, for either. "cold" reads twice the last-level
-cache (on one thread, no torch op) before every timed run of either, so both
-start from DRAM. Neither is weakened for the other's sake: warm is the headline
-(a copy right after the engine touched those blocks), cold the second figure
-(an export of blocks untouched for a while); benchmarks/kv.py prints both.
+bytes of the same two allocations: the same bytes, in the same memory, with no
+buffer of the baseline's own. "warm" (the default) runs both back to back:
+whatever of that memory the last-level cache holds, it holds for both (1k
+blocks of 4 KiB, two 5 MiB caches, fit a 32 MiB L3; 10k blocks and up fit for
+neither). Its flaw: each run inherits the other's cache state, so the copier's
+store kind moves the baseline (after streamed stores the lines the baseline
+rewrites are not cached: 1k 4 KiB blocks, one thread, ~390 us instead of
+~175 us), and the warm ratio of small copies says as much about that as about
+the copier. "cold" reads twice the last-level cache (on one thread, no torch
+op, which would leave torch's OpenMP threads spinning for the baseline only)
+before every timed run of either, so both start from DRAM and neither sees the
+other (its own flaw: cached stores' write-backs fall in the untimed eviction,
+the baseline's always, the copier's below the streaming threshold). Neither
+weakens one side for the other; benchmarks/kv.py prints both.
 
 Three id patterns: `gather` (random source blocks into a run of destination
 blocks: an export into a buffer), `scatter` (a run of source blocks into

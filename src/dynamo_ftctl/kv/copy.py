@@ -13,17 +13,17 @@ of another, in pieces of (layer, chunk of blocks):
    destination share a device);
 3. scatter it into the destination blocks.
 
-Host to host, the native row-copy kernel (`kv/native.py`, C built at
-install) copies every layer in one pass for any ids: a `memcpy`-sized copy
-per block, source blocks read in ascending order, large copies stored past
-the cache. Without it (no compiler at install, `FTCTL_KV_NATIVE=0`,
-`native=False`), and on devices, torch's kernels do the work: when source and
-destination share a device and either id list is one ascending run (an export
-into a buffer, an import out of one), there is nothing to stage: each layer is
-one pass, an `index_select` straight into the destination's run or an
-`index_copy_` straight out of the source's run (a slice `copy_` when both are
-runs). Random ids on both sides have no single torch op, so they take the two
-passes above through an L2-sized slot.
+Host to host, the native row-copy kernel (`kv/native.py`, C built at install)
+copies every layer in one pass for any ids: a `memcpy`-sized copy per block,
+large copies stored past the cache (their source blocks read in ascending
+order) and shared among torch's intra-op threads. Without it (no compiler at
+install, `FTCTL_KV_NATIVE=0`, `native=False`), and on devices, torch's kernels
+do the work: when source and destination share a device and either id list is
+one ascending run (an export into a buffer, an import out of one), there is
+nothing to stage: each layer is one pass, an `index_select` straight into the
+destination's run or an `index_copy_` straight out of the source's run (a
+slice `copy_` when both are runs). Random ids on both sides have no single
+torch op, so they take the two passes above through an L2-sized slot.
 Caches whose blocks are not on dim 0 (flash: `[2, num_blocks, ...]`) are
 split into blocks-first views per leading index, so every block stays a
 contiguous row for the index kernels.
