@@ -51,7 +51,7 @@ def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 # Copies of at least this many bytes stream their stores past the cache. Measured with
 # `kv bench --cache cold` (both copies start from DRAM): 1k 4 KiB blocks (4 MiB) take
 # 670-830 us on one thread and 560-600 us on two streamed, 910-1070 and 640-860 us with
-# cached stores, the same-run contiguous copy_ 400-600 us either way. (Warm, back to back,
+# cached stores, the same-run contiguous copy_ 360-620 us either way. (Warm, back to back,
 # the copier's time is the same either way; what changes is the baseline's next run:
 # streamed stores leave the destination lines it rewrites out of the cache.) A smaller
 # copy's rows stay cached for whoever reads them next.
