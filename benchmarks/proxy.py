@@ -517,8 +517,14 @@ def figure_overhead(directory: Path, count: int, baseline: Path | None) -> None:
             stop(*procs)
 
 
-def figure_overhead_sim(directory: Path, count: int, baseline: Path | None) -> None:
-    """The same comparison against a real `ftctl sim` worker (prefill and decode are real)."""
+def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
+                        rounds: int = 5) -> None:
+    """The same comparison against a real `ftctl sim` worker (prefill and decode are real).
+
+    Direct and proxied runs alternate for `rounds` rounds (the host's speed drifts
+    between runs); each round gives a ratio and an added time, and the figure is
+    their median, next to the p50 of all rounds pooled.
+    """
     from dynamo_ftctl.engine.launcher import start_worker
 
     worker = start_worker("bench-sim", timeout_s=120)
@@ -532,19 +538,35 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None) -> N
         procs += [p for p, _ in targets.values()]
         body = {"model": "ftctl-sim-tiny", "prompt": "hello " * 40, "max_tokens": 32,
                 "stream": True, "temperature": 0}
-        for _, url in targets.values():
+        for url in (worker.url, *(u for _, u in targets.values())):
             arun(streams(url, body, 32, 32))
-        direct = arun(streams(worker.url, body, 32, count))
+        per_round = max(32, count // rounds)
+        direct: list[tuple[float, float, int, list[float]]] = []
+        via: dict[str, list[tuple[float, float, int, list[float]]]] = {k: [] for k in targets}
+        ratios: dict[str, list[float]] = {k: [] for k in targets}
+        added: dict[str, list[float]] = {k: [] for k in targets}
+        for _ in range(rounds):
+            d = arun(streams(worker.url, body, 32, per_round))
+            direct += d
+            d_ttft = p50([r[0] for r in d])
+            for label, (_, url) in targets.items():
+                v = arun(streams(url, body, 32, per_round))
+                via[label] += v
+                v_ttft = p50([r[0] for r in v])
+                ratios[label].append(v_ttft / d_ttft)
+                added[label].append(v_ttft - d_ttft)
         d_ttft, d_e2e = p50([r[0] for r in direct]), p50([r[1] for r in direct])
-        print(f"overhead vs a real ftctl sim worker, 32 concurrent streams x {count}, "
-              f"240-token prompt, 32 tokens, p50: TTFT direct {d_ttft * 1e3:.1f} ms, "
-              f"end-to-end {d_e2e * 1e3:.0f} ms")
-        for label, (_, url) in targets.items():
-            via = arun(streams(url, body, 32, count))
-            v_ttft, v_e2e = p50([r[0] for r in via]), p50([r[1] for r in via])
-            print(f"    via {label}: TTFT {v_ttft * 1e3:.1f} ms (ratio {v_ttft / d_ttft:.2f}, "
-                  f"{(v_ttft - d_ttft) * 1e3:+.1f} ms); end-to-end {v_e2e * 1e3:.0f} ms "
-                  f"(ratio {v_e2e / d_e2e:.2f})")
+        print(f"overhead vs a real ftctl sim worker, 32 concurrent streams, {rounds} rounds x "
+              f"{per_round} requests each way, 240-token prompt, 32 tokens, p50: TTFT direct "
+              f"{d_ttft * 1e3:.1f} ms, end-to-end {d_e2e * 1e3:.0f} ms")
+        for label in targets:
+            v_ttft = p50([r[0] for r in via[label]])
+            v_e2e = p50([r[1] for r in via[label]])
+            print(f"    via {label}: TTFT {v_ttft * 1e3:.1f} ms pooled (ratio "
+                  f"{v_ttft / d_ttft:.2f}, {(v_ttft - d_ttft) * 1e3:+.2f} ms); median of rounds "
+                  f"ratio {p50(ratios[label]):.2f}, {p50(added[label]) * 1e3:+.2f} ms (rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios[label])}); end-to-end "
+                  f"{v_e2e * 1e3:.0f} ms (ratio {v_e2e / d_e2e:.2f})")
     finally:
         stop(*procs)
         worker.stop()
