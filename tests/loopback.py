@@ -1,4 +1,5 @@
-"""A scripted loopback HTTP server for client tests (`dynamo_ftctl.http1`, the load generator)."""
+"""A scripted loopback HTTP server for client tests (`dynamo_ftctl.http1`, the load generator),
+and `until`, the asyncio tests' wait for a condition with a deadline."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    """Wait for a condition with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not check():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)

@@ -18,7 +18,7 @@ from dynamo_ftctl.http1 import (
     Pool,
     ProtocolError,
 )
-from tests.loopback import Handler, Server
+from tests.loopback import Handler, Server, until
 
 T = TypeVar("T")
 
@@ -67,15 +67,6 @@ def run_with(handler: Handler, scenario: Callable[[Server, Pool], Awaitable[T]])
                 pool.close()
 
     return run(go)
-
-
-async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait for a condition with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 def test_content_length_answers_reuse_one_connection() -> None:

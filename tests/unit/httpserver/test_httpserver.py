@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import pytest
 
 from dynamo_ftctl.httpserver import Reply, Request, Server, Stream, call_asgi, start_server
+from tests.loopback import until
 
 T = TypeVar("T")
 
@@ -19,15 +20,6 @@ def run(coro: Awaitable[T]) -> T:
     async def bounded() -> T:
         return await asyncio.wait_for(coro, 30)
     return asyncio.run(bounded())
-
-
-async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait for a condition with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 async def echo(request: Request) -> Reply:

@@ -16,6 +16,7 @@ from aiohttp import web
 from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
 from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, build_app, front_door
+from tests.loopback import until
 
 MODEL = "fake-model"
 
@@ -476,15 +477,6 @@ def _http_scope(path: str) -> dict[str, Any]:
             "root_path": ""}
 
 
-async def _until(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait for a condition with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.parametrize("streamed", [True, False])
 def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
                                                         streamed: bool) -> None:
@@ -507,11 +499,11 @@ def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
                 sent.append(message)
 
             call = asyncio.ensure_future(c.app(_http_scope("/v1/completions"), receive, send))
-            await _until(lambda: bool(slow.requests))
+            await until(lambda: bool(slow.requests))
             left.set()
             await asyncio.wait({call}, timeout=3)  # no outside cancel: the proxy must end it
             assert call.done()
-            await _until(lambda: slow.disconnects == 1)
+            await until(lambda: slow.disconnects == 1)
             assert c.proxy.router.slots["w0"].outstanding == 0
     run(go())
 
@@ -529,13 +521,13 @@ def test_lean_front_door_client_hang_up_cancels_the_upstream_request(
             body = json.dumps({**BODY, "stream": streamed}).encode()
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nContent-Type: "
                          b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            await _until(lambda: bool(slow.requests))
+            await until(lambda: bool(slow.requests))
             if streamed:  # the first tokens came through before the worker stalled
                 assert b"200 OK" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             writer.close()
-            await _until(lambda: slow.disconnects == 1)
-            await _until(lambda: c.proxy.router.slots["w0"].outstanding == 0)
-            await _until(lambda: not c.server.tasks)
+            await until(lambda: slow.disconnects == 1)
+            await until(lambda: c.proxy.router.slots["w0"].outstanding == 0)
+            await until(lambda: not c.server.tasks)
     run(go())
 
 
@@ -569,7 +561,7 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
                 c.proxy.router.slots["w1"].outstanding = 0
                 assert stream_text(events) == expected_text("hello world", 5, 20)
                 assert not fakes[2].requests
-                await _until(lambda: bool(reports))
+                await until(lambda: bool(reports))
                 assert reports[0]["worker"] == "w0"
                 assert reports[0]["ok"] is False
                 assert reports[0]["source"] == "proxy"
