@@ -19,6 +19,11 @@ side of `dynamo_ftctl.http1`.
   upstream instead of filling this process's memory.
 - A client that hangs up cancels its handler's task (the upstream request
   ends with it).
+- Timeouts: a connection idle between requests is closed after
+  `idle_timeout_s` (60 s), and a request not read whole within
+  `request_timeout_s` (30 s) of its first byte is answered 408 (slow or stuck
+  clients do not hold sockets forever). An answer in flight has no timeout here:
+  its handler bounds it.
 - `Server.shutdown(deadline_s)`: stop accepting, close idle connections, wait
   for answers in flight until the deadline, then cancel them.
 """
@@ -38,14 +43,19 @@ from urllib.parse import unquote
 import httptools
 
 __all__ = [
-    "DEFAULT_MAX_BODY", "Handler", "Reply", "Request", "Server", "Stream", "call_asgi",
-    "start_server",
+    "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_REQUEST_TIMEOUT_S", "Handler",
+    "Reply", "Request", "Server", "Stream", "call_asgi", "start_server",
 ]
 
 log = logging.getLogger("ftctl.httpserver")
 
 # A generation request is a few KiB (a long prompt as token ids: ~1 MiB); more is abuse.
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
+# Between requests on a kept-alive connection (nginx keeps 75 s, uvicorn 5 s: clients'
+# pools reuse a connection within seconds, and a close under a reuse costs them a retry).
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+# From a request's first byte to its last (nginx: 60 s for the head, 60 s between body reads).
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
 # Request line and headers together: as much as common servers allow (nginx: 4 x 8 KiB).
 _MAX_HEAD = 64 * 1024
 # The client socket's write buffer above which a `Stream` is no longer pulled.
@@ -140,6 +150,8 @@ class _Connection(asyncio.Protocol):
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._head_sent = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False  # a request's first byte came, its last not yet
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -148,6 +160,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
         self.server.connections.add(self)
+        self._arm(self.server.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self.discarding:
@@ -162,6 +175,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
         self.closed = True
+        self._disarm()
         self.server.connections.discard(self)
         self.pending.clear()
         if self.task is not None and not self.task.done():
@@ -187,6 +201,8 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        self._reading = True
+        self._arm(self.server.request_timeout_s)
         self._url = b""
         self._headers = []
         self._body = []
@@ -224,6 +240,8 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._reading = False
+        self._disarm()
         parts = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
@@ -245,6 +263,26 @@ class _Connection(asyncio.Protocol):
                 self.discarding = True
             assert self.transport is not None
             self.transport.pause_reading()
+
+    # -- timeouts
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        if seconds > 0 and not self.closed:
+            self._timer = self.loop.call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.task is not None:
+            return  # answering: the idle or request clock starts again after the answer
+        if self._reading:
+            self.fail(408, f"request not received within {self.server.request_timeout_s:g} s")
+        else:
+            self.hang_up()  # idle: the client may reconnect at any time
 
     # -- answering
     def too_large(self) -> None:
@@ -285,6 +323,8 @@ class _Connection(asyncio.Protocol):
                     self.hang_up()
                     return
                 if not self.pending:
+                    self._arm(self.server.request_timeout_s if self._reading
+                              else self.server.idle_timeout_s)
                     return
                 request, keep_alive, http11 = self.pending.popleft()
                 if not self.pending and self.transport is not None:
@@ -342,9 +382,13 @@ class _Connection(asyncio.Protocol):
 class Server:
     """The listening sockets, live connections and handler tasks of one server."""
 
-    def __init__(self, handler: Handler, *, max_body: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(self, handler: Handler, *, max_body: int = DEFAULT_MAX_BODY,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         self.handler = handler
         self.max_body = max_body
+        self.idle_timeout_s = idle_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
@@ -430,9 +474,12 @@ async def call_asgi(app: Callable[..., Awaitable[None]], request: Request) -> Re
 
 
 async def start_server(handler: Handler, host: str, port: int, *,
-                       max_body: int = DEFAULT_MAX_BODY) -> Server:
+                       max_body: int = DEFAULT_MAX_BODY,
+                       idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+                       request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Server:
     """A `Server` listening on `host:port` (an IPv6 host without brackets)."""
-    server = Server(handler, max_body=max_body)
+    server = Server(handler, max_body=max_body, idle_timeout_s=idle_timeout_s,
+                    request_timeout_s=request_timeout_s)
     await server.listen(host, port)
     return server
 

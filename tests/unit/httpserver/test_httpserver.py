@@ -429,3 +429,48 @@ def test_ipv6_listen_address_is_bracketed() -> None:
         finally:
             await server.shutdown(1.0)
     run(go())
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_idle_timeout() -> None:
+    """A connection idle between requests (or before its first) is hung up; answers reset it."""
+    async def test(server: Server) -> None:
+        silent = await Client.connect(server)  # never sends a byte
+        client = await Client.connect(server)
+        loop = asyncio.get_running_loop()
+        for _ in range(3):  # each answer starts the idle clock again
+            client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await client.response())[0] == 200
+            await asyncio.sleep(0.1)  # a tenth of the idle timeout: still open
+        started = loop.time()
+        assert await client.closed()
+        assert 0.5 < loop.time() - started < 5
+        assert await silent.closed()
+    serving(echo, test, idle_timeout_s=1.0)
+
+
+def test_a_request_not_read_whole_in_time_is_answered_408() -> None:
+    """A client that sends half a head (or half a body) and stalls gets 408 and a hang-up."""
+    async def test(server: Server) -> None:
+        for partial in (b"GET /a HTTP/1.1\r\nHost:", b"POST /a HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 10\r\n\r\nhalf"):
+            client = await Client.connect(server)
+            client.send(partial)
+            status, _, body = await client.response()
+            assert status == 408
+            assert b"not received within 0.3 s" in body
+            assert await client.closed()
+    serving(echo, test, request_timeout_s=0.3, idle_timeout_s=30)
+
+
+def test_a_slow_answer_is_not_cut_by_the_timeouts() -> None:
+    """An answer that takes longer than both timeouts still arrives whole."""
+    async def slow(request: Request) -> Reply:
+        await asyncio.sleep(0.6)
+        return await echo(request)
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[0] == 200
+        client.close()
+    serving(slow, test, request_timeout_s=0.2, idle_timeout_s=0.2)
