@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 
 if TYPE_CHECKING:
@@ -411,11 +412,9 @@ class StopResult:
 
 
 def _is_sim_process(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"dynamo_ftctl" in cmdline and b"serve" in cmdline
+    args = procfs.cmdline(pid)
+    raw = b"\0".join(args or ())
+    return b"dynamo_ftctl" in raw and b"serve" in raw
 
 
 def _gone(pid: int) -> bool:
@@ -426,10 +425,8 @@ def _gone(pid: int) -> bool:
     except PermissionError:
         return False
     # A zombie child of someone else still answers kill(0); /proc tells.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except (OSError, IndexError):
-        return True
+    state = procfs.stat(pid)
+    return state is None or state[0] == "Z"
 
 
 def stop_cluster(

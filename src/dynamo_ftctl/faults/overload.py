@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import Unreachable
 
 __all__ = ["OverloadLoad", "main", "start_overload", "stop_overload"]
@@ -60,28 +61,13 @@ class OverloadLoad:
         return argv
 
 
-_PROC = Path("/proc")
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time) of `pid` from /proc, or None once it is gone."""
-    try:
-        fields = (_PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0], fields[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _identify(pid: int) -> str | None:
     """The start time of `pid` while it is a live process running this module, else None."""
-    stat = _stat(pid)
-    try:
-        cmdline = (_PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
-    except OSError:
+    state = procfs.stat(pid)
+    args = procfs.cmdline(pid)
+    if state is None or args is None or state[0] == "Z" or _MODULE.encode() not in args:
         return None
-    if stat is None or stat[0] == "Z" or _MODULE.encode() not in cmdline:
-        return None
-    return stat[1]
+    return state[1]
 
 
 def _alive(pid: int, started: str) -> bool:
@@ -91,8 +77,8 @@ def _alive(pid: int, started: str) -> bool:
     down (its memory is gone, its sockets not yet closed), and such a process
     has not ended.
     """
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z" and stat[1] == started
+    state = procfs.stat(pid)
+    return state is not None and state[0] != "Z" and state[1] == started
 
 
 def _reap(pid: int) -> None:

@@ -396,13 +396,14 @@ def test_stop_overload_waits_for_an_exiting_load_to_end(
     sockets not yet closed) has not ended: the revert waits until it is a zombie."""
     import threading
 
+    from dynamo_ftctl import procfs
     from dynamo_ftctl.faults import overload
 
     proc = tmp_path / "proc" / "4242"
     proc.mkdir(parents=True)
 
     def stat(state: str) -> str:
-        return f"4242 (python) {state} 1 4242 4242" + " 0" * 13 + " 777 0 0\n"
+        return f"4242 (python) {state} 1 4242 4242" + " 0" * 15 + " 777 0 0\n"
 
     (proc / "stat").write_text(stat("S"))
     (proc / "cmdline").write_bytes(b"python\0-m\0dynamo_ftctl.faults.overload\0--url\0x\0")
@@ -420,7 +421,7 @@ def test_stop_overload_waits_for_an_exiting_load_to_end(
         (proc / "stat").write_text(stat("R"))
         threading.Timer(0.3, finish).start()
 
-    monkeypatch.setattr(overload, "_PROC", tmp_path / "proc")
+    monkeypatch.setattr(procfs, "PROC", tmp_path / "proc")
     monkeypatch.setattr(overload.os, "kill", fake_kill)
     pid_file = tmp_path / "load.json"
     pid_file.write_text(json.dumps({"pid": 4242}))
