@@ -59,15 +59,15 @@ _COMPLETION_PARAMS = frozenset({"install_completion", "show_completion"})
 class LazyGroup(TyperGroup):
     """A click group whose subcommands are imported on first use."""
 
-    # Commands that ended by Ctrl-C (KeyboardInterrupt), which typer turns into a
+    # How many commands ended by Ctrl-C (KeyboardInterrupt), which typer turns into a
     # silent exit 130 before main() could say so.
-    interrupted: ClassVar[list[str]] = []
+    interrupted: ClassVar[int] = 0
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            LazyGroup.interrupted.append(ctx.invoked_subcommand or "")
+            LazyGroup.interrupted += 1
             raise
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     command = typer.main.get_command(app)
 
     def run() -> int:
-        interrupted = len(LazyGroup.interrupted)
+        interrupted = LazyGroup.interrupted
         try:
             rc: Any = command.main(args=args, prog_name="ftctl", standalone_mode=False)
         except click.exceptions.Abort:
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         except click.ClickException as exc:
             exc.show()
             return int(ExitCode.USAGE) if isinstance(exc, click.UsageError) else exc.exit_code
-        if len(LazyGroup.interrupted) > interrupted:
+        if LazyGroup.interrupted > interrupted:
             # typer turns Ctrl-C into a silent exit 130: say it, as `guarded` does.
             raise KeyboardInterrupt
         return rc if isinstance(rc, int) else 0
