@@ -87,7 +87,11 @@ def test_slow_worker_is_a_latency_spike_after_a_baseline(
 def test_hung_worker_times_out_with_exit_three(sim_worker: SimWorker, tmp_path: Path) -> None:
     """A hung worker (requests stall, no answer) is unreachable: exit 3 within about one timeout."""
     fault(sim_worker, kind="hang", duration_s=20)
-    time.sleep(0.2)  # the fault starts 50 ms after the admin call answers
+    deadline = time.monotonic() + 10
+    while not httpx.get(f"{sim_worker.url}/admin/fault", timeout=5, headers={
+            "Authorization": f"Bearer {sim_worker.admin_token}"}).json()["hung"]:
+        assert time.monotonic() < deadline, "the hang fault never took effect"
+        time.sleep(0.01)  # polling GET /admin/fault for the hang, with a deadline
     rc, doc, _, elapsed = canary(sim_worker.url, tmp_path / "s.json", "--timeout", "1")
     assert rc == 3
     assert doc["workers"][0]["verdict"] == "unreachable"
