@@ -15,10 +15,12 @@
    after the kill (goal <= 100 ms), (b) by probes alone (goal <= interval +
    timeout), timed from the kill to the transition's own timestamp.
 
-`same, full CLI` is the probe with the console script's fast path off
-(FTCTL_NO_FAST_PATH=1: typer and click parse the arguments). `--one-shot`
-runs part 1 only. The machine is shared and noisy: run this two or three
-times and quote medians.
+`same, no lean start/exit` is the fast path run through `entry.main()` rather
+than the console script's `entry.console()`: garbage collector on, msgspec
+importing typing_extensions, interpreter teardown at exit. `same, full CLI` is
+the probe with the console script's fast path off (FTCTL_NO_FAST_PATH=1: typer
+and click parse the arguments). `--one-shot` runs part 1 only. The machine is
+shared and noisy: run this two or three times and quote medians.
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def _wall(argv: list[str], ok: tuple[int, ...] = (0,)) -> float:
     return elapsed
 
 
+# The fast path through `main()`, as the console script ran it before `console()`:
+# with the garbage collector on, msgspec importing typing_extensions, and the
+# interpreter torn down at exit.
+_PLAIN_MAIN = "import sys; from dynamo_ftctl.cli.entry import main; sys.exit(main())"
+
+
 def one_shot(url: str) -> None:
     cases = {
         "python -c pass": [sys.executable, "-c", "pass"],
@@ -78,6 +86,8 @@ def one_shot(url: str) -> None:
                                   str(ROOT / "examples" / "local.yaml")],
         "ftctl canary (1 worker)": [BIN_FTCTL, "canary", "--url", url, "--set", str(SET),
                                     "--no-state"],
+        "same, no lean start/exit": [sys.executable, "-c", _PLAIN_MAIN, "canary", "--url", url,
+                                     "--set", str(SET), "--no-state"],
         "same, full CLI": ["env", "FTCTL_NO_FAST_PATH=1", BIN_FTCTL, "canary", "--url", url,
                            "--set", str(SET), "--no-state"],
     }

@@ -1,5 +1,5 @@
-"""`python -m dynamo_ftctl` runs the `ftctl` command line."""
+"""`python -m dynamo_ftctl` runs the `ftctl` command line, as the console script does."""
 
-from dynamo_ftctl.cli.entry import main
+from dynamo_ftctl.cli.entry import console
 
-raise SystemExit(main())
+raise SystemExit(console())

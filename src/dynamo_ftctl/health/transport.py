@@ -153,8 +153,12 @@ class Http1Transport:
         https = parts.scheme == "https"
         port = parts.port or (443 if https else 80)
         deadline = time.monotonic() + timeout_s
+        # An ASCII host goes as bytes: getaddrinfo then skips the IDNA codec, whose
+        # import (with stringprep and unicodedata) costs a probe a few ms. (It takes
+        # bytes; typeshed's create_connection admits only str.)
+        address = (host.encode("ascii") if host.isascii() else host, port)
         try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
+            sock = socket.create_connection(address, timeout=timeout_s)  # type: ignore[arg-type]
         except ConnectionRefusedError:
             raise TransportError("refused", f"connection refused by {parts.netloc}") from None
         except TimeoutError:

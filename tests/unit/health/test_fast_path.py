@@ -146,3 +146,80 @@ def test_fast_path_skips_the_cli_framework(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=False, cwd=tmp_path, env=env)
     assert proc.stderr.strip().splitlines()[-1] == "3 []"
+
+
+def _console(tmp_path: Path, *argv: str, setup: str = "") -> subprocess.CompletedProcess[str]:
+    """`entry.console()` in a fresh interpreter, as the `ftctl` script runs it; an atexit
+    hook reports on stderr whether the collector is on and what was imported."""
+    code = (
+        "import atexit, gc, sys\n"
+        f"{setup}\n"
+        "def report():\n"
+        "    seen = sorted(m for m in ('click', 'typer', 'typing_extensions', 'inspect')\n"
+        "                  if m in sys.modules)\n"
+        "    print('gc', gc.isenabled(), seen, file=sys.stderr)\n"
+        "atexit.register(report)\n"
+        f"sys.argv = ['ftctl', *{list(argv)!r}]\n"
+        "from dynamo_ftctl.cli.entry import console\n"
+        "sys.exit(console())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FTCTL_NO_FAST_PATH"}
+    env["FTCTL_INVENTORY"] = ""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=tmp_path, env=env)
+
+
+def test_console_probe_starts_and_ends_lean(tmp_path: Path) -> None:
+    """The console script's one-shot probe: no collector, no typing_extensions or inspect,
+    and a quick exit that still runs atexit hooks and flushes the report."""
+    proc = _console(tmp_path, "canary", "--url", "http://127.0.0.1:9", "--set", SET,
+                    "--no-state")
+    assert proc.returncode == 3, proc.stderr
+    assert "UNREACHABLE" in proc.stdout
+    assert proc.stdout.endswith("\n")
+    assert proc.stderr.strip().splitlines()[-1] == "gc False []"
+
+
+def test_console_hands_other_canary_commands_to_the_full_cli_with_the_collector_on(
+    tmp_path: Path,
+) -> None:
+    proc = _console(tmp_path, "canary", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--watch" in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("gc True ")
+    assert "typer" in last
+
+
+def test_quick_exit_runs_atexit_hooks_then_flushes_stdio(tmp_path: Path) -> None:
+    code = (
+        "import atexit, sys\n"
+        "from dynamo_ftctl.cli.entry import _quick_exit\n"
+        "atexit.register(lambda: sys.stdout.write(' and the hook'))\n"
+        "sys.stdout.write('buffered')\n"
+        "sys.stderr.write('err')\n"
+        "_quick_exit(5)\n"
+        "sys.stdout.write('never')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=tmp_path)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (5, "buffered and the hook", "err")
+
+
+@pytest.mark.parametrize("max_tokens", ["lots", "0"])  # a type, an Annotated constraint
+def test_msgspec_without_typing_extensions_validates_sets_alike(
+    max_tokens: str, tmp_path: Path,
+) -> None:
+    """msgspec imported lean (as the console script does) gives the same file:line errors."""
+    from dynamo_ftctl.errors import InventoryError
+    from dynamo_ftctl.health.canaryset import load_canary_set
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"model: m\nprompts:\n- name: p\n  prompt: hi\n  max_tokens: {max_tokens}\n")
+    with pytest.raises(InventoryError) as caught:
+        load_canary_set(bad)
+    assert "typing_extensions" in sys.modules  # this process: msgspec saw it
+    proc = _console(tmp_path, "canary", "--url", "http://127.0.0.1:9", "--set", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == f"error: {caught.value}"
+    assert proc.stderr.strip().splitlines()[-1] == "gc False []"
