@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 # Debian packages the integration tests and benchmarks run for real.
-DEBS   := etcd-server:etcd prometheus:promtool wrk:wrk man-db:man
+DEBS   := etcd-server:etcd prometheus:promtool wrk:wrk man-db:man openssl:openssl
 
 .PHONY: demo test lint unit man bench debs venv dev clean
 

@@ -25,6 +25,8 @@ from urllib.parse import urlsplit
 import msgspec
 
 if TYPE_CHECKING:
+    import _socket
+
     import aiohttp
 
 __all__ = [
@@ -146,19 +148,13 @@ class Http1Transport:
 
     def post_json(self, url: str, body: bytes, *, timeout_s: float,
                   headers: Mapping[str, str] | None = None) -> HttpReply:
-        import socket
-
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
         https = parts.scheme == "https"
         port = parts.port or (443 if https else 80)
         deadline = time.monotonic() + timeout_s
-        # An ASCII host goes as bytes: getaddrinfo then skips the IDNA codec, whose
-        # import (with stringprep and unicodedata) costs a probe a few ms. (It takes
-        # bytes; typeshed's create_connection admits only str.)
-        address = (host.encode("ascii") if host.isascii() else host, port)
         try:
-            sock = socket.create_connection(address, timeout=timeout_s)  # type: ignore[arg-type]
+            sock: Any = _connect(host, port, timeout_s)
         except ConnectionRefusedError:
             raise TransportError("refused", f"connection refused by {parts.netloc}") from None
         except TimeoutError:
@@ -169,9 +165,12 @@ class Http1Transport:
         reply = _Reply(self.max_bytes)
         try:
             if https:
+                import socket
                 import ssl
 
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                plain = socket.socket(fileno=sock.detach())  # ssl wraps socket.socket only
+                plain.settimeout(timeout_s)
+                sock = ssl.create_default_context().wrap_socket(plain, server_hostname=host)
             sock.sendall(_request(parts.netloc, parts.path or "/", parts.query, body, headers))
             status = _read(sock, reply, deadline)
         except TransportError:
@@ -186,6 +185,33 @@ class Http1Transport:
         finally:
             sock.close()
         return HttpReply(status, bytes(reply.body), reply.content_type)
+
+
+def _connect(host: str, port: int, timeout_s: float) -> _socket.socket:
+    """A connected socket, as `socket.create_connection` makes one, from `_socket` alone.
+
+    Importing the `socket` module costs a probe 5-10 ms (it builds enums of every
+    constant and imports `selectors`); a probe needs getaddrinfo and connect. An
+    ASCII host goes to getaddrinfo as bytes, which skips the IDNA codec and its
+    imports (`stringprep`, `unicodedata`). Like `create_connection`, each address
+    is tried in turn and the first error is raised when none connects.
+    """
+    import _socket
+
+    name = host.encode("ascii") if host.isascii() else host
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in _socket.getaddrinfo(name, port, 0,
+                                                               _socket.SOCK_STREAM):
+        sock = _socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            errors.append(exc)
+            continue
+        return sock
+    raise errors[0] if errors else OSError(f"no address for {host}")
 
 
 def _request(netloc: str, path: str, query: str, body: bytes,

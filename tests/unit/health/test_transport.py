@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +21,8 @@ Script = Callable[[socket.socket, bytes], None]
 class RawServer:
     """Accepts connections on 127.0.0.1 and runs `script(conn, request)` on each."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+        self.tls = tls
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.sock.settimeout(0.2)
         self.port = self.sock.getsockname()[1]
@@ -38,6 +42,12 @@ class RawServer:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
+            if self.tls is not None:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except (OSError, ssl.SSLError):  # a client that refused the certificate
+                    conn.close()
+                    continue
             with conn:
                 conn.settimeout(5)
                 request = _read_request(conn)
@@ -183,3 +193,56 @@ def test_refused_port_is_refused() -> None:
                                    timeout_s=2)
     assert err.value.kind == "refused"
     assert f"127.0.0.1:{port}" in err.value.message
+
+
+def test_a_name_with_several_addresses_tries_each(server: RawServer) -> None:
+    """`localhost` may resolve to ::1 first, where nothing listens; 127.0.0.1 answers."""
+    server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+    reply = Http1Transport().post_json(f"http://localhost:{server.port}/v1/completions",
+                                       b"{}", timeout_s=5)
+    assert (reply.status, reply.body) == (200, b"{}")
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawServer]:
+    """A loopback server with a self-signed certificate for 127.0.0.1 that clients trust."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read by ssl.create_default_context()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    srv = RawServer(tls=context)
+    try:
+        yield srv
+    finally:
+        srv.stop.set()
+        srv.thread.join(timeout=5)
+        srv.sock.close()
+
+
+def test_https_answer_over_verified_tls(tls_server: RawServer) -> None:
+    tls_server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 8\r\n\r\n{\"a\": 1}")
+    url = f"https://127.0.0.1:{tls_server.port}/v1/completions"
+    reply = Http1Transport().post_json(url, b'{"q": 2}', timeout_s=5)
+    assert (reply.status, reply.body, reply.content_type) == (200, b'{"a": 1}',
+                                                              "application/json")
+    assert tls_server.requests[0].endswith(b'{"q": 2}')
+
+
+def test_https_silence_is_a_timeout(tls_server: RawServer) -> None:
+    """The deadline still holds once the socket is wrapped for TLS."""
+    release = threading.Event()
+    tls_server.script = lambda conn, _: release.wait(5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransportError) as err:
+            Http1Transport().post_json(f"https://127.0.0.1:{tls_server.port}/", b"{}",
+                                       timeout_s=0.3)
+    finally:
+        release.set()
+    assert err.value.kind == "timeout"
+    assert time.monotonic() - start < 3
