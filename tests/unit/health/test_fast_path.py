@@ -155,7 +155,8 @@ def _console(tmp_path: Path, *argv: str, setup: str = "") -> subprocess.Complete
         "import atexit, gc, sys\n"
         f"{setup}\n"
         "def report():\n"
-        "    seen = sorted(m for m in ('click', 'typer', 'typing_extensions', 'inspect')\n"
+        "    seen = sorted(m for m in ('click', 'typer', 'typing_extensions', 'inspect',\n"
+        "                              'socket', 'encodings.idna')\n"
         "                  if m in sys.modules)\n"
         "    print('gc', gc.isenabled(), seen, file=sys.stderr)\n"
         "atexit.register(report)\n"
@@ -170,8 +171,9 @@ def _console(tmp_path: Path, *argv: str, setup: str = "") -> subprocess.Complete
 
 
 def test_console_probe_starts_and_ends_lean(tmp_path: Path) -> None:
-    """The console script's one-shot probe: no collector, no typing_extensions or inspect,
-    and a quick exit that still runs atexit hooks and flushes the report."""
+    """The console script's one-shot probe: no collector, none of the costly imports (the
+    socket module, the IDNA codec, typing_extensions and its inspect), and a quick exit
+    that still runs atexit hooks and flushes the report."""
     proc = _console(tmp_path, "canary", "--url", "http://127.0.0.1:9", "--set", SET,
                     "--no-state")
     assert proc.returncode == 3, proc.stderr
