@@ -68,15 +68,20 @@ def _read_request(conn: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-@pytest.fixture
-def server() -> Iterator[RawServer]:
-    srv = RawServer()
+@contextlib.contextmanager
+def _running(srv: RawServer) -> Iterator[RawServer]:
     try:
         yield srv
     finally:
         srv.stop.set()
         srv.thread.join(timeout=5)
         srv.sock.close()
+
+
+@pytest.fixture
+def server() -> Iterator[RawServer]:
+    with _running(RawServer()) as srv:
+        yield srv
 
 
 def _send(raw: bytes) -> Script:
@@ -214,13 +219,8 @@ def tls_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawS
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read by ssl.create_default_context()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
-    srv = RawServer(tls=context)
-    try:
+    with _running(RawServer(tls=context)) as srv:
         yield srv
-    finally:
-        srv.stop.set()
-        srv.thread.join(timeout=5)
-        srv.sock.close()
 
 
 def test_https_answer_over_verified_tls(tls_server: RawServer) -> None:
