@@ -7,6 +7,7 @@ without the CLI framework: where the inventory is, and the one error boundary.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -64,6 +65,34 @@ def guarded(call: Callable[[], int], *, debug: bool) -> int:
         sys.stderr.write("interrupted\n")
         return int(ExitCode.INTERRUPTED)
     except BrokenPipeError:
-        # `ftctl ... | head`: the reader left; that is not our failure.
-        sys.stderr.close()
-        return 0
+        # `ftctl ... | head`: the reader left. Silently exit 1, as click does for the
+        # full CLI (the fast paths answer alike).
+        _silence_stdout()
+        return int(ExitCode.FAILED)
+    except OSError as exc:
+        if exc.errno not in _WRITE_REFUSED:
+            raise
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _silence_stdout()
+        from dynamo_ftctl.output import error
+
+        error(f"cannot write {exc.filename or 'output'}: {exc.strerror}")
+        return int(ExitCode.FAILED)
+
+
+# The system refused a write (`> /dev/full`, a full or read-only disk): one line, exit 1.
+_WRITE_REFUSED = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS))
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: what a failed write left buffered is dropped at exit
+    rather than failing again there (Python would print an error and exit 120)."""
+    import contextlib
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no real stdout
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)

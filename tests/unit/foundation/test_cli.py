@@ -171,3 +171,39 @@ def test_show_off_a_terminal_prints_whole_values() -> None:
                                 "notes"]
     assert "http://127.0.0.1:8101" in lines[2]
     assert "xid94" in lines[2]
+
+
+PROBE_REFUSED = ("canary", "--url", "http://127.0.0.1:9", "--set",
+                 str(ROOT / "canaries" / "ftctl-sim-tiny.yaml"), "--no-state")
+
+
+@pytest.mark.parametrize("argv", [
+    ("--json", "inventory", "check", str(LOCAL)),  # the full CLI
+    PROBE_REFUSED,                                  # the lean one-shot probe
+])
+def test_a_refused_write_is_one_line_and_exit_1(argv: tuple[str, ...]) -> None:
+    """`> /dev/full` (a full disk): one error line, no traceback, nothing more at exit."""
+    with open("/dev/full", "w") as full:  # noqa: PTH123 (a device, not a path to build)
+        proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+                              cwd=ROOT, env={**os.environ, "FTCTL_INVENTORY": ""})
+    assert proc.returncode == 1
+    assert proc.stderr == "error: cannot write output: No space left on device\n"
+
+
+@pytest.mark.parametrize("argv", [
+    ("--json", "inventory", "check", str(LOCAL)),
+    PROBE_REFUSED,
+])
+def test_a_reader_that_left_ends_it_silently(argv: tuple[str, ...]) -> None:
+    """`ftctl ... | head -0`: the pipe is closed before the answer. Exit 1 (click's choice
+    for the full CLI, which the fast path follows) and not a word on stderr."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", *argv], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+                              cwd=ROOT, env={**os.environ, "FTCTL_INVENTORY": ""})
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (1, "")
