@@ -53,14 +53,7 @@ def guarded(call: Callable[[], int], *, debug: bool) -> int:
     try:
         return call()
     except FtctlError as exc:
-        if debug:
-            import traceback
-
-            traceback.print_exc()
-        from dynamo_ftctl.output import error
-
-        error(str(exc))
-        return int(exc.exit_code)
+        return _report(exc, debug=debug)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return int(ExitCode.INTERRUPTED)
@@ -72,15 +65,22 @@ def guarded(call: Callable[[], int], *, debug: bool) -> int:
     except OSError as exc:
         if exc.errno not in _WRITE_REFUSED:
             raise
-        if debug:
-            import traceback
-
-            traceback.print_exc()
         _silence_stdout()
-        from dynamo_ftctl.output import error
+        return _report(FtctlError(f"cannot write {exc.filename or 'output'}: {exc.strerror}"),
+                       debug=debug)
 
-        error(f"cannot write {exc.filename or 'output'}: {exc.strerror}")
-        return int(ExitCode.FAILED)
+
+def _report(exc: FtctlError, *, debug: bool) -> int:
+    """Say `exc` in one line on stderr (after the traceback being handled, with `debug`);
+    its exit code. Called from an `except` block."""
+    if debug:
+        import traceback
+
+        traceback.print_exc()
+    from dynamo_ftctl.output import error
+
+    error(str(exc))
+    return int(exc.exit_code)
 
 
 # The system refused a write (`> /dev/full`, a full or read-only disk): one line, exit 1.

@@ -20,7 +20,7 @@ around its work, about a third of its wall time on a 2-core VM:
   cost about 20 ms, more than the probe's own requests).
 
 `main(argv)` is the same dispatch for callers in a process that lives on (tests,
-`python -m dynamo_ftctl`): it returns the exit code and changes nothing global.
+scripts): it returns the exit code and changes nothing global.
 """
 
 from __future__ import annotations
@@ -44,19 +44,23 @@ def _fast(args: list[str]) -> int | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run `ftctl` with `argv` (default: `sys.argv[1:]`); its exit code."""
-    args = sys.argv[1:] if argv is None else argv
-    rc = _fast(args)
-    if rc is not None:
-        return rc
+def _full(args: list[str]) -> int:
+    """The exit code of `args` run by the full CLI (typer and click)."""
     from dynamo_ftctl.cli.main import main as run
 
     return run(args)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Run `ftctl` with `argv` (default: `sys.argv[1:]`); its exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    rc = _fast(args)
+    return rc if rc is not None else _full(args)
+
+
 def console() -> int:
-    """The `ftctl` console script: `main`, with a lean start and end for the fast paths."""
+    """The `ftctl` console script (and `python -m dynamo_ftctl`): `main`, with a lean
+    start and end for the one-shot probe."""
     args = sys.argv[1:]
     if "canary" not in args:
         return main(args)
@@ -68,9 +72,7 @@ def console() -> int:
     if rc is not None:
         _quick_exit(rc)
     gc.enable()
-    from dynamo_ftctl.cli.main import main as run
-
-    return run(args)
+    return _full(args)
 
 
 def _import_msgspec_lean() -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,6 +178,13 @@ PROBE_REFUSED = ("canary", "--url", "http://127.0.0.1:9", "--set",
                  str(ROOT / "canaries" / "ftctl-sim-tiny.yaml"), "--no-state")
 
 
+def ftctl_to(stdout: Any, argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """`ftctl argv` with its stdout on `stdout` (a file or descriptor); stderr captured."""
+    return subprocess.run([sys.executable, "-m", "dynamo_ftctl", *argv], stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=120, check=False,
+                          cwd=ROOT, env={**os.environ, "FTCTL_INVENTORY": ""})
+
+
 @pytest.mark.parametrize("argv", [
     ("--json", "inventory", "check", str(LOCAL)),  # the full CLI
     PROBE_REFUSED,                                  # the lean one-shot probe
@@ -184,9 +192,7 @@ PROBE_REFUSED = ("canary", "--url", "http://127.0.0.1:9", "--set",
 def test_a_refused_write_is_one_line_and_exit_1(argv: tuple[str, ...]) -> None:
     """`> /dev/full` (a full disk): one error line, no traceback, nothing more at exit."""
     with open("/dev/full", "w") as full:  # noqa: PTH123 (a device, not a path to build)
-        proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", *argv], stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=120, check=False,
-                              cwd=ROOT, env={**os.environ, "FTCTL_INVENTORY": ""})
+        proc = ftctl_to(full, argv)
     assert proc.returncode == 1
     assert proc.stderr == "error: cannot write output: No space left on device\n"
 
@@ -201,9 +207,7 @@ def test_a_reader_that_left_ends_it_silently(argv: tuple[str, ...]) -> None:
     read, write = os.pipe()
     os.close(read)
     try:
-        proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", *argv], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=120, check=False,
-                              cwd=ROOT, env={**os.environ, "FTCTL_INVENTORY": ""})
+        proc = ftctl_to(write, argv)
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (1, "")
