@@ -32,7 +32,7 @@
 #endif
 
 /* Bumped whenever an exported signature changes or one is added; native.py checks it. */
-int ftctl_rowcopy_abi(void) { return 5; }
+int ftctl_rowcopy_abi(void) { return 6; }
 
 static void copy_streaming(char *dst, const char *src, int64_t bytes) {
 #ifdef FTCTL_SSE2
@@ -61,11 +61,22 @@ struct rows_job {
     int stream;
 };
 
+/* How many rows ahead a copy touches the first line of both sides' rows: scattered rows
+ * each start with a TLB walk and a DRAM miss, which then overlap the rows in between
+ * instead of stalling each row in turn (measured, 1k random 4 KiB rows from cold caches,
+ * in C: 15% faster; one line, not the row: the hardware prefetcher takes it from there). */
+#define FTCTL_AHEAD 4
+
 static void copy_range(const struct rows_job *job) {
     int streamed = job->stream && ((uintptr_t)job->dst % 16 == 0) && (job->dst_stride % 16 == 0);
     for (int64_t i = job->begin; i < job->end; i++) {
         char *d = job->dst + (job->dst_ids ? job->dst_ids[i] : i) * job->dst_stride;
         const char *s = job->src + (job->src_ids ? job->src_ids[i] : i) * job->src_stride;
+        if (i + FTCTL_AHEAD < job->end) {
+            int64_t k = i + FTCTL_AHEAD;
+            __builtin_prefetch(job->dst + (job->dst_ids ? job->dst_ids[k] : k) * job->dst_stride, 1);
+            __builtin_prefetch(job->src + (job->src_ids ? job->src_ids[k] : k) * job->src_stride, 0);
+        }
         if (streamed)
             copy_streaming(d, s, job->row_bytes);
         else
@@ -364,5 +375,75 @@ int ftctl_sort_pairs(const int64_t *key, const int64_t *other, int64_t n, int64_
         }
     }
     free(slot);
+    return 0;
+}
+
+struct pair {
+    int64_t key, other;
+};
+
+static int by_key(const void *a, const void *b) {
+    int64_t x = ((const struct pair *)a)->key, y = ((const struct pair *)b)->key;
+    return (x > y) - (x < y);
+}
+
+/* As ftctl_sort_pairs, for any n distinct checked ids: a counting sort when the cache has
+ * few more slots than ids (one pass over num_blocks), else qsort. out holds 2n: the sorted
+ * keys, then the others. Returns 0, or -2 when out of memory. */
+static int sort_by_key(const int64_t *key, const int64_t *other, int64_t n, int64_t num_blocks,
+                       int64_t *out) {
+    if (num_blocks <= 16 * n + 4096) return ftctl_sort_pairs(key, other, n, num_blocks, out, out + n);
+    struct pair *pairs = malloc((size_t)n * sizeof(struct pair));
+    if (!pairs) return -2;
+    for (int64_t i = 0; i < n; i++) pairs[i] = (struct pair){key[i], other[i]};
+    qsort(pairs, (size_t)n, sizeof(struct pair), by_key);
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = pairs[i].key;
+        out[n + i] = pairs[i].other;
+    }
+    free(pairs);
+    return 0;
+}
+
+/* One whole host copy, in one call: check both id lists (as ftctl_check_ids), order the
+ * rows, then copy n rows of row_bytes in each of `layers` layers. `at` holds 4 * layers
+ * values: the destination layers' addresses, the source layers', then their row strides
+ * in bytes (destination, source). A side whose ids are one ascending run is copied as a
+ * slice. When the source is not a run and either the destination is not one either or
+ * the copy streams its stores (n * row_bytes >= stream_min), the source is read in
+ * ascending order: the reads, which stall, then walk memory forwards, while the streamed
+ * stores go anywhere at no cost. A smaller copy's stores go through the cache, which
+ * reads each destination line first: there a destination run is written in order.
+ * Returns 0, -1 when an id is out of range or repeats (the caller names it), -2 when out
+ * of memory (nothing was copied in either case). */
+int64_t ftctl_copy_blocks(int64_t layers, const int64_t *at, const int64_t *dst_ids,
+                          int64_t dst_blocks, const int64_t *src_ids, int64_t src_blocks,
+                          int64_t n, int64_t row_bytes, int64_t stream_min, int threads) {
+    if (n <= 0) return 0;
+    int64_t d_run = ftctl_check_ids(dst_ids, n, dst_blocks);
+    if (d_run == -1 || d_run == -2) return d_run;
+    int64_t s_run = ftctl_check_ids(src_ids, n, src_blocks);
+    if (s_run == -1 || s_run == -2) return s_run;
+    int stream = n * row_bytes >= stream_min;
+    const int64_t *d = dst_ids, *s = src_ids;
+    int64_t *sorted = NULL;
+    if (s_run == -4 && (d_run < 0 || stream)) { /* -3: ascending already */
+        sorted = malloc(2 * (size_t)n * sizeof(int64_t));
+        if (!sorted || sort_by_key(src_ids, dst_ids, n, src_blocks, sorted)) {
+            free(sorted);
+            return -2;
+        }
+        s = sorted;
+        d = sorted + n;
+        d_run = -4; /* a destination run is now written out of order: by its ids */
+    }
+    for (int64_t l = 0; l < layers; l++) {
+        int64_t d_stride = at[2 * layers + l], s_stride = at[3 * layers + l];
+        char *dst = (char *)(intptr_t)at[l] + (d_run >= 0 ? d_run * d_stride : 0);
+        const char *src = (const char *)(intptr_t)at[layers + l] + (s_run >= 0 ? s_run * s_stride : 0);
+        ftctl_copy_rows(dst, d_stride, src, s_stride, d_run >= 0 ? NULL : d,
+                        s_run >= 0 ? NULL : s, n, row_bytes, stream, threads);
+    }
+    free(sorted);
     return 0;
 }

@@ -44,6 +44,7 @@ This module must not know about HTTP or the wire format (`kv/wire.py`).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.kv import native as _native
 from dynamo_ftctl.kv.native import BAD_IDS, RUN_NONE
 
 if TYPE_CHECKING:
@@ -395,19 +397,16 @@ def _counting_pays(count: int, num_blocks: int) -> bool:
 
 
 def _sorted_by(
-    key: torch.Tensor, other: torch.Tensor, num_blocks: int, kernel: RowKernel | None = None,
+    key: torch.Tensor, other: torch.Tensor, num_blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`key` (distinct, validated ids of a cache of `num_blocks`) ascending, and `other`
-    in the same order: a counting sort over the cache's blocks (in C with the native
-    `kernel`) when the ids are dense enough, else argsort."""
+    in the same order: a counting sort over the cache's blocks when the ids are dense
+    enough, else argsort."""
     import numpy as np
     import torch
 
-    dense = _counting_pays(key.shape[0], num_blocks)
-    if dense and kernel is not None and (pair := kernel.sort_pairs(key, other, num_blocks)):
-        return pair
     k_arr = key.numpy()
-    if dense:
+    if _counting_pays(key.shape[0], num_blocks):
         slot = np.full(num_blocks, -1, dtype=np.int64)
         slot[k_arr] = np.arange(k_arr.shape[0], dtype=np.int64)
         order = slot[slot >= 0]
@@ -555,32 +554,90 @@ class Piece:
 
 def _kernel_copy(
     kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-    s_ids: torch.Tensor, d_ids: torch.Tensor, *, s_start: int | None, d_start: int | None,
+    s_ids: torch.Tensor, d_ids: torch.Tensor,
 ) -> CopyHandle | None:
-    """Host to host through the native kernel: one pass per layer for any ids, nothing
-    staged (None when a block's bytes are not contiguous: torch's kernels then copy).
-
-    A copy that streams its stores (`RowKernel.streams`) reads random source blocks in
-    ascending order: the reads, which stall, then walk memory forwards, while the
-    streamed stores go anywhere at no cost (measured, 100k 4 KiB blocks: 1.0-1.1x a
-    contiguous copy_, 0.72-0.77x in the callers' order). A smaller copy's stores go
-    through the cache, which reads each destination line first: there a destination
-    run is written in order and the source read as given (measured with cached stores
-    forced, 1k 4 KiB blocks on two threads: ~140 us, ~205 us with the source sorted)."""
+    """Host to host through the native kernel, for validated ids: one pass per layer for
+    any ids, nothing staged (None when a block's bytes are not contiguous: torch's
+    kernels then copy). The kernel orders the rows (`RowKernel.copy_blocks`)."""
     src_rows, dst_rows = _byte_rows(src), _byte_rows(dst)
     if src_rows is None or dst_rows is None:
         return None
+    return _native_copy(kernel, src_rows, dst_rows, s_ids, d_ids,
+                        row_bytes=src_rows[0].shape[1] * src_rows[0].element_size())
+
+
+def _native_copy(
+    kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+    s_ids: torch.Tensor, d_ids: torch.Tensor, *, row_bytes: int,
+) -> CopyHandle | None:
+    """Rows `s_ids` of every layer of `src` (blocks-first host tensors, each block's
+    `row_bytes` contiguous, one dtype) to rows `d_ids` of `dst`, in one kernel call;
+    None when the kernel refused the ids or ran out of memory (it copied nothing)."""
+    import torch
+
+    size = src[0].dtype.itemsize
+    at = [t.data_ptr() for t in dst] + [t.data_ptr() for t in src] \
+        + [t.stride(0) * size for t in dst] + [t.stride(0) * size for t in src]
+    if kernel.copy_blocks(at, d_ids, s_ids, dst_blocks=dst[0].shape[0],
+                          src_blocks=src[0].shape[0], row_bytes=row_bytes,
+                          threads=torch.get_num_threads()):
+        return None
     count = s_ids.shape[0]
-    row_bytes = src_rows[0].shape[1] * src_rows[0].element_size()
-    if s_start is None and (d_start is None or kernel.streams(count * row_bytes)):
-        s_ids, d_ids = _sorted_by(s_ids, d_ids, src[0].shape[0], kernel)
-        d_start = None  # a destination run is now written out of order: by its ids
-    s_at = s_ids if s_start is None else s_start
-    d_at = d_ids if d_start is None else d_start
-    for s, d in zip(src_rows, dst_rows, strict=True):
-        kernel.copy_rows(d, s, d_at, s_at, count)
-    return CopyHandle(blocks=count, bytes=count * row_bytes * len(src_rows),
-                      pieces=len(src_rows))
+    return CopyHandle(blocks=count, bytes=count * row_bytes * len(src), pieces=len(src))
+
+
+def _row_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of one contiguous block of a blocks-first cache of `shape`."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape[1:]):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _host_copy(
+    kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+    src_ids: object, dst_ids: object,
+) -> CopyHandle | None:
+    """The common host copy with as few torch calls as it takes, or None when the copy
+    is anything but common: the general path then copies it, or names what is wrong.
+
+    Common: every layer of a side a blocks-first host tensor of that side's layer 0
+    shape, strides and dtype, both sides' blocks alike and contiguous, no layer sharing
+    storage with its counterpart, ids 1-D contiguous int64 host tensors (the kernel
+    checks their range and repeats, and the general path names a bad one).
+
+    Why: a migration copies once, from memory the caches no longer hold, where each
+    torch call costs 10-50 us of cache misses. The general path's ~40 calls cost a
+    1k-block copy of 4 KiB blocks ~300 us more than a contiguous `copy_` of the same
+    bytes (`ftctl kv bench --cache cold`)."""
+    import torch
+
+    i64 = torch.int64
+    try:
+        s0, d0 = src[0], dst[0]
+        shape, stride, dtype = s0.shape, s0.stride(), s0.dtype
+        d_shape, d_stride = d0.shape, d0.stride()
+        if (
+            len(src) != len(dst) or shape[1:] != d_shape[1:]
+            or stride[1:] != d_stride[1:] or stride[1:] != _row_strides(shape)
+            or not isinstance(src_ids, torch.Tensor) or not isinstance(dst_ids, torch.Tensor)
+            or src_ids.dtype != i64 or dst_ids.dtype != i64
+            or len(src_ids.shape) != 1 or src_ids.shape != dst_ids.shape
+            or not (src_ids.is_cpu and dst_ids.is_cpu)
+            or not (src_ids.is_contiguous() and dst_ids.is_contiguous())
+        ):
+            return None
+        for s, d in zip(src, dst, strict=True):
+            if (s.shape != shape or d.shape != d_shape or s.stride() != stride
+                    or d.stride() != d_stride or s.dtype != dtype or d.dtype != dtype
+                    or not (s.is_cpu and d.is_cpu) or _same_storage(s, d)):
+                return None
+        return _native_copy(kernel, src, dst, src_ids, dst_ids,
+                            row_bytes=math.prod(shape[1:]) * dtype.itemsize)
+    except (RuntimeError, IndexError, TypeError):  # sparse or mkldnn layers, no layers
+        return None
 
 
 def _kind(device: torch.device) -> Kind:
@@ -784,17 +841,21 @@ def copy_blocks(
     """
     import torch
 
-    from dynamo_ftctl.kv.native import kernel as installed_kernel
-
     if chunk_bytes <= 0:
         msg = f"chunk_bytes must be > 0 (got {chunk_bytes})"
         raise InvalidInput(msg)
+    kernel: RowKernel | None = None
+    if native is not False and block_dim == 0:
+        kernel = native if native is not True else _native.kernel()
+        if kernel is not None and (handle := _host_copy(kernel, src, dst, src_ids, dst_ids)):
+            return handle
     _check_caches(src, dst, block_dim)
     dim = block_dim % src[0].dim()
     src_device, dst_device = src[0].device, dst[0].device
-    kernel: RowKernel | None = None
-    if src_device.type == dst_device.type == "cpu" and native is not False:
-        kernel = installed_kernel() if native is True else native
+    if src_device.type != "cpu" or dst_device.type != "cpu":
+        kernel = None
+    elif native is not False and kernel is None:
+        kernel = native if native is not True else _native.kernel()
     s_ids, s_start = _validate(src_ids, src[0].shape[dim], "source", kernel)
     d_ids, d_start = _validate(dst_ids, dst[0].shape[dim], "destination", kernel)
     count = s_ids.shape[0]
@@ -814,8 +875,7 @@ def copy_blocks(
         # is its own blocks-first tensor (a view), so a block's bytes stay contiguous
         # rows for the index kernels' row-at-a-time fast paths.
         src, dst, dim = _unbind_leading(src, dim), _unbind_leading(dst, dim), 0
-    if kernel is not None and (handle := _kernel_copy(
-            kernel, src, dst, s_ids, d_ids, s_start=s_start, d_start=d_start)) is not None:
+    if kernel is not None and (handle := _kernel_copy(kernel, src, dst, s_ids, d_ids)) is not None:
         return handle
 
     src_rows, dst_rows = _as_rows(src, dst, dim)

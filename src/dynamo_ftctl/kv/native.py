@@ -23,16 +23,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
 __all__ = [
-    "ABI", "BAD_IDS", "LIBRARY", "RUN_NONE", "SOURCE", "STREAM_MIN_BYTES", "RowKernel", "build",
-    "kernel", "last_level_cache_bytes", "load",
+    "ABI", "BAD_IDS", "LIBRARY", "NO_MEMORY", "RUN_NONE", "SOURCE", "STREAM_MIN_BYTES",
+    "RowKernel", "build", "kernel", "last_level_cache_bytes", "load",
 ]
 
 SOURCE = Path(__file__).with_name("_rowcopy.c")
 LIBRARY = Path(__file__).with_name("_rowcopy.so")
-ABI = 5  # must equal ftctl_rowcopy_abi() in _rowcopy.c
+ABI = 6  # must equal ftctl_rowcopy_abi() in _rowcopy.c
 
 
 def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
@@ -56,8 +58,8 @@ def last_level_cache_bytes(cpu: Path = Path("/sys/devices/system/cpu/cpu0/cache"
 # streamed stores leave the destination lines it rewrites out of the cache.) A smaller
 # copy's rows stay cached for whoever reads them next.
 STREAM_MIN_BYTES = 1 << 20
-# What `RowKernel.check_ids` answers besides a run's first block.
-RUN_NONE, BAD_IDS = -1, -2
+# What `RowKernel.check_ids` answers besides a run's first block (and `copy_blocks` fails with).
+RUN_NONE, BAD_IDS, NO_MEMORY = -1, -2, -3
 
 
 def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.0) -> Path:
@@ -110,10 +112,10 @@ class RowKernel:
         check = lib.ftctl_check_ids
         check.argtypes = [ptr, i64, i64]
         check.restype = i64
-        sort = lib.ftctl_sort_pairs
-        sort.argtypes = [ptr, ptr, i64, i64, ptr, ptr]
-        sort.restype = ctypes.c_int
-        self._fn, self._check, self._sort = fn, check, sort
+        whole = lib.ftctl_copy_blocks
+        whole.argtypes = [i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+        whole.restype = i64
+        self._fn, self._check, self._whole = fn, check, whole
         self.path = path
         parallel = _openmp_parallel() if openmp else None
         use = lib.ftctl_use_openmp
@@ -130,19 +132,6 @@ class RowKernel:
         if status >= 0:
             return status
         return BAD_IDS if status in (-1, -2) else RUN_NONE
-
-    def sort_pairs(
-        self, key: torch.Tensor, other: torch.Tensor, num_blocks: int,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`key` (checked distinct ids of a cache of `num_blocks`) ascending and `other`
-        in the same order, by a counting sort; None when scratch memory ran out."""
-        import torch
-
-        key_out, other_out = torch.empty_like(key), torch.empty_like(other)
-        if self._sort(key.data_ptr(), other.data_ptr(), key.shape[0], num_blocks,
-                      key_out.data_ptr(), other_out.data_ptr()):
-            return None
-        return key_out, other_out
 
     @staticmethod
     def streams(nbytes: int) -> bool:
@@ -172,6 +161,24 @@ class RowKernel:
         self._fn(d_ptr, dst.stride(0) * dst.element_size(), s_ptr,
                  src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
                  int(self.streams(nbytes)), threads)
+
+
+    def copy_blocks(
+        self, at: Sequence[int], dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
+        dst_blocks: int, src_blocks: int, row_bytes: int, threads: int,
+    ) -> int:
+        """One whole copy in one call: check both id lists, order the rows, copy every
+        layer. `at` is the destination layers' addresses, the source layers', then their
+        row strides in bytes (destination, source): 4 values a layer. Ids are 1-D
+        contiguous int64 host tensors of equal length (rows `dst_blocks` and `src_blocks`
+        long), which the kernel checks (range, repeats) before it copies anything.
+        Returns 0, BAD_IDS (an id out of range or repeated: the caller names it) or
+        NO_MEMORY; nothing was copied unless 0."""
+        layers = len(at) // 4
+        status = int(self._whole(layers, (ctypes.c_int64 * len(at))(*at), dst_ids.data_ptr(),
+                                 dst_blocks, src_ids.data_ptr(), src_blocks,
+                                 src_ids.shape[0], row_bytes, STREAM_MIN_BYTES, threads))
+        return {0: 0, -1: BAD_IDS}.get(status, NO_MEMORY)
 
 
 def _openmp_parallel() -> int | None:

@@ -84,12 +84,14 @@ def bits_equal(a: list[Any], b: list[Any]) -> bool:
     dtype_index=st.integers(0, len(DTYPES) - 1),
     chunk_bytes=st.sampled_from([1, 300, 1024, 1 << 20]),
     depth=st.integers(2, 4),
+    tensor_ids=st.booleans(),
 )
 def test_random_copies_are_bit_exact(
     kernel: Any, data: Any, layers: int, src_blocks: int, dst_blocks: int, block_dim: int,
-    dtype_index: int, chunk_bytes: int, depth: int,
+    dtype_index: int, chunk_bytes: int, depth: int, tensor_ids: bool,
 ) -> None:
-    """Any valid block lists, layouts, dtypes, chunk sizes and depths copy bit for bit."""
+    """Any valid block lists (Python lists, or int64 tensors: the host kernel's short path),
+    layouts, dtypes, chunk sizes and depths copy bit for bit."""
     dtype = DTYPES[dtype_index]
     count = data.draw(st.integers(0, min(src_blocks, dst_blocks)))
     sids = data.draw(st.permutations(range(src_blocks)))[:count]
@@ -97,7 +99,10 @@ def test_random_copies_are_bit_exact(
     src = make_cache(layers, src_blocks, block_dim=block_dim, dtype=dtype, seed=1)
     dst = make_cache(layers, dst_blocks, block_dim=block_dim, dtype=dtype, seed=2)
     want = expected_copy(src, dst, sids, dids, block_dim)
-    handle = copy_blocks(src, dst, sids, dids, block_dim=block_dim, chunk_bytes=chunk_bytes,
+    ids: tuple[Any, Any] = (sids, dids)
+    if tensor_ids:
+        ids = (torch.tensor(sids, dtype=torch.long), torch.tensor(dids, dtype=torch.long))
+    handle = copy_blocks(src, dst, *ids, block_dim=block_dim, chunk_bytes=chunk_bytes,
                          depth=depth, native=kernel)
     assert handle.wait().done()
     assert handle.blocks == count
@@ -176,11 +181,18 @@ def test_a_run_of_blocks_copies_in_one_pass_per_layer(
         ([0, 1.0], [2, 3], "not an integer"),
     ],
 )
+@pytest.mark.parametrize("form", ["list", "tensor"])
 def test_bad_block_ids_are_rejected(
-    kernel: Any, sids: list[Any], dids: list[Any], needle: str,
+    kernel: Any, sids: list[Any], dids: list[Any], needle: str, form: str,
 ) -> None:
-    """Duplicate, out-of-range, non-integer or mismatched id lists raise InvalidInput."""
-    src, dst = make_cache(1, 10), make_cache(1, 10, seed=3)
+    """Duplicate, out-of-range, non-integer or mismatched id lists raise InvalidInput,
+    with the same words whether the ids come as lists or as tensors (which the host
+    kernel's short path checks first), and nothing is written."""
+    if form == "tensor":
+        if any(isinstance(v, float) for v in sids):
+            needle = "source: block ids must be a 1-D integer tensor"
+        sids, dids = torch.tensor(sids), torch.tensor(dids)
+    src, dst = make_cache(2, 10), make_cache(2, 10, seed=3)
     before = [d.clone() for d in dst]
     with pytest.raises(InvalidInput, match=needle.replace("[", r"\[").replace(")", r"\)")):
         copy_blocks(src, dst, sids, dids, native=kernel)
@@ -201,13 +213,58 @@ def test_duplicates_are_found_by_counting_and_by_sorting(spread: int) -> None:
     copy_blocks(src, dst, sids, [1, 0, 3, 2]).wait()  # distinct: accepted either way
 
 
-def test_overlapping_ids_in_one_cache_are_rejected(kernel: Any) -> None:
+@pytest.mark.parametrize("form", ["list", "tensor"])
+def test_overlapping_ids_in_one_cache_are_rejected(kernel: Any, form: str) -> None:
     """When source and destination share storage, a block named on both sides is refused."""
     cache = make_cache(2, 10)
     before = [c.clone() for c in cache]
+    sids, dids = ([1, 3], [3, 4]) if form == "list" else (torch.tensor([1, 3]),
+                                                          torch.tensor([3, 4]))
     with pytest.raises(InvalidInput, match="share a cache and both name block 3"):
-        copy_blocks(cache, cache, [1, 3], [3, 4], native=kernel)
+        copy_blocks(cache, cache, sids, dids, native=kernel)
     assert bits_equal(cache, before)
+
+
+def test_the_common_host_copy_skips_the_general_path(
+    row_kernel: native.RowKernel, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM-shaped host caches and int64 tensor ids go to the kernel in one call, without
+    the general path's checks and views (each torch call costs tens of microseconds from
+    cold caches); anything unusual still takes the general path."""
+    from dynamo_ftctl.kv import copy as kv_copy
+
+    general: list[str] = []
+    real = kv_copy._check_caches
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        general.append("checked")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_copy, "_check_caches", counting)
+    src, dst = make_cache(3, 20, seed=61), make_cache(3, 20, seed=62)
+    sids, dids = [19, 0, 7, 3], [2, 11, 5, 18]
+    want = expected_copy(src, dst, sids, dids)
+    handle = copy_blocks(src, dst, torch.tensor(sids), torch.tensor(dids), native=row_kernel)
+    assert (handle.blocks, handle.pieces) == (4, 3)
+    assert bits_equal(dst, want)
+    assert general == []
+    # Unusual: int32 ids, a Python list, a layer strided unlike layer 0, caches that share
+    # storage. Each copies exactly through the general path.
+    odd_layers = [*make_cache(2, 20, seed=63), make_cache(1, 40, seed=64)[0][::2]]
+    cases: list[tuple[Any, Any, Any, Any]] = [
+        (src, dst, torch.tensor(sids, dtype=torch.int32), torch.tensor(dids)),
+        (src, dst, sids, dids),
+        (odd_layers, dst, torch.tensor(sids), torch.tensor(dids)),
+        (src, src, torch.tensor([1, 2]), torch.tensor([5, 6])),
+    ]
+    for case_src, case_dst, case_sids, case_dids in cases:
+        general.clear()
+        want = expected_copy(case_src, case_dst, case_sids.tolist() if hasattr(
+            case_sids, "tolist") else case_sids, case_dids.tolist() if hasattr(
+            case_dids, "tolist") else case_dids)
+        copy_blocks(case_src, case_dst, case_sids, case_dids, native=row_kernel).wait()
+        assert bits_equal(case_dst, want)
+        assert general == ["checked"]
 
 
 def test_mismatched_caches_are_rejected() -> None:

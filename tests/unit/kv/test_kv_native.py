@@ -183,16 +183,51 @@ def test_the_kernel_checks_ids(kernel: native.RowKernel, ids: list[int], want: i
     assert kernel.check_ids(torch.tensor(ids, dtype=torch.long), 10) == want
 
 
-def test_the_kernel_sorts_id_pairs(kernel: native.RowKernel) -> None:
-    """The counting sort orders the key ids and carries the other list along."""
+def whole_copy(kernel: native.RowKernel, dst: list[Any], src: list[Any], dids: Any,
+               sids: Any) -> int:
+    """`RowKernel.copy_blocks` over 2-D byte-row layers."""
+    at = [t.data_ptr() for t in dst] + [t.data_ptr() for t in src] \
+        + [t.stride(0) for t in dst] + [t.stride(0) for t in src]
+    return kernel.copy_blocks(at, dids, sids, dst_blocks=dst[0].shape[0],
+                              src_blocks=src[0].shape[0], row_bytes=src[0].shape[1], threads=2)
+
+
+@pytest.mark.parametrize("total", [3000, 100_000], ids=["counting-sort", "qsort"])
+@pytest.mark.parametrize("pattern", ["gather", "scatter", "random", "ascending"])
+def test_one_call_copies_every_layer_in_any_order(kernel: native.RowKernel, total: int,
+                                                  pattern: str) -> None:
+    """The whole copy (ids checked, rows ordered, every layer) is exact for each id
+    pattern, with ids dense in the cache (counting sort) or sparse (qsort), streamed."""
+    count = native.STREAM_MIN_BYTES // 512 + 100
     gen = torch.Generator().manual_seed(8)
-    key = torch.randperm(5000, generator=gen)[:3000]
-    other = torch.randperm(5000, generator=gen)[:3000]
-    pair = kernel.sort_pairs(key, other, 5000)
-    assert pair is not None
-    order = key.argsort()
-    assert torch.equal(pair[0], key[order])
-    assert torch.equal(pair[1], other[order])
+    sids = torch.randperm(total, generator=gen)[:count]
+    dids = torch.randperm(total, generator=gen)[:count]
+    if pattern == "gather":
+        dids = torch.arange(count) + 11
+    elif pattern == "scatter":
+        sids = torch.arange(count) + 3
+    elif pattern == "ascending":
+        sids = sids.sort().values
+    src = [rows(total, 512, seed) for seed in (1, 2)]
+    dst = [rows(total, 512, seed) for seed in (3, 4)]
+    want = [d.clone() for d in dst]
+    for w, s in zip(want, src, strict=True):
+        w[dids] = s[sids]
+    assert whole_copy(kernel, dst, src, dids, sids) == 0
+    assert all(torch.equal(d, w) for d, w in zip(dst, want, strict=True))
+
+
+@pytest.mark.parametrize(("dids", "sids"), [([1, 2, 2], [0, 1, 2]), ([0, 1, 2], [5, 1, 50]),
+                                            ([0, -1, 2], [0, 1, 2])],
+                         ids=["repeated", "too-high", "negative"])
+def test_one_call_refuses_bad_ids_before_copying(kernel: native.RowKernel, dids: list[int],
+                                                 sids: list[int]) -> None:
+    """A bad id on either side is BAD_IDS, and not one row has been written."""
+    src, dst = [rows(50, 64, 1)], [rows(50, 64, 2)]
+    before = dst[0].clone()
+    status = whole_copy(kernel, dst, src, torch.tensor(dids), torch.tensor(sids))
+    assert status == native.BAD_IDS
+    assert torch.equal(dst[0], before)
 
 
 def test_the_last_level_cache_is_the_largest_sysfs_lists(tmp_path: Path) -> None:
