@@ -14,7 +14,9 @@ of another, in pieces of (layer, chunk of blocks):
 3. scatter it into the destination blocks.
 
 Host to host, the native row-copy kernel (`kv/native.py`, C built at install)
-copies every layer in one pass for any ids: a `memcpy`-sized copy per block,
+copies every layer in one pass for any ids, all layers in one call (a common
+copy, host caches shaped alike with int64 tensor ids, gets there with a
+handful of torch calls: `_host_copy`): a `memcpy`-sized copy per block,
 large copies stored past the cache (their source blocks read in ascending
 order) and shared among torch's intra-op threads. Without it (no compiler at
 install, `FTCTL_KV_NATIVE=0`, `native=False`), and on devices, torch's kernels
