@@ -13,9 +13,13 @@ The upstream is a trivial scripted worker (this file, `upstream` mode: an
 asyncio protocol + httptools on uvloop): it streams `max_tokens` tokens with
 `--token-ms` between them and a prefill time of `--prefill-us` per prompt
 token; a text prompt starting with FAIL is cut after `--fail-after` tokens
-(continuations carry token ids, so they run on). The client is
-`dynamo_ftctl.http1` on uvloop too: upstream and client share the other
-core(s) and must outrun the proxy, pinned to CPU 0, on its own.
+(continuations carry token ids, so they run on). The upstream is pinned to the
+other core(s), the proxy to CPU 0. The client is `dynamo_ftctl.http1` on uvloop
+too, in this process, which is not pinned: the scheduler puts it where there is
+room, beside the upstream or beside the proxy, in the direct runs as in the
+proxied ones. (Pinned beside the upstream, one core carries client and worker
+and becomes the limit: with 32 streams arriving at once the proxy then seemed
+to add +5.8 ms of TTFT instead of +1.8 ms, same build, same hour.)
 Usage: python benchmarks/proxy.py [--quick] [--only FIGURE] [--baseline-src DIR]
 (DIR: another source tree, e.g. `git archive REV src | tar -x -C DIR`, whose proxy
 is measured beside this one in the same run).
