@@ -33,6 +33,21 @@ def rows(count: int, width: int, seed: int) -> Any:
     return torch.randint(0, 256, (count, width), dtype=torch.uint8, generator=gen)
 
 
+def pattern_ids(pattern: str, count: int, total: int, seed: int) -> tuple[Any, Any]:
+    """`count` source and destination ids in a cache of `total` rows: random, or one side
+    a run (gather: into one, scatter: out of one), or random but ascending sources."""
+    gen = torch.Generator().manual_seed(seed)
+    sids = torch.randperm(total, generator=gen)[:count]
+    dids = torch.randperm(total, generator=gen)[:count]
+    if pattern == "gather":
+        dids = torch.arange(count) + 5
+    elif pattern == "scatter":
+        sids = torch.arange(count) + 7
+    elif pattern == "ascending":
+        sids = sids.sort().values
+    return sids, dids
+
+
 @pytest.mark.parametrize("width", [4096, 80, 1000, 7], ids=["4KiB", "80B", "1000B", "7B"])
 @pytest.mark.parametrize("pattern", ["gather", "scatter", "random"])
 def test_large_copies_stream_bit_exact(kernel: native.RowKernel, width: int, pattern: str) -> None:
@@ -42,13 +57,7 @@ def test_large_copies_stream_bit_exact(kernel: native.RowKernel, width: int, pat
     count = native.STREAM_MIN_BYTES // width + 64  # over the threshold
     total = count + count // 3
     src, dst = rows(total, width, 1), rows(total, width, 2)
-    gen = torch.Generator().manual_seed(3)
-    sids = torch.randperm(total, generator=gen)[:count]
-    dids = torch.randperm(total, generator=gen)[:count]
-    if pattern == "gather":
-        dids = torch.arange(count) + 5
-    elif pattern == "scatter":
-        sids = torch.arange(count) + 7
+    sids, dids = pattern_ids(pattern, count, total, seed=3)
     want = dst.clone()
     want[dids] = src[sids]
     handle = copy_blocks([src], [dst], sids, dids, native=kernel)
@@ -198,16 +207,7 @@ def test_one_call_copies_every_layer_in_any_order(kernel: native.RowKernel, tota
                                                   pattern: str) -> None:
     """The whole copy (ids checked, rows ordered, every layer) is exact for each id
     pattern, with ids dense in the cache (counting sort) or sparse (qsort), streamed."""
-    count = native.STREAM_MIN_BYTES // 512 + 100
-    gen = torch.Generator().manual_seed(8)
-    sids = torch.randperm(total, generator=gen)[:count]
-    dids = torch.randperm(total, generator=gen)[:count]
-    if pattern == "gather":
-        dids = torch.arange(count) + 11
-    elif pattern == "scatter":
-        sids = torch.arange(count) + 3
-    elif pattern == "ascending":
-        sids = sids.sort().values
+    sids, dids = pattern_ids(pattern, native.STREAM_MIN_BYTES // 512 + 100, total, seed=8)
     src = [rows(total, 512, seed) for seed in (1, 2)]
     dst = [rows(total, 512, seed) for seed in (3, 4)]
     want = [d.clone() for d in dst]
