@@ -600,14 +600,15 @@ def _row_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _host_copy(
     kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-    src_ids: object, dst_ids: object,
+    src_ids: object, dst_ids: object, *, block_dim: int,
 ) -> CopyHandle | None:
     """The common host copy with as few torch calls as it takes, or None when the copy
     is anything but common: the general path then copies it, or names what is wrong.
 
-    Common: every layer of a side a blocks-first host tensor of that side's layer 0
-    shape, strides and dtype, both sides' blocks alike and contiguous, no layer sharing
-    storage with its counterpart, ids 1-D contiguous int64 host tensors (the kernel
+    Common: every layer of a side (or, blocks not first, every blocks-first view
+    per leading index) a host tensor of that side's layer 0 shape, strides and
+    dtype, both sides' blocks alike and contiguous, no layer sharing storage with
+    its counterpart, ids 1-D contiguous int64 host tensors (the kernel
     checks their range and repeats, and the general path names a bad one).
 
     Why: a migration copies once, from memory the caches no longer hold, where each
@@ -618,6 +619,9 @@ def _host_copy(
 
     i64 = torch.int64
     try:
+        if block_dim:
+            dim = block_dim % src[0].dim()
+            src, dst = _unbind_leading(src, dim), _unbind_leading(dst, dim)
         s0, d0 = src[0], dst[0]
         shape, stride, dtype = s0.shape, s0.stride(), s0.dtype
         d_shape, d_stride = d0.shape, d0.stride()
@@ -847,9 +851,10 @@ def copy_blocks(
         msg = f"chunk_bytes must be > 0 (got {chunk_bytes})"
         raise InvalidInput(msg)
     kernel: RowKernel | None = None
-    if native is not False and block_dim == 0:
+    if native is not False:
         kernel = native if native is not True else _native.kernel()
-        if kernel is not None and (handle := _host_copy(kernel, src, dst, src_ids, dst_ids)):
+        if kernel is not None and (handle := _host_copy(kernel, src, dst, src_ids, dst_ids,
+                                                        block_dim=block_dim)):
             return handle
     _check_caches(src, dst, block_dim)
     dim = block_dim % src[0].dim()

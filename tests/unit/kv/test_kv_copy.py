@@ -248,6 +248,14 @@ def test_the_common_host_copy_skips_the_general_path(
     assert (handle.blocks, handle.pieces) == (4, 3)
     assert bits_equal(dst, want)
     assert general == []
+    # The flash layout ([2, num_blocks, ...]) too: its K and V halves are blocks-first views.
+    f_src, f_dst = make_cache(2, 20, block_dim=1, seed=65), make_cache(2, 20, block_dim=1, seed=66)
+    want = expected_copy(f_src, f_dst, sids, dids, block_dim=1)
+    handle = copy_blocks(f_src, f_dst, torch.tensor(sids), torch.tensor(dids), block_dim=1,
+                         native=row_kernel)
+    assert (handle.blocks, handle.pieces) == (4, 2 * 2)
+    assert bits_equal(f_dst, want)
+    assert general == []
     # Unusual: int32 ids, a Python list, a layer strided unlike layer 0, caches that share
     # storage. Each copies exactly through the general path.
     odd_layers = [*make_cache(2, 20, seed=63), make_cache(1, 40, seed=64)[0][::2]]
