@@ -625,8 +625,10 @@ def _host_copy(
         s0, d0 = src[0], dst[0]
         shape, stride, dtype = s0.shape, s0.stride(), s0.dtype
         d_shape, d_stride = d0.shape, d0.stride()
+        row = math.prod(shape[1:])  # elements of a block; its rows must not overlap
         if (
-            len(src) != len(dst) or shape[1:] != d_shape[1:]
+            len(src) != len(dst) or shape[1:] != d_shape[1:] or row <= 0
+            or stride[0] < row or d_stride[0] < row
             or stride[1:] != d_stride[1:] or stride[1:] != _row_strides(shape)
             or not isinstance(src_ids, torch.Tensor) or not isinstance(dst_ids, torch.Tensor)
             or src_ids.dtype != i64 or dst_ids.dtype != i64
@@ -640,8 +642,7 @@ def _host_copy(
                     or d.stride() != d_stride or s.dtype != dtype or d.dtype != dtype
                     or not (s.is_cpu and d.is_cpu) or _same_storage(s, d)):
                 return None
-        return _native_copy(kernel, src, dst, src_ids, dst_ids,
-                            row_bytes=math.prod(shape[1:]) * dtype.itemsize)
+        return _native_copy(kernel, src, dst, src_ids, dst_ids, row_bytes=row * dtype.itemsize)
     except (RuntimeError, IndexError, TypeError):  # sparse or mkldnn layers, no layers
         return None
 
@@ -861,8 +862,6 @@ def copy_blocks(
     src_device, dst_device = src[0].device, dst[0].device
     if src_device.type != "cpu" or dst_device.type != "cpu":
         kernel = None
-    elif native is not False and kernel is None:
-        kernel = native if native is not True else _native.kernel()
     s_ids, s_start = _validate(src_ids, src[0].shape[dim], "source", kernel)
     d_ids, d_start = _validate(dst_ids, dst[0].shape[dim], "destination", kernel)
     count = s_ids.shape[0]

@@ -257,13 +257,16 @@ def test_the_common_host_copy_skips_the_general_path(
     assert bits_equal(f_dst, want)
     assert general == []
     # Unusual: int32 ids, a Python list, a layer strided unlike layer 0, caches that share
-    # storage. Each copies exactly through the general path.
+    # storage, blocks that overlap in memory (an expanded cache). Each copies exactly
+    # through the general path.
     odd_layers = [*make_cache(2, 20, seed=63), make_cache(1, 40, seed=64)[0][::2]]
+    expanded = [c[:1].expand(20, *c.shape[1:]) for c in src]
     cases: list[tuple[Any, Any, Any, Any]] = [
         (src, dst, torch.tensor(sids, dtype=torch.int32), torch.tensor(dids)),
         (src, dst, sids, dids),
         (odd_layers, dst, torch.tensor(sids), torch.tensor(dids)),
         (src, src, torch.tensor([1, 2]), torch.tensor([5, 6])),
+        (expanded, dst, torch.tensor(sids), torch.tensor(dids)),
     ]
     for case_src, case_dst, case_sids, case_dids in cases:
         general.clear()
