@@ -19,6 +19,7 @@ the wire order by the copy itself).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Sequence
@@ -63,6 +64,17 @@ def _block_views(
     return [data[:, j].movedim(0, block_dim) for j in range(len(caches))]
 
 
+def _as_ids(block_ids: Sequence[int]) -> Sequence[int] | torch.Tensor:
+    """Block ids as an int64 tensor, which takes the copier's short host path (a block
+    table is a list of ints); anything else as given, for the copier to name."""
+    import torch
+
+    if all(type(b) is int for b in block_ids):
+        with contextlib.suppress(RuntimeError, OverflowError):  # past int64: out of range
+            return torch.tensor(block_ids, dtype=torch.long)
+    return block_ids
+
+
 def _check_dtype(caches: Sequence[torch.Tensor], dtype: str) -> None:
     if not caches:
         msg = "a KV cache needs at least one tensor"
@@ -92,7 +104,7 @@ def gather_payload(
 
     def fill(region: memoryview) -> None:
         views = _block_views(region, caches, header.num_blocks, dim, header.layout.block_bytes)
-        copy_blocks(caches, views, block_ids, torch.arange(header.num_blocks),
+        copy_blocks(caches, views, _as_ids(block_ids), torch.arange(header.num_blocks),
                     block_dim=dim).wait()
 
     return encode_kv_into(header, fill)
@@ -112,5 +124,5 @@ def scatter_payload(
         raise InvalidInput(msg)
     dim = block_dim % caches[0].dim()
     views = _block_views(payload.data, caches, header.num_blocks, dim, header.layout.block_bytes)
-    copy_blocks(views, caches, torch.arange(header.num_blocks), block_ids,
+    copy_blocks(views, caches, torch.arange(header.num_blocks), _as_ids(block_ids),
                 block_dim=dim).wait()
