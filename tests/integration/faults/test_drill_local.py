@@ -15,6 +15,7 @@ import pytest
 
 from dynamo_ftctl.faults.audit import read_audit
 from dynamo_ftctl.inventory import load_inventory
+from tests.interrupt import sigint_deliverable
 
 pytestmark = pytest.mark.integration
 DRILLS = Path(__file__).resolve().parents[3] / "drills"
@@ -116,10 +117,11 @@ method:
     - {{at_s: 0.5, fault: slow, worker: w1, delay_ms: 20}}
 """)
     out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_ftctl", "drill", str(scenario), "--local", "--out",
-         str(out), "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    with sigint_deliverable():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", "drill", str(scenario), "--local", "--out",
+             str(out), "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 120

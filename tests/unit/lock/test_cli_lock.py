@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.interrupt import sigint_deliverable
+
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("httpx", "torch", "aiohttp", "uvicorn", "starlette", "pydantic", "prometheus_client")
 
@@ -170,9 +172,11 @@ def test_ctrl_c_while_waiting_exits_130_with_one_line(lock_path: Path) -> None:
 
     with lock_path.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # an open file description of ours holds it
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--path", str(lock_path),
-             "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        with sigint_deliverable():
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--path",
+                 str(lock_path), "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True, cwd=ROOT)
         try:
             inode = lock_path.stat().st_ino
             deadline = time.monotonic() + 30
