@@ -75,6 +75,16 @@ class Client:
         self.writer.close()
 
 
+
+async def refused(server: Server, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send `request` on a new connection; the answer (status, headers, body), once the
+    server has also hung up (asserted)."""
+    client = await Client.connect(server)
+    client.send(request)
+    answer = await client.response()
+    assert await client.closed()
+    return answer
+
 def serving(handler: Callable[[Request], Awaitable[Reply | Stream]],
             test: Callable[[Server], Awaitable[None]], **kwargs: Any) -> None:
     """Run `test` against a server answering with `handler`, then shut it down."""
@@ -178,16 +188,14 @@ def test_request_larger_than_the_bound_is_413_and_never_handled(framing: str) ->
         return Reply(200, b"")
 
     async def test(server: Server) -> None:
-        client = await Client.connect(server)
         if framing == "length":
-            client.send(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n")
+            request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 101\r\n\r\n"
         else:
-            client.send(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                        + b"40\r\n" + b"x" * 64 + b"\r\n" + b"40\r\n" + b"x" * 64 + b"\r\n")
-        status, headers, _ = await client.response()
+            request = (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                       + b"40\r\n" + b"x" * 64 + b"\r\n" + b"40\r\n" + b"x" * 64 + b"\r\n")
+        status, headers, _ = await refused(server, request)
         assert status == 413
         assert headers["connection"] == "close"
-        assert await client.closed()
         assert not called
     serving(handler, test, max_body=100)
 
@@ -196,24 +204,18 @@ def test_request_larger_than_the_bound_is_413_and_never_handled(framing: str) ->
 def test_malformed_http_is_400_and_the_connection_closed(garbage: bytes) -> None:
     """Bytes that are not an HTTP/1.1 request get a 400 and a hang-up."""
     async def test(server: Server) -> None:
-        client = await Client.connect(server)
-        client.send(garbage)
-        status, _, body = await client.response()
+        status, _, body = await refused(server, garbage)
         assert status == 400
         assert b"malformed" in body
-        assert await client.closed()
     serving(echo, test)
 
 
 def test_oversized_head_is_431_and_never_handled() -> None:
     """Request headers beyond 64 KiB get a 431 and a hang-up, not a handler call."""
     async def test(server: Server) -> None:
-        client = await Client.connect(server)
-        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n"
-                    + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))
-                    + b"\r\n")
-        assert (await client.response())[0] == 431
-        assert await client.closed()
+        pad = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(70))
+        status, _, _ = await refused(server, b"GET / HTTP/1.1\r\nHost: x\r\n" + pad + b"\r\n")
+        assert status == 431
     serving(echo, test)
 
 
@@ -224,10 +226,8 @@ def test_handler_failure_is_500() -> None:
         raise RuntimeError(msg)
 
     async def test(server: Server) -> None:
-        client = await Client.connect(server)
-        client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert (await client.response())[0] == 500
-        assert await client.closed()
+        status, _, _ = await refused(server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 500
     serving(handler, test)
 
 
@@ -453,12 +453,9 @@ def test_a_request_not_read_whole_in_time_is_answered_408() -> None:
     async def test(server: Server) -> None:
         for partial in (b"GET /a HTTP/1.1\r\nHost:", b"POST /a HTTP/1.1\r\nHost: x\r\n"
                         b"Content-Length: 10\r\n\r\nhalf"):
-            client = await Client.connect(server)
-            client.send(partial)
-            status, _, body = await client.response()
+            status, _, body = await refused(server, partial)
             assert status == 408
             assert b"not received within 0.3 s" in body
-            assert await client.closed()
     serving(echo, test, request_timeout_s=0.3, idle_timeout_s=30)
 
 
