@@ -67,15 +67,17 @@ struct rows_job {
  * in C: 15% faster; one line, not the row: the hardware prefetcher takes it from there). */
 #define FTCTL_AHEAD 4
 
+/* Row i of one side of a job: by its id, or the i-th row of a run (ids NULL). */
+#define ROW(base, ids, i, stride) ((base) + ((ids) ? (ids)[i] : (i)) * (stride))
+
 static void copy_range(const struct rows_job *job) {
     int streamed = job->stream && ((uintptr_t)job->dst % 16 == 0) && (job->dst_stride % 16 == 0);
     for (int64_t i = job->begin; i < job->end; i++) {
-        char *d = job->dst + (job->dst_ids ? job->dst_ids[i] : i) * job->dst_stride;
-        const char *s = job->src + (job->src_ids ? job->src_ids[i] : i) * job->src_stride;
+        char *d = ROW(job->dst, job->dst_ids, i, job->dst_stride);
+        const char *s = ROW(job->src, job->src_ids, i, job->src_stride);
         if (i + FTCTL_AHEAD < job->end) {
-            int64_t k = i + FTCTL_AHEAD;
-            __builtin_prefetch(job->dst + (job->dst_ids ? job->dst_ids[k] : k) * job->dst_stride, 1);
-            __builtin_prefetch(job->src + (job->src_ids ? job->src_ids[k] : k) * job->src_stride, 0);
+            __builtin_prefetch(ROW(job->dst, job->dst_ids, i + FTCTL_AHEAD, job->dst_stride), 1);
+            __builtin_prefetch(ROW(job->src, job->src_ids, i + FTCTL_AHEAD, job->src_stride), 0);
         }
         if (streamed)
             copy_streaming(d, s, job->row_bytes);
@@ -360,7 +362,7 @@ int64_t ftctl_check_ids(const int64_t *ids, int64_t n, int64_t num_blocks) {
 
 /* key_out = key ascending, other_out = other in the same order, for n distinct checked ids
  * of a cache of num_blocks blocks (a counting sort). Returns 0, or -2 when out of memory. */
-int ftctl_sort_pairs(const int64_t *key, const int64_t *other, int64_t n, int64_t num_blocks,
+static int sort_pairs(const int64_t *key, const int64_t *other, int64_t n, int64_t num_blocks,
                      int64_t *key_out, int64_t *other_out) {
     int64_t *slot = malloc((size_t)num_blocks * sizeof(int64_t));
     if (!slot) return -2;
@@ -387,12 +389,12 @@ static int by_key(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* As ftctl_sort_pairs, for any n distinct checked ids: a counting sort when the cache has
+/* As sort_pairs, for any n distinct checked ids: a counting sort when the cache has
  * few more slots than ids (one pass over num_blocks), else qsort. out holds 2n: the sorted
  * keys, then the others. Returns 0, or -2 when out of memory. */
 static int sort_by_key(const int64_t *key, const int64_t *other, int64_t n, int64_t num_blocks,
                        int64_t *out) {
-    if (num_blocks <= 16 * n + 4096) return ftctl_sort_pairs(key, other, n, num_blocks, out, out + n);
+    if (num_blocks <= 16 * n + 4096) return sort_pairs(key, other, n, num_blocks, out, out + n);
     struct pair *pairs = malloc((size_t)n * sizeof(struct pair));
     if (!pairs) return -2;
     for (int64_t i = 0; i < n; i++) pairs[i] = (struct pair){key[i], other[i]};

@@ -619,6 +619,8 @@ def _host_copy(
 
     i64 = torch.int64
     try:
+        if not (src[0].is_cpu and dst[0].is_cpu):
+            return None  # a device copy: nothing to split or check here
         if block_dim:
             dim = block_dim % src[0].dim()
             src, dst = _unbind_leading(src, dim), _unbind_leading(dst, dim)

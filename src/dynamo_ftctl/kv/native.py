@@ -162,7 +162,6 @@ class RowKernel:
                  src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
                  int(self.streams(nbytes)), threads)
 
-
     def copy_blocks(
         self, at: Sequence[int], dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
         dst_blocks: int, src_blocks: int, row_bytes: int, threads: int,
