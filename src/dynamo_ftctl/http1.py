@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING, Protocol, cast
 from urllib.parse import urlsplit
 
@@ -339,6 +340,7 @@ class Pool:
     async def _send(conn: Connection, request: bytes, head_timeout_s: float | None) -> Response:
         response = Response(conn)
         conn.start(response, request)
+        response.sent_at = time.monotonic()
         try:
             await response.wait_headers(head_timeout_s)
         except BaseException:
@@ -362,8 +364,8 @@ def _expire(waiter: asyncio.Future[None], seconds: float) -> None:
 class Response(Exchange):
     """A streamed answer: headers first, then its body as it comes."""
 
-    __slots__ = ("_buffered", "_chunks", "_error", "_loop", "_waiter", "complete", "connection",
-                 "headers")
+    __slots__ = ("_buffered", "_chunks", "_error", "_loop", "_waiter", "body_at", "complete",
+                 "connection", "headers", "sent_at")
 
     def __init__(self, conn: Connection) -> None:
         super().__init__()
@@ -375,6 +377,9 @@ class Response(Exchange):
         self._waiter: asyncio.Future[None] | None = None
         self._error: HttpError | None = None
         self.complete = False
+        # time.monotonic() when the request was written and when its body began.
+        self.sent_at: float | None = None
+        self.body_at: float | None = None
 
     # -- what the connection reports
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -384,6 +389,8 @@ class Response(Exchange):
         self._wake()
 
     def on_body(self, data: bytes) -> None:
+        if self.body_at is None:
+            self.body_at = time.monotonic()
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
@@ -419,6 +426,18 @@ class Response(Exchange):
                 timer.cancel()
 
     # -- what the reader calls
+    @property
+    def body_wait_s(self) -> float | None:
+        """Seconds from writing the request to the first byte of the answer's body.
+
+        For a worker's stream, its time to first token as seen from here: no
+        parsing or scheduling on this side is counted (both ends are stamped in
+        the connection's callbacks). None until the body begins.
+        """
+        if self.sent_at is None or self.body_at is None:
+            return None
+        return self.body_at - self.sent_at
+
     def header(self, name: str) -> str | None:
         """A response header (`name` in lower case), or None."""
         value = self.headers.get(name.encode("latin-1"))
@@ -502,6 +521,7 @@ class _AiohttpResponse:
         self._response = response
         self.status = response.status
         self.complete = False
+        self.body_wait_s: float | None = None  # not measured through aiohttp
 
     def header(self, name: str) -> str | None:
         return self._response.headers.get(name)

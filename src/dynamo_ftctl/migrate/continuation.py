@@ -206,6 +206,9 @@ class StreamLedger:
     prompt_tokens_reported: int | None = None
     logprobs: dict[str, Any] | None = None
     workers: list[str] = field(default_factory=list)
+    # The serving worker's time to first token as the proxy saw it (request written to
+    # the first byte of the answer's body): the client's TTFT less this is the proxy's.
+    upstream_ttft_s: float | None = None
     _role_sent: bool = False
     _prompt_ids_sent: bool = False
     _fingerprint: str | None = None

@@ -96,6 +96,8 @@ log = logging.getLogger("ftctl.proxy")
 MIGRATED_HEADER = "x-ftctl-migrated"
 CONTINUATION_HEADER = "x-ftctl-continuation"
 WORKER_HEADER = "x-ftctl-worker"
+# The serving worker's time to first token as the proxy saw it (W3C Server-Timing).
+TIMING_HEADER = "Server-Timing"
 PRIORITY_HEADER = "x-ftctl-priority"
 
 # A worker that streams this many events in a row without a token is babbling.
@@ -431,6 +433,8 @@ class MigratingProxy:
                     if ledger.stopped:
                         break
                 if batch:
+                    if ledger.upstream_ttft_s is None:
+                        ledger.upstream_ttft_s = resp.body_wait_s
                     yield batch  # what the ledger recorded reaches the client, always
                 if failure is not None:
                     raise failure
@@ -730,6 +734,9 @@ class MigratingProxy:
             headers[MIGRATED_HEADER] = str(ledger.migrations)
         if not ledger.ids_mode:
             headers[CONTINUATION_HEADER] = "text"
+        if ledger.upstream_ttft_s is not None:
+            ms = ledger.upstream_ttft_s * 1e3
+            headers[TIMING_HEADER] = f'upstream;desc="first token";dur={ms:.3f}'
         return headers
 
     async def _sse_body(self, ledger: StreamLedger, first: list[dict[str, Any]] | None,

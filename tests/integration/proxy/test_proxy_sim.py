@@ -120,6 +120,13 @@ def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
     raise AssertionError(msg)
 
 
+def gauge(url: str, name: str) -> float:
+    """One gauge (its first series) from the /metrics of `url` (a proxy or a worker)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith((f"{name} ", f"{name}{{")))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def proxy_knows_max_len(proxy: ProxyProcess) -> bool:
     """True once the proxy learnt every worker's max_model_len (first scrape done)."""
     try:
@@ -316,12 +323,69 @@ def test_client_disconnect_cancels_the_upstream_request(
         for _ in resp.iter_bytes():
             break
 
-    def running() -> float:
-        text = httpx.get(f"{sim_worker.url}/metrics", timeout=5).text
-        line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
-        return float(line.rsplit(" ", 1)[1])
+    wait_until(lambda: gauge(sim_worker.url, "vllm:num_requests_running") == 0, 10,
+               "the worker to drop the abandoned request")
 
-    wait_until(lambda: running() == 0, 10, "the worker to drop the abandoned request")
+
+def upstream_ms(headers: httpx.Headers) -> float:
+    """The worker's time to first token that the proxy reports in Server-Timing."""
+    match = re.fullmatch(r'upstream;desc="first token";dur=(\d+\.\d{3})',
+                         headers["server-timing"])
+    assert match is not None, headers["server-timing"]
+    return float(match.group(1))
+
+
+def hung(worker: SimWorker) -> bool:
+    """The worker's hang fault has begun (it starts a moment after the admin call)."""
+    resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
+                     headers={"Authorization": f"Bearer {worker.admin_token}"})
+    return bool(resp.json()["hung"])
+
+
+def through_a_stall(proxy: ProxyProcess, worker: SimWorker, send: Callable[[], Any],
+                    stall_s: float) -> Any:
+    """`send()`'s result while `worker` holds every request for `stall_s` once the proxy
+    has taken it (a hung worker answers nothing, its /metrics included)."""
+    set_fault(worker, {"kind": "hang"})
+    wait_until(lambda: hung(worker), 10, "the worker to hang")
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(send)
+        wait_until(lambda: gauge(proxy.url, "dynamo_queued_requests") >= 1, 10,
+                   "the proxy to take the request")
+        time.sleep(stall_s)  # the worker's stall: what the proxy must report
+        set_fault(worker, {"kind": "clear"})
+        return future.result(timeout=30)
+
+
+def test_server_timing_names_the_workers_share_of_the_time_to_first_token(
+    sim_worker: SimWorker, proxy_factory: ProxyFactory,
+) -> None:
+    """A worker that stalls 0.3 s before its first token: the proxy's Server-Timing counts
+    that stall (less the moment the proxy takes to send it on), and no more than the client
+    waited; the same for a non-streamed answer."""
+    proxy = proxy_factory([("w", sim_worker.url)])
+    wait_until(lambda: proxy_knows_max_len(proxy), 10, "the proxy's first scrape")
+    endpoint, body = request_body(0)
+
+    def first_token() -> tuple[float, float]:
+        started = time.monotonic()
+        with httpx.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
+                          json={**body, "stream": True, "max_tokens": 2}) as resp:
+            assert resp.status_code == 200
+            for piece in resp.iter_bytes():
+                if b'"token_ids"' in piece:
+                    return upstream_ms(resp.headers), (time.monotonic() - started) * 1e3
+        raise AssertionError("no token")
+
+    def whole() -> tuple[float, float]:
+        started = time.monotonic()
+        resp = httpx.post(f"{proxy.url}{endpoint}", json={**body, "max_tokens": 2}, timeout=30)
+        assert resp.status_code == 200
+        return upstream_ms(resp.headers), (time.monotonic() - started) * 1e3
+
+    for send in (first_token, whole):
+        worker_ms, client_ms = through_a_stall(proxy, sim_worker, send, 0.3)
+        assert 250 <= worker_ms <= client_ms
 
 
 @contextmanager

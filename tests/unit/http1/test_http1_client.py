@@ -256,6 +256,33 @@ def test_stall_between_chunks_times_out() -> None:
     assert 0.15 <= run_with(handler, scenario) < 5
 
 
+def test_body_wait_is_the_time_from_the_request_to_the_first_body_byte() -> None:
+    """Headers at once, the body 0.2 s later: `body_wait_s` is None until the body begins,
+    then covers the server's wait and fits inside what the caller saw."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(chunked_head())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the worker's prefill, the thing measured
+        writer.write(chunk(b"tok") + b"0\r\n\r\n")
+        await reader.read()
+
+    async def scenario(server: Server, pool: Pool) -> tuple[float | None, float, float]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        async with await pool.request("POST", server.url, b"{}") as resp:
+            before_body = resp.body_wait_s
+            assert await resp.next_chunk(5.0) == b"tok"
+            seen = loop.time() - started
+            assert resp.body_wait_s is not None
+            return before_body, resp.body_wait_s, seen
+
+    before_body, wait, seen = run_with(handler, scenario)
+    assert before_body is None
+    assert 0.2 <= wait <= seen
+
+
 def test_headers_that_never_come_time_out() -> None:
     """A server that reads the request and never answers: TimeoutError after head_timeout_s."""
     async def handler(reader: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
