@@ -90,7 +90,7 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
 
 
 class RowKernel:
-    """`_rowcopy.c` loaded from `path`: `copy_rows` between 2-D host tensors of byte rows.
+    """`_rowcopy.c` loaded from `path`: `copy_blocks` between host layers of byte rows.
 
     A copy larger than one piece (256 KiB) is shared among torch's intra-op threads:
     `team` says on which. "openmp": torch's own OpenMP team (GOMP_parallel, what its
@@ -105,17 +105,14 @@ class RowKernel:
         if abi() != ABI:
             msg = f"{path}: kernel ABI {abi()}, this package needs {ABI} (reinstall to rebuild)"
             raise OSError(msg)
-        fn = lib.ftctl_copy_rows
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_int]
-        fn.restype = None
         check = lib.ftctl_check_ids
         check.argtypes = [ptr, i64, i64]
         check.restype = i64
         whole = lib.ftctl_copy_blocks
         whole.argtypes = [i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
         whole.restype = i64
-        self._fn, self._check, self._whole = fn, check, whole
+        self._check, self._whole = check, whole
         self.path = path
         parallel = _openmp_parallel() if openmp else None
         use = lib.ftctl_use_openmp
@@ -132,35 +129,6 @@ class RowKernel:
         if status >= 0:
             return status
         return BAD_IDS if status in (-1, -2) else RUN_NONE
-
-    @staticmethod
-    def streams(nbytes: int) -> bool:
-        """Whether a copy of `nbytes` (one call) stores past the cache."""
-        return nbytes >= STREAM_MIN_BYTES
-
-    def copy_rows(
-        self, dst: torch.Tensor, src: torch.Tensor,
-        dst_ids: torch.Tensor | int, src_ids: torch.Tensor | int, rows: int,
-        *, threads: int | None = None,
-    ) -> None:
-        """Copy `rows` rows: src row `src_ids[i]` to dst row `dst_ids[i]`, where an int
-        is the first row of a run. Rows are dim 0 of 2-D host tensors whose rows are
-        contiguous, the same byte length on both sides; ids are int64, contiguous and
-        already validated (range, duplicates, overlap): the kernel trusts them.
-        A copy of more than one piece shares its pieces among `threads` threads
-        (default: torch's intra-op thread count, what its own `copy_` uses) of `team`."""
-        row_bytes = src.shape[1] * src.element_size()
-        d_ptr, d_ids = _base(dst, dst_ids)
-        s_ptr, s_ids = _base(src, src_ids)
-        nbytes = rows * row_bytes
-        if threads is None:
-            import torch
-
-            threads = torch.get_num_threads()
-        # ctypes releases the GIL for the call.
-        self._fn(d_ptr, dst.stride(0) * dst.element_size(), s_ptr,
-                 src.stride(0) * src.element_size(), d_ids, s_ids, rows, row_bytes,
-                 int(self.streams(nbytes)), threads)
 
     def copy_blocks(
         self, at: Sequence[int], dst_ids: torch.Tensor, src_ids: torch.Tensor, *,
@@ -195,13 +163,6 @@ def _openmp_parallel() -> int | None:
         return None
     address = ctypes.cast(entry, ctypes.c_void_p).value
     return int(address) if address else None
-
-
-def _base(rows: torch.Tensor, ids: torch.Tensor | int) -> tuple[int, int | None]:
-    """The base address for the kernel and the id array's address (None for a run)."""
-    if isinstance(ids, int):
-        return rows.data_ptr() + ids * rows.stride(0) * rows.element_size(), None
-    return rows.data_ptr(), ids.data_ptr()
 
 
 def load(path: Path = LIBRARY, *, openmp: bool = True) -> RowKernel | None:

@@ -98,10 +98,11 @@ def test_threaded_copies_are_exact(team_kernel: native.RowKernel, threads: int) 
     """Rows shared among threads (more threads than the 64 allowed, or than pieces, too)
     land exactly once each; a copy of one piece stays on the caller's thread."""
     src, dst, sids, dids, want = random_copy(300, 4096, 9)  # 1.2 MiB: 5 pieces
-    team_kernel.copy_rows(dst, src, dids, sids, 300, threads=threads)
+    assert whole_copy(team_kernel, [dst], [src], dids, sids, threads=threads) == 0
     assert torch.equal(dst, want)
     few_src, few_dst = rows(5, 64, 12), rows(5, 64, 13)
-    team_kernel.copy_rows(few_dst, few_src, 0, 0, 5, threads=threads)
+    run = torch.arange(5)
+    assert whole_copy(team_kernel, [few_dst], [few_src], run, run, threads=threads) == 0
     assert torch.equal(few_dst, few_src)
 
 
@@ -112,7 +113,7 @@ def test_many_calls_at_changing_thread_counts_are_exact(team_kernel: native.RowK
     counts = [2, 4, 1, 3, 8, 2]
     for call in range(300):
         dst_copy = dst.clone()
-        team_kernel.copy_rows(dst_copy, src, dids, sids, 2000, threads=counts[call % 6])
+        whole_copy(team_kernel, [dst_copy], [src], dids, sids, threads=counts[call % 6])
         assert torch.equal(dst_copy, want), f"call {call}"
 
 
@@ -126,7 +127,7 @@ def test_concurrent_callers_are_exact(team_kernel: native.RowKernel) -> None:
         src, dst, sids, dids, want = cases[k]
         for call in range(40):
             out = dst.clone()
-            team_kernel.copy_rows(out, src, dids, sids, 1500, threads=2 + k % 2)
+            whole_copy(team_kernel, [out], [src], dids, sids, threads=2 + k % 2)
             if not torch.equal(out, want):
                 failures.append(f"thread {k} call {call}")
 
@@ -145,7 +146,7 @@ def test_a_forked_child_copies_on_threads_of_its_own(team_kernel: native.RowKern
     two threads, exactly, and exits: fork copies no worker, and the kernel starts its
     own pool there instead of waiting on threads that do not exist."""
     src, dst, sids, dids, want = random_copy(1200, 4096, 60)  # 4.7 MiB: 19 pieces
-    team_kernel.copy_rows(dst.clone(), src, dids, sids, 1200, threads=2)
+    whole_copy(team_kernel, [dst.clone()], [src], dids, sids)
     pid = os.fork()
     if pid == 0:  # the child: torch's own OpenMP team cannot run here, so torch on 1 thread
         code = 1
@@ -153,7 +154,7 @@ def test_a_forked_child_copies_on_threads_of_its_own(team_kernel: native.RowKern
             torch.set_num_threads(1)
             for _ in range(3):
                 out = dst.clone()
-                team_kernel.copy_rows(out, src, dids, sids, 1200, threads=2)
+                whole_copy(team_kernel, [out], [src], dids, sids)
                 if not torch.equal(out, want):
                     break
             else:
@@ -175,7 +176,8 @@ def test_small_copy_through_the_kernel_is_exact(kernel: native.RowKernel) -> Non
     src, dst = rows(50, 4096, 4), rows(50, 4096, 5)
     want = dst.clone()
     want[[40, 3, 17]] = src[[0, 49, 8]]
-    kernel.copy_rows(dst, src, torch.tensor([40, 3, 17]), torch.tensor([0, 49, 8]), 3)
+    assert whole_copy(kernel, [dst], [src], torch.tensor([40, 3, 17]),
+                      torch.tensor([0, 49, 8])) == 0
     assert torch.equal(dst, want)
 
 
@@ -193,12 +195,13 @@ def test_the_kernel_checks_ids(kernel: native.RowKernel, ids: list[int], want: i
 
 
 def whole_copy(kernel: native.RowKernel, dst: list[Any], src: list[Any], dids: Any,
-               sids: Any) -> int:
+               sids: Any, *, threads: int = 2) -> int:
     """`RowKernel.copy_blocks` over 2-D byte-row layers."""
     at = [t.data_ptr() for t in dst] + [t.data_ptr() for t in src] \
         + [t.stride(0) for t in dst] + [t.stride(0) for t in src]
     return kernel.copy_blocks(at, dids, sids, dst_blocks=dst[0].shape[0],
-                              src_blocks=src[0].shape[0], row_bytes=src[0].shape[1], threads=2)
+                              src_blocks=src[0].shape[0], row_bytes=src[0].shape[1],
+                              threads=threads)
 
 
 @pytest.mark.parametrize("total", [3000, 100_000], ids=["counting-sort", "qsort"])
