@@ -20,7 +20,8 @@ token; a text prompt starting with FAIL is cut after `--fail-after` tokens
 other core(s), the proxy to CPU 0. The client is `dynamo_ftctl.http1` on uvloop
 too, in this process, which is not pinned: the scheduler puts it where there is
 room, beside the upstream or beside the proxy, in the direct runs as in the
-proxied ones. (Pinned beside the upstream, one core carries client and worker
+proxied ones (the real-engine figure pins it beside the proxy instead; see
+`figure_overhead_sim`). (Pinned beside the upstream, one core carries client and worker
 and becomes the limit: with 32 streams arriving at once the proxy then seemed
 to add +5.8 ms of TTFT instead of +1.8 ms, same build, same hour.)
 Usage: python benchmarks/proxy.py [--quick] [--only FIGURE] [--baseline-src DIR]
@@ -34,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -390,7 +392,8 @@ class Record(NamedTuple):
 
     @property
     def proxy_share(self) -> float:
-        """The part of this request's TTFT the proxy cost (its work and its two hops)."""
+        """The part of this request's TTFT spent outside the worker: the proxy's work,
+        its two hops and its queue (an upper bound on what the proxy adds)."""
         return self.ttft - self.upstream
 
 
@@ -573,8 +576,8 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
     alternate for `rounds` rounds (the host's speed drifts between runs). Two figures:
 
     - p50 TTFT through the proxy vs straight to the engine: pooled, and the median of
-      the rounds' ratios. At 32 streams the engine's own TTFT moves by 5-20% from round
-      to round (which requests share a prefill batch), so this cannot resolve 2 ms.
+      the rounds' ratios. At 32 streams the engine's own TTFT moves by up to 30% from
+      round to round (which requests share a prefill batch): this cannot resolve 2 ms.
     - the proxy's share, request by request: the client's TTFT less the engine's TTFT as
       the proxy saw it (its Server-Timing header: request written to the first byte of
       the answer). That is the proxy's work, its two extra hops and its queue, free of
@@ -587,51 +590,49 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
     with pinned(OTHER_CPUS):  # every thread of the engine (torch's too) inherits it
         worker = start_worker("bench-sim", timeout_s=120)
     procs: list[subprocess.Popen[bytes]] = []
-    client_cpus = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, {CPUS[0]})
-        targets = {"proxy": proxy([worker.url], directory, model="ftctl-sim-tiny")}
-        if baseline is not None:
-            targets["baseline proxy"] = proxy([worker.url], directory, model="ftctl-sim-tiny",
-                                              src=baseline)
-        procs += [p for p, _ in targets.values()]
-        body = {"model": "ftctl-sim-tiny", "prompt": "hello " * 40, "max_tokens": 32,
-                "stream": True, "temperature": 0}
-        for url in (worker.url, *(u for _, u in targets.values())):
-            arun(streams(url, body, 32, 32))
-        per_round = max(32, count // rounds)
-        direct: list[Record] = []
-        via: dict[str, list[Record]] = {k: [] for k in targets}
-        ratios: dict[str, list[float]] = {k: [] for k in targets}
-        for _ in range(rounds):
-            d = arun(streams(worker.url, body, 32, per_round))
-            direct += d
-            for label, (_, url) in targets.items():
-                v = arun(streams(url, body, 32, per_round))
-                via[label] += v
-                ratios[label].append(p50([r.ttft for r in v]) / p50([r.ttft for r in d]))
-        d_ttft, d_e2e = p50([r.ttft for r in direct]), p50([r.e2e for r in direct])
-        print(f"overhead vs a real ftctl sim worker, 32 concurrent streams, {rounds} rounds x "
-              f"{per_round} requests each way, 240-token prompt, 32 tokens, p50: TTFT direct "
-              f"{d_ttft * 1e3:.1f} ms, end-to-end {d_e2e * 1e3:.0f} ms")
-        for label in targets:
-            v_ttft = p50([r.ttft for r in via[label]])
-            v_e2e = p50([r.e2e for r in via[label]])
-            print(f"    via {label}: TTFT {v_ttft * 1e3:.1f} ms pooled (ratio "
-                  f"{v_ttft / d_ttft:.2f}, {(v_ttft - d_ttft) * 1e3:+.2f} ms); median of rounds "
-                  f"ratio {p50(ratios[label]):.2f} (rounds: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios[label])}); end-to-end "
-                  f"{v_e2e * 1e3:.0f} ms (ratio {v_e2e / d_e2e:.2f})"
-                  f"{share_note(via[label], d_ttft)}")
+        with pinned({CPUS[0]}):  # the client, beside the proxy
+            targets = {"proxy": proxy([worker.url], directory, model="ftctl-sim-tiny")}
+            if baseline is not None:
+                targets["baseline proxy"] = proxy([worker.url], directory, model="ftctl-sim-tiny",
+                                                  src=baseline)
+            procs += [p for p, _ in targets.values()]
+            body = {"model": "ftctl-sim-tiny", "prompt": "hello " * 40, "max_tokens": 32,
+                    "stream": True, "temperature": 0}
+            for url in (worker.url, *(u for _, u in targets.values())):
+                arun(streams(url, body, 32, 32))
+            per_round = max(32, count // rounds)
+            direct: list[Record] = []
+            via: dict[str, list[Record]] = {k: [] for k in targets}
+            ratios: dict[str, list[float]] = {k: [] for k in targets}
+            for _ in range(rounds):
+                d = arun(streams(worker.url, body, 32, per_round))
+                direct += d
+                for label, (_, url) in targets.items():
+                    v = arun(streams(url, body, 32, per_round))
+                    via[label] += v
+                    ratios[label].append(p50([r.ttft for r in v]) / p50([r.ttft for r in d]))
+            d_ttft, d_e2e = p50([r.ttft for r in direct]), p50([r.e2e for r in direct])
+            print(f"overhead vs a real ftctl sim worker, 32 concurrent streams, {rounds} rounds x "
+                  f"{per_round} requests each way, 240-token prompt, 32 tokens, p50: TTFT direct "
+                  f"{d_ttft * 1e3:.1f} ms, end-to-end {d_e2e * 1e3:.0f} ms")
+            for label in targets:
+                v_ttft = p50([r.ttft for r in via[label]])
+                v_e2e = p50([r.e2e for r in via[label]])
+                print(f"    via {label}: TTFT {v_ttft * 1e3:.1f} ms pooled (ratio "
+                      f"{v_ttft / d_ttft:.2f}, {(v_ttft - d_ttft) * 1e3:+.2f} ms); median of "
+                      f"rounds ratio {p50(ratios[label]):.2f} (rounds: "
+                      f"{', '.join(f'{x:.2f}' for x in ratios[label])}); end-to-end "
+                      f"{v_e2e * 1e3:.0f} ms (ratio {v_e2e / d_e2e:.2f})"
+                      f"{share_note(via[label], d_ttft)}")
     finally:
-        os.sched_setaffinity(0, client_cpus)
         stop(*procs)
         worker.stop()
 
 
 def share_note(via: list[Record], direct_ttft: float) -> str:
     """The proxy's share of each request's TTFT (from its Server-Timing), in words."""
-    shares = sorted(r.proxy_share for r in via if r.upstream == r.upstream)  # not nan
+    shares = sorted(r.proxy_share for r in via if not math.isnan(r.upstream))
     if not shares:
         return ""
     p90 = shares[int(0.9 * (len(shares) - 1))]
