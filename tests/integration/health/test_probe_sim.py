@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from dynamo_ftctl.health.baseline import MIN_SAMPLES
+from tests.simfaults import hung
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -88,8 +89,7 @@ def test_hung_worker_times_out_with_exit_three(sim_worker: SimWorker, tmp_path: 
     """A hung worker (requests stall, no answer) is unreachable: exit 3 within about one timeout."""
     fault(sim_worker, kind="hang", duration_s=20)
     deadline = time.monotonic() + 10
-    while not httpx.get(f"{sim_worker.url}/admin/fault", timeout=5, headers={
-            "Authorization": f"Bearer {sim_worker.admin_token}"}).json()["hung"]:
+    while not hung(sim_worker):
         assert time.monotonic() < deadline, "the hang fault never took effect"
         time.sleep(0.01)  # polling GET /admin/fault for the hang, with a deadline
     rc, doc, _, elapsed = canary(sim_worker.url, tmp_path / "s.json", "--timeout", "1")

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from dynamo_ftctl.openai import iter_sse_events
+from tests.simfaults import hung
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -333,13 +334,6 @@ def upstream_ms(headers: httpx.Headers) -> float:
                          headers["server-timing"])
     assert match is not None, headers["server-timing"]
     return float(match.group(1))
-
-
-def hung(worker: SimWorker) -> bool:
-    """The worker's hang fault has begun (it starts a moment after the admin call)."""
-    resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
-                     headers={"Authorization": f"Bearer {worker.admin_token}"})
-    return bool(resp.json()["hung"])
 
 
 def through_a_stall(proxy: ProxyProcess, worker: SimWorker, send: Callable[[], Any],

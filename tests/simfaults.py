@@ -1,0 +1,17 @@
+"""What a test asks a running `ftctl sim` worker about its faults."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import httpx
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.engine.launcher import SimWorker
+
+
+def hung(worker: SimWorker) -> bool:
+    """The worker's hang fault has begun (it starts a moment after the admin call)."""
+    resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
+                     headers={"Authorization": f"Bearer {worker.admin_token}"})
+    return bool(resp.json()["hung"])
