@@ -411,8 +411,10 @@ def test_stop_overload_waits_for_an_exiting_load_to_end(
     signals: list[int] = []
 
     def finish() -> None:
-        (proc / "stat").write_text(stat("Z"))
+        # Set first: the revert may return the moment it reads "Z", before a line after
+        # the write would run (a race CI hit).
         ended.set()
+        (proc / "stat").write_text(stat("Z"))
 
     def fake_kill(pid: int, sig: int) -> None:
         assert pid == 4242
