@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dynamo_ftctl.openai import (
     ApiError,
     SseDecoder,
+    SseEvent,
     StreamAccumulator,
     chat_request,
     completion_request,
@@ -65,6 +66,33 @@ def test_decoder_handles_any_chunking_and_line_endings() -> None:
     assert [e.data for e in whole] == ['{"a":1}', "one\ntwo", "[DONE]"]
     assert whole[1].event == "x"
     assert whole[2].is_done
+
+
+_SSE_PIECES = [b"data: ", b"data:", b"id: 7", b"event: e", b"x", b"{}", b"\n", b"\n\n", b"\r",
+               b": c"]
+
+
+@given(st.lists(st.sampled_from(_SSE_PIECES), max_size=40).map(b"".join),
+       st.lists(st.integers(0, 200), max_size=6))
+def test_decoder_events_do_not_depend_on_reads(stream: bytes, cuts: list[int]) -> None:
+    """Whole one-line events (the decoder's fast path) and any other reads give the same
+    events, ids and names as the stream fed one byte at a time."""
+    points = sorted({min(c, len(stream)) for c in cuts})
+    reads = [stream[i:j] for i, j in zip([0, *points], [*points, len(stream)], strict=True)]
+    decoder, reference = SseDecoder(), SseDecoder()
+    got = [event for read in reads for event in decoder.feed(read)]
+    expected = [event for i in range(len(stream)) for event in reference.feed(stream[i:i + 1])]
+    assert got == expected
+
+
+def test_decoder_fast_path_keeps_the_last_id_and_a_pending_event_name() -> None:
+    """A whole `data:` read carries the stream's last id; after an `event:` line it is named."""
+    decoder = SseDecoder()
+    assert decoder.feed(b"id: 7\ndata: a\n\n") == [SseEvent("a", None, "7")]
+    assert decoder.feed(b"data: b\n\n") == [SseEvent("b", None, "7")]
+    assert decoder.feed(b"event: e\n") == []
+    assert decoder.feed(b"data: c\n\n") == [SseEvent("c", "e", "7")]
+    assert decoder.feed(b"data: d\n\n") == [SseEvent("d", None, "7")]
 
 
 def test_decoder_flushes_a_final_event_without_blank_line() -> None:
