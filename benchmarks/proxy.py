@@ -310,7 +310,8 @@ def start(args: list[str], cpus: set[int], probe: str,
           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
     try:
-        os.sched_setaffinity(proc.pid, cpus & os.sched_getaffinity(0) or os.sched_getaffinity(0))
+        # Against the CPUs this run was given, not the caller's (`pinned` may narrow those).
+        os.sched_setaffinity(proc.pid, cpus & set(CPUS) or set(CPUS))
         wait_http(probe)
     except BaseException:
         proc.kill()
@@ -567,13 +568,18 @@ def figure_overhead(directory: Path, count: int, baseline: Path | None) -> None:
 
 
 def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
-                        rounds: int = 5) -> None:
+                        rounds: int = 5, *, client_beside_proxy: bool = False) -> None:
     """The same comparison against a real `ftctl sim` worker (prefill and decode are real).
 
-    The engine runs alone on the other core(s), every thread of it; the client shares
-    CPU 0 with the proxy, in the direct rounds too, so the proxy cannot slow the engine
-    and what it costs the client's core counts against it. Direct and proxied rounds
-    alternate for `rounds` rounds (the host's speed drifts between runs). Two figures:
+    The proxy runs alone on CPU 0, as a front door has its own cores; the engine, every
+    thread of it, on the other core(s), with the client beside it, in the direct
+    rounds too (it slows the engine the same in both). With `client_beside_proxy` the
+    client shares CPU 0 with the proxy instead (sessions before this one measured so):
+    then each token the proxy writes wakes the client on the proxy's own core, which
+    preempts it (py-spy: 61% of the proxy's samples in its socket write, 15% with the
+    client on the other core), so the client's own work lands in the proxy's figures.
+    Direct and proxied rounds alternate for `rounds` rounds (the host's speed drifts
+    between runs). Two figures:
 
     - p50 TTFT through the proxy vs straight to the engine: pooled, and the median of
       the rounds' ratios. At 32 streams the engine's own TTFT moves by up to 30% from
@@ -591,7 +597,7 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
         worker = start_worker("bench-sim", timeout_s=120)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        with pinned({CPUS[0]}):  # the client, beside the proxy
+        with pinned({CPUS[0]} if client_beside_proxy else OTHER_CPUS):  # the client
             targets = {"proxy": proxy([worker.url], directory, model="ftctl-sim-tiny")}
             if baseline is not None:
                 targets["baseline proxy"] = proxy([worker.url], directory, model="ftctl-sim-tiny",
@@ -613,7 +619,9 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
                     via[label] += v
                     ratios[label].append(p50([r.ttft for r in v]) / p50([r.ttft for r in d]))
             d_ttft, d_e2e = p50([r.ttft for r in direct]), p50([r.e2e for r in direct])
-            print(f"overhead vs a real ftctl sim worker, 32 concurrent streams, {rounds} rounds x "
+            where = "the proxy" if client_beside_proxy else "the engine"
+            print(f"overhead vs a real ftctl sim worker (the client beside {where}), 32 "
+                  f"concurrent streams, {rounds} rounds x "
                   f"{per_round} requests each way, 240-token prompt, 32 tokens, p50: TTFT direct "
                   f"{d_ttft * 1e3:.1f} ms, end-to-end {d_e2e * 1e3:.0f} ms")
             for label in targets:
@@ -724,6 +732,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs")
     parser.add_argument("--only", choices=["clients", "overhead", "sim", "throughput", "stall"])
+    parser.add_argument("--client-beside-proxy", action="store_true",
+                        help="real-engine figure: run the client on the proxy's core, not "
+                             "beside the engine (how sessions before 8 measured it)")
     parser.add_argument("--baseline-src", type=Path, metavar="DIR",
                         help="also run the overhead and throughput figures, in the same run, "
                              "on a proxy from this source tree (e.g. `git archive` of an "
@@ -742,7 +753,8 @@ def main() -> None:
             # Rounds of 160 requests per arm: in rounds of one burst (32), the engine's
             # batching alone moved the p50 by up to 50% from round to round.
             figure_overhead_sim(directory, 320 if args.quick else 960, args.baseline_src,
-                                rounds=4 if args.quick else 6)
+                                rounds=4 if args.quick else 6,
+                                client_beside_proxy=args.client_beside_proxy)
         if args.only in (None, "throughput"):
             figure_throughput(directory, seconds, args.baseline_src)
         if args.only in (None, "stall"):
