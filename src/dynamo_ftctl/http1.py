@@ -13,7 +13,9 @@ this machine (benchmarks/http_clients.py, benchmarks/proxy.py).
 - `Response` (an `Exchange`): a streamed answer for `await`ing code: its body
   chunk by chunk (`next_chunk`, with a stall timeout and backpressure: the
   socket stops being read while 256 KiB wait unread) or whole (`read`, with a
-  size limit). `close()` before the end hangs up (the way to cancel).
+  size limit). `close()` before the end hangs up (the way to cancel). A `sink`
+  may take body pieces in the socket's callback instead, while none wait
+  unread (the proxy's fast lane: no task wakes per piece).
 - `Client`: `Pool` for http://, aiohttp (imported on first use) for https://.
 
 Errors, all `HttpError` (an `OSError`, as connection errors are) or the
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, cast
 from urllib.parse import urlsplit
 
@@ -356,16 +359,24 @@ class Pool:
         self._idle.clear()
 
 
-def _expire(waiter: asyncio.Future[None], seconds: float) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError(f"nothing read for {seconds:g} s"))
+Sink = Callable[[bytes], bool]
 
 
 class Response(Exchange):
-    """A streamed answer: headers first, then its body as it comes."""
+    """A streamed answer: headers first, then its body as it comes.
 
-    __slots__ = ("_buffered", "_chunks", "_error", "_loop", "_waiter", "body_at", "complete",
-                 "connection", "headers", "sent_at")
+    `sink`: while set, each body piece that arrives with none waiting unread goes
+    to `sink(piece)` in the socket's callback; it returns False to leave the piece
+    for `next_chunk` (then, in order, everything after it too until it is read).
+    A sink that has taken its last piece calls `end_sink()`: `next_chunk` then
+    returns b"" once (the reader looks at what the sink left), and the body's
+    later pieces are buffered again. The stall timeout of a `next_chunk` counts
+    from the last piece that arrived, taken by the sink or not.
+    """
+
+    __slots__ = ("_buffered", "_chunks", "_error", "_loop", "_sink_ended", "_timeout_s",
+                 "_timer", "_waiter", "body_at", "complete", "connection", "headers", "last_read",
+                 "sent_at", "sink")
 
     def __init__(self, conn: Connection) -> None:
         super().__init__()
@@ -380,6 +391,11 @@ class Response(Exchange):
         # time.monotonic() when the request was written and when its body began.
         self.sent_at: float | None = None
         self.body_at: float | None = None
+        self.last_read = 0.0  # time.monotonic() of the last body piece
+        self.sink: Sink | None = None
+        self._sink_ended = False
+        self._timeout_s = 0.0
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- what the connection reports
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -389,8 +405,12 @@ class Response(Exchange):
         self._wake()
 
     def on_body(self, data: bytes) -> None:
+        self.last_read = now = time.monotonic()
         if self.body_at is None:
-            self.body_at = time.monotonic()
+            self.body_at = now
+        sink = self.sink
+        if sink is not None and not self._chunks and sink(data):
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
@@ -408,22 +428,43 @@ class Response(Exchange):
         self._error = error
         self._wake()
 
+    def end_sink(self) -> None:
+        """The sink took its last piece: `next_chunk` returns b"" once, now or next."""
+        self.sink = None
+        self._sink_ended = True
+        self._wake()
+
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def _expire(self, waiter: asyncio.Future[None], started: float) -> None:
+        self._timer = None
+        if waiter.done():
+            return
+        # Pieces a sink took count as reads: wait on from the last one.
+        idle = time.monotonic() - max(started, self.last_read)
+        if idle < self._timeout_s:
+            self._timer = self._loop.call_later(self._timeout_s - idle, self._expire, waiter,
+                                                started)
+            return
+        waiter.set_exception(TimeoutError(f"nothing read for {self._timeout_s:g} s"))
+
     async def _wait(self, timeout_s: float | None) -> None:
         waiter = self._loop.create_future()
         self._waiter = waiter
-        timer = None if timeout_s is None else \
-            self._loop.call_later(timeout_s, _expire, waiter, timeout_s)
+        if timeout_s is not None:
+            self._timeout_s = timeout_s
+            self._timer = self._loop.call_later(timeout_s, self._expire, waiter,
+                                                time.monotonic())
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     # -- what the reader calls
     @property
@@ -454,9 +495,13 @@ class Response(Exchange):
         """The body bytes read since the last call (b"" at the end).
 
         Waits at most `timeout_s` for bytes (`TimeoutError`); raises the
-        connection's `HttpError` once what came before it has been read.
+        connection's `HttpError` once what came before it has been read. Returns
+        b"" once, too, when a sink has ended (`end_sink`).
         """
         while True:
+            if self._sink_ended:
+                self._sink_ended = False
+                return b""
             chunks = self._chunks
             if chunks:
                 data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -484,6 +529,7 @@ class Response(Exchange):
 
     def close(self) -> None:
         """Done with the answer: before its end, the connection is closed, not reused."""
+        self.sink = None
         if self.connection.exchange is self:
             self.connection.abandon()
         self._chunks.clear()

@@ -17,6 +17,11 @@ side of `dynamo_ftctl.http1`.
 - Backpressure: a `Stream` is not pulled while the client's socket buffer is
   above its high-water mark (`pause_writing`), so a slow reader slows the
   upstream instead of filling this process's memory.
+- Fast lane: once a `Stream`'s head is out, its `on_push` gets a `Pusher` that
+  writes body pieces straight to the client's socket from any callback (the
+  proxy writes each token from its upstream socket's callback: no task wakes
+  per token). It refuses while the client's buffer is full or the answer is
+  over; what it refuses comes through `chunks`, in order.
 - A client that hangs up cancels its handler's task (the upstream request
   ends with it).
 - Timeouts: a connection idle between requests is closed after
@@ -44,7 +49,7 @@ import httptools
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_REQUEST_TIMEOUT_S", "Handler",
-    "Reply", "Request", "Server", "Stream", "call_asgi", "start_server",
+    "Pusher", "Reply", "Request", "Server", "Stream", "call_asgi", "start_server",
 ]
 
 log = logging.getLogger("ftctl.httpserver")
@@ -100,14 +105,47 @@ class Reply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
+class Pusher:
+    """Writes pieces of one streamed answer's body to its client at once, from any callback.
+
+    Use it between the pieces `chunks` yields, never while one of them waits to be
+    written: check `writable` first (False while the client's socket buffer is above
+    its high-water mark, once the client has gone and once the answer has ended);
+    a piece it cannot take must come through `chunks`.
+    """
+
+    __slots__ = ("_chunked", "_conn", "open")
+
+    def __init__(self, conn: _Connection, *, chunked: bool) -> None:
+        self._conn = conn
+        self._chunked = chunked
+        self.open = True  # False once the answer has ended (the connection may serve another)
+
+    @property
+    def writable(self) -> bool:
+        """A piece written now goes out in order, before anything else of this answer."""
+        conn = self._conn
+        return self.open and not conn.closed and not conn.writing_paused
+
+    def write(self, data: bytes) -> None:
+        """Write `data` as the next piece of the body (only while `writable`)."""
+        if data:
+            self._conn.write_piece(data, chunked=self._chunked)
+
+
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """A streamed answer, sent with chunked transfer coding as `chunks` yields."""
+    """A streamed answer, sent with chunked transfer coding as `chunks` yields.
+
+    `on_push`, when given, is called once the head has gone out, with the `Pusher`
+    of this answer (see `Pusher`).
+    """
 
     chunks: AsyncIterator[bytes]
     content_type: str = "text/event-stream; charset=utf-8"
     headers: Mapping[str, str] = field(default_factory=dict)
     status: int = 200
+    on_push: Callable[[Pusher], None] | None = None
 
 
 Handler = Callable[[Request], Awaitable[Reply | Stream]]
@@ -335,6 +373,7 @@ class _Connection(asyncio.Protocol):
 
     async def _stream(self, reply: Stream, keep_alive: bool, *, chunked: bool) -> None:
         chunks = reply.chunks
+        pusher: Pusher | None = None
         try:
             head = _head(reply.status, reply.content_type, reply.headers,
                          b"transfer-encoding: chunked\r\n" if chunked else b"", keep_alive)
@@ -346,12 +385,17 @@ class _Connection(asyncio.Protocol):
                                 else head + chunk)
                     head = b""
                     self._head_sent = True
+                    if pusher is None and reply.on_push is not None:
+                        pusher = Pusher(self, chunked=chunked)
+                        reply.on_push(pusher)
                     if self._write_paused:
                         await self._drain()
                 if self.closed:
                     return
             self._write(head + _CHUNKED_END if chunked else head)
         finally:
+            if pusher is not None:
+                pusher.open = False
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
@@ -359,6 +403,10 @@ class _Connection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:
             self.transport.write(data)
+
+    def write_piece(self, data: bytes, *, chunked: bool) -> None:
+        """One piece of a streamed body (`Pusher.write`)."""
+        self._write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
 
     async def _drain(self) -> None:
         """Wait until the client's socket buffer is below its low-water mark (or it left)."""

@@ -16,6 +16,14 @@ CPU in py-spy; benchmarks/proxy.py). https:// workers go through aiohttp,
 imported only when one is in the inventory. KV exports keep their httpx client
 (`migrate.transfer`, one call per migration).
 
+Once a streamed answer's head and first tokens are out, its later tokens take
+the fast lane: the upstream `Response.sink` parses each piece in the socket's
+callback (`_Reader`, the same code the task runs) and writes it at once through
+the client's `httpserver.Pusher`. Per token that skips a future, a timer, a
+task step and three async generators: ~25% less CPU per streamed token
+(benchmarks/proxy.py). The task wakes when the lane ends (a failure, [DONE], a
+stop string) or gives way (the client reads slower than the worker writes).
+
 Every upstream request is streamed with token ids, even when the client asked
 for one JSON answer, so that a generation broken half-way can go on elsewhere
 (`continuation.StreamLedger`). A worker has failed when the connection is
@@ -56,7 +64,8 @@ import msgspec
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client
-from dynamo_ftctl.httpserver import Reply, Stream, call_asgi, start_server
+from dynamo_ftctl.http1 import Response as UpstreamResponse
+from dynamo_ftctl.httpserver import Pusher, Reply, Stream, call_asgi, start_server
 from dynamo_ftctl.migrate.admission import (
     BUSY_BODY,
     Thresholds,
@@ -179,6 +188,112 @@ def _estimate_prompt_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
         if isinstance(message, dict):
             size += len(str(message.get("content") or "")) + 8
     return size // 4 + 1
+
+
+class Lane:
+    """The client's side of one streamed request: its `Pusher` once the head is out."""
+
+    __slots__ = ("pusher",)
+
+    def __init__(self) -> None:
+        self.pusher: Pusher | None = None
+
+    def bind(self, pusher: Pusher) -> None:
+        """`Stream.on_push`: the client's stream takes pieces straight from now on."""
+        self.pusher = pusher
+
+
+class _Reader:
+    """One upstream answer's body turned into client chunks, piece by piece (no I/O).
+
+    `feed` records what it finds in the ledger and returns the client chunks; it
+    never raises: a failure is kept in `failure`, and `over` says the answer must
+    not be read further (a failure, [DONE], or a stop string matched). The task
+    (`MigratingProxy._attempt`) and the fast lane (`sink`) feed it in turn, in order.
+    """
+
+    __slots__ = ("_decoder", "_idle_events", "_last_token", "_ledger", "_name", "_now",
+                 "_stall", "_unparsed", "done", "failure")
+
+    def __init__(self, name: str, ledger: StreamLedger, stall_s: float,
+                 now: Callable[[], float]) -> None:
+        self._name = name
+        self._ledger = ledger
+        self._stall = stall_s
+        self._now = now
+        self._decoder = SseDecoder()
+        self._last_token = now()
+        self._idle_events = 0
+        self._unparsed = 0  # bytes since the last complete event
+        self.done = False  # [DONE] seen
+        self.failure: Exception | None = None
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.failure is not None or self._ledger.stopped
+
+    def feed(self, piece: bytes) -> list[dict[str, Any]]:
+        """The client chunks of `piece` (several events of one read go out as one write)."""
+        ledger = self._ledger
+        batch: list[dict[str, Any]] = []
+        events = self._decoder.feed(piece)
+        if not events:
+            self._unparsed += len(piece)
+            if self._unparsed > _MAX_EVENT_BYTES:
+                self.failure = UpstreamFailure(
+                    f"{self._name}: {self._unparsed:,} bytes without a complete event")
+            elif self._now() - self._last_token > self._stall:
+                self.failure = UpstreamFailure(f"{self._name}: no token for {self._stall:g} s")
+            return batch
+        self._unparsed = 0
+        for event in events:
+            if event.is_done:
+                self.done = True
+                break
+            before = ledger.generated_count
+            try:
+                chunk = ledger.observe(_loads(event.data))
+            except (MalformedChunk, ValueError) as exc:
+                self.failure = exc
+                break
+            if ledger.generated_count > before or ledger.finished:
+                self._last_token = self._now()
+                self._idle_events = 0
+            else:
+                self._idle_events += 1
+                if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
+                        or self._now() - self._last_token > self._stall:
+                    self.failure = UpstreamFailure(
+                        f"{self._name}: events but no token for {self._stall:g} s")
+                    break
+            if chunk is not None:
+                batch.append(chunk)
+            if ledger.stopped:
+                break
+        return batch
+
+    def sink(self, resp: UpstreamResponse, pusher: Pusher) -> Callable[[bytes], bool]:
+        """`resp.sink` for the fast lane: each piece parsed and written to the client at once.
+
+        It refuses pieces while the client cannot take them (they wait for the task,
+        which writes them and waits for the client), and ends itself on the piece
+        that makes the reader `over` (the task then raises or finishes).
+        """
+
+        def take(piece: bytes) -> bool:
+            if not pusher.writable:
+                return False
+            try:
+                batch = self.feed(piece)
+                if batch:
+                    pusher.write(b"".join(map(_sse, batch)))
+            except Exception as exc:  # a bug must not escape into the socket's callback
+                self.failure = exc
+            if self.over:
+                resp.end_sink()
+            return True
+
+        return take
 
 
 class MigratingProxy:
@@ -362,14 +477,18 @@ class MigratingProxy:
     # ------------------------------------------------------------------ one attempt
 
     async def _attempt(self, slot: WorkerSlot, url: str, body: bytes, ledger: StreamLedger,
-                       headers: dict[str, str]) -> AsyncIterator[list[dict[str, Any]]]:
+                       headers: dict[str, str], *,
+                       lane: Lane | None = None) -> AsyncIterator[list[dict[str, Any]]]:
         """Stream one upstream request; yield batches of client chunks; raise on any failure.
 
+        Once a batch has gone out and the client's stream has a `Pusher` (`lane`), the
+        upstream's pieces go to `_Reader.sink` in its socket callback and straight to
+        the client; this generator wakes only when the sink ends (a [DONE], a stop
+        string, a failure) or refuses a piece (the client's buffer is full).
         Leaving early (an exception, `aclose()`, the client's cancellation) closes the
         upstream connection unless its answer was read to the end.
         """
         stall = self.config.stall_timeout_s
-        now = self.clock.now
         resp: AnyResponse | None = None
         try:
             resp = await self.http.request("POST", url, body, headers,
@@ -387,64 +506,25 @@ class MigratingProxy:
                 msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
                       "not an event stream"
                 raise UpstreamFailure(msg)
-            last_token = now()
-            idle_events = 0
-            unparsed = 0  # bytes since the last complete event
-            decoder = SseDecoder()
-            done = False
+            reader = _Reader(slot.name, ledger, stall, self.clock.now)
             while piece := await resp.next_chunk(stall):
-                events = decoder.feed(piece)
-                if not events:
-                    unparsed += len(piece)
-                    if unparsed > _MAX_EVENT_BYTES:
-                        msg = f"{slot.name}: {unparsed:,} bytes without a complete event"
-                        raise UpstreamFailure(msg)
-                    if now() - last_token > stall:
-                        msg = f"{slot.name}: no token for {stall:g} s"
-                        raise UpstreamFailure(msg)
-                    continue
-                unparsed = 0
-                # One upstream read may carry several events: they go to the client
-                # as one write (a write per token costs more than the parsing).
-                batch: list[dict[str, Any]] = []
-                failure: Exception | None = None
-                for event in events:
-                    if event.is_done:
-                        done = True
-                        break
-                    before = ledger.generated_count
-                    try:
-                        chunk = ledger.observe(_loads(event.data))
-                    except (MalformedChunk, ValueError) as exc:
-                        failure = exc
-                        break
-                    if ledger.generated_count > before or ledger.finished:
-                        last_token = now()
-                        idle_events = 0
-                    else:
-                        idle_events += 1
-                        if idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
-                                or now() - last_token > stall:
-                            msg = f"{slot.name}: events but no token for {stall:g} s"
-                            failure = UpstreamFailure(msg)
-                            break
-                    if chunk is not None:
-                        batch.append(chunk)
-                    if ledger.stopped:
-                        break
+                batch = reader.feed(piece)
                 if batch:
                     if ledger.upstream_ttft_s is None:
                         ledger.upstream_ttft_s = resp.body_wait_s
                     yield batch  # what the ledger recorded reaches the client, always
-                if failure is not None:
-                    raise failure
-                if done or ledger.stopped:
+                if reader.over:
                     break
+                if lane is not None and lane.pusher is not None \
+                        and isinstance(resp, UpstreamResponse) and resp.sink is None:
+                    resp.sink = reader.sink(resp, lane.pusher)
+            if reader.failure is not None:
+                raise reader.failure
             # A stop string matched here (workers never see `stop`): closing the
             # unfinished answer below cuts the upstream, which ends the request on the
             # worker. After [DONE], read the chunked terminator so the connection goes
             # back to the pool (an unread body closes it: a new TCP connection next time).
-            if done and not ledger.stopped and not resp.complete:
+            if reader.done and not ledger.stopped and not resp.complete:
                 await resp.wait_complete(_DRAIN_S)
             if not ledger.finished:
                 msg = f"{slot.name}: stream ended without a finish reason"
@@ -465,11 +545,13 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ migration
 
-    async def generate(self, ledger: StreamLedger,
-                       path: str) -> AsyncGenerator[list[dict[str, Any]], None]:
+    async def generate(self, ledger: StreamLedger, path: str,
+                       lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Batches of client chunks of one request, across as many workers as it takes.
 
-        Raises `ProxyError` when nothing was produced, `StreamAborted` after.
+        Raises `ProxyError` when nothing was produced, `StreamAborted` after. With a
+        `lane`, an attempt's chunks after its first batch may go straight to the
+        client instead (see `_attempt`).
         """
         model = ledger.body.get("model") if isinstance(ledger.body.get("model"), str) else None
         failed_workers: set[str] = set()
@@ -511,7 +593,8 @@ class MigratingProxy:
                     headers = {"Content-Type": "application/json",
                                "X-Request-Id": ledger.request_id}
                 try:
-                    async for batch in self._attempt(slot, url, data, ledger, headers):
+                    async for batch in self._attempt(slot, url, data, ledger, headers,
+                                                     lane=lane):
                         if pending:
                             self.router.first_token(slot, pending)
                             pending = 0
@@ -700,8 +783,9 @@ class MigratingProxy:
         ledger = StreamLedger(endpoint=endpoint, body=body,
                               migration_limit=self.config.migration_limit)
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-        chunks = self.generate(ledger, path)
-        if not ledger.client_streams:
+        lane = Lane() if ledger.client_streams else None
+        chunks = self.generate(ledger, path, lane)
+        if lane is None:
 
             async def collect() -> Reply:
                 try:
@@ -724,7 +808,8 @@ class MigratingProxy:
             return _reply(exc.status, exc.body, exc.headers)
         except StreamAborted as exc:
             return _reply(502, _openai_error(str(exc), "worker_failed", 502))
-        return Stream(self._sse_body(ledger, first, chunks), headers=self._answer_headers(ledger))
+        return Stream(self._sse_body(ledger, first, chunks), headers=self._answer_headers(ledger),
+                      on_push=lane.bind)
 
     @staticmethod
     def _answer_headers(ledger: StreamLedger) -> dict[str, str]:

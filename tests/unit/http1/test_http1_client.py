@@ -256,6 +256,84 @@ def test_stall_between_chunks_times_out() -> None:
     assert 0.15 <= run_with(handler, scenario) < 5
 
 
+def test_a_sink_takes_pieces_in_the_callback_and_what_it_refuses_waits_in_order() -> None:
+    """A sink gets each piece as it arrives; a piece it refuses, and every piece after it
+    until read, come from `next_chunk`, in order; after `end_sink` `next_chunk` says b""
+    once and the rest of the body is read as usual."""
+    go_on = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(chunked_head() + chunk(b"a"))
+        await go_on.wait()
+        go_on.clear()
+        writer.write(chunk(b"b") + chunk(b"NO") + chunk(b"c"))
+        await go_on.wait()
+        writer.write(chunk(b"END"))
+        await go_on.wait()
+        writer.write(chunk(b"tail") + b"0\r\n\r\n")
+        await reader.read()
+
+    async def scenario(server: Server, pool: Pool) -> tuple[list[bytes], list[bytes]]:
+        taken: list[bytes] = []
+        read: list[bytes] = []
+        async with await pool.request("POST", server.url, b"{}") as resp:
+            read.append(await resp.next_chunk(5.0))
+
+            def sink(piece: bytes) -> bool:
+                taken.append(piece)
+                if piece == b"NO":
+                    return False
+                if piece == b"END":
+                    resp.end_sink()
+                return True
+
+            resp.sink = sink
+            go_on.set()
+            read.append(await resp.next_chunk(5.0))  # what the sink refused, and after
+            go_on.set()
+            read.append(await resp.next_chunk(5.0))  # b"": the sink ended
+            go_on.set()
+            while piece := await resp.next_chunk(5.0):
+                read.append(piece)
+            assert resp.complete
+        return taken, read
+
+    taken, read = run_with(handler, scenario)
+    assert taken == [b"b", b"NO", b"END"]  # c came while NO waited unread: not offered
+    assert read == [b"a", b"NOc", b"", b"tail"]
+
+
+def test_pieces_a_sink_takes_keep_the_stall_timeout_from_expiring() -> None:
+    """A reader waits while a sink takes a piece every 50 ms for longer than its stall
+    timeout: no TimeoutError until the pieces stop, then one, a timeout after the last."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      _n: int) -> None:
+        await read_request(reader)
+        writer.write(chunked_head() + chunk(b"first"))
+        for i in range(10):
+            await asyncio.sleep(0.05)  # the worker's pace, longer in all than the timeout
+            writer.write(chunk(b"%d" % i))
+        await reader.read()
+
+    async def scenario(server: Server, pool: Pool) -> tuple[list[bytes], float, float]:
+        loop = asyncio.get_running_loop()
+        taken: list[tuple[bytes, float]] = []
+        async with await pool.request("POST", server.url, b"{}") as resp:
+            assert await resp.next_chunk(5.0) == b"first"
+            resp.sink = lambda piece: taken.append((piece, loop.time())) is None
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await resp.next_chunk(0.2)
+            return [p for p, _ in taken], taken[-1][1] - started, loop.time() - taken[-1][1]
+
+    pieces, flowing, after_last = run_with(handler, scenario)
+    assert pieces == [b"%d" % i for i in range(10)]
+    assert flowing > 0.2  # the pieces went on past one timeout
+    assert 0.15 <= after_last < 5
+
+
 def test_body_wait_is_the_time_from_the_request_to_the_first_body_byte() -> None:
     """Headers at once, the body 0.2 s later: `body_wait_s` is None until the body begins,
     then covers the server's wait and fits inside what the caller saw."""

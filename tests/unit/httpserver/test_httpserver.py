@@ -9,7 +9,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dynamo_ftctl.httpserver import Reply, Request, Server, Stream, call_asgi, start_server
+from dynamo_ftctl.httpserver import (
+    Pusher,
+    Reply,
+    Request,
+    Server,
+    Stream,
+    call_asgi,
+    start_server,
+)
 from tests.loopback import until
 
 T = TypeVar("T")
@@ -251,6 +259,84 @@ def test_stream_is_chunked_and_the_connection_stays_alive() -> None:
         client.send(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await client.response())[2].startswith(b"GET /after?")
         client.close()
+    serving(handler, test)
+
+
+def test_a_pusher_writes_between_the_pieces_in_order_and_never_after_the_answer() -> None:
+    """Once the head is out, `on_push` gets a Pusher: what it writes arrives chunked, in
+    order with the pieces; after the answer it is shut, and the next answer on the
+    connection is untouched."""
+    pushers: list[Pusher] = []
+    go_on = asyncio.Event()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await go_on.wait()
+        yield b"data: 3\n\n"
+
+    async def handler(request: Request) -> Reply | Stream:
+        if request.path == "/stream":
+            return Stream(pieces(), on_push=pushers.append)
+        return await echo(request)
+
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        client.send(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        await until(lambda: bool(pushers))
+        pusher = pushers[0]
+        assert pusher.writable
+        pusher.write(b"data: 2\n\n")
+        pusher.write(b"")  # nothing: not the chunked end
+        go_on.set()
+        _, _, body = await client.response()
+        assert body == b"data: 1\n\ndata: 2\n\ndata: 3\n\n"
+        assert not pusher.writable
+        client.send(b"GET /after HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[2].startswith(b"GET /after?")
+        client.close()
+    serving(handler, test)
+
+
+def test_a_pusher_is_not_writable_while_the_client_is_not_reading() -> None:
+    """A client that stops reading makes its Pusher refuse (the writer must wait); once it
+    reads again the Pusher takes pieces again."""
+    pushers: list[Pusher] = []
+    done = asyncio.Event()
+    piece = b"x" * (256 * 1024)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield b"first"
+        await done.wait()
+
+    async def handler(_: Request) -> Stream:
+        return Stream(pieces(), on_push=pushers.append)
+
+    async def test(server: Server) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect(("127.0.0.1", int(server.address.rsplit(":", 1)[1])))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await until(lambda: bool(pushers))
+        pusher = pushers[0]
+        written = 0
+        for _ in range(64):  # 16 MiB at most: far more than both socket buffers
+            if not pusher.writable:
+                break
+            pusher.write(piece)
+            written += 1
+        assert not pusher.writable
+        assert written < 64
+        expected = len(b"first") + written * len(piece)
+        got = 0
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"chunked" in head
+        while got < expected:  # read the chunks the pusher left in the buffers
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            got += len((await reader.readexactly(size + 2))[:-2])
+        await until(lambda: pusher.writable)
+        done.set()
+        writer.close()
     serving(handler, test)
 
 

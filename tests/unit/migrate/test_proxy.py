@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,13 +317,17 @@ def test_non_streaming_request_is_migrated(run: Callable[..., Any], front: str) 
     run(go())
 
 
+@FRONTS
 @pytest.mark.parametrize("mode", ["html502", "html200", "bad_json", "error_event", "no_finish",
                                   "endless", "stall"])
-def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str) -> None:
-    """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client."""
+def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str,
+                                            front: str) -> None:
+    """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client
+    (over the lean front door, after the first tokens they reach the proxy's fast lane)."""
     async def go() -> None:
-        bad = FakeWorker(mode=mode, fail_after=3)
-        async with Cluster([bad, FakeWorker()], stall_timeout_s=0.3) as c:
+        # An endless worker streams past max_tokens and never hangs up by itself.
+        bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3)
+        async with Cluster([bad, FakeWorker()], front=front, stall_timeout_s=0.3) as c:
             c.proxy.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
@@ -531,6 +536,56 @@ def test_lean_front_door_client_hang_up_cancels_the_upstream_request(
     run(go())
 
 
+def test_lean_front_door_slow_reader_gets_every_token_in_order(run: Callable[..., Any]) -> None:
+    """A long stream to a client that reads slower than the worker writes: the client's
+    socket backs up (the fast lane gives way to the waiting writer, then takes over
+    again) and the client gets every token once, in order, then the usage and [DONE]."""
+    count = 3000
+
+    async def go() -> tuple[bytes, bool]:
+        async with Cluster([FakeWorker()], front="lean") as c:
+            assert c.server is not None
+            port = int(c.server.address.rsplit(":", 1)[1])
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+            await until(lambda: bool(c.server.connections))
+            for conn in c.server.connections:  # small buffers: the backlog shows at once
+                assert conn.transport is not None
+                conn.transport.get_extra_info("socket").setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            body = json.dumps({**BODY, "max_tokens": count, "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            raw = b""
+            backed_up = False
+            while piece := await reader.read(4096):
+                raw += piece
+                backed_up = backed_up or any(x.writing_paused for x in c.server.connections)
+                await asyncio.sleep(0.002)  # the slow reader under test
+            writer.close()
+            return raw, backed_up
+
+    raw, backed_up = run(go())
+    assert backed_up  # the proxy had to wait for this client
+    head, _, chunked = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    data = b""
+    while chunked:
+        size_line, _, chunked = chunked.partition(b"\r\n")
+        size = int(size_line, 16)
+        data += chunked[:size]
+        chunked = chunked[size + 2:]
+    events = [b.removeprefix(b"data: ") for b in data.split(b"\n\n") if b]
+    assert events[-1] == b"[DONE]"
+    docs = [json.loads(e) for e in events[:-1]]
+    assert stream_text(docs) == expected_text("hello world", 5, count)
+    assert docs[-1]["usage"]["completion_tokens"] == count
+
+
 def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[..., Any]) -> None:
     """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report."""
     async def go() -> None:
@@ -592,8 +647,9 @@ def test_n_above_one_is_refused_with_an_openai_400(run: Callable[..., Any], stre
     run(go())
 
 
+@FRONTS
 def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
-    run: Callable[..., Any],
+    run: Callable[..., Any], front: str,
 ) -> None:
     """A stop string begun before a migration and ended after it cuts the output before it."""
     full = expected_text("hello world", 5, 20)
@@ -601,7 +657,7 @@ def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
     assert full.find(stop) == 6
 
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=8), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(fail_after=8), FakeWorker()], front=front) as c:
             c.proxy.router.slots["w1"].outstanding = 5
             _, events = await c.stream("/v1/completions", {**BODY, "stop": [stop]})
             c.proxy.router.slots["w1"].outstanding = 0
