@@ -507,15 +507,19 @@ class MigratingProxy:
                       "not an event stream"
                 raise UpstreamFailure(msg)
             reader = _Reader(slot.name, ledger, stall, self.clock.now)
+            yielded = False
             while piece := await resp.next_chunk(stall):
                 batch = reader.feed(piece)
                 if batch:
                     if ledger.upstream_ttft_s is None:
                         ledger.upstream_ttft_s = resp.body_wait_s
                     yield batch  # what the ledger recorded reaches the client, always
+                    yielded = True
                 if reader.over:
                     break
-                if lane is not None and lane.pusher is not None \
+                # Not before this attempt's first batch: `generate` counts a migration
+                # and the worker's first token on it.
+                if yielded and lane is not None and lane.pusher is not None \
                         and isinstance(resp, UpstreamResponse) and resp.sink is None:
                     resp.sink = reader.sink(resp, lane.pusher)
             if reader.failure is not None:

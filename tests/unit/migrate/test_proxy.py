@@ -35,6 +35,8 @@ class FakeWorker:
     fail_after: int | None = None
     max_model_len: int = 4096
     with_ids: bool = True
+    # Chat: a first chunk with the role alone (no "content": ""), then this wait.
+    role_gap_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
     url: str = ""
@@ -71,11 +73,14 @@ class FakeWorker:
 
         first: dict[str, Any] = {"id": "up-1", "object": obj, "model": MODEL, "choices": []}
         if chat:
-            first["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                 "finish_reason": None}]
+            delta = {"role": "assistant"} if self.role_gap_s else \
+                {"role": "assistant", "content": ""}
+            first["choices"] = [{"index": 0, "delta": delta, "finish_reason": None}]
             if self.with_ids:
                 first["prompt_token_ids"] = prompt
             await send(first)
+            if self.role_gap_s:
+                await asyncio.sleep(self.role_gap_s)  # the role chunk arrives on its own
         n = 0
         try:
             while True:
@@ -279,14 +284,31 @@ def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut
     run(go())
 
 
-def test_chat_continuation_uses_continue_final_message(run: Callable[..., Any]) -> None:
-    """A chat stream broken midway goes on with the text so far as the final assistant message."""
+def migrations(method: str) -> float:
+    """dynamo_migration_total from w0 to w1 by `method` (the registry is per process)."""
+    from dynamo_ftctl import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "dynamo_migration_total", {"source_group": "w0", "target_group": "w1",
+                                   "method": method}) or 0.0
+
+
+@FRONTS
+def test_chat_continuation_uses_continue_final_message(run: Callable[..., Any],
+                                                       front: str) -> None:
+    """A chat stream broken midway goes on with the text so far as the final assistant
+    message, counted once as a migration. The continuation's first chunk, alone in its
+    read, carries only the role (nothing for the client): its first token is still
+    what counts the migration, not the fast lane."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=6), FakeWorker()]) as c:
+        async with Cluster([FakeWorker(fail_after=6), FakeWorker(role_gap_s=0.05)],
+                           front=front) as c:
             c.proxy.router.slots["w1"].outstanding = 5
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 15, "temperature": 0}
+            before = migrations("reprefill")
             _, events = await c.stream("/v1/chat/completions", body)
+            assert migrations("reprefill") == before + 1
             c.proxy.router.slots["w1"].outstanding = 0
             text = stream_text(events, chat=True)
             rendered = "<user>hi<assistant>"
