@@ -568,7 +568,8 @@ def figure_overhead(directory: Path, count: int, baseline: Path | None) -> None:
 
 
 def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
-                        rounds: int = 5, *, client_beside_proxy: bool = False) -> None:
+                        rounds: int = 5, *, client_beside_proxy: bool = False,
+                        stagger_s: float = 0.0) -> None:
     """The same comparison against a real `ftctl sim` worker (prefill and decode are real).
 
     The proxy runs alone on CPU 0, as a front door has its own cores; the engine, every
@@ -579,7 +580,17 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
     preempts it (py-spy: 61% of the proxy's samples in its socket write, 15% with the
     client on the other core), so the client's own work lands in the proxy's figures.
     Direct and proxied rounds alternate for `rounds` rounds (the host's speed drifts
-    between runs). Two figures:
+    between runs).
+
+    The k-th of the 32 client loops starts `k * stagger_s` late. Started all at once,
+    32 equal streams run in lockstep: straight to the engine they arrive within a
+    millisecond and share one prefill, while the proxy's ~0.4 ms per request start
+    spreads them over ~13 ms, and the engine falls into another schedule, prefill
+    mixed with decode: its own TTFT (per Server-Timing) went from ~50 to ~130 ms in
+    some rounds and not in others (round ratios 1.0 or 2.7, as the engine flipped),
+    while the proxy's share stayed 1-2 ms. Spread over one stream's length, both arms
+    run in the steady state that traffic not synchronised to the millisecond finds:
+    rounds then agree within ~7%. Two figures:
 
     - p50 TTFT through the proxy vs straight to the engine: pooled, and the median of
       the rounds' ratios. At 32 streams the engine's own TTFT moves by up to 30% from
@@ -612,10 +623,10 @@ def figure_overhead_sim(directory: Path, count: int, baseline: Path | None,
             via: dict[str, list[Record]] = {k: [] for k in targets}
             ratios: dict[str, list[float]] = {k: [] for k in targets}
             for _ in range(rounds):
-                d = arun(streams(worker.url, body, 32, per_round))
+                d = arun(streams(worker.url, body, 32, per_round, stagger_s=stagger_s))
                 direct += d
                 for label, (_, url) in targets.items():
-                    v = arun(streams(url, body, 32, per_round))
+                    v = arun(streams(url, body, 32, per_round, stagger_s=stagger_s))
                     via[label] += v
                     ratios[label].append(p50([r.ttft for r in v]) / p50([r.ttft for r in d]))
             d_ttft, d_e2e = p50([r.ttft for r in direct]), p50([r.e2e for r in direct])
@@ -735,6 +746,10 @@ def main() -> None:
     parser.add_argument("--client-beside-proxy", action="store_true",
                         help="real-engine figure: run the client on the proxy's core, not "
                              "beside the engine (how sessions before 8 measured it)")
+    parser.add_argument("--stagger-ms", type=float, default=16.0, metavar="MS",
+                        help="real-engine figure: start the k-th of the 32 client loops k*MS "
+                             "late (default 16: spread over one stream's length; 0: all at "
+                             "once, in lockstep)")
     parser.add_argument("--baseline-src", type=Path, metavar="DIR",
                         help="also run the overhead and throughput figures, in the same run, "
                              "on a proxy from this source tree (e.g. `git archive` of an "
@@ -754,7 +769,8 @@ def main() -> None:
             # batching alone moved the p50 by up to 50% from round to round.
             figure_overhead_sim(directory, 320 if args.quick else 960, args.baseline_src,
                                 rounds=4 if args.quick else 6,
-                                client_beside_proxy=args.client_beside_proxy)
+                                client_beside_proxy=args.client_beside_proxy,
+                                stagger_s=args.stagger_ms / 1e3)
         if args.only in (None, "throughput"):
             figure_throughput(directory, seconds, args.baseline_src)
         if args.only in (None, "stall"):

@@ -365,17 +365,19 @@ Sink = Callable[[bytes], bool]
 class Response(Exchange):
     """A streamed answer: headers first, then its body as it comes.
 
-    `sink`: while set, each body piece that arrives with none waiting unread goes
-    to `sink(piece)` in the socket's callback; it returns False to leave the piece
-    for `next_chunk` (then, in order, everything after it too until it is read).
-    A sink that has taken its last piece calls `end_sink()`: `next_chunk` then
-    returns b"" once (the reader looks at what the sink left), and the body's
-    later pieces are buffered again. The stall timeout of a `next_chunk` counts
-    from the last piece that arrived, taken by the sink or not.
+    `sink`: while set, the body bytes of each socket read that finds none waiting
+    unread go to `sink(piece)` in the socket's callback, once the read is parsed (a
+    read's de-chunked pieces joined: several events, one call, one write onward).
+    It returns False to leave the piece for `next_chunk` (then, in order,
+    everything after it too until it is read). A sink that has taken its last
+    piece calls `end_sink()`: `next_chunk` then returns b"" once (the reader looks
+    at what the sink left), and the body's later pieces are buffered again. The
+    stall timeout of a `next_chunk` counts from the last piece that arrived, taken
+    by the sink or not.
     """
 
-    __slots__ = ("_buffered", "_chunks", "_error", "_loop", "_sink_ended", "_timeout_s",
-                 "_timer", "_waiter", "body_at", "complete", "connection", "headers", "last_read",
+    __slots__ = ("_buffered", "_chunks", "_error", "_for_sink", "_loop", "_sink_ended",
+                 "_timeout_s", "_timer", "_waiter", "body_at", "complete", "connection", "headers", "last_read",
                  "sent_at", "sink")
 
     def __init__(self, conn: Connection) -> None:
@@ -393,6 +395,7 @@ class Response(Exchange):
         self.body_at: float | None = None
         self.last_read = 0.0  # time.monotonic() of the last body piece
         self.sink: Sink | None = None
+        self._for_sink: list[bytes] = []  # this read's pieces, for the sink at its end
         self._sink_ended = False
         self._timeout_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -408,15 +411,25 @@ class Response(Exchange):
         self.last_read = now = time.monotonic()
         if self.body_at is None:
             self.body_at = now
-        sink = self.sink
-        if sink is not None and not self._chunks and sink(data):
+        if self.sink is not None and not self._chunks:
+            self._for_sink.append(data)
             return
+        self._buffer(data)
+
+    def _buffer(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > _HIGH_WATER:
             self.connection.pause()
 
     def on_read_end(self) -> None:
+        pieces = self._for_sink
+        if pieces:
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            sink = self.sink
+            if sink is None or not sink(data):
+                self._buffer(data)
         if self._chunks:
             self._wake()
 
@@ -425,6 +438,7 @@ class Response(Exchange):
         self._wake()
 
     def on_failure(self, error: HttpError) -> None:
+        self._for_sink.clear()  # a read that broke the framing: the answer is lost anyway
         self._error = error
         self._wake()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import pytest
 
@@ -13,10 +13,12 @@ from dynamo_ftctl.http1 import (
     BodyTooLarge,
     Client,
     ConnectError,
+    Connection,
     ConnectionBroken,
     HttpError,
     Pool,
     ProtocolError,
+    Response,
 )
 from tests.loopback import Handler, Server, until
 
@@ -256,53 +258,61 @@ def test_stall_between_chunks_times_out() -> None:
     assert 0.15 <= run_with(handler, scenario) < 5
 
 
-def test_a_sink_takes_pieces_in_the_callback_and_what_it_refuses_waits_in_order() -> None:
-    """A sink gets each piece as it arrives; a piece it refuses, and every piece after it
-    until read, come from `next_chunk`, in order; after `end_sink` `next_chunk` says b""
-    once and the rest of the body is read as usual."""
-    go_on = asyncio.Event()
+class _Conn:
+    """What a `Response` asks of its connection (pausing the socket), recorded."""
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      _n: int) -> None:
-        await read_request(reader)
-        writer.write(chunked_head() + chunk(b"a"))
-        await go_on.wait()
-        go_on.clear()
-        writer.write(chunk(b"b") + chunk(b"NO") + chunk(b"c"))
-        await go_on.wait()
-        writer.write(chunk(b"END"))
-        await go_on.wait()
-        writer.write(chunk(b"tail") + b"0\r\n\r\n")
-        await reader.read()
+    def __init__(self) -> None:
+        self.exchange: object = None
+        self.paused = False
 
-    async def scenario(server: Server, pool: Pool) -> tuple[list[bytes], list[bytes]]:
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+
+def _read(resp: Response, *pieces: bytes) -> None:
+    """One socket read whose de-chunked body pieces are `pieces` (as `Connection` calls)."""
+    resp.on_read()
+    for piece in pieces:
+        resp.on_body(piece)
+    resp.on_read_end()
+
+
+def test_a_sink_takes_each_read_whole_and_what_it_refuses_waits_in_order() -> None:
+    """A sink gets each read's pieces joined, in the callback; a read it refuses, and
+    every read after it until read, come from `next_chunk`, in order; after `end_sink`
+    `next_chunk` says b"" once and later reads are buffered as usual."""
+    async def scenario() -> tuple[list[bytes], list[bytes]]:
+        resp = Response(cast("Connection", _Conn()))
         taken: list[bytes] = []
+
+        def sink(piece: bytes) -> bool:
+            taken.append(piece)
+            if piece.startswith(b"NO"):
+                return False
+            if piece == b"END":
+                resp.end_sink()
+            return True
+
         read: list[bytes] = []
-        async with await pool.request("POST", server.url, b"{}") as resp:
-            read.append(await resp.next_chunk(5.0))
-
-            def sink(piece: bytes) -> bool:
-                taken.append(piece)
-                if piece == b"NO":
-                    return False
-                if piece == b"END":
-                    resp.end_sink()
-                return True
-
-            resp.sink = sink
-            go_on.set()
-            read.append(await resp.next_chunk(5.0))  # what the sink refused, and after
-            go_on.set()
-            read.append(await resp.next_chunk(5.0))  # b"": the sink ended
-            go_on.set()
-            while piece := await resp.next_chunk(5.0):
-                read.append(piece)
-            assert resp.complete
+        _read(resp, b"a")
+        read.append(await resp.next_chunk(1.0))
+        resp.sink = sink
+        _read(resp, b"b", b"b")  # one read, two chunks: one call
+        _read(resp, b"NO", b"c")  # refused
+        _read(resp, b"d")  # after an unread refusal: not offered
+        read.append(await resp.next_chunk(1.0))
+        _read(resp, b"END")
+        _read(resp, b"tail")  # after the end: buffered
+        read.append(await resp.next_chunk(1.0))
+        read.append(await resp.next_chunk(1.0))
         return taken, read
 
-    taken, read = run_with(handler, scenario)
-    assert taken == [b"b", b"NO", b"END"]  # c came while NO waited unread: not offered
-    assert read == [b"a", b"NOc", b"", b"tail"]
+    taken, read = run(scenario)
+    assert taken == [b"bb", b"NOc", b"END"]
+    assert read == [b"a", b"NOcd", b"", b"tail"]
 
 
 def test_pieces_a_sink_takes_keep_the_stall_timeout_from_expiring() -> None:
