@@ -20,8 +20,8 @@ token; a text prompt starting with FAIL is cut after `--fail-after` tokens
 other core(s), the proxy to CPU 0. The client is `dynamo_ftctl.http1` on uvloop
 too, in this process, which is not pinned: the scheduler puts it where there is
 room, beside the upstream or beside the proxy, in the direct runs as in the
-proxied ones (the real-engine figure pins it beside the proxy instead; see
-`figure_overhead_sim`). (Pinned beside the upstream, one core carries client and worker
+proxied ones (the real-engine figure pins it beside the engine, the proxy alone on
+CPU 0; see `figure_overhead_sim`). (Pinned beside the upstream, one core carries client and worker
 and becomes the limit: with 32 streams arriving at once the proxy then seemed
 to add +5.8 ms of TTFT instead of +1.8 ms, same build, same hour.)
 Usage: python benchmarks/proxy.py [--quick] [--only FIGURE] [--baseline-src DIR]

@@ -377,8 +377,8 @@ class Response(Exchange):
     """
 
     __slots__ = ("_buffered", "_chunks", "_error", "_for_sink", "_loop", "_sink_ended",
-                 "_timeout_s", "_timer", "_waiter", "body_at", "complete", "connection", "headers", "last_read",
-                 "sent_at", "sink")
+                 "_timeout_s", "_timer", "_waiter", "body_at", "complete", "connection",
+                 "headers", "last_read", "sent_at", "sink")
 
     def __init__(self, conn: Connection) -> None:
         super().__init__()
