@@ -377,8 +377,8 @@ class Response(Exchange):
     """
 
     __slots__ = ("_buffered", "_chunks", "_error", "_for_sink", "_loop", "_sink_ended",
-                 "_timeout_s", "_timer", "_waiter", "body_at", "complete", "connection",
-                 "headers", "last_read", "sent_at", "sink")
+                 "_timer", "_waiter", "body_at", "complete", "connection", "headers",
+                 "last_read", "sent_at", "sink")
 
     def __init__(self, conn: Connection) -> None:
         super().__init__()
@@ -397,7 +397,6 @@ class Response(Exchange):
         self.sink: Sink | None = None
         self._for_sink: list[bytes] = []  # this read's pieces, for the sink at its end
         self._sink_ended = False
-        self._timeout_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     # -- what the connection reports
@@ -453,25 +452,24 @@ class Response(Exchange):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _expire(self, waiter: asyncio.Future[None], started: float) -> None:
+    def _expire(self, waiter: asyncio.Future[None], started: float, timeout_s: float) -> None:
         self._timer = None
         if waiter.done():
             return
         # Pieces a sink took count as reads: wait on from the last one.
         idle = time.monotonic() - max(started, self.last_read)
-        if idle < self._timeout_s:
-            self._timer = self._loop.call_later(self._timeout_s - idle, self._expire, waiter,
-                                                started)
+        if idle < timeout_s:
+            self._timer = self._loop.call_later(timeout_s - idle, self._expire, waiter,
+                                                started, timeout_s)
             return
-        waiter.set_exception(TimeoutError(f"nothing read for {self._timeout_s:g} s"))
+        waiter.set_exception(TimeoutError(f"nothing read for {timeout_s:g} s"))
 
     async def _wait(self, timeout_s: float | None) -> None:
         waiter = self._loop.create_future()
         self._waiter = waiter
         if timeout_s is not None:
-            self._timeout_s = timeout_s
             self._timer = self._loop.call_later(timeout_s, self._expire, waiter,
-                                                time.monotonic())
+                                                time.monotonic(), timeout_s)
         try:
             await waiter
         finally:

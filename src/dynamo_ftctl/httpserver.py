@@ -72,6 +72,11 @@ _STATUS_LINES: dict[int, bytes] = {
 _CHUNKED_END = b"0\r\n\r\n"
 
 
+def _chunk(data: bytes) -> bytes:
+    """`data` as one piece of a chunked body (not empty: that is the end)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
 def _status_line(status: int) -> bytes:
     return _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
 
@@ -381,8 +386,7 @@ class _Connection(asyncio.Protocol):
                 if chunk:
                     # The head leaves with the first piece: one write, one wake-up of
                     # the client, for the first token.
-                    self._write(b"%s%x\r\n%s\r\n" % (head, len(chunk), chunk) if chunked
-                                else head + chunk)
+                    self._write(head + (_chunk(chunk) if chunked else chunk))
                     head = b""
                     self._head_sent = True
                     if pusher is None and reply.on_push is not None:
@@ -406,7 +410,7 @@ class _Connection(asyncio.Protocol):
 
     def write_piece(self, data: bytes, *, chunked: bool) -> None:
         """One piece of a streamed body (`Pusher.write`)."""
-        self._write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+        self._write(_chunk(data) if chunked else data)
 
     async def _drain(self) -> None:
         """Wait until the client's socket buffer is below its low-water mark (or it left)."""

@@ -20,9 +20,10 @@ Once a streamed answer's head and first tokens are out, its later tokens take
 the fast lane: the upstream `Response.sink` parses each piece in the socket's
 callback (`_Reader`, the same code the task runs) and writes it at once through
 the client's `httpserver.Pusher`. Per token that skips a future, a timer, a
-task step and three async generators: ~25% less CPU per streamed token
-(benchmarks/proxy.py). The task wakes when the lane ends (a failure, [DONE], a
-stop string) or gives way (the client reads slower than the worker writes).
+task step and three async generators: ~25% less proxy CPU per streamed token
+(its CPU time over the tokens it relayed, 32 streams, against the task path).
+The task wakes when the lane ends (a failure, [DONE], a stop string) or gives
+way (the client reads slower than the worker writes).
 
 Every upstream request is streamed with token ids, even when the client asked
 for one JSON answer, so that a generation broken half-way can go on elsewhere
@@ -142,6 +143,11 @@ def _loads(data: str | bytes) -> Any:
 
 def _sse(doc: Any) -> bytes:
     return b"data: " + _dumps(doc) + b"\n\n"
+
+
+def _sse_batch(batch: list[dict[str, Any]]) -> bytes:
+    """One write's worth of client chunks as SSE events."""
+    return b"".join(map(_sse, batch))
 
 
 def _openai_error(message: str, kind: str, code: int) -> dict[str, Any]:
@@ -286,7 +292,7 @@ class _Reader:
             try:
                 batch = self.feed(piece)
                 if batch:
-                    pusher.write(b"".join(map(_sse, batch)))
+                    pusher.write(_sse_batch(batch))
             except Exception as exc:  # a bug must not escape into the socket's callback
                 self.failure = exc
             if self.over:
@@ -832,10 +838,10 @@ class MigratingProxy:
                         chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[bytes]:
         try:
             if first is not None:
-                yield b"".join(map(_sse, first))
+                yield _sse_batch(first)
             try:
                 async for batch in chunks:
-                    yield b"".join(map(_sse, batch))
+                    yield _sse_batch(batch)
             except (StreamAborted, ProxyError) as exc:
                 message = str(exc) if isinstance(exc, StreamAborted) else str(exc.body)
                 yield _sse(_openai_error(message, "worker_failed", 502))
