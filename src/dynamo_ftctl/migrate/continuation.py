@@ -9,10 +9,18 @@ request that continues the generation on another worker:
 
 - completions: `prompt` = prompt ids + generated ids, the remaining
   `max_tokens`, the same sampling parameters and seed;
-- chat: the conversation plus an assistant message holding the text so far,
-  with `continue_final_message: true` and `add_generation_prompt: false`;
-- servers without ids: the prompt text plus the generated text (the proxy says
-  so in the `x-ftctl-continuation: text` header and the migration metric).
+- chat: the same, token-exact: the chat stream's first chunk carries the
+  rendered prompt's ids (`prompt_token_ids`), and the continuation goes to
+  `/v1/completions` with prompt ids + generated ids as its prompt; its chunks
+  reach the client in chat form (`delta.content`, chat logprobs). Re-sending the
+  generated *text* would be approximate: a subword tokenizer re-tokenizes it
+  into other ids (vLLM turned 100 generated ids into 136), and the model then
+  continues from a context it never produced;
+- servers without ids (and chats with tools or reasoning deltas, whose parsed
+  form a completion cannot reproduce): the prompt text plus the generated text,
+  for chat an assistant message with `continue_final_message: true` and
+  `add_generation_prompt: false`. Approximate; the proxy says so in the
+  `x-ftctl-continuation: text` header and the migration metric.
 
 Stop strings are matched here, not by the workers: a stop string may straddle
 the failure point, and no worker sees both sides of it. The upstream request
@@ -46,6 +54,7 @@ __all__ = [
     "StopFinder",
     "StreamLedger",
     "Usage",
+    "new_request_id",
     "prepare_request",
 ]
 
@@ -56,9 +65,31 @@ Endpoint = Literal["completions", "chat"]
 # the ledger must never drop or rewrite.
 _LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
 # Request ids: a random tag per process and a counter (uuid4 costs a urandom call
-# per request, 1.4% of the proxy's CPU on short requests).
+# per request, 1.4% of the proxy's CPU on short requests), laid out as a version-4
+# UUID: servers that validate `X-Request-Id` as a UUID refuse anything else (400).
 _ID_TAG = secrets.token_hex(8)
 _ID_COUNTER = itertools.count()
+# Chat-only request fields: a chat continued through /v1/completions drops them (the
+# rendered prompt's ids already hold what the template made of them).
+_CHAT_ONLY_KEYS = (
+    "messages", "continue_final_message", "add_generation_prompt", "chat_template",
+    "chat_template_kwargs", "documents", "tools", "tool_choice", "parallel_tool_calls",
+    "reasoning_effort", "include_reasoning", "modalities", "audio", "mm_processor_kwargs",
+    "max_completion_tokens", "logprobs", "top_logprobs", "add_special_tokens",
+    "echo",
+)
+# Delta fields a completion cannot reproduce (parsed tool calls, reasoning text): a chat
+# that has streamed them is continued as a chat (text), not through /v1/completions.
+_PARSED_DELTA_KEYS = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+
+
+def new_request_id() -> str:
+    """A fresh request id in the form of a version-4 UUID (random per process, counted)."""
+    n = next(_ID_COUNTER) & ((1 << 60) - 1)
+    tag = _ID_TAG
+    # 8-4-4-4-12 hex; "4" marks version 4 and "8"-"b" the RFC 4122 variant.
+    return (f"{tag[:8]}-{tag[8:12]}-4{tag[12:15]}-{8 | (n >> 58) & 3:x}{(n >> 48) & 0x3ff:03x}"
+            f"-{n & 0xffffffffffff:012x}")
 # What the proxy does with stop strings itself (never sent upstream).
 _STOP_KEYS = ("stop", "include_stop_str_in_output")
 
@@ -193,6 +224,9 @@ class StreamLedger:
     body: dict[str, Any]
     migration_limit: int = 3
     max_model_len: int | None = None
+    # The client's `X-Request-Id`, passed to every worker and echoed back; a fresh UUID
+    # when the client sent none. The answer's `id` is the endpoint's prefix and this.
+    trace_id: str = ""
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] | None = None
@@ -209,6 +243,11 @@ class StreamLedger:
     # The serving worker's time to first token as the proxy saw it (request written to
     # the first byte of the answer's body): the client's TTFT less this is the proxy's.
     upstream_ttft_s: float | None = None
+    # The endpoint of the current upstream attempt: a chat continued from token ids
+    # streams from "completions" (see `continuation_request`).
+    upstream_endpoint: Endpoint = "completions"
+    # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
+    parsed_deltas: bool = False
     _role_sent: bool = False
     _prompt_ids_sent: bool = False
     _fingerprint: str | None = None
@@ -219,9 +258,12 @@ class StreamLedger:
 
     def __post_init__(self) -> None:
         self.stops = StopFinder.from_body(self.body)
+        self.upstream_endpoint = self.endpoint
+        if not self.trace_id:
+            self.trace_id = new_request_id()
         if not self.request_id:
             prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
-            self.request_id = f"{prefix}-{_ID_TAG}{next(_ID_COUNTER):016x}"
+            self.request_id = f"{prefix}-{self.trace_id}"
         prompt = self.body.get("prompt")
         if self.endpoint == "completions" and isinstance(prompt, list) and all(
             isinstance(v, int) for v in prompt
@@ -268,13 +310,33 @@ class StreamLedger:
         up["return_token_ids"] = True
         return up
 
+    @property
+    def upstream_path(self) -> str:
+        """The path of the current upstream attempt's endpoint."""
+        return "/v1/chat/completions" if self.upstream_endpoint == "chat" else "/v1/completions"
+
     def first_request(self) -> dict[str, Any]:
         """The body of the first upstream request (always streamed, with token ids)."""
+        self.upstream_endpoint = self.endpoint
         return self._base_upstream()
 
     def retry_request(self) -> dict[str, Any]:
         """The body after a failure before any token: the first request again."""
-        return self._base_upstream()
+        return self.first_request()
+
+    @property
+    def exact(self) -> bool:
+        """Whether a continuation is token-exact: prompt ids + generated ids.
+
+        Otherwise it re-sends text (the worker returned no ids, or a chat streamed
+        parsed tool calls or reasoning that a completion cannot reproduce).
+        """
+        if not self.ids_mode or self.prompt_ids is None:
+            return False
+        if self.endpoint == "completions":
+            return True
+        tools = self.body.get("tools")
+        return not self.parsed_deltas and not (tools and self.body.get("tool_choice") != "none")
 
     def continuation_request(self) -> dict[str, Any]:
         """The body that continues the generation on another worker.
@@ -298,14 +360,18 @@ class StreamLedger:
                    f"the stream broke after {self.generated_count} tokens")
             raise NotContinuable(msg)
         up = self._base_upstream()
+        self.upstream_endpoint = self.endpoint
         if remaining is not None:
             for key in _LENGTH_KEYS:
                 if key in up:
                     up[key] = remaining
         if self.generated_count == 0:
             return up
+        if self.endpoint == "chat" and self.exact:
+            return self._chat_as_completion(up, remaining)
         if self.endpoint == "completions":
-            if self.ids_mode and self.prompt_ids is not None:
+            if self.exact:
+                assert self.prompt_ids is not None
                 up["prompt"] = [*self.prompt_ids, *self.generated_ids]
             else:
                 prompt = self.body["prompt"]
@@ -328,6 +394,21 @@ class StreamLedger:
         up["messages"] = messages
         up["continue_final_message"] = True
         up["add_generation_prompt"] = False
+        return up
+
+    def _chat_as_completion(self, up: dict[str, Any], remaining: int | None) -> dict[str, Any]:
+        """A chat continuation as a completion of prompt ids + generated ids."""
+        assert self.prompt_ids is not None
+        self.upstream_endpoint = "completions"
+        for key in _CHAT_ONLY_KEYS:
+            up.pop(key, None)
+        if remaining is not None:
+            up["max_tokens"] = remaining
+        up["prompt"] = [*self.prompt_ids, *self.generated_ids]
+        logprobs = self.body.get("logprobs")
+        if logprobs:  # chat: a bool and top_logprobs; completions: how many alternatives
+            top = self.body.get("top_logprobs")
+            up["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
         return up
 
     # ------------------------------------------------------------------ chunks
@@ -370,13 +451,17 @@ class StreamLedger:
         return self._observe_choice(doc, choice)
 
     def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any] | None:
-        if self.endpoint == "chat":
+        if self.upstream_endpoint == "chat":
             delta = choice.get("delta")
             if not isinstance(delta, dict):
                 raise MalformedChunk("chat chunk without a 'delta' object")
             text = delta.get("content")
+            if not self.parsed_deltas and any(delta.get(k) for k in _PARSED_DELTA_KEYS):
+                self.parsed_deltas = True
         else:
             text = choice.get("text")
+            if self.endpoint == "chat":
+                choice = _chat_choice(choice, text)
         if text is not None and not isinstance(text, str):
             raise MalformedChunk("chunk text is not a string")
         ids = choice.get("token_ids")
@@ -445,8 +530,7 @@ class StreamLedger:
             return None  # e.g. the second worker's role-only first chunk
         out: dict[str, Any] = {
             "id": self.request_id,
-            "object": doc.get("object", "chat.completion.chunk" if self.endpoint == "chat"
-                              else "text_completion"),
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
             "created": self.created,
             "model": self.body.get("model", doc.get("model")),
             "choices": [out_choice],
@@ -539,3 +623,41 @@ class StreamLedger:
         if self.client_wants_ids and self.prompt_ids is not None:
             out["prompt_token_ids"] = self.prompt_ids
         return out
+
+
+def _chat_choice(choice: dict[str, Any], text: Any) -> dict[str, Any]:
+    """A completion chunk's choice in the form of a chat chunk's (a chat continued by ids)."""
+    out = {k: v for k, v in choice.items() if k not in ("text", "logprobs")}
+    out["delta"] = {"content": text} if text else {}
+    out["logprobs"] = chat_logprobs(choice.get("logprobs"))
+    return out
+
+
+def chat_logprobs(logprobs: Any) -> dict[str, Any] | None:
+    """Completions logprobs (`tokens`, `token_logprobs`, `top_logprobs`) in chat's layout.
+
+    Chat's `content` entries carry each token's text, its logprob, its UTF-8 bytes and
+    the alternatives as entries of their own (OpenAI's chat logprobs object).
+    """
+    if not isinstance(logprobs, dict):
+        return None
+    tokens = logprobs.get("tokens")
+    values = logprobs.get("token_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list):
+        return None
+    tops = logprobs.get("top_logprobs")
+    if not isinstance(tops, list):
+        tops = [None] * len(tokens)
+
+    def entry(token: Any, value: Any) -> dict[str, Any]:
+        text = str(token)
+        return {"token": text, "logprob": value,
+                "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+    content = []
+    for token, value, top in zip(tokens, values, tops, strict=False):
+        item = entry(token, value)
+        item["top_logprobs"] = [entry(t, v) for t, v in top.items()] \
+            if isinstance(top, dict) else []
+        content.append(item)
+    return {"content": content}

@@ -555,7 +555,7 @@ class MigratingProxy:
 
     # ------------------------------------------------------------------ migration
 
-    async def generate(self, ledger: StreamLedger, path: str,
+    async def generate(self, ledger: StreamLedger,
                        lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
         """Batches of client chunks of one request, across as many workers as it takes.
 
@@ -599,9 +599,9 @@ class MigratingProxy:
                 if method == "kv":
                     url, data, headers = self._kv_import(slot, kv_payload, ledger)
                 else:
-                    url, data = f"{slot.url}{path}", _dumps(body)
+                    url, data = f"{slot.url}{ledger.upstream_path}", _dumps(body)
                     headers = {"Content-Type": "application/json",
-                               "X-Request-Id": ledger.request_id}
+                               "X-Request-Id": ledger.trace_id}
                 try:
                     async for batch in self._attempt(slot, url, data, ledger, headers,
                                                      lane=lane):
@@ -677,7 +677,7 @@ class MigratingProxy:
                 return {}, ""
             raise self._give_up(ledger, f"{reason}; {exc}") from None
         ledger.note_migration()
-        return body, "reprefill" if ledger.ids_mode else "text"
+        return body, "reprefill" if ledger.exact else "text"
 
     # ------------------------------------------------------------------ KV transfer
 
@@ -696,7 +696,7 @@ class MigratingProxy:
 
         context = (*ledger.prompt_ids, *ledger.generated_ids)
         state = RequestState(
-            request_id=ledger.request_id, model=self.calibration.model, token_ids=context,
+            request_id=ledger.trace_id, model=self.calibration.model, token_ids=context,
             prompt_len=len(ledger.prompt_ids), num_cached=len(context), sampling={},
             kv_bytes_per_token=self.calibration.kv_bytes_per_token, payload_bytes=0,
         )
@@ -718,7 +718,7 @@ class MigratingProxy:
         try:
             async with asyncio.timeout(budget_s):
                 state, payload, _ = await export_request(
-                    self._kv_client, endpoint_for(self.inventory, slot.name), ledger.request_id,
+                    self._kv_client, endpoint_for(self.inventory, slot.name), ledger.trace_id,
                     abort=True, clock=self.clock,
                 )
         except (FtctlError, ValueError, TimeoutError) as exc:  # gone, hung, no KV, garbage
@@ -738,7 +738,7 @@ class MigratingProxy:
         from dynamo_ftctl.migrate.transfer import endpoint_for
 
         target = endpoint_for(self.inventory, slot.name)
-        headers = {**target.admin_headers(), "X-Request-Id": ledger.request_id,
+        headers = {**target.admin_headers(), "X-Request-Id": ledger.trace_id,
                    "Content-Type": "application/octet-stream"}
         return f"{target.admin_url}/admin/kv/import", payload, headers
 
@@ -768,8 +768,13 @@ class MigratingProxy:
 
     async def handle_generation(
         self, endpoint: Endpoint, raw_body: bytes, priority: str | None,
+        request_id: str | None = None,
     ) -> Reply | Stream | Collected:
         """POST /v1/completions and /v1/chat/completions (`priority`: the tier header).
+
+        `request_id` is the client's `X-Request-Id`: every worker gets it, and so does
+        the client back; without one the proxy makes a UUID (some servers refuse other
+        ids with 400).
 
         A `Stream` has its first batch in hand (the worker answered): the client's
         headers can name the serving worker. A `Collected` answer is built by
@@ -791,10 +796,10 @@ class MigratingProxy:
         except ProxyError as exc:
             return _reply(exc.status, exc.body, exc.headers)
         ledger = StreamLedger(endpoint=endpoint, body=body,
-                              migration_limit=self.config.migration_limit)
-        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+                              migration_limit=self.config.migration_limit,
+                              trace_id=request_id or "")
         lane = Lane() if ledger.client_streams else None
-        chunks = self.generate(ledger, path, lane)
+        chunks = self.generate(ledger, lane)
         if lane is None:
 
             async def collect() -> Reply:
@@ -823,11 +828,11 @@ class MigratingProxy:
 
     @staticmethod
     def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
-        headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.request_id,
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.trace_id,
                    WORKER_HEADER: ",".join(ledger.workers)}
         if ledger.migrations:
             headers[MIGRATED_HEADER] = str(ledger.migrations)
-        if not ledger.ids_mode:
+        if not ledger.exact:
             headers[CONTINUATION_HEADER] = "text"
         if ledger.upstream_ttft_s is not None:
             ms = ledger.upstream_ttft_s * 1e3
@@ -1060,6 +1065,7 @@ _GENERATION_ROUTES: dict[str, Endpoint] = {
     "/v1/completions": "completions", "/v1/chat/completions": "chat",
 }
 _PRIORITY_KEY = PRIORITY_HEADER.encode()
+_REQUEST_ID_KEY = b"x-request-id"
 
 
 class ProxyApp:
@@ -1083,9 +1089,10 @@ class ProxyApp:
             endpoint = _GENERATION_ROUTES.get(scope["path"])
             if endpoint is not None:
                 body = await _read_body(receive)
-                priority = next((v.decode("latin-1") for k, v in scope["headers"]
-                                 if k == _PRIORITY_KEY), None)
-                answer = await self.proxy.handle_generation(endpoint, body, priority)
+                found = {k: v.decode("latin-1") for k, v in scope["headers"]
+                         if k in (_PRIORITY_KEY, _REQUEST_ID_KEY)}
+                answer = await self.proxy.handle_generation(
+                    endpoint, body, found.get(_PRIORITY_KEY), found.get(_REQUEST_ID_KEY))
                 await _send_answer(answer, receive, send)
                 return
         await self.router(scope, receive, send)
@@ -1167,8 +1174,10 @@ def front_door(app: ProxyApp) -> Handler:
         if endpoint is None:
             return await call_asgi(app.router, request)
         priority = request.header(priority_key)
+        request_id = request.header(_REQUEST_ID_KEY)
         answer = await proxy.handle_generation(
-            endpoint, request.body, None if priority is None else priority.decode("latin-1"))
+            endpoint, request.body, None if priority is None else priority.decode("latin-1"),
+            None if request_id is None else request_id.decode("latin-1"))
         if isinstance(answer, Collected):
             return await answer.build()
         return answer

@@ -174,3 +174,99 @@ def test_n_above_one_is_refused_naming_the_field() -> None:
     with pytest.raises(RequestRejected) as info:
         prepare_request("chat", {"messages": [], "stop": 5})
     assert info.value.param == "stop"
+
+
+def chat_chunk(delta: dict[str, Any], ids: list[int] | None = None,
+               prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+    if ids is not None:
+        choice["token_ids"] = ids
+    doc = {"id": "up", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    if prompt_ids is not None:
+        doc["prompt_token_ids"] = prompt_ids
+    return doc
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+        "max_completion_tokens": 10, "logprobs": True, "top_logprobs": 2,
+        "chat_template_kwargs": {"x": 1}, "user": "u1"}
+
+
+def test_chat_continues_as_a_completion_of_prompt_and_generated_ids() -> None:
+    """A broken chat goes on through /v1/completions from ids, never from its text."""
+    ledger = StreamLedger("chat", prepare_request("chat", CHAT))
+    ledger.observe(chat_chunk({"role": "assistant", "content": ""}, prompt_ids=[1, 2, 3]))
+    ledger.observe(chat_chunk({"content": "Hel"}, [40, 41]))
+    ledger.observe(chat_chunk({"content": "lo"}, [42]))
+    assert ledger.exact
+    up = ledger.continuation_request()
+    assert ledger.upstream_path == "/v1/completions"
+    assert up["prompt"] == [1, 2, 3, 40, 41, 42]
+    assert up["max_tokens"] == 7
+    assert up["logprobs"] == 2
+    assert up["user"] == "u1"
+    assert not {"messages", "max_completion_tokens", "top_logprobs",
+                "chat_template_kwargs"} & set(up)
+    ledger.retry_request()
+    assert ledger.upstream_path == "/v1/chat/completions"
+
+
+def test_completion_chunks_of_a_chat_continuation_reach_the_client_as_chat_chunks() -> None:
+    """text becomes delta.content and completions logprobs chat's content entries."""
+    ledger = StreamLedger("chat", prepare_request("chat", CHAT))
+    ledger.observe(chat_chunk({"role": "assistant", "content": "a"}, [40], prompt_ids=[1]))
+    ledger.continuation_request()
+    ledger.note_migration()
+    doc = chunk("é", [43], finish="length")
+    doc["choices"][0]["logprobs"] = {"tokens": ["é"], "token_logprobs": [-0.5],
+                                     "top_logprobs": [{"é": -0.5, "e": -1.5}],
+                                     "text_offset": [0]}
+    out = ledger.observe(doc)
+    assert out is not None
+    assert out["object"] == "chat.completion.chunk"
+    choice = out["choices"][0]
+    assert choice["delta"] == {"content": "é"}
+    assert "text" not in choice
+    assert choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {"content": [{
+        "token": "é", "logprob": -0.5, "bytes": [195, 169],
+        "top_logprobs": [{"token": "é", "logprob": -0.5, "bytes": [195, 169]},
+                         {"token": "e", "logprob": -1.5, "bytes": [101]}]}]}
+    assert ledger.generated_ids == [40, 43]
+    assert ledger.output_text == "aé"
+
+
+@pytest.mark.parametrize("why", ["tools", "tool_calls", "reasoning_content", "no_prompt_ids"])
+def test_chat_falls_back_to_text_when_ids_cannot_reproduce_it(why: str) -> None:
+    """Tools, parsed deltas or missing prompt ids: the chat goes on as a chat, with its text."""
+    body = dict(CHAT)
+    if why == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f"}}]
+    ledger = StreamLedger("chat", prepare_request("chat", body))
+    first = chat_chunk({"role": "assistant", "content": ""},
+                       prompt_ids=None if why == "no_prompt_ids" else [1])
+    ledger.observe(first)
+    delta: dict[str, Any] = {"content": "ok"}
+    if why in ("tool_calls", "reasoning_content"):
+        delta[why] = [{"index": 0}] if why == "tool_calls" else "thinking"
+    ledger.observe(chat_chunk(delta, [7]))
+    assert not ledger.exact
+    up = ledger.continuation_request()
+    assert ledger.upstream_path == "/v1/chat/completions"
+    assert up["messages"][-1] == {"role": "assistant", "content": "ok"}
+    assert up["continue_final_message"] is True
+
+
+def test_request_ids_are_uuids_and_a_client_id_is_kept() -> None:
+    """Without a client id each ledger gets a fresh version-4 UUID; with one, that one."""
+    import uuid
+
+    a, b = StreamLedger("chat", dict(CHAT)), StreamLedger("completions", {"prompt": "x"})
+    assert a.trace_id != b.trace_id
+    for ledger in (a, b):
+        parsed = uuid.UUID(ledger.trace_id)
+        assert (parsed.version, str(parsed)) == (4, ledger.trace_id)
+    assert a.request_id == f"chatcmpl-{a.trace_id}"
+    assert b.request_id == f"cmpl-{b.trace_id}"
+    mine = StreamLedger("chat", dict(CHAT), trace_id="trace-42")
+    assert (mine.trace_id, mine.request_id) == ("trace-42", "chatcmpl-trace-42")

@@ -38,6 +38,8 @@ class FakeWorker:
     # Chat: a first chunk with the role alone (no "content": ""), then this wait.
     role_gap_s: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
     disconnects: int = 0
     url: str = ""
 
@@ -54,6 +56,8 @@ class FakeWorker:
         chat = request.path.endswith("chat/completions")
         body = await request.json()
         self.requests.append(body)
+        self.paths.append(request.path)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.mode == "html502":
             return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
                                 content_type="text/html")
@@ -63,7 +67,8 @@ class FakeWorker:
         if len(prompt) >= self.max_model_len:
             return web.json_response({"error": {"message": "prompt too long"}}, status=400)
         seed = body.get("seed") or 0
-        max_tokens = body.get("max_tokens") or (self.max_model_len - len(prompt))
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") \
+            or (self.max_model_len - len(prompt))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -293,29 +298,66 @@ def migrations(method: str) -> float:
                                    "method": method}) or 0.0
 
 
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 15, "temperature": 0}
+
+
 @FRONTS
-def test_chat_continuation_uses_continue_final_message(run: Callable[..., Any],
-                                                       front: str) -> None:
-    """A chat stream broken midway goes on with the text so far as the final assistant
-    message, counted once as a migration. The continuation's first chunk, alone in its
-    read, carries only the role (nothing for the client): its first token is still
-    what counts the migration, not the fast lane."""
+def test_chat_continuation_goes_on_from_token_ids(run: Callable[..., Any], front: str) -> None:
+    """A chat stream broken midway goes on token-exactly: a completion of the rendered
+    prompt's ids + the generated ids, relayed to the client as chat chunks, counted once
+    as a re-prefill migration, never re-sending the generated text."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=6), FakeWorker(role_gap_s=0.05)],
-                           front=front) as c:
+        async with Cluster([FakeWorker(fail_after=6), FakeWorker()], front=front) as c:
             c.proxy.router.slots["w1"].outstanding = 5
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 15, "temperature": 0}
             before = migrations("reprefill")
-            _, events = await c.stream("/v1/chat/completions", body)
+            resp, events = await c.stream("/v1/chat/completions", CHAT)
             assert migrations("reprefill") == before + 1
             c.proxy.router.slots["w1"].outstanding = 0
+            assert "x-ftctl-continuation" not in resp.headers
+            text = stream_text(events, chat=True)
+            rendered = list(b"<user>hi<assistant>")
+            generated = [token_at(0, len(rendered) + i) for i in range(15)]
+            assert text == "".join(map(chr, generated))
+            chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+            assert {e["object"] for e in chunks} == {"chat.completion.chunk"}
+            assert all("text" not in e["choices"][0] for e in chunks)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            roles = [e for e in chunks if "role" in e["choices"][0]["delta"]]
+            assert len(roles) == 1
+            assert c.workers[1].paths[-1] == "/v1/completions"
+            cont = c.workers[1].requests[-1]
+            assert cont["prompt"] == rendered + generated[:6]
+            assert cont["max_tokens"] == 9
+            assert cont["return_token_ids"] is True
+            assert not {"messages", "max_completion_tokens", "continue_final_message",
+                        "add_generation_prompt"} & set(cont)
+    run(go())
+
+
+@FRONTS
+def test_chat_without_ids_continues_with_continue_final_message(run: Callable[..., Any],
+                                                               front: str) -> None:
+    """From workers that return no ids, a broken chat goes on with the text so far as the
+    final assistant message, announced as a text continuation and counted once. The
+    continuation's first chunk, alone in its read, carries only the role (nothing for
+    the client): its first token is still what counts the migration, not the fast lane."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=6, with_ids=False),
+                            FakeWorker(role_gap_s=0.05, with_ids=False)], front=front) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            before = migrations("text")
+            resp, events = await c.stream("/v1/chat/completions", CHAT)
+            assert migrations("text") == before + 1
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert resp.headers["x-ftctl-continuation"] == "text"
             text = stream_text(events, chat=True)
             rendered = "<user>hi<assistant>"
             assert text == "".join(chr(token_at(0, len(rendered) + i)) for i in range(15))
             roles = [e for e in events if isinstance(e, dict) and e["choices"]
                      and "role" in e["choices"][0]["delta"]]
             assert len(roles) == 1
+            assert c.workers[1].paths[-1] == "/v1/chat/completions"
             cont = c.workers[1].requests[-1]
             assert cont["continue_final_message"] is True
             assert cont["add_generation_prompt"] is False
@@ -722,4 +764,28 @@ def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
             c.proxy.router.slots["w1"].outstanding = 0
             assert stream_text(events) == expected_text("hello world", 5, 20)
             assert (count("kv"), count("reprefill")) == (before[0], before[1] + 1)
+    run(go())
+
+
+@FRONTS
+def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
+        run: Callable[..., Any], front: str) -> None:
+    """The client's X-Request-Id goes to each worker of a migrated stream and back; without
+    one the proxy sends a UUID (servers that validate the id refuse anything else)."""
+    import uuid
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=3), FakeWorker()], front=front) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp, events = await c.stream("/v1/completions", BODY,
+                                          headers={"X-Request-Id": "trace-7"})
+            assert resp.headers["x-request-id"] == "trace-7"
+            sent = [h["x-request-id"] for w in c.workers for h in w.headers]
+            assert sent == ["trace-7", "trace-7"]
+            assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-trace-7"}
+            c.proxy.router.slots["w1"].outstanding = 0
+            resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
+            made = c.workers[0].headers[-1]["x-request-id"]
+            assert uuid.UUID(made).version == 4
+            assert resp.headers["x-request-id"] == made
     run(go())
