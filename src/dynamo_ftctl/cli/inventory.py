@@ -50,12 +50,30 @@ def check(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> 
 
 
 @app.command()
-def show(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> None:
+def show(
+    ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False,
+    probe: Annotated[bool, typer.Option(
+        "--probe", help="Ask every worker what it supports (token ids, /tokenize, /health, "
+        "metrics, sleep, KV export, max_model_len): one row each, yes/no/? per capability. "
+        "Exit 3 when a worker does not answer.")] = False,
+    timeout: Annotated[float, typer.Option(
+        "--timeout", min=0.1, max=60.0, help="Seconds each probe may take (with --probe).",
+    )] = 3.0,
+) -> None:
     """Show the workers of an inventory as a table, or the whole inventory with --json.
 
+    With --probe, ask each worker what it supports instead; ? means it did not say.
+
     Example: ftctl -i examples/local.yaml inventory show
+
+    Example: ftctl -i examples/local.yaml inventory show --probe --json
     """
     inventory = load_inventory_for(ctx, file)
+    if probe:
+        from dynamo_ftctl.capabilities import probe_inventory_sync
+
+        report = probe_inventory_sync(inventory, timeout_s=timeout)
+        finish(ctx, report, json_flag=json_, code=report.exit_code)
     if json_mode(ctx, json_):
         finish(ctx, inventory, json_flag=True)
     from dynamo_ftctl.output import plain_table, stdout_console, table

@@ -1,0 +1,708 @@
+"""What each worker supports, found by probing it: token ids, /tokenize, /health, metrics, ...
+
+This module owns capability discovery: the probes (`probe_capabilities`), the
+frozen answer (`Capabilities`), a per-worker cache that de-duplicates concurrent
+probes and forgets a worker when it fails or restarts (`CapabilityCache`), and
+the one-shot fleet report behind `ftctl inventory show --probe`
+(`probe_inventory_sync`).
+
+Every probe goes through one injected `Fetch` callable,
+`async (method, url, body, headers, timeout_s) -> (status, body)`: the proxy
+passes its own `http1.Client`, tests pass a fake, and the CLI gets
+`AiohttpFetch`. A fetch may add a third item, the response headers, from
+which the `Server` header is read.
+
+It must not: raise for a missing feature (a probe that fails leaves its field
+None, "unknown"); change a worker's state (the KV probe asks for a request id
+that cannot exist and never aborts; nothing is posted to /sleep or /admin/fault;
+the generation probes ask for one greedy token); read an unbounded body or wait
+without a deadline (each probe has `timeout_s`, the worker as a whole a little
+more, and `AiohttpFetch` reads at most `MAX_PROBE_BYTES`); or know anything about
+routing: what the proxy does with an answer is the proxy's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from dynamo_ftctl.inventory import Inventory, Worker
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "KV_USAGE_METRICS",
+    "MAX_PROBE_BYTES",
+    "AiohttpFetch",
+    "Capabilities",
+    "CapabilityCache",
+    "CapabilityReport",
+    "Fetch",
+    "FetchResult",
+    "LoadMetric",
+    "load_metric_from_metrics",
+    "probe_capabilities",
+    "probe_inventory",
+    "probe_inventory_sync",
+    "start_time_from_metrics",
+]
+
+# (status, body) or (status, body, headers): what one exchange through a `Fetch` gives.
+FetchResult = tuple[int, bytes] | tuple[int, bytes, Mapping[str, str]]
+Fetch = Callable[[str, str, bytes, Mapping[str, str] | None, float], Awaitable[FetchResult]]
+
+# Each probe is one short exchange; a worker that needs longer to say /health is
+# not one a proxy should route to yet.
+DEFAULT_TIMEOUT_S = 3.0
+# vLLM's /metrics is 50-300 KiB (histograms per model); 2 MiB leaves room and bounds
+# what a hostile worker can make us hold.
+MAX_PROBE_BYTES = 2 * 1024 * 1024
+# Past the probes' own timeout, how long the whole worker may take (a fetch that
+# ignores its timeout must not hang the probe).
+_GRACE_S = 1.0
+
+LoadMetric = Literal["vllm", "vllm_old", "none"]
+# The KV-usage gauge each load-metric family exposes (the proxy's admission reads them).
+KV_USAGE_METRICS: Mapping[LoadMetric, str] = {
+    "vllm": "vllm:kv_cache_usage_perc",
+    "vllm_old": "vllm:gpu_cache_usage_perc",  # vLLM before 0.10
+}
+_TOKEN_FIELD = "return_token_ids"  # noqa: S105 - a request field, not a secret
+_PROMPT = "ping"
+_START_TIME = re.compile(rb"^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE)
+_METRIC_NAME = {
+    family: re.compile(rb"^" + re.escape(name.encode()) + rb"[{ \t]", re.MULTILINE)
+    for family, name in KV_USAGE_METRICS.items()
+}
+_MISSING = (404, 405, 501)  # the route is not there (or not for this method)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one worker supports; None means unknown (the probe got no usable answer)."""
+
+    worker: str
+    url: str
+    probed_at: float  # wall-clock seconds since the epoch
+    error: str | None = None  # set when the worker did not answer at all
+    token_ids: bool | None = None  # streamed /v1/completions returns choices[0].token_ids
+    prompt_token_ids: bool | None = None  # ... and the prompt's ids
+    chat_token_ids: bool | None = None  # the same on /v1/chat/completions
+    strict_fields: bool | None = None  # 400/422 naming return_token_ids: unknown fields refused
+    tokenize: bool | None = None  # POST /tokenize answers {"tokens": [...]}
+    health: bool | None = None  # GET /health answers 200
+    metrics: bool | None = None  # GET /metrics answers
+    load_metric: LoadMetric | None = None  # which KV-usage gauge /metrics carries
+    process_start_time: float | None = None  # process_start_time_seconds (restart signal)
+    sleep: bool | None = None  # GET /is_sleeping answers (vLLM sleep mode)
+    asleep: bool | None = None  # ... and what it said
+    kv_export: bool | None = None  # the admin API's GET /admin/kv/{id} route exists
+    max_model_len: int | None = None  # from GET /v1/models, for the worker's model
+    models: tuple[str, ...] = ()  # served model ids from GET /v1/models
+    server: str | None = None  # identity, informational: owned_by, /version, Server header
+    notes: tuple[str, ...] = ()  # why a probe's field stayed unknown
+    elapsed_s: float = 0.0
+
+    @property
+    def reachable(self) -> bool:
+        """True when the worker answered at least one probe."""
+        return self.error is None
+
+    @property
+    def kv_usage_metric(self) -> str | None:
+        """The KV-usage gauge's name on this worker's /metrics (None: none or unknown)."""
+        return KV_USAGE_METRICS.get(self.load_metric) if self.load_metric else None
+
+
+@dataclass
+class _Answer:
+    """One exchange's outcome: a status and body, or why there is none."""
+
+    status: int | None = None
+    body: bytes = b""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    failure: str | None = None
+
+
+async def _exchange(fetch: Fetch, method: str, url: str, body: Any | None = None, *,
+                    headers: Mapping[str, str] | None = None, timeout_s: float) -> _Answer:
+    payload = b"" if body is None else json.dumps(body).encode()
+    sent = dict(headers or {})
+    if body is not None:
+        sent["Content-Type"] = "application/json"
+    try:
+        async with asyncio.timeout(timeout_s):
+            result = await fetch(method, url, payload, sent, timeout_s)
+    except TimeoutError:
+        return _Answer(failure=f"no answer within {timeout_s:g} s")
+    # The fetch is injected: whatever it raises (OSError, its client's own errors)
+    # means "no answer" for this probe, never a crash of the probe.
+    except Exception as exc:
+        return _Answer(failure=str(exc) or type(exc).__name__)
+    status, data = int(result[0]), result[1]
+    got: Mapping[str, str] = result[2] if len(result) > 2 else {}
+    if len(data) > MAX_PROBE_BYTES:  # a fetch that does not bound its reads
+        return _Answer(status, b"", got, failure=f"body over {MAX_PROBE_BYTES} bytes")
+    return _Answer(status, data, got)
+
+
+def _json(data: bytes) -> Any:
+    """Parsed JSON, or None for garbage (bad UTF-8, bad JSON, nesting bombs)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _events(data: bytes) -> list[Any]:
+    """The JSON documents of an SSE stream, or the one document of a plain body."""
+    if not data.lstrip().startswith(b"data:"):
+        doc = _json(data)
+        return [doc] if doc is not None else []
+    out = []
+    for line in data.splitlines():
+        if line.startswith(b"data:"):
+            chunk = line[5:].strip()
+            if chunk and chunk != b"[DONE]":
+                doc = _json(chunk)
+                if doc is not None:
+                    out.append(doc)
+    return out
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _token_ids_in(data: bytes) -> tuple[bool, bool] | None:
+    """(token ids seen, prompt ids seen) in a completion's chunks; None: not a completion."""
+    ids = prompt = False
+    completion = False
+    for event in _events(data):
+        if not isinstance(event, dict):
+            continue
+        choices = event.get("choices")
+        if not isinstance(choices, list):
+            continue
+        completion = True
+        first = choices[0] if choices and isinstance(choices[0], dict) else {}
+        ids = ids or _int_list(first.get("token_ids"))
+        prompt = prompt or _int_list(first.get("prompt_token_ids")) or _int_list(
+            event.get("prompt_token_ids"))
+    return (ids, prompt) if completion else None
+
+
+@dataclass
+class _Found:
+    """Fields found so far for one worker (becomes a `Capabilities`)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    answered: bool = False
+    failures: list[str] = field(default_factory=list)
+    server_header: str | None = None
+
+    def saw(self, what: str, answer: _Answer) -> bool:
+        """Record an exchange; True when it has a status to judge."""
+        if answer.status is None or answer.failure is not None:
+            if answer.status is not None:
+                self.answered = True
+            self.failures.append(f"{what}: {answer.failure}")
+            self.notes.append(f"{what}: {answer.failure}")
+            return False
+        self.answered = True
+        server = answer.headers.get("Server") or answer.headers.get("server")
+        if server and self.server_header is None:
+            self.server_header = server[:80]
+        return True
+
+    def unknown(self, what: str, answer: _Answer) -> None:
+        self.notes.append(f"{what}: HTTP {answer.status}")
+
+
+async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float,
+                            *, chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": worker.model, "max_tokens": 1, "temperature": 0,
+                            "stream": True, _TOKEN_FIELD: True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": _PROMPT}]
+    else:
+        body["prompt"] = _PROMPT
+    answer = await _exchange(fetch, "POST", f"{worker.url}{path}", body, timeout_s=timeout_s)
+    what = f"POST {path}"
+    if not found.saw(what, answer):
+        return
+    key = "chat_token_ids" if chat else "token_ids"
+    if answer.status in (400, 422) and _TOKEN_FIELD.encode() in answer.body:
+        # pydantic's extra="forbid" (and vLLM before the field existed, when strict)
+        # answers 400/422 with the field's name in the error.
+        found.values[key] = False
+        found.values["strict_fields"] = True
+        return
+    if answer.status != 200:
+        found.unknown(what, answer)
+        return
+    seen = _token_ids_in(answer.body)
+    if seen is None:
+        found.notes.append(f"{what}: not a completion")
+        return
+    found.values[key] = seen[0]
+    found.values.setdefault("strict_fields", False)
+    if not chat:
+        found.values["prompt_token_ids"] = seen[1]
+
+
+async def _probe_tokenize(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    body = {"model": worker.model, "prompt": _PROMPT}
+    answer = await _exchange(fetch, "POST", f"{worker.url}/tokenize", body, timeout_s=timeout_s)
+    if not found.saw("POST /tokenize", answer):
+        return
+    if answer.status in _MISSING:
+        found.values["tokenize"] = False
+    elif answer.status == 200:
+        doc = _json(answer.body)
+        found.values["tokenize"] = isinstance(doc, dict) and _int_list(doc.get("tokens"))
+    else:
+        found.unknown("POST /tokenize", answer)
+
+
+async def _probe_health(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    answer = await _exchange(fetch, "GET", f"{worker.url}/health", timeout_s=timeout_s)
+    if not found.saw("GET /health", answer):
+        return
+    if answer.status == 200:
+        found.values["health"] = True
+    elif answer.status in _MISSING:
+        found.values["health"] = False
+    else:  # 503: the route is there, the engine is starting or asleep
+        found.unknown("GET /health", answer)
+
+
+def load_metric_from_metrics(text: bytes) -> LoadMetric:
+    """Which KV-usage gauge a Prometheus text page carries ("none" when neither)."""
+    for family, pattern in _METRIC_NAME.items():
+        if pattern.search(text):
+            return family
+    return "none"
+
+
+def start_time_from_metrics(text: bytes) -> float | None:
+    """`process_start_time_seconds` from a Prometheus text page (None when absent or bad)."""
+    match = _START_TIME.search(text)
+    if match is None:
+        return None
+    try:
+        value = float(match.group(1))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+async def _probe_metrics(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    answer = await _exchange(fetch, "GET", f"{worker.url}/metrics", timeout_s=timeout_s)
+    if not found.saw("GET /metrics", answer):
+        return
+    if answer.status in _MISSING:
+        found.values["metrics"] = False
+        found.values["load_metric"] = "none"
+    elif answer.status == 200:
+        found.values["metrics"] = True
+        found.values["load_metric"] = load_metric_from_metrics(answer.body)
+        found.values["process_start_time"] = start_time_from_metrics(answer.body)
+    else:
+        found.unknown("GET /metrics", answer)
+
+
+async def _probe_sleep(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    answer = await _exchange(fetch, "GET", f"{worker.url}/is_sleeping", timeout_s=timeout_s)
+    if not found.saw("GET /is_sleeping", answer):
+        return
+    if answer.status in _MISSING:
+        found.values["sleep"] = False
+    elif answer.status == 200:
+        doc = _json(answer.body)
+        asleep = doc.get("is_sleeping") if isinstance(doc, dict) else None
+        found.values["sleep"] = isinstance(asleep, bool)
+        if isinstance(asleep, bool):
+            found.values["asleep"] = asleep
+    else:
+        found.unknown("GET /is_sleeping", answer)
+
+
+async def _probe_kv_export(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float,
+                           token: str | None) -> None:
+    # A request id that cannot exist, and no `abort`: the sim's export route answers
+    # 404 NotFoundError for it and touches nothing; a server without the route
+    # answers its router's plain 404.
+    rid = f"ftctl-capability-probe-{uuid.uuid4().hex}"
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    answer = await _exchange(fetch, "GET", f"{worker.admin_url.rstrip('/')}/admin/kv/{rid}",
+                             headers=headers, timeout_s=timeout_s)
+    what = "GET /admin/kv/{id}"
+    if not found.saw(what, answer):
+        return
+    doc = _json(answer.body)
+    error = doc.get("error") if isinstance(doc, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    if answer.status == 404:
+        found.values["kv_export"] = kind == "NotFoundError"
+    elif answer.status in (405, 501):
+        found.values["kv_export"] = False
+    elif answer.status == 403:  # the sim: admin API disabled (no admin token configured)
+        found.values["kv_export"] = False
+        found.notes.append(f"{what}: admin API disabled (HTTP 403)")
+    elif answer.status == 401:
+        found.notes.append(f"{what}: needs the admin token (HTTP 401)")
+    else:
+        found.unknown(what, answer)
+
+
+async def _probe_models(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    answer = await _exchange(fetch, "GET", f"{worker.url}/v1/models", timeout_s=timeout_s)
+    if not found.saw("GET /v1/models", answer):
+        return
+    if answer.status != 200:
+        found.unknown("GET /v1/models", answer)
+        return
+    doc = _json(answer.body)
+    entries = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        found.notes.append("GET /v1/models: not a model list")
+        return
+    entries = [e for e in entries if isinstance(e, dict) and isinstance(e.get("id"), str)]
+    found.values["models"] = tuple(e["id"][:200] for e in entries[:64])
+    mine = [e for e in entries if e["id"] == worker.model] or entries[:1]
+    if mine:
+        length = mine[0].get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            found.values["max_model_len"] = length
+        owner = mine[0].get("owned_by")
+        if isinstance(owner, str) and owner:
+            found.values["owned_by"] = owner[:40]
+
+
+async def _probe_version(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+    answer = await _exchange(fetch, "GET", f"{worker.url}/version", timeout_s=timeout_s)
+    if not found.saw("GET /version", answer) or answer.status != 200:
+        return
+    doc = _json(answer.body)
+    version = doc.get("version") if isinstance(doc, dict) else None
+    if isinstance(version, str) and version:
+        found.values["version"] = version[:40]
+
+
+def _identity(found: _Found) -> str | None:
+    parts = [str(found.values.pop(key)) for key in ("owned_by", "version")
+             if key in found.values]
+    if found.server_header:
+        parts.append(f"({found.server_header})")
+    text = " ".join(parts)
+    return "".join(c if c.isprintable() else "?" for c in text) or None
+
+
+def _admin_token(worker: Worker) -> str | None:
+    env = worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"
+    return os.environ.get(env) or None
+
+
+async def probe_capabilities(
+    worker: Worker, *, fetch: Fetch | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    admin_token: str | None = None, clock: Clock = SYSTEM_CLOCK,
+) -> Capabilities:
+    """Probe one worker's capabilities, every probe at once; never raises for a missing one.
+
+    `fetch` defaults to a fresh `AiohttpFetch` closed on return. `admin_token`
+    defaults to the variable the worker's `admin.token_env` names.
+    """
+    if fetch is None:
+        async with AiohttpFetch() as own:
+            return await probe_capabilities(worker, fetch=own, timeout_s=timeout_s,
+                                            admin_token=admin_token, clock=clock)
+    token = admin_token if admin_token is not None else _admin_token(worker)
+    found = _Found()
+    start = clock.now()
+    jobs = [
+        _probe_generation(found, fetch, worker, timeout_s, chat=False),
+        _probe_generation(found, fetch, worker, timeout_s, chat=True),
+        _probe_tokenize(found, fetch, worker, timeout_s),
+        _probe_health(found, fetch, worker, timeout_s),
+        _probe_metrics(found, fetch, worker, timeout_s),
+        _probe_sleep(found, fetch, worker, timeout_s),
+        _probe_kv_export(found, fetch, worker, timeout_s, token),
+        _probe_models(found, fetch, worker, timeout_s),
+        _probe_version(found, fetch, worker, timeout_s),
+    ]
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s + _GRACE_S)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if pending:
+        cut = timeout_s + _GRACE_S
+        found.notes.append(f"{len(pending)} probe(s) cut at the {cut:g} s deadline")
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            found.notes.append(f"probe failed: {task.exception()!r}")  # a bug, kept visible
+    server = _identity(found)
+    values = found.values
+    error = None
+    if not found.answered:
+        error = "unreachable: " + (found.failures[0] if found.failures else "no answer")
+        values = {}
+        server = None
+        found.notes.clear()  # one failure per probe, all saying the same: `error` says it
+    return Capabilities(
+        worker=worker.name, url=worker.url, probed_at=clock.wall(), error=error,
+        server=server, notes=tuple(found.notes), elapsed_s=round(clock.now() - start, 4),
+        **values,
+    )
+
+
+class AiohttpFetch:
+    """The default `Fetch`: one aiohttp session, bodies read to at most `max_bytes`."""
+
+    def __init__(self, *, max_bytes: int = MAX_PROBE_BYTES, concurrency: int = 64) -> None:
+        self.max_bytes = max_bytes
+        self._concurrency = concurrency
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, method: str, url: str, body: bytes,
+                       headers: Mapping[str, str] | None, timeout_s: float) -> FetchResult:
+        """One exchange within `timeout_s`; OSError for no answer or a body over the cap."""
+        import aiohttp
+
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=16)
+            self._session = aiohttp.ClientSession(connector=connector)
+        try:
+            async with asyncio.timeout(timeout_s), self._session.request(
+                method, url, data=body or None, headers=dict(headers or {}),
+                allow_redirects=False,
+            ) as response:
+                data = bytearray()
+                async for chunk in response.content.iter_any():
+                    data += chunk
+                    if len(data) > self.max_bytes:
+                        msg = f"body over {self.max_bytes} bytes"
+                        raise OSError(msg)
+                server = response.headers.get("Server")
+                return response.status, bytes(data), ({"Server": server} if server else {})
+        except aiohttp.ClientConnectorError as exc:
+            raise OSError(f"cannot connect: {exc.os_error.strerror or exc.os_error}") from None
+        except aiohttp.ClientError as exc:
+            # aiohttp's errors are not all OSErrors; translated once, here.
+            raise OSError(str(exc) or type(exc).__name__) from None
+
+    async def aclose(self) -> None:
+        """Close the session and its connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AiohttpFetch:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class CapabilityCache:
+    """One `Capabilities` per worker name: probed on demand, at most one probe in flight each.
+
+    Entries live until `invalidate` (a failed worker) or `note_start_time` sees a new
+    process start time (a restarted one). An unreachable answer is kept only
+    `retry_unreachable_s`, so a worker that comes back is found again.
+    """
+
+    def __init__(self, *, fetch: Fetch, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 clock: Clock = SYSTEM_CLOCK, retry_unreachable_s: float = 5.0,
+                 admin_token: Callable[[Worker], str | None] | None = None) -> None:
+        self.fetch = fetch
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.retry_unreachable_s = retry_unreachable_s
+        self._admin_token = admin_token or _admin_token
+        self._entries: dict[str, tuple[Capabilities, float]] = {}
+        self._inflight: dict[str, asyncio.Task[Capabilities]] = {}
+        # Bumped by invalidate: a probe begun before a restart must not store its answer.
+        self._generation: dict[str, int] = {}
+        self._start_times: dict[str, float] = {}
+
+    def get(self, worker: str) -> Capabilities | None:
+        """The cached answer for `worker` (a name), without probing."""
+        entry = self._entries.get(worker)
+        if entry is None:
+            return None
+        caps, stored_at = entry
+        if not caps.reachable and self.clock.now() - stored_at >= self.retry_unreachable_s:
+            return None
+        return caps
+
+    def snapshot(self) -> dict[str, Capabilities]:
+        """Every fresh cached answer, by worker name."""
+        return {name: caps for name in list(self._entries) if (caps := self.get(name))}
+
+    async def probe(self, worker: Worker, *, refresh: bool = False) -> Capabilities:
+        """The cached answer, or a probe (joined if one for this worker is in flight)."""
+        if not refresh and (cached := self.get(worker.name)) is not None:
+            return cached
+        task = self._inflight.get(worker.name)
+        if task is None:
+            task = asyncio.ensure_future(self._run(worker, self._generation.get(worker.name, 0)))
+            self._inflight[worker.name] = task
+        # shield: one impatient caller's cancellation must not cancel the others' probe.
+        return await asyncio.shield(task)
+
+    async def probe_all(self, workers: Iterable[Worker], *,
+                        refresh: bool = False) -> tuple[Capabilities, ...]:
+        """Probe several workers at once (cached answers are reused unless `refresh`)."""
+        return tuple(await asyncio.gather(*(self.probe(w, refresh=refresh) for w in workers)))
+
+    async def _run(self, worker: Worker, generation: int) -> Capabilities:
+        try:
+            caps = await probe_capabilities(worker, fetch=self.fetch, timeout_s=self.timeout_s,
+                                            admin_token=self._admin_token(worker) or "",
+                                            clock=self.clock)
+        finally:
+            if self._inflight.get(worker.name) is asyncio.current_task():
+                del self._inflight[worker.name]
+        if self._generation.get(worker.name, 0) == generation:
+            self._entries[worker.name] = (caps, self.clock.now())
+            if caps.process_start_time is not None:
+                self._start_times.setdefault(worker.name, caps.process_start_time)
+        return caps
+
+    def invalidate(self, worker: str) -> None:
+        """Forget `worker` (a name): its next `probe` asks it again."""
+        self._entries.pop(worker, None)
+        self._start_times.pop(worker, None)
+        self._generation[worker] = self._generation.get(worker, 0) + 1
+        # The in-flight probe may predate the failure: later callers start a new one.
+        self._inflight.pop(worker, None)
+
+    def note_start_time(self, worker: str, value: float) -> bool:
+        """Tell the cache `worker`'s `process_start_time_seconds`; True when it restarted.
+
+        A value other than the one known (from a probe or an earlier note)
+        invalidates the worker's entry.
+        """
+        known = self._start_times.get(worker)
+        if known is None:
+            entry = self._entries.get(worker)
+            known = entry[0].process_start_time if entry else None
+        if known is not None and known != value:
+            self.invalidate(worker)
+            self._start_times[worker] = value
+            return True
+        self._start_times[worker] = value
+        return False
+
+    async def aclose(self) -> None:
+        """Cancel the probes in flight."""
+        tasks = list(self._inflight.values())
+        self._inflight.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _mark(value: bool | None) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+_HEADERS = ("worker", "token_ids", "chat_ids", "strict", "tokenize", "health", "metrics",
+            "load", "sleep", "kv_export", "max_len", "server")
+
+
+@dataclass(frozen=True)
+class CapabilityReport:
+    """`ftctl inventory show --probe`: every worker's capabilities."""
+
+    cluster: str
+    workers: tuple[Capabilities, ...]
+    wall_s: float
+
+    @property
+    def exit_code(self) -> int:
+        """0 when every worker answered, 3 (unreachable) when any did not."""
+        from dynamo_ftctl.errors import ExitCode
+
+        ok = all(c.reachable for c in self.workers)
+        return int(ExitCode.OK if ok else ExitCode.UNREACHABLE)
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row of cells per worker, under `headers`."""
+        out = []
+        for c in self.workers:
+            if not c.reachable:
+                out.append((c.worker, *(["?"] * (len(_HEADERS) - 2)), c.error or "unreachable"))
+                continue
+            load = {"vllm": "vllm", "vllm_old": "vllm-old", "none": "none"}.get(
+                c.load_metric or "", "?")
+            out.append((
+                c.worker, _mark(c.token_ids), _mark(c.chat_token_ids), _mark(c.strict_fields),
+                _mark(c.tokenize), _mark(c.health), _mark(c.metrics), load, _mark(c.sleep),
+                _mark(c.kv_export), str(c.max_model_len) if c.max_model_len else "?",
+                c.server or "-",
+            ))
+        return out
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        """The table's column names."""
+        return _HEADERS
+
+    def _footer(self) -> str:
+        down = sum(not c.reachable for c in self.workers)
+        state = f"{down} unreachable (exit 3)" if down else "all answered"
+        return f"{len(self.workers)} workers, {state}, in {self.wall_s * 1000:.0f} ms\n"
+
+    def plain_text(self) -> str:
+        """Aligned columns for pipes and logs."""
+        from dynamo_ftctl.output import plain_table
+
+        return (f"# cluster {self.cluster}\n" + plain_table(self.headers, self.rows())
+                + self._footer())
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+
+        from dynamo_ftctl.output import table
+
+        return Group(table(f"cluster {self.cluster}: capabilities", self.headers, self.rows()),
+                     self._footer().rstrip("\n"))
+
+
+async def probe_inventory(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                          fetch: Fetch | None = None) -> CapabilityReport:
+    """Probe every worker of `inventory` at once."""
+    start = time.monotonic()
+    async with contextlib.AsyncExitStack() as stack:
+        if fetch is None:
+            fetch = await stack.enter_async_context(AiohttpFetch())
+        cache = CapabilityCache(fetch=fetch, timeout_s=timeout_s)
+        workers = await cache.probe_all(inventory.workers)
+    return CapabilityReport(inventory.cluster, workers, round(time.monotonic() - start, 4))
+
+
+def probe_inventory_sync(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                         fetch: Fetch | None = None) -> CapabilityReport:
+    """`probe_inventory` for callers without an event loop (the CLI)."""
+    return asyncio.run(probe_inventory(inventory, timeout_s=timeout_s, fetch=fetch))
