@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 
@@ -53,6 +53,8 @@ __all__ = [
     "Fetch",
     "FetchResult",
     "LoadMetric",
+    "WholeBodyClient",
+    "fetch_through",
     "load_metric_from_metrics",
     "probe_capabilities",
     "probe_inventory",
@@ -521,6 +523,27 @@ class AiohttpFetch:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+class WholeBodyClient(Protocol):
+    """A client with `dynamo_ftctl.http1.Client.fetch`'s shape (the proxy's own)."""
+
+    async def fetch(self, method: str, url: str, body: bytes = b"",
+                    headers: dict[str, str] | None = None, *, timeout_s: float,
+                    limit: int = ...) -> tuple[int, bytes]:
+        """One whole exchange within `timeout_s`: (status, body), at most `limit` bytes."""
+        ...
+
+
+def fetch_through(client: WholeBodyClient, *, max_bytes: int = MAX_PROBE_BYTES) -> Fetch:
+    """A `Fetch` over an existing client (the proxy's `http1.Client`), reads capped."""
+
+    async def fetch(method: str, url: str, body: bytes, headers: Mapping[str, str] | None,
+                    timeout_s: float) -> FetchResult:
+        return await client.fetch(method, url, body, dict(headers or {}), timeout_s=timeout_s,
+                                  limit=max_bytes)
+
+    return fetch
 
 
 class CapabilityCache:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -19,6 +20,7 @@ from dynamo_ftctl.capabilities import (
     Capabilities,
     CapabilityCache,
     FetchResult,
+    fetch_through,
     load_metric_from_metrics,
     probe_capabilities,
     start_time_from_metrics,
@@ -448,36 +450,47 @@ async def _hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _
             await writer.drain()
     elif path == b"/health":  # a trickle: one byte at a time, never done
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
-        while True:
+        hangup = asyncio.ensure_future(reader.read())  # b"" once the client gives up
+        hangup.add_done_callback(lambda f: f.cancelled() or f.exception())  # a reset is fine
+        while not hangup.done():
             writer.write(b"z")
             await writer.drain()
             await asyncio.sleep(0.01)
-    elif path == b"/version":  # never answers
-        await asyncio.Event().wait()
+    elif path == b"/version":  # never answers, until the client gives up
+        await reader.read()
     else:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nServer: evil\r\n\r\ngarbage")
         await writer.drain()
 
 
-def test_hostile_worker_over_real_sockets_is_bounded() -> None:
-    """Endless, huge, trickling and silent answers: the default fetch stops each in time."""
+@pytest.mark.parametrize("client", ["aiohttp", "http1"])
+def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
+    """Endless, huge, trickling and silent answers: either fetch stops each in time."""
+    from dynamo_ftctl.http1 import Client
+
     async def main() -> tuple[Capabilities, float]:
-        async with Server(_hostile) as server:
+        async with Server(_hostile) as server, contextlib.AsyncExitStack() as stack:
             worker = Worker(name="evil", url=server.url, model="m")
             loop = asyncio.get_running_loop()
             start = loop.time()
-            async with AiohttpFetch(max_bytes=256 * 1024) as fetch:
-                caps = await probe_capabilities(worker, fetch=fetch, timeout_s=1.0)
+            if client == "aiohttp":
+                fetch: Any = await stack.enter_async_context(AiohttpFetch(max_bytes=256 * 1024))
+            else:
+                proxy_client = Client()
+                stack.push_async_callback(proxy_client.close)
+                fetch = fetch_through(proxy_client, max_bytes=256 * 1024)
+            caps = await probe_capabilities(worker, fetch=fetch, timeout_s=1.0)
             return caps, loop.time() - start
 
     caps, elapsed = asyncio.run(main())
     assert elapsed < 3.0
     assert caps.reachable
     assert (caps.metrics, caps.models, caps.health) == (None, (), None)
-    assert any("body over 262144 bytes" in n for n in caps.notes)
-    assert any("within 1 s" in n for n in caps.notes)
+    assert len([n for n in caps.notes if n.startswith(("GET /metrics", "GET /v1/models"))]) == 2
+    assert any(n.startswith("GET /version") for n in caps.notes)
     assert caps.token_ids is None
-    assert caps.server == "(evil)"
+    if client == "aiohttp":  # only it hands the probe the headers
+        assert caps.server == "(evil)"
 
 
 def test_default_fetch_reports_a_closed_port_as_unreachable() -> None:
@@ -565,3 +578,22 @@ def test_cli_probe_json_exits_three_when_one_is_unreachable(vllm_url: str, tmp_p
     assert by_name["w0"]["max_model_len"] == 4096
     assert by_name["w1"]["error"].startswith("unreachable")
     assert by_name["w1"]["token_ids"] is None
+
+
+def test_the_proxy_client_works_as_the_fetch(vllm_url: str) -> None:
+    """`fetch_through(http1.Client())`: the proxy's own client probes a real socket."""
+    from dynamo_ftctl.http1 import Client
+
+    async def main() -> Capabilities:
+        client = Client()
+        try:
+            worker = Worker(name="w0", url=vllm_url, model="m")
+            return await probe_capabilities(worker, fetch=fetch_through(client), timeout_s=2)
+        finally:
+            await client.close()
+
+    caps = asyncio.run(main())
+    assert caps.error is None
+    assert caps.token_ids is True
+    assert caps.load_metric == "vllm"
+    assert caps.max_model_len == 4096
