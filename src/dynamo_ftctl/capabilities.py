@@ -481,6 +481,10 @@ class AiohttpFetch:
     """The default `Fetch`: one aiohttp session, bodies read to at most `max_bytes`."""
 
     def __init__(self, *, max_bytes: int = MAX_PROBE_BYTES, concurrency: int = 64) -> None:
+        # Imported here, not in the first call: its ~0.3-1 s would be spent inside that
+        # probe's deadline (an import cannot be interrupted) and time it out.
+        import aiohttp  # noqa: F401
+
         self.max_bytes = max_bytes
         self._concurrency = concurrency
         self._session: aiohttp.ClientSession | None = None

@@ -569,7 +569,7 @@ def test_cli_probe_json_exits_three_when_one_is_unreachable(vllm_url: str, tmp_p
 
     path = _inventory(tmp_path, vllm_url, "http://127.0.0.1:9")
     result = CliRunner().invoke(app, ["-i", str(path), "inventory", "show", "--probe", "--json",
-                                      "--timeout", "1"])
+                                      "--timeout", "2"])
     assert result.exit_code == 3, result.output
     doc = json.loads(result.stdout)
     by_name = {w["worker"]: w for w in doc["workers"]}
