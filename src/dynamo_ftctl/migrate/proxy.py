@@ -93,6 +93,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
+    from dynamo_ftctl.capabilities import CapabilityCache
     from dynamo_ftctl.httpserver import Handler
     from dynamo_ftctl.httpserver import Request as HttpRequest
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
@@ -329,6 +330,9 @@ class MigratingProxy:
         self.calibration = _load_calibration(inventory, config)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queued = 0
+        self._workers = {w.name: w for w in inventory.workers}
+        self.capabilities: CapabilityCache | None = None
+        self._learning: set[str] = set()  # workers whose capability probe is running
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -337,7 +341,10 @@ class MigratingProxy:
 
     async def start(self) -> None:
         """Open the upstream connection pools and start the scrape loop."""
+        from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
+
         self._http = Client(user_agent="ftctl-proxy")
+        self.capabilities = CapabilityCache(fetch=fetch_through(self._http), clock=self.clock)
         self._spawn(self._scrape_forever())
 
     async def stop(self) -> None:
@@ -353,6 +360,8 @@ class MigratingProxy:
         if self._kv_client is not None:
             await self._kv_client.aclose()
             self._kv_client = None
+        if self.capabilities is not None:
+            await self.capabilities.aclose()
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -399,10 +408,56 @@ class MigratingProxy:
                     if entry.get("id") == slot.model and isinstance(length, int):
                         slot.max_model_len = length
         try:
-            text = (await self._get(f"{slot.url}/metrics")).decode("utf-8", "replace")
-            self.loads[slot.name] = parse_worker_load(text)
+            page = await self._get(f"{slot.url}/metrics")
+            self.loads[slot.name] = parse_worker_load(page.decode("utf-8", "replace"))
         except Exception:  # an unscrapable worker has no load figure; health decides
             self.loads[slot.name] = None
+            page = b""
+        self._watch_capabilities(slot, page)
+
+    # ------------------------------------------------------------------ capabilities
+
+    def _watch_capabilities(self, slot: WorkerSlot, metrics_page: bytes) -> None:
+        """Probe a worker whose capabilities are unknown, new or restarted (see `learn`)."""
+        from dynamo_ftctl.capabilities import start_time_from_metrics
+
+        cache = self.capabilities
+        if cache is None:
+            return
+        started = start_time_from_metrics(metrics_page) if metrics_page else None
+        if started is not None and cache.note_start_time(slot.name, started):
+            log.info("%s restarted: probing its capabilities again", slot.name)
+            slot.token_ids = dict.fromkeys(slot.token_ids)
+        if cache.get(slot.name) is None and slot.name not in self._learning:
+            self._learning.add(slot.name)
+            self._spawn(self.learn(slot))
+
+    async def learn(self, slot: WorkerSlot) -> None:
+        """Probe `slot`'s worker (docs/compatibility.md) and apply what it supports.
+
+        Until a probe answers, requests ask for token ids; a worker that refuses the
+        field is known from its first refusal on (`_refused_ids`).
+        """
+        assert self.capabilities is not None
+        try:
+            caps = await self.capabilities.probe(self._workers[slot.name])
+        finally:
+            self._learning.discard(slot.name)
+        for endpoint, known in (("completions", caps.token_ids), ("chat", caps.chat_token_ids)):
+            if known is not None:
+                slot.token_ids[endpoint] = known
+        if caps.max_model_len is not None and slot.max_model_len is None:
+            slot.max_model_len = caps.max_model_len
+
+    def _refused_ids(self, slot: WorkerSlot, endpoint: str, exc: UpstreamRefused) -> bool:
+        """True when `slot` refused the `return_token_ids` field it was sent (now known)."""
+        if exc.status not in (400, 422) or not slot.sends_token_ids(endpoint) \
+                or b"return_token_ids" not in exc.body:
+            return False
+        log.warning("%s refuses return_token_ids on /v1/%s: continuing without ids (text)",
+                    slot.name, "chat/completions" if endpoint == "chat" else "completions")
+        slot.token_ids[endpoint] = False
+        return True
 
     async def _poll_daemon(self, base: str) -> None:
         try:
@@ -599,7 +654,9 @@ class MigratingProxy:
                 if method == "kv":
                     url, data, headers = self._kv_import(slot, kv_payload, ledger)
                 else:
-                    url, data = f"{slot.url}{ledger.upstream_path}", _dumps(body)
+                    sent = body if slot.sends_token_ids(ledger.upstream_endpoint) \
+                        else _without_ids(body)
+                    url, data = f"{slot.url}{ledger.upstream_path}", _dumps(sent)
                     headers = {"Content-Type": "application/json",
                                "X-Request-Id": ledger.trace_id}
                 try:
@@ -628,6 +685,8 @@ class MigratingProxy:
                     if _import_failed(method, ledger, slot, exc):
                         method, kv_payload = "reprefill", b""
                         continue
+                    if method != "kv" and self._refused_ids(slot, ledger.upstream_endpoint, exc):
+                        continue  # the same body again, without the field
                     if not yielded and not failed_workers:
                         raise ProxyError(exc.status, self._refusal_body(exc)) from None
                     self.router.record_success(slot)  # it answered; the continuation was refused
@@ -643,6 +702,8 @@ class MigratingProxy:
                                 ledger.generated_count)
                     self.router.record_failure(slot)
                     self._report_failure(slot, reason)
+                    if self.capabilities is not None:
+                        self.capabilities.invalidate(slot.name)  # probed again once it answers
                     failed_workers.add(slot.name)
                     failed_groups.add(slot.group)
                     failed_at = self.clock.now()
@@ -1048,6 +1109,11 @@ async def _send_answer(answer: Reply | Stream | Collected, receive: Any, send: A
         await _send_reply(answer, send)
     else:
         await _send_stream(answer, receive, send)
+
+
+def _without_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` without `return_token_ids`, for a worker that refuses or ignores it."""
+    return {k: v for k, v in body.items() if k != "return_token_ids"}
 
 
 def _reply(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Reply:

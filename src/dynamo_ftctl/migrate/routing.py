@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
@@ -55,6 +55,15 @@ class WorkerSlot:
     max_model_len: int | None = None
     failures: int = 0
     successes: int = 0
+    # Whether the worker takes `return_token_ids` on each endpoint (None: not known yet,
+    # sent; False: it refused the field or returns no ids, never sent). From its
+    # capability probe, or learnt from a refusal that names the field.
+    token_ids: dict[str, bool | None] = field(
+        default_factory=lambda: {"completions": None, "chat": None})
+
+    def sends_token_ids(self, endpoint: str) -> bool:
+        """Whether requests to `endpoint` ("completions" or "chat") ask for token ids."""
+        return self.token_ids.get(endpoint) is not False
 
     def weight(self, now: float, recovery_s: float) -> float:
         """Routing weight: the daemon's when known, else the breaker's."""

@@ -37,6 +37,9 @@ class FakeWorker:
     with_ids: bool = True
     # Chat: a first chunk with the role alone (no "content": ""), then this wait.
     role_gap_s: float = 0.0
+    # Refuses fields it does not know, as servers on pydantic's extra="forbid" do (400).
+    strict: bool = False
+    start_time: float = 1.0  # process_start_time_seconds on /metrics (a restart changes it)
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -58,6 +61,10 @@ class FakeWorker:
         self.requests.append(body)
         self.paths.append(request.path)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        if self.strict and "return_token_ids" in body:
+            return web.json_response({"error": {
+                "message": "1 validation error: return_token_ids: Extra inputs are not "
+                           "permitted", "type": "BadRequestError", "code": 400}}, status=400)
         if self.mode == "html502":
             return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
                                 content_type="text/html")
@@ -133,6 +140,13 @@ class FakeWorker:
             raise
         return resp
 
+    def forget(self) -> None:
+        """Clear what the worker saw so far (the proxy's capability probes)."""
+        self.requests.clear()
+        self.paths.clear()
+        self.headers.clear()
+        self.disconnects = 0
+
     async def idle_until_disconnect(self, request: web.Request) -> None:
         """Send nothing until the client hangs up (bounded: 30 s)."""
         for _ in range(3000):
@@ -146,7 +160,8 @@ class FakeWorker:
             {"id": MODEL, "object": "model", "max_model_len": self.max_model_len}]})
 
     async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text="vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n")
+        return web.Response(text="vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
+                                 f"process_start_time_seconds {self.start_time}\n")
 
 
 @pytest.fixture
@@ -194,7 +209,14 @@ class Cluster:
         self.app = build_app(inventory, ProxyConfig.model_validate(settings))
         self.proxy = self.app.state.proxy
         await self.proxy.start()
+        # A loaded test machine must not turn a probe into "unknown" (3 s by default).
+        self.proxy.capabilities.timeout_s = 30.0
         await self.proxy.scrape_once()
+        # The proxy probes each worker's capabilities once (docs/compatibility.md); the
+        # tests look at what their own requests do, so the probes' traffic is forgotten.
+        await asyncio.gather(*(self.proxy.learn(s) for s in self.proxy.router.slots.values()))
+        for fake in self.workers:
+            fake.forget()
         if self.front == "lean":
             self.server = await start_server(front_door(self.app), "127.0.0.1", 0)
             self.client = httpx.AsyncClient(base_url=self.server.address, timeout=30)
@@ -788,4 +810,65 @@ def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
             made = c.workers[0].headers[-1]["x-request-id"]
             assert uuid.UUID(made).version == 4
             assert resp.headers["x-request-id"] == made
+    run(go())
+
+
+STRICT = {"strict": True, "with_ids": False}
+
+
+@FRONTS
+def test_a_worker_that_refuses_return_token_ids_is_never_sent_it(
+        run: Callable[..., Any], front: str) -> None:
+    """Its probe finds the field refused: requests go without it, a broken stream goes on
+    as a text continuation (announced), and no request is refused."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=4, **STRICT), FakeWorker(**STRICT)],
+                           front=front) as c:
+            assert all(s.token_ids == {"completions": False, "chat": False}
+                       for s in c.proxy.router.slots.values())
+            c.proxy.router.slots["w1"].outstanding = 5
+            resp, events = await c.stream("/v1/completions", BODY)
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert resp.status_code == 200
+            assert resp.headers["x-ftctl-continuation"] == "text"
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            sent = c.workers[0].requests + c.workers[1].requests
+            assert sent
+            assert all("return_token_ids" not in r for r in sent)
+            assert c.workers[1].requests[-1]["prompt"] == "hello world" + \
+                expected_text("hello world", 5, 4)
+    run(go())
+
+
+@FRONTS
+def test_a_refusal_naming_return_token_ids_is_learnt_and_the_request_sent_again(
+        run: Callable[..., Any], front: str) -> None:
+    """A worker replaced by a strict one before its probe: the refused request is sent
+    again without the field (the client never sees the 400), and later ones go without."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(**STRICT)], front=front) as c:
+            slot = c.proxy.router.slots["w0"]
+            slot.token_ids = {"completions": None, "chat": None}
+            for _ in range(2):
+                resp, events = await c.stream("/v1/completions", BODY)
+                assert resp.status_code == 200
+                assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert ["return_token_ids" in r for r in c.workers[0].requests] == \
+                [True, False, False]
+            assert slot.token_ids["completions"] is False
+    run(go())
+
+
+def test_a_restarted_worker_is_probed_again(run: Callable[..., Any]) -> None:
+    """A new process_start_time_seconds on a worker's /metrics: its capabilities are probed
+    again (a worker may come back as another server)."""
+    async def go() -> None:
+        async with Cluster([FakeWorker()]) as c:
+            slot = c.proxy.router.slots["w0"]
+            assert slot.token_ids == {"completions": True, "chat": True}
+            fake = c.workers[0]
+            fake.strict, fake.with_ids, fake.start_time = True, False, 2.0
+            await c.proxy.scrape_once()
+            await until(lambda: slot.token_ids == {"completions": False, "chat": False})
+            assert any(r.get("max_tokens") == 1 for r in fake.requests)
     run(go())
