@@ -71,9 +71,10 @@ lint: dev
 unit: dev
 	$(BIN)/pytest -q -n auto tests/unit
 
-# loadgroup: the vLLM tests share one xdist worker (@pytest.mark.xdist_group("vllm")).
+# The vLLM tests run after the rest, one at a time: each of their two servers takes a core.
 test: dev debs vllm lint
-	$(BIN)/pytest -q -n auto --dist loadgroup -p no:cacheprovider
+	$(BIN)/pytest -q -n auto -p no:cacheprovider -m "not vllm"
+	$(BIN)/pytest -q -p no:cacheprovider -p no:xdist -m vllm tests/integration/vllm
 
 man: dev
 	$(BIN)/python -m dynamo_ftctl.cli.manpage man

@@ -53,7 +53,22 @@ class VllmServer:
     model: str
     proc: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+    env: dict[str, str]
     started_in_s: float = 0.0
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self) -> None:
+        """Stop what is left of the server and start it again on its port, until healthy."""
+        self.stop()
+        began = time.monotonic()
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env, start_new_session=True)
+        wait_healthy(self, began)
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server's output."""
@@ -102,11 +117,12 @@ def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int) -> 
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     return VllmServer(name=name, url=f"http://127.0.0.1:{port}", model=SERVED_NAME, proc=proc,
-                      log=log)
+                      log=log, argv=argv, env=env)
 
 
 def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEADLINE_S) -> None:
-    """Poll GET /health until 200; fail with the log's tail if the server dies or is late."""
+    """Poll GET /health until 200, then warm it up (a fresh server's first request takes
+    6-10 s on this machine); fail with the log's tail if the server dies or is late."""
     with httpx.Client(timeout=5.0) as client:
         while True:
             code = server.proc.poll()
@@ -114,6 +130,9 @@ def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEA
             try:
                 if client.get(server.url + "/health").status_code == 200:
                     server.started_in_s = time.monotonic() - began
+                    warm = client.post(server.url + "/v1/completions", timeout=120, json={
+                        "model": server.model, "prompt": "warm up", "max_tokens": 4})
+                    assert warm.status_code == 200, warm.text
                     return
             except httpx.TransportError:
                 pass

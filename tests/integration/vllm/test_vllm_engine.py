@@ -22,7 +22,7 @@ import yaml
 from tests.integration.vllm.server import VllmServer, pinned_version
 
 pytestmark = [
-    pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("vllm"),
+    pytest.mark.integration, pytest.mark.slow,
     pytest.mark.timeout(900),  # two servers start in 1-3 min on 2 shared cores
 ]
 
