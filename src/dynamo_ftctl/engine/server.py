@@ -212,7 +212,7 @@ async def _step_batches(state: ServerState, request: EngineRequest, options: _Op
     Each batch holds the tokens that were waiting when the stream woke up (one in
     the steady state), so a stream that fell behind catches up in one write.
     """
-    detok = IncrementalDetokenizer()
+    detok = IncrementalDetokenizer(state.engine.tokenizer)
     stopper = StopFinder(options.stop)
     sent = 0
     first = True
