@@ -768,13 +768,14 @@ def create_app(state: ServerState) -> Starlette:
             return busy
         arrival = time.monotonic()
         payload = await request.body()
+        # Before the import reserves blocks: a client gone during warm-up leaves none behind.
+        await _warm_up(state)
         given = request.headers.get(REQUEST_ID_HEADER, "").strip() or None
         try:
             resumed = await state.driver.run_locked(
                 lambda: state.engine.import_kv(payload, given))
         except InvalidInput as exc:
             return _error(str(exc))
-        await _warm_up(state)
         stream = request.query_params.get("stream", "true").lower() not in ("0", "false", "no")
         num_top = resumed.params.num_top
         options = _Options(stream=stream, include_usage=True, return_token_ids=True, stop=(),
