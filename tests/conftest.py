@@ -3,7 +3,11 @@
 - `sim_worker`: a fresh engine for one test (faults welcome), killed at teardown.
 - `sim_worker_factory`: start several (`factory(seed=..., args=[...])`); all killed at teardown.
 - `shared_sim_worker`: one engine per test session (xdist: per test process) for
-  read-only tests; do not inject faults into it.
+  read-only tests; do not inject faults into it. It keeps the sim's default
+  first-request warm-up (1 s), so its first caller meets a slow first request.
+
+Factory workers start without the warm-up (`warmup_s=0`) to keep the suite fast;
+pass `warmup_s=...` to a factory to have one.
 
 Each worker has `.url`, `.pid`, `.admin_token` (`SIM_ADMIN_TOKEN`), `.stderr_text()`.
 """
@@ -45,6 +49,9 @@ def _start(**kwargs: Any) -> SimWorker:
 
     kwargs.setdefault("admin_token", SIM_ADMIN_TOKEN)
     kwargs.setdefault("timeout_s", 90.0)
+    warmup_s = kwargs.pop("warmup_s", 0.0)
+    if warmup_s is not None:
+        kwargs["args"] = ("--warmup-s", str(warmup_s), *kwargs.get("args", ()))
     return start_worker(**kwargs)
 
 
@@ -74,7 +81,7 @@ def sim_worker(sim_worker_factory: SimWorkerFactory) -> SimWorker:
 @pytest.fixture(scope="session")
 def shared_sim_worker() -> Iterator[SimWorker]:
     """One engine shared by the read-only tests of this test process."""
-    worker = _start(name="shared")
+    worker = _start(name="shared", warmup_s=None)
     try:
         yield worker
     finally:

@@ -272,6 +272,9 @@ class SimLaunch(StrictStruct, frozen=True):
     model_config_name: Annotated[str, _doc("Engine config preset or YAML path.")] = field(
         default="ftctl-sim-tiny", name="model_config",
     )
+    warmup_s: Annotated[
+        float, _doc("Extra delay of the first request (`--warmup-s`; default 1.0).", ge=0),
+    ] | None = None
     args: Annotated[tuple[str, ...], _doc("Extra `ftctl sim serve` flags.")] = ()
 
 

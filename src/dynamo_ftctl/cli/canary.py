@@ -154,6 +154,11 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
         typer.Option("--prompt", help="NAME=TEXT (repeatable; default: a built-in set).",
                      show_default=False),
     ] = None,
+    warmup_timeout: Annotated[
+        float, typer.Option("--warmup-timeout", min=0,
+                            help="Seconds the first (warm-up) request may take; a fresh engine "
+                            "answers its first request late. 0: no warm-up request."),
+    ] = 120.0,
     json_: JsonFlag = False,
 ) -> None:
     """Record a golden canary set from a good worker (refuses if answers differ).
@@ -170,6 +175,12 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
             raise typer.BadParameter(msg, param_hint="--prompt")
         prompts.append((name, text))
     inventory = _inventory(ctx, required=url is None)
+    def warming(deadline_s: float) -> None:
+        sys.stderr.write(f"waiting up to {deadline_s:g} s for the worker to warm up "
+                         "(first request)...\n")
+        sys.stderr.flush()
+
     result = record_set(inventory, worker=worker, url=url, model=model, out=out,
-                        repeats=repeats, max_tokens=max_tokens, prompts=prompts or None)
+                        repeats=repeats, max_tokens=max_tokens, prompts=prompts or None,
+                        warmup_timeout_s=warmup_timeout, on_warmup=warming)
     finish(ctx, result, json_flag=json_)

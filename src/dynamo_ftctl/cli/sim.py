@@ -54,6 +54,16 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     )] = None,
     pci_bus_id: Annotated[str, typer.Option(help="PCI bus id shown in Xid crash lines.")]
     = "0000:3b:00",
+    tokenizer: Annotated[str | None, typer.Option(
+        help="bpe (default: a byte-level BPE; re-tokenizing generated text gives other ids, "
+        "as on real engines) or byte (one id per byte, exact round trips).",
+        show_default=False)] = None,
+    warmup_s: Annotated[float, typer.Option(
+        "--warmup-s", min=0, help="Extra delay of the first generation request, as real "
+        "engines warm up (/health answers meanwhile); 0: none.")] = 1.0,
+    lenient_fields: Annotated[bool, typer.Option(
+        "--lenient-fields", help="Ignore unknown request fields (default: 400 naming the "
+        "field, as vLLM's strict validation does).")] = False,
 ) -> None:
     """Serve the engine; prints its URL on stdout once it answers requests.
 
@@ -65,12 +75,14 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     from dynamo_ftctl.engine.server import serve as run
 
     config = resolve_engine_config(model_config, name=served_model_name,
-                                   max_model_len=max_model_len, num_blocks=num_blocks)
+                                   max_model_len=max_model_len, num_blocks=num_blocks,
+                                   tokenizer=tokenizer)
     settings = ServerSettings(
         config=config, seed=seed, host=host, port=port, device=device,
         admin_token=os.environ.get(admin_token_env) or None,
         faults=tuple(parse_fault_flag(f) for f in fault or ()), pci_bus_id=pci_bus_id,
-        pid_file=pid_file, threads=threads or None,
+        pid_file=pid_file, threads=threads or None, warmup_s=warmup_s,
+        lenient_fields=lenient_fields,
     )
 
     def ready(url: str) -> None:

@@ -4,7 +4,7 @@ In the spirit of Dynamo's mocker engine, but running a real (tiny) model so
 that KV caches, token ids, logprobs and faults are real:
 
 - `config`     engine configs (`ftctl-sim-tiny` and YAML files)
-- `tokenizer`  byte-level tokenizer with a few specials, exact round trip
+- `tokenizer`  byte-level BPE (default; `tokenizer.json`) or exact byte tokenizer
 - `model`      decoder-only transformer (RoPE, RMSNorm, GQA), weights from a seed
 - `cache`      paged KV cache: fixed block pool, per-request block tables
 - `sampling`   greedy / temperature, top-k, top-p keyed by (seed, position)

@@ -24,7 +24,11 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(DEFAULT_MODEL, min_length=1, description="Served model id.")
-    vocab_size: int = Field(264, ge=262, description="Embedding rows (>= tokenizer vocab).")
+    tokenizer: Literal["bpe", "byte"] = Field(
+        "bpe", description="bpe: the shipped byte-level BPE (re-tokenized text gives other ids, "
+        "as on real engines); byte: one id per byte (exact round trips).")
+    vocab_size: int | None = Field(
+        None, ge=8, description="Embedding rows (default: the tokenizer's vocabulary).")
     d_model: int = Field(128, ge=8, description="Hidden size.")
     n_layers: int = Field(2, ge=1, le=64)
     n_heads: int = Field(4, ge=1)
@@ -36,7 +40,7 @@ class EngineConfig(BaseModel):
     # Random weights give nearly flat logits; a scale makes the distribution peaked
     # like a trained model's, so greedy decoding has clear winners.
     logit_scale: float = Field(3.0, gt=0)
-    ascii_bias: float = Field(4.0, ge=0, description="Logit bonus of printable ASCII bytes.")
+    ascii_bias: float = Field(4.0, ge=0, description="Logit bonus of printable ASCII tokens.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     num_blocks: int = Field(1024, ge=1, description="KV blocks in the fixed pool.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests decoding at once.")

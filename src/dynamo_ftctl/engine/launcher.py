@@ -351,10 +351,11 @@ def start_cluster(
             assert worker.launch.sim is not None
             host, port = _port_of(worker)
             sim = worker.launch.sim
+            warmup = () if sim.warmup_s is None else ("--warmup-s", str(sim.warmup_s))
             token_env = worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"
             started[worker.name] = _spawn(
                 worker.name, port=port, seed=sim.seed, model_config=sim.model_config_name,
-                args=(*sim.args, "--served-model-name", worker.model), host=host,
+                args=(*warmup, *sim.args, "--served-model-name", worker.model), host=host,
                 pid_file=_pid_file(inventory, worker, state),
                 log_path=state / f"{worker.name}.log", admin_token=None,
                 admin_token_env=token_env, env=env,

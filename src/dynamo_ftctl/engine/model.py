@@ -73,7 +73,11 @@ class AttentionPlan:
 class TinyTransformer:
     """Weights and the forward pass; no scheduling state lives here."""
 
-    def __init__(self, config: EngineConfig, seed: int, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, seed: int, device: torch.device,
+                 favoured_ids: list[int]) -> None:
+        assert config.vocab_size is not None, "the engine resolves the vocabulary size"
+        self.vocab_size = config.vocab_size
+        self.favoured_ids = favoured_ids
         self.config = config
         self.seed = seed
         self.device = device
@@ -90,7 +94,7 @@ class TinyTransformer:
 
         q_width = c.n_heads * c.head_dim
         kv_width = c.n_kv_heads * c.head_dim
-        self.embed = torch.randn(c.vocab_size, c.d_model, generator=gen).to(
+        self.embed = torch.randn(self.vocab_size, c.d_model, generator=gen).to(
             device=self.device, dtype=self.dtype)
         self.layers = [
             {
@@ -106,13 +110,13 @@ class TinyTransformer:
         self.final_norm = torch.ones(c.d_model, dtype=self.dtype, device=self.device)
         # Untied output head (a tied one makes every token predict itself), scaled so
         # that logits have a standard deviation of about `logit_scale`.
-        self.lm_head = (torch.randn(c.d_model, c.vocab_size, generator=gen)
+        self.lm_head = (torch.randn(c.d_model, self.vocab_size, generator=gen)
                         * (c.logit_scale / math.sqrt(c.d_model))).to(
             device=self.device, dtype=self.dtype)
-        # Favour printable ASCII (and newline) so that outputs read as text, not raw bytes.
-        self.logit_bias = torch.zeros(c.vocab_size, dtype=torch.float32)
-        self.logit_bias[32:127] = c.ascii_bias
-        self.logit_bias[10] = c.ascii_bias
+        # Favour printable ASCII tokens (and newlines) so that outputs read as text, not
+        # raw bytes or halves of characters.
+        self.logit_bias = torch.zeros(self.vocab_size, dtype=torch.float32)
+        self.logit_bias[self.favoured_ids] = c.ascii_bias
         self.logit_bias = self.logit_bias.to(self.device)
         half = c.head_dim // 2
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))

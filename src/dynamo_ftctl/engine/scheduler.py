@@ -28,7 +28,7 @@ from dynamo_ftctl.engine.cache import BlockAllocator, blocks_for
 from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.model import AttentionPlan, KVPool, PrefillSpan, TinyTransformer
 from dynamo_ftctl.engine.sampling import SampledToken, SampleParams, sample_batch
-from dynamo_ftctl.engine.tokenizer import ByteTokenizer
+from dynamo_ftctl.engine.tokenizer import load_tokenizer
 from dynamo_ftctl.errors import InvalidInput
 
 __all__ = ["Engine", "EngineRequest", "RequestParams", "RequestState", "TokenEvent"]
@@ -58,6 +58,7 @@ class RequestParams:
     ignore_eos: bool = False
     num_top: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0  # no EOS or stop id ends the request before this many tokens
 
     def to_json(self) -> dict[str, Any]:
         """The sampling state carried in a KV export."""
@@ -65,6 +66,7 @@ class RequestParams:
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "seed": self.seed, "ignore_eos": self.ignore_eos,
             "num_top": self.num_top, "stop_token_ids": list(self.stop_token_ids),
+            "min_tokens": self.min_tokens,
         }
 
 
@@ -110,11 +112,19 @@ class Engine:
     def __init__(
         self, config: EngineConfig, seed: int = 0, device: str = "cpu",
     ) -> None:
+        self.tokenizer = load_tokenizer(config.tokenizer)
+        vocab = self.tokenizer.vocab_size
+        if config.vocab_size is None:
+            # The model's vocabulary follows its tokenizer unless a config pins it.
+            config = config.model_copy(update={"vocab_size": vocab})
+        elif config.vocab_size < vocab:
+            msg = (f"engine config: vocab_size {config.vocab_size} is smaller than the "
+                   f"{config.tokenizer} tokenizer's {vocab} ids")
+            raise InvalidInput(msg)
         self.config = config
         self.seed = seed
         self.device = torch.device(device)
-        self.tokenizer = ByteTokenizer()
-        self.model = TinyTransformer(config, seed, self.device)
+        self.model = TinyTransformer(config, seed, self.device, self.tokenizer.printable_ids())
         self.pool: KVPool | None = KVPool(config, self.device)
         self.allocator = BlockAllocator(config.num_blocks)
         self.waiting: deque[EngineRequest] = deque()
@@ -138,9 +148,10 @@ class Engine:
         if not prompt_ids:
             msg = "the prompt is empty"
             raise InvalidInput(msg)
-        bad = [t for t in prompt_ids if not 0 <= t < c.vocab_size]
+        vocab = self.model.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
-            msg = f"token id {bad[0]} is out of range [0, {c.vocab_size})"
+            msg = f"token id {bad[0]} is out of range [0, {vocab})"
             raise InvalidInput(msg)
         total = len(prompt_ids) + params.max_tokens
         if total > c.max_model_len:
@@ -308,9 +319,10 @@ class Engine:
             request.num_cached = len(request.token_ids)
             request.token_ids.append(token.token_id)
             reason = None
-            if not request.params.ignore_eos and (
+            wanted = request.params
+            if not wanted.ignore_eos and request.num_output >= wanted.min_tokens and (
                 token.token_id == self.tokenizer.eos_id
-                or token.token_id in request.params.stop_token_ids
+                or token.token_id in wanted.stop_token_ids
             ):
                 reason = "stop"
             elif request.num_output >= request.params.max_tokens or len(
@@ -441,6 +453,7 @@ class Engine:
                 seed=int(s["seed"]), ignore_eos=bool(s.get("ignore_eos", False)),
                 num_top=int(s.get("num_top", 0)),
                 stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", ())),
+                min_tokens=int(s.get("min_tokens", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             msg = f"KV import: bad sampling state: {exc}"

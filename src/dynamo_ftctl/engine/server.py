@@ -12,6 +12,11 @@ Routes (vLLM-compatible where vLLM has them):
     POST /admin/kv/import           resume a request from an export (`?stream=false`)
     POST /admin/fault, GET /admin/fault   fault injection (bearer token)
 
+Like vLLM (pydantic `extra="forbid"`), a generation request with a field the
+sim does not know is a 400 naming the field (`lenient_fields` turns this off),
+and the first generation after start waits `warmup_s` more (real engines
+compile and allocate on their first batch; /health answers meanwhile).
+
 Request ids: an `X-Request-Id` header names the request (the proxy and
 `ftctl migrate` address requests by it); the response carries it in the same
 header and as its `id`. JSON is written with ASCII escapes, so ids that are
@@ -76,6 +81,10 @@ class ServerSettings:
     pci_bus_id: str = "0000:3b:00"
     pid_file: Path | None = None
     threads: int | None = 1
+    # Real engines take seconds to minutes on their first request (graph capture,
+    # compilation); vLLM's first request once took over 20 s in our drills.
+    warmup_s: float = 1.0
+    lenient_fields: bool = False  # True: ignore unknown request fields (the pre-pydantic way)
 
 
 @dataclass
@@ -88,6 +97,8 @@ class ServerState:
     faults: FaultState
     metrics: EngineMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    warm: bool = False
+    warming: asyncio.Future[None] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -140,6 +151,39 @@ class _Options:
     logprobs: int | None  # completions: top count; chat: top_logprobs (0 = chosen only)
 
 
+# The request fields vLLM accepts that the sim implements, or can ignore without changing
+# what it computes (who asks, scheduling hints, how specials are rendered).
+_FIELDS_BOTH = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+    "stream", "stream_options", "n", "ignore_eos", "min_tokens", "return_token_ids", "logprobs",
+    "user", "priority", "skip_special_tokens", "spaces_between_special_tokens",
+    *("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p"),
+})
+_FIELDS = {
+    False: _FIELDS_BOTH | {"prompt", "echo"},
+    True: _FIELDS_BOTH | {"messages", "max_completion_tokens", "top_logprobs",
+                          "continue_final_message", "add_generation_prompt"},
+}
+# Sampling knobs the sim does not implement: accepted only at the value that changes nothing.
+_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0}
+
+
+def _check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
+    """400 for an unknown field or a sampling knob the sim cannot honour (as vLLM's pydantic
+    models with `extra="forbid"` reject the first)."""
+    unknown = sorted(set(body) - _FIELDS[chat])
+    if unknown:
+        msg = f"Extra inputs are not permitted: {unknown[0]!r}"
+        if len(unknown) > 1:
+            msg += f" (also: {', '.join(map(repr, unknown[1:]))})"
+        raise _ParamError(msg, unknown[0])
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral:
+            msg = f"'{name}' is not implemented by ftctl sim (only {neutral} is accepted)"
+            raise _ParamError(msg, name)
+
+
 def _sampling(body: Mapping[str, Any], prompt_len: int, max_len: int,
               default_max: int | None, num_top: int) -> RequestParams:
     from dynamo_ftctl.engine.scheduler import RequestParams
@@ -161,10 +205,14 @@ def _sampling(body: Mapping[str, Any], prompt_len: int, max_len: int,
         raise _ParamError(msg, "temperature")
     seed = _get(body, "seed", (int,), None)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
+    min_tokens = _get(body, "min_tokens", (int,), 0)
+    if min_tokens < 0:
+        msg = f"'min_tokens' must be >= 0, got {min_tokens}"
+        raise _ParamError(msg, "min_tokens")
     return RequestParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=seed, ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)), num_top=num_top,
-        stop_token_ids=tuple(int(t) for t in stop_ids),
+        stop_token_ids=tuple(int(t) for t in stop_ids), min_tokens=min_tokens,
     )
 
 
@@ -212,7 +260,7 @@ async def _step_batches(state: ServerState, request: EngineRequest, options: _Op
     Each batch holds the tokens that were waiting when the stream woke up (one in
     the steady state), so a stream that fell behind catches up in one write.
     """
-    detok = IncrementalDetokenizer()
+    detok = IncrementalDetokenizer(state.engine.tokenizer)
     stopper = StopFinder(options.stop)
     sent = 0
     first = True
@@ -502,6 +550,8 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
         return busy
     try:
         body = await _read_json(request)
+        if not state.settings.lenient_fields:
+            _check_fields(body, chat=chat)
         wrong = _check_model(state, body)
         if wrong is not None:
             return wrong
@@ -546,9 +596,25 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
         return _error(str(exc), param=exc.param)
     except InvalidInput as exc:
         return _error(str(exc), param="prompt" if not chat else "messages")
+    await _warm_up(state)
     job = _Job(engine_request, options, chat, prompt_ids,
                lambda: state.engine.submit(engine_request), arrival)
     return await _respond(state, job)
+
+
+async def _warm_up(state: ServerState) -> None:
+    """Hold the first generation `warmup_s`; requests that arrive meanwhile wait with it."""
+    if state.warm:
+        return
+    if state.settings.warmup_s <= 0:
+        state.warm = True
+        return
+    if state.warming is None:
+        _log.info("first request: warming up for %.1f s", state.settings.warmup_s)
+        state.warming = asyncio.ensure_future(asyncio.sleep(state.settings.warmup_s))
+    # Shielded: a client that gives up does not cut the warm-up short for the others.
+    await asyncio.shield(state.warming)
+    state.warm = True
 
 
 def _content(message: Mapping[str, Any]) -> str:
@@ -702,6 +768,8 @@ def create_app(state: ServerState) -> Starlette:
             return busy
         arrival = time.monotonic()
         payload = await request.body()
+        # Before the import reserves blocks: a client gone during warm-up leaves none behind.
+        await _warm_up(state)
         given = request.headers.get(REQUEST_ID_HEADER, "").strip() or None
         try:
             resumed = await state.driver.run_locked(

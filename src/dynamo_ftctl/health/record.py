@@ -5,12 +5,17 @@ Each prompt is sent `repeats` times at temperature 0; the recording is refused
 is not reproducible would flag healthy workers. The top-logprob range is the
 observed range widened by `LOGPROB_MARGIN` (float noise across batch shapes and
 kernels moves logprobs a little without changing the argmax).
+
+Before recording, one warm-up request runs with its own, generous deadline
+(`warmup_timeout_s`): a freshly started engine answers its first request late
+(vLLM took over 20 s while compiling), and the per-request timeout is meant
+for a warm worker.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import CheckFailed, Unreachable
@@ -21,9 +26,11 @@ from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, Transpo
 if TYPE_CHECKING:
     from dynamo_ftctl.health.probe import ProbeTarget
 
-__all__ = ["DEFAULT_PROMPTS", "LOGPROB_MARGIN", "record_canary_set"]
+__all__ = ["DEFAULT_PROMPTS", "DEFAULT_WARMUP_TIMEOUT_S", "LOGPROB_MARGIN", "record_canary_set"]
 
 LOGPROB_MARGIN = 0.05
+# Covers a cold vLLM's first request (over 20 s seen) with room for a slower model or GPU.
+DEFAULT_WARMUP_TIMEOUT_S = 120.0
 
 # Short, varied prompts: facts, code, arithmetic, a list (different attention patterns).
 DEFAULT_PROMPTS: tuple[tuple[str, str], ...] = (
@@ -52,14 +59,28 @@ def record_canary_set(
     target: ProbeTarget, *, model: str, prompts: Sequence[tuple[str, str]] = DEFAULT_PROMPTS,
     max_tokens: int = 8, repeats: int = 3, timeout_s: float = 10.0,
     endpoint: str = "completions", transport: SyncTransport | None = None,
+    warmup_timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S,
+    on_warmup: Callable[[float], None] | None = None,
 ) -> CanarySet:
-    """Send every prompt `repeats` times and return the set of their agreed answers."""
+    """Send every prompt `repeats` times and return the set of their agreed answers.
+
+    First one warm-up request (the first prompt) may take up to `warmup_timeout_s`
+    (0: no warm-up); `on_warmup(warmup_timeout_s)` is called before it is sent.
+    """
     transport = transport or Http1Transport()
     draft = CanarySet.model_validate({
         "model": model, "endpoint": endpoint,
         "prompts": [{"name": n, "prompt": p, "max_tokens": max_tokens, "expected_text": ""}
                     for n, p in prompts],
     })
+    if warmup_timeout_s > 0 and draft.prompts:
+        if on_warmup is not None:
+            on_warmup(warmup_timeout_s)
+        try:
+            _ask(target, draft, draft.prompts[0], transport, warmup_timeout_s)
+        except Unreachable as exc:
+            msg = f"{exc} (while waiting {warmup_timeout_s:g} s for its warm-up request)"
+            raise Unreachable(msg) from None
     recorded = []
     for prompt in draft.prompts:
         # Ask for logprobs while recording: the range is part of the golden answer.

@@ -125,10 +125,18 @@ def record_set(
     inventory: Inventory | None, *, worker: str | None = None, url: str | None = None,
     model: str | None = None, out: Path | None = None, repeats: int = 3, max_tokens: int = 8,
     prompts: Sequence[tuple[str, str]] | None = None, timeout_s: float | None = None,
+    warmup_timeout_s: float | None = None, on_warmup: Callable[[float], None] | None = None,
 ) -> RecordResult:
-    """`ftctl canary record`: capture a golden set from a good worker and write it."""
+    """`ftctl canary record`: capture a golden set from a good worker and write it.
+
+    A warm-up request with its own deadline comes first (`record_canary_set`).
+    """
     from dynamo_ftctl.health.canaryset import dump_canary_set
-    from dynamo_ftctl.health.record import DEFAULT_PROMPTS, record_canary_set
+    from dynamo_ftctl.health.record import (
+        DEFAULT_PROMPTS,
+        DEFAULT_WARMUP_TIMEOUT_S,
+        record_canary_set,
+    )
 
     targets = _targets(inventory, [worker] if worker else [], False, url)
     target = targets[0]
@@ -142,7 +150,11 @@ def record_set(
     config = canary_config(inventory, timeout_s=timeout_s)
     recorded = record_canary_set(target, model=served, prompts=prompts or DEFAULT_PROMPTS,
                                  max_tokens=max_tokens, repeats=repeats,
-                                 timeout_s=config.timeout_s)
+                                 timeout_s=config.timeout_s,
+                                 warmup_timeout_s=(DEFAULT_WARMUP_TIMEOUT_S
+                                                   if warmup_timeout_s is None
+                                                   else warmup_timeout_s),
+                                 on_warmup=on_warmup)
     path = out or Path("canaries") / f"{served}.yaml"
     dump_canary_set(recorded, path)
     return RecordResult(path, served, recorded.recorded_from or target.url,

@@ -152,8 +152,9 @@ class Schedule:
 class Workload:
     """What each request asks for.
 
-    Prompt lengths are exact token counts against `ftctl sim`'s byte tokenizer
-    (one ASCII byte, one token) and approximate elsewhere. `prompt_file` is
+    Prompt lengths are exact token counts against `ftctl sim --tokenizer byte`
+    (one ASCII byte, one token) and approximate elsewhere (the sim's default BPE
+    merges a few of the random characters' pairs). `prompt_file` is
     JSONL (`{"prompt": ...}` or `{"messages": [...]}`, optional `max_tokens`);
     `trace` is the same with a `timestamp` (seconds) that replaces the schedule.
     """

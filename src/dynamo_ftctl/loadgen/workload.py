@@ -95,7 +95,8 @@ def _draw(rng: random.Random, length: Length) -> int:
 
 
 def synthetic_prompt(rng: random.Random, tokens: int) -> str:
-    """A prompt of exactly `tokens` ASCII bytes (= tokens for a byte tokenizer)."""
+    """A prompt of exactly `tokens` ASCII bytes (= tokens for a byte tokenizer, about as many
+    for a BPE: random characters rarely form a trained merge)."""
     return "".join(rng.choices(_ALPHABET, k=tokens))
 
 

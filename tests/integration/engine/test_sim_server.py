@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from dynamo_ftctl.engine.tokenizer import load_tokenizer
 from dynamo_ftctl.openai import (
     StreamAccumulator,
     chat_request,
@@ -64,7 +65,7 @@ def test_stream_matches_non_stream_and_returns_ids(shared_sim_worker: SimWorker)
     data = whole.json()
     assert data["id"] == "req-123"
     choice = data["choices"][0]
-    assert choice["prompt_token_ids"] == list(b"Hello there")
+    assert choice["prompt_token_ids"] == load_tokenizer("bpe").encode("Hello there")
     acc = stream(shared_sim_worker, "/v1/completions", {**body, "stream": True,
                                                           "stream_options": {"include_usage": True}})
     assert acc.token_ids == choice["token_ids"]
@@ -98,11 +99,10 @@ def test_official_openai_client_streams(shared_sim_worker: SimWorker) -> None:
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_http_continuation_at_random_cut_points(shared_sim_worker: SimWorker, chat: bool) -> None:
-    """Over HTTP, prompt + first k ids (or the continued assistant message) gives the rest."""
-    from dynamo_ftctl.engine.tokenizer import ByteTokenizer
-
-    tok = ByteTokenizer()
+    """Over HTTP, prompt + first k ids gives the rest; chat text re-sent is another prompt."""
+    tok = load_tokenizer("bpe")
     n = 32
+    retokenized_differ = 0
     for temperature, seed in ((0.0, None), (0.9, 77)):
         if chat:
             messages = [{"role": "user", "content": "continue me"}]
@@ -114,26 +114,29 @@ def test_http_continuation_at_random_cut_points(shared_sim_worker: SimWorker, ch
                                       seed=seed, return_token_ids=True, extra={"ignore_eos": True})
             full = post(shared_sim_worker, "/v1/completions", body).json()
         ids = full["choices"][0]["token_ids"]
+        prompt_ids = (full if chat else full["choices"][0])["prompt_token_ids"]
         for k in random.Random(n).sample(range(1, n), 5):
             if chat:
+                # What a client that re-sends text presents the model with (BPE: other ids).
                 cont = chat_request(
                     MODEL, [*messages, {"role": "assistant", "content": tok.decode(ids[:k])}],
-                    max_tokens=n - k, temperature=temperature, seed=seed, return_token_ids=True,
-                    continue_final_message=True, extra={"ignore_eos": True})
-                got = post(shared_sim_worker, "/v1/chat/completions", cont).json()
-            else:
-                prompt = full["choices"][0]["prompt_token_ids"] + ids[:k]
-                cont = completion_request(MODEL, prompt, max_tokens=n - k,
-                                          temperature=temperature, seed=seed,
-                                          return_token_ids=True, extra={"ignore_eos": True})
-                got = post(shared_sim_worker, "/v1/completions", cont).json()
+                    max_tokens=1, temperature=temperature, seed=seed, return_token_ids=True,
+                    continue_final_message=True)
+                via_text = post(shared_sim_worker, "/v1/chat/completions", cont).json()
+                retokenized_differ += via_text["prompt_token_ids"] != prompt_ids + ids[:k]
+            # Only the ids continue exactly (a chat too: its prompt ids as a completion).
+            body = completion_request(MODEL, prompt_ids + ids[:k], max_tokens=n - k,
+                                      temperature=temperature, seed=seed,
+                                      return_token_ids=True, extra={"ignore_eos": True})
+            got = post(shared_sim_worker, "/v1/completions", body).json()
             assert got["choices"][0]["token_ids"] == ids[k:], f"cut {k}"
+    assert retokenized_differ > 0 or not chat
 
 
 def test_errors_are_openai_shaped(shared_sim_worker: SimWorker) -> None:
     """Too long: 400 with an OpenAI error body; wrong model: 404; bad field: 400 naming it."""
     too_long = post(shared_sim_worker, "/v1/completions",
-                    completion_request(MODEL, "x" * 2040, max_tokens=100))
+                    completion_request(MODEL, [42] * 2040, max_tokens=100))
     assert too_long.status_code == 400
     error = too_long.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -1,4 +1,4 @@
-"""Tokenizer round trips, the KV wire format's checks, and fault parsing."""
+"""Byte tokenizer round trips, the KV wire format's checks, and fault parsing."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_ids_round_trip(ids: list[int]) -> None:
 @given(st.lists(st.integers(0, 261), max_size=64))
 def test_incremental_detokenizer_matches_decode(ids: list[int]) -> None:
     """Streamed text deltas join to the same text as decoding all ids at once."""
-    detok = IncrementalDetokenizer()
+    detok = IncrementalDetokenizer(TOK)
     text = "".join(detok.push(i) for i in ids) + detok.flush()
     assert text == TOK.decode(ids)
 

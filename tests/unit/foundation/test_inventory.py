@@ -215,3 +215,20 @@ def test_error_lines_escape_control_characters(capsys: pytest.CaptureFixture[str
 
     error("bad value 'a\rb\nc'")
     assert capsys.readouterr().err == "error: bad value 'a\\rb\\nc'\n"
+
+
+def test_sim_launch_warmup_is_validated() -> None:
+    """`launch.sim.warmup_s` is read as seconds (absent: the sim's default); negative is refused."""
+    sim = ("cluster: c\nworkers:\n  - {name: w1, url: 'http://127.0.0.1:1', model: m, "
+           "launch: {sim: %s}}\n")
+
+    def warmup(launch_sim: str) -> float | None:
+        launch = parse_inventory(sim % launch_sim, "inline.yaml").workers[0].launch
+        assert launch is not None
+        assert launch.sim is not None
+        return launch.sim.warmup_s
+
+    assert warmup("{warmup_s: 2.5}") == 2.5
+    assert warmup("{}") is None
+    with pytest.raises(InventoryError, match="warmup_s"):
+        warmup("{warmup_s: -1}")
