@@ -260,7 +260,7 @@ async def _step_batches(state: ServerState, request: EngineRequest, options: _Op
     Each batch holds the tokens that were waiting when the stream woke up (one in
     the steady state), so a stream that fell behind catches up in one write.
     """
-    detok = IncrementalDetokenizer(state.engine.tokenizer)
+    detok = IncrementalDetokenizer(state.engine.tokenizer, request.prompt_ids)
     stopper = StopFinder(options.stop)
     sent = 0
     first = True

@@ -270,11 +270,23 @@ class IncrementalDetokenizer:
 
     The concatenation of all deltas (after `flush`) equals `tokenizer.decode(all ids)`;
     a character split across tokens never leaves as a broken half.
+
+    `context` is the prompt's ids: its last few bytes are read first, output dropped, as
+    vLLM's detokenizer reads the prompt's tail. A continuation (prompt ids + the ids
+    generated before a failure) then completes a character whose first bytes the failed
+    worker held back, and its text is the uninterrupted run's from the cut on.
     """
 
-    def __init__(self, tokenizer: SimTokenizer) -> None:
+    def __init__(self, tokenizer: SimTokenizer, context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors=tokenizer._errors)
+        # A character is at most 4 bytes, and every id holds at least one byte or a special.
+        for token_id in context[-3:]:
+            raw = tokenizer._raw(token_id)
+            if raw is None:
+                self._decoder.reset()
+            else:
+                self._decoder.decode(raw)
 
     def push(self, token_id: int) -> str:
         """The text this token completes ("" for the first bytes of a character)."""

@@ -61,14 +61,15 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def restart(self) -> None:
-        """Stop what is left of the server and start it again on its port, until healthy."""
+    def restart(self, *, warm: bool = True) -> None:
+        """Stop what is left of the server and start it again on its port, until healthy
+        (and warmed up unless `warm` is False: its first request is then slow)."""
         self.stop()
         began = time.monotonic()
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                          env=self.env, start_new_session=True)
-        wait_healthy(self, began)
+        wait_healthy(self, began, warm=warm)
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of the server's output."""
@@ -120,7 +121,8 @@ def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int) -> 
                       log=log, argv=argv, env=env)
 
 
-def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEADLINE_S) -> None:
+def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEADLINE_S, *,
+                 warm: bool = True) -> None:
     """Poll GET /health until 200, then warm it up (a fresh server's first request takes
     6-10 s on this machine); fail with the log's tail if the server dies or is late."""
     with httpx.Client(timeout=5.0) as client:
@@ -130,9 +132,11 @@ def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEA
             try:
                 if client.get(server.url + "/health").status_code == 200:
                     server.started_in_s = time.monotonic() - began
-                    warm = client.post(server.url + "/v1/completions", timeout=120, json={
+                    if not warm:
+                        return
+                    first = client.post(server.url + "/v1/completions", timeout=120, json={
                         "model": server.model, "prompt": "warm up", "max_tokens": 4})
-                    assert warm.status_code == 200, warm.text
+                    assert first.status_code == 200, first.text
                     return
             except httpx.TransportError:
                 pass

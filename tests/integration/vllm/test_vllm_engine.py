@@ -76,13 +76,10 @@ def client() -> Iterator[httpx.Client]:
         yield http
 
 
-# The first test of the module meets freshly started servers: keep it first.
-@pytest.mark.xfail(
-    reason="canary record has no warm-up yet: a fresh vLLM's first request takes 6-15 s here "
-           "and record gives up after canary.timeout_s (10 s), exit 3; drop this mark once "
-           "record warms the worker up", strict=False)
 def test_canary_record_then_probe_both(vllm_pair: tuple[VllmServer, ...], tmp_path: Path) -> None:
-    """`canary record` on a fresh vLLM worker, then `canary --all` with that set exits 0."""
+    """`canary record` on a freshly started vLLM (its first request is slow: record warms it
+    up first), then `canary --all` with that set exits 0."""
+    vllm_pair[0].restart(warm=False)
     inventory = _inventory(tmp_path, vllm_pair)
     record = _ftctl("-i", str(inventory), "canary", "record", "-w", vllm_pair[0].name,
                     "-o", str(tmp_path / "canary-set.yaml"))

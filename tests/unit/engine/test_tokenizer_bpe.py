@@ -87,6 +87,20 @@ def test_incremental_detokenizer_matches_decode(ids: list[int]) -> None:
     assert text == TOK.decode(ids)
 
 
+@given(st.lists(st.integers(0, 1029), max_size=64), st.data())
+def test_a_continuation_with_the_prompt_as_context_gives_the_uninterrupted_text(
+        ids: list[int], data: st.DataObject) -> None:
+    """Deltas of ids[:k] (without the held-back bytes a failed worker never sent), then
+    those of ids[k:] with ids[:k] as context, join to the uninterrupted stream's text."""
+    cut = data.draw(st.integers(0, len(ids)))
+    whole = IncrementalDetokenizer(TOK)
+    expected = "".join(whole.push(i) for i in ids) + whole.flush()
+    before = IncrementalDetokenizer(TOK)
+    head = "".join(before.push(i) for i in ids[:cut])
+    after = IncrementalDetokenizer(TOK, ids[:cut])
+    assert head + "".join(after.push(i) for i in ids[cut:]) + after.flush() == expected
+
+
 def test_a_character_split_across_tokens_leaves_whole() -> None:
     """The four byte tokens of an emoji give three empty deltas, then the whole character."""
     ids = TOK.encode("🙂")
