@@ -10,6 +10,13 @@ Before recording, one warm-up request runs with its own, generous deadline
 (`warmup_timeout_s`): a freshly started engine answers its first request late
 (vLLM took over 20 s while compiling), and the per-request timeout is meant
 for a warm worker.
+
+Requests ask for token ids (vLLM's `return_token_ids`). A server that refuses
+the field (a 400 or 422 naming it: Hugging Face `transformers serve` answers
+422 "Unexpected fields") is asked again without it, and the set is recorded
+with `return_token_ids: false` and golden text only: its probes then compare
+text, not ids. A server that takes the field and returns no ids gets the same
+text-only prompts.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ DEFAULT_PROMPTS: tuple[tuple[str, str], ...] = (
 )
 
 
+class _TokenIdsRefused(Exception):
+    """The worker refused the `return_token_ids` field (a strict OpenAI server)."""
+
+
 def _ask(target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt,
          transport: SyncTransport, timeout_s: float) -> Answer:
     path, body = build_request(canary_set, prompt)
@@ -48,6 +59,9 @@ def _ask(target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt,
     except TransportError as exc:
         msg = f"worker {target.name!r}: {exc.message}"
         raise Unreachable(msg) from None
+    if canary_set.return_token_ids and reply.status in (400, 422) \
+            and b"return_token_ids" in reply.body:
+        raise _TokenIdsRefused
     try:
         return parse_answer(reply)
     except BadResponse as exc:
@@ -73,11 +87,21 @@ def record_canary_set(
         "prompts": [{"name": n, "prompt": p, "max_tokens": max_tokens, "expected_text": ""}
                     for n, p in prompts],
     })
+
+    def ask(prompt: CanaryPrompt, deadline_s: float) -> Answer:
+        nonlocal draft
+        try:
+            return _ask(target, draft, prompt, transport, deadline_s)
+        except _TokenIdsRefused:
+            # Learnt once (the warm-up, or the first prompt): ask for text only from now on.
+            draft = draft.model_copy(update={"return_token_ids": False})
+            return _ask(target, draft, prompt, transport, deadline_s)
+
     if warmup_timeout_s > 0 and draft.prompts:
         if on_warmup is not None:
             on_warmup(warmup_timeout_s)
         try:
-            _ask(target, draft, draft.prompts[0], transport, warmup_timeout_s)
+            ask(draft.prompts[0], warmup_timeout_s)
         except Unreachable as exc:
             msg = f"{exc} (while waiting {warmup_timeout_s:g} s for its warm-up request)"
             raise Unreachable(msg) from None
@@ -85,7 +109,7 @@ def record_canary_set(
     for prompt in draft.prompts:
         # Ask for logprobs while recording: the range is part of the golden answer.
         asking = prompt.model_copy(update={"expected_top_logprob_range": (-1.0, 0.0)})
-        answers = [_ask(target, draft, asking, transport, timeout_s) for _ in range(repeats)]
+        answers = [ask(asking, timeout_s) for _ in range(repeats)]
         first = answers[0]
         for index, other in enumerate(answers[1:], start=2):
             if (other.token_ids, other.text) != (first.token_ids, first.text):
@@ -104,7 +128,7 @@ def record_canary_set(
             expected_top_logprob_range=low_high, timeout_s=None,
         ))
     return CanarySet(
-        model=model, endpoint=draft.endpoint,
+        model=model, endpoint=draft.endpoint, return_token_ids=draft.return_token_ids,
         recorded_from=target.url if target.name == target.url else f"{target.name} ({target.url})",
         recorded_at=dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat(),
         prompts=tuple(recorded),
