@@ -1,0 +1,171 @@
+"""`ftctl proxy` in front of two real vLLM servers: a broken stream goes on token by token.
+
+Each case streams through the proxy and breaks the serving worker once the client has
+seen CUT tokens. A chat continues as a completion of its rendered prompt's ids + the
+generated ids (vLLM re-tokenizes text into other ids, so a text continuation would
+differ from the cut on).
+
+- Greedy: the client's ids and text equal the fault-free run straight from a worker.
+- Seeded (T=0.9, seed 7): vLLM's V1 sampler draws each step's noise from a per-request
+  generator seeded once (v1/sample/ops/topk_topp_sampler.py, `forward_cpu`), so no
+  continuation can repeat the uninterrupted run after the cut (docs/compatibility.md).
+  What must hold: the ids before the cut are the fault-free run's, and the ids after it
+  are exactly what vLLM gives for that context and seed: nothing lost, repeated or
+  re-tokenized.
+
+The fault is a SIGKILL of the serving server's process group once the client has seen CUT
+tokens: its reset drops what the proxy had not read, so the cut falls where the client is.
+(A SIGSTOP does not: all the server wrote before it stops still arrives, and vLLM runs
+hundreds of tokens ahead of a client, so a hang set off by the client lands at the end.)
+The `vllm_pair` fixture starts a killed server again for the next test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.proxy.test_proxy_sim import (
+    ProxyFactory,
+    ProxyProcess,
+    Streamed,
+    after_tokens,
+    proxy_factory,
+    stream,
+    wait_until,
+)
+from tests.integration.vllm.server import VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+__all__ = ["proxy_factory"]  # the fixture, shared with the sim-worker tests
+
+# Long enough that the worker is still decoding when the client sees CUT (a SIGKILL's reset
+# drops what the proxy had not read yet, so the cut falls where the client is).
+MAX_TOKENS = 500
+CUT = 40
+STALL_S = 5.0
+PROMPT = "Why must a stream survive the failure of the worker that serves it?"
+
+
+def body_of(endpoint: str, seeded: bool, model: str,
+            max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    """A request that asks for token ids, greedy or seeded (T=0.9, seed 7)."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "return_token_ids": True,
+                            "ignore_eos": True}
+    body |= {"temperature": 0.9, "top_p": 0.95, "seed": 7} if seeded else {"temperature": 0.0}
+    if endpoint == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    return body
+
+
+@dataclass(frozen=True)
+class Run:
+    """One fault-free stream straight from a server."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+
+
+def direct(server: VllmServer, endpoint: str, body: dict[str, Any]) -> Run:
+    """Stream `body` straight from `server` and collect its prompt ids, ids and text."""
+    with httpx.stream("POST", server.url + endpoint, json={**body, "stream": True},
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        raw = b"".join(resp.iter_bytes())
+    prompt: list[int] = []
+    ids: list[int] = []
+    text = ""
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        doc = json.loads(line[6:])
+        prompt = prompt or doc.get("prompt_token_ids") or []
+        for choice in doc["choices"]:
+            prompt = prompt or choice.get("prompt_token_ids") or []
+            ids.extend(choice.get("token_ids") or [])
+            delta = choice.get("delta")
+            text += (delta.get("content") or "") if delta is not None else choice["text"]
+    return Run(prompt, ids, text)
+
+
+def signal_group(server: VllmServer, sig: signal.Signals) -> None:
+    """Signal the server's whole process group (API server, engine core, workers)."""
+    os.killpg(server.proc.pid, sig)
+
+
+def proxy_over(pair: tuple[VllmServer, ...], factory: ProxyFactory) -> ProxyProcess:
+    """The proxy over the pair, once it has learnt their max_model_len."""
+    proxy = factory([(s.name, s.url) for s in pair], model=pair[0].model,
+                    breaker_threshold=100000, stall_timeout_s=STALL_S)
+
+    def knows() -> bool:
+        doc = httpx.get(f"{proxy.url}/v1/models", timeout=5).json()
+        return all("max_model_len" in entry for entry in doc["data"])
+
+    wait_until(knows, 30, "the proxy's first scrape of the vLLM servers")
+    return proxy
+
+
+def cut_point(proxy: ProxyProcess) -> int:
+    """How many tokens the client had when the worker failed (the proxy's log says)."""
+    found = re.findall(r"worker failed: .*\(after (\d+) tokens\)", proxy.log_text())
+    assert len(found) == 1, proxy.log_text()
+    return int(found[0])
+
+
+def assert_continued(got: Streamed, expected: Run, proxy: ProxyProcess,
+                     survivor: VllmServer, body: dict[str, Any], *, seeded: bool) -> None:
+    """Greedy: the fault-free run. Seeded: its prefix, then vLLM's own continuation."""
+    assert got.error is None, got.error
+    assert got.migrated == 1
+    assert got.finish == "length"
+    length = body["max_tokens"]
+    assert got.usage is not None
+    assert got.usage["completion_tokens"] == length
+    assert "x-ftctl-continuation" not in got.headers  # token ids, not text
+    if not seeded:
+        first = next((i for i, (a, b) in enumerate(zip(got.ids, expected.ids, strict=False))
+                      if a != b), None)
+        assert got.ids == expected.ids, f"ids differ from token {first} on"
+        assert got.text == expected.text
+        return
+    cut = cut_point(proxy)
+    assert CUT <= cut < length
+    assert got.ids[:cut] == expected.ids[:cut]
+    rest = direct(survivor, "/v1/completions", {
+        **{k: v for k, v in body.items() if k != "messages"},
+        "prompt": expected.prompt_ids + got.ids[:cut], "max_tokens": length - cut})
+    assert got.ids[cut:] == rest.ids
+    assert len(got.ids) == length
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"],
+                         ids=["chat", "completions"])
+def test_sigkilled_worker_mid_stream_is_continued_from_token_ids(
+    vllm_pair: tuple[VllmServer, ...], proxy_factory: ProxyFactory, endpoint: str,
+    seeded: bool,
+) -> None:
+    """SIGKILL of the serving vLLM once the client saw CUT tokens: the stream goes on from
+    its ids on the other server (the next test gets the killed one back)."""
+    by_name = {s.name: s for s in vllm_pair}
+    body = body_of(endpoint, seeded, vllm_pair[0].model)
+    expected = direct(vllm_pair[0], endpoint, body)
+    proxy = proxy_over(vllm_pair, proxy_factory)
+    kill_at_cut, killed = after_tokens(CUT, lambda name: signal_group(by_name[name],
+                                                                      signal.SIGKILL))
+    got = stream(proxy, endpoint, body, on_chunk=kill_at_cut)
+    assert killed, "the stream ended before the kill"
+    survivor = next(s for s in vllm_pair if s.name != killed[0])
+    assert_continued(got, expected, proxy, survivor, body, seeded=seeded)
