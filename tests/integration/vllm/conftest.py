@@ -18,9 +18,7 @@ these tests skip. `make test` builds it first, so only a bare `pytest` run skips
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,17 +27,13 @@ import pytest
 
 from tests.integration.vllm.server import (
     VllmServer,
-    ftctl_cache,
     spawn_vllm,
+    tiny_llama_dir,
     vllm_python,
     wait_healthy,
 )
 
 HERE = Path(__file__).parent
-REPO = HERE.parents[2]
-MODEL_SCRIPT = HERE / "write_tiny_llama.py"
-# Text of the repo the tokenizer is trained on (the README, the man pages).
-CORPUS = (REPO / "README.md", *sorted((REPO / "man").glob("*.1")))
 
 
 @pytest.fixture(scope="session")
@@ -54,17 +48,7 @@ def vllm_py() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(vllm_py: Path) -> Path:
     """The tiny Llama's directory, written on first use into ~/.cache/ftctl/models."""
-    digest = hashlib.sha256(MODEL_SCRIPT.read_bytes())
-    for path in CORPUS:
-        digest.update(path.read_bytes())
-    out = ftctl_cache() / "models" / f"tiny-llama-{digest.hexdigest()[:16]}"
-    if not (out / "ftctl-tiny-llama.json").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [str(vllm_py), str(MODEL_SCRIPT), str(out), *map(str, CORPUS)],
-            capture_output=True, text=True, timeout=300, check=False)
-        assert done.returncode == 0, f"writing the tiny model failed:\n{done.stderr[-3000:]}"
-    return out
+    return tiny_llama_dir(vllm_py)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

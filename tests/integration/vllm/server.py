@@ -8,6 +8,7 @@ shows the log's tail when the server dies or is late.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import signal
@@ -36,6 +37,25 @@ def pinned_version() -> str:
 def ftctl_cache() -> Path:
     """~/.cache/ftctl (not $XDG_CACHE_HOME: tests/conftest.py points it at a temp dir)."""
     return Path.home() / ".cache" / "ftctl"
+
+
+def tiny_llama_dir(python: Path) -> Path:
+    """The tiny Llama's directory, written on first use into ~/.cache/ftctl/models by
+    write_tiny_llama.py under the vLLM venv's `python` (keyed by a hash of the script and
+    its corpus: the README and the man pages)."""
+    repo = HERE.parents[2]
+    script = HERE / "write_tiny_llama.py"
+    corpus = (repo / "README.md", *sorted((repo / "man").glob("*.1")))
+    digest = hashlib.sha256(script.read_bytes())
+    for path in corpus:
+        digest.update(path.read_bytes())
+    out = ftctl_cache() / "models" / f"tiny-llama-{digest.hexdigest()[:16]}"
+    if not (out / "ftctl-tiny-llama.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([str(python), str(script), str(out), *map(str, corpus)],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, f"writing the tiny model failed:\n{done.stderr[-3000:]}"
+    return out
 
 
 def vllm_python() -> Path:
