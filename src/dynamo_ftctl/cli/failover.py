@@ -24,9 +24,12 @@ if TYPE_CHECKING:
 app = typer.Typer(
     help=(
         "Run an engine as a primary or shadow: start it, wait for /health, put it to sleep "
-        "(STANDBY), wait for the failover lock, wake it (WAKING) and serve (ACTIVE).\n\n"
+        "(STANDBY), wait for the failover lock, wake it (WAKING) and serve (ACTIVE). "
+        "A cold standby (--standby cold, or auto when the engine has no sleep mode) starts "
+        "the engine only once it holds the lock.\n\n"
         "Exit codes: 0 stopped by SIGTERM, 1 engine died or did not wake in time, "
-        "2 bad usage, 3 engine never healthy, 130 interrupted."
+        "2 bad usage (or --standby sleep and the engine refuses /sleep), 3 engine never "
+        "healthy, 130 interrupted."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -57,6 +60,10 @@ def run(  # noqa: PLR0917 - typer passes every option positionally
     ] = 600.0,
     sleep_level: Annotated[int, typer.Option(
         "--sleep-level", help="vLLM sleep level (1: offload weights, 2: discard).")] = 1,
+    standby: Annotated[str, typer.Option(
+        "--standby", help="How the shadow waits: sleep (engine asleep; exit 2 if it refuses "
+        "/sleep), cold (engine started only with the lock), auto (sleep, else cold).",
+    )] = "auto",
     path: PathOpt = None,
     backend: BackendOpt = None,
     endpoint: EndpointOpt = None,
@@ -89,6 +96,6 @@ def run(  # noqa: PLR0917 - typer passes every option positionally
     config = FailoverConfig(
         argv=tuple(command), engine_id=settings.engine_id, engine_url=engine_url.rstrip("/"),
         health_host=health_host, health_port=health_port, ready_timeout_s=ready_timeout,
-        wake_timeout_s=wake_timeout, sleep_level=sleep_level,
+        wake_timeout_s=wake_timeout, sleep_level=sleep_level, standby=standby,
     )
     raise typer.Exit(run_failover(config, open_lock(settings, metrics=True), on_state=report))

@@ -1,6 +1,9 @@
 """`ftctl failover run`: wrap an engine as a primary or shadow that serves only with the lock.
 
-    INIT ──/health 200──► (POST /sleep) STANDBY ──lock──► WAKING ──/wake_up──► ACTIVE
+    sleep: INIT ──/health 200──► (POST /sleep) STANDBY ──lock──► WAKING ──/wake_up──► ACTIVE
+    cold:  STANDBY (no engine) ──lock──► WAKING (engine starts) ──/health 200──► ACTIVE
+    auto:  sleep, and where /sleep is refused: the lock if it is free (ACTIVE at once),
+           else stop the engine and go on as cold
 
 The engine runs as a child that dies with this process (PR_SET_PDEATHSIG), and
 this process holds the lock, so an engine never serves without it. The health
@@ -8,7 +11,9 @@ port answers 503 in INIT and 200 in STANDBY, WAKING and ACTIVE, with the state
 as JSON (`/active`: 200 only in ACTIVE), and serves `/metrics`. Engine death at
 any point exits non-zero (the lock goes with the process); a wake that takes
 longer than `wake_timeout_s` exits 1. The endpoints are vLLM's sleep mode (`POST /sleep?level=1`,
-`POST /wake_up`, `GET /is_sleeping`), which `ftctl sim` implements too.
+`POST /wake_up`, `GET /is_sleeping`), which `ftctl sim` implements too; vLLM serves them
+only with `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`, and on CPU not at all (it
+refuses the flag at start-up), so there the shadow waits cold.
 """
 
 from __future__ import annotations
@@ -28,13 +33,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import CheckFailed, FtctlError, InvalidInput, Unreachable
-from dynamo_ftctl.lock.protocol import FailoverLock, LeaseLost
+from dynamo_ftctl.errors import CheckFailed, FtctlError, InvalidInput, LockTimeout, Unreachable
+from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["EngineState", "FailoverConfig", "HealthServer", "StateChange", "run_failover"]
+__all__ = [
+    "STANDBY_MODES", "EngineState", "FailoverConfig", "HealthServer", "StateChange",
+    "run_failover",
+]
 
 # Between /health probes of a starting engine (it has no way to tell us it is up).
 _READY_POLL_S = 0.05
@@ -43,6 +51,11 @@ _WAKE_POLL_S = 0.01
 # How long the engine gets to exit after SIGTERM before SIGKILL.
 _TERM_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1
+# How a shadow waits for the lock (see the module docstring).
+STANDBY_MODES = ("auto", "sleep", "cold")
+# What a /sleep refusal means, for the one line that reports it.
+_NO_SLEEP_HINT = ("vLLM serves /sleep only with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, "
+                  "and has no sleep mode on CPU")
 
 
 class EngineState(enum.StrEnum):
@@ -67,6 +80,7 @@ class FailoverConfig:
     ready_timeout_s: float = 600.0
     wake_timeout_s: float = 30.0
     sleep_level: int = 1
+    standby: str = "auto"  # one of STANDBY_MODES
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class StateChange:
     token: int | None = None
     health_port: int | None = None
     detail: str = ""
+    standby: str = ""  # "sleep" (engine asleep) or "cold" (no engine) once known
 
 
 class HealthServer:
@@ -146,28 +161,35 @@ class HealthServer:
         self._server.server_close()
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the wrapper dies, so no engine outlives its lock."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _start_engine(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+def _check_argv(argv: Sequence[str]) -> None:
     if not argv:
         msg = "no engine command: ftctl failover run ... -- CMD ARGS..."
         raise InvalidInput(msg)
+
+
+def _start_engine(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    _check_argv(argv)
+    # Looked up here, in the parent: the child only makes the call (no dlopen after fork,
+    # where another thread of ours may have held the loader's lock).
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def die_with_parent() -> None:
+        """In the child: SIGKILL when the wrapper's thread dies: no engine outlives its lock."""
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
     try:
-        # preexec_fn is safe here: no other thread of ours runs yet (see run_failover).
+        # A cold start forks with the health thread running; die_with_parent touches no
+        # lock of ours. PDEATHSIG follows the forking thread: we fork on the main one.
         # The engine's stdout goes to our stderr: with --json, stdout carries only state lines.
         return subprocess.Popen(list(argv), stdout=sys.stderr.fileno(),
-                                preexec_fn=_die_with_parent)  # noqa: PLW1509
+                                preexec_fn=die_with_parent)  # noqa: PLW1509
     except OSError as exc:
         msg = f"cannot start engine {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
 
 
-def _stop_engine(engine: subprocess.Popen[bytes]) -> None:
-    if engine.poll() is not None:
+def _stop_engine(engine: subprocess.Popen[bytes] | None) -> None:
+    if engine is None or engine.poll() is not None:
         return
     engine.terminate()
     try:
@@ -180,7 +202,8 @@ def _stop_engine(engine: subprocess.Popen[bytes]) -> None:
 class _Run:
     """The state machine of one wrapped engine (asyncio, one task)."""
 
-    def __init__(self, config: FailoverConfig, lock: FailoverLock, engine: subprocess.Popen[bytes],
+    def __init__(self, config: FailoverConfig, lock: FailoverLock,
+                 engine: subprocess.Popen[bytes] | None,
                  on_state: Callable[[StateChange], None], clock: Clock) -> None:
         self.config = config
         self.lock = lock
@@ -189,27 +212,42 @@ class _Run:
         self.clock = clock
         self.health_port: int | None = None
         self._state = StateChange(state=EngineState.INIT, engine_id=config.engine_id,
-                                  at=clock.wall(), lock=lock.name, engine_pid=engine.pid)
+                                  at=clock.wall(), lock=lock.name,
+                                  engine_pid=engine.pid if engine else None)
         self._guard = threading.Lock()
 
     def snapshot(self) -> StateChange:
         with self._guard:
             return self._state
 
-    def enter(self, state: EngineState, *, token: int | None = None, detail: str = "") -> None:
+    def enter(self, state: EngineState, *, token: int | None = None, detail: str = "",
+              standby: str | None = None) -> None:
         with self._guard:
             self._state = replace(
                 self._state, state=state, at=self.clock.wall(), detail=detail,
                 token=token if token is not None else self._state.token,
                 health_port=self.health_port,
+                engine_pid=self.engine.pid if self.engine else None,
+                standby=standby if standby is not None else self._state.standby,
             )
             change = self._state
         self.on_state(change)
 
     def _engine_died(self) -> CheckFailed:
+        assert self.engine is not None
         code = self.engine.returncode
+        state = self.snapshot().state
+        hint = ""
+        if state is EngineState.INIT and "--enable-sleep-mode" in self.config.argv:
+            hint = ("; vLLM exits at start-up where the platform has no sleep mode (CPU): "
+                    "drop --enable-sleep-mode and use --standby cold")
         return CheckFailed(f"engine {self.config.argv[0]!r} exited with code {code} "
-                           f"in state {self.snapshot().state}")
+                           f"in state {state}{hint}")
+
+    def _watch_engine(self) -> asyncio.Future[int]:
+        engine = self.engine
+        assert engine is not None
+        return asyncio.ensure_future(asyncio.to_thread(engine.wait))
 
     async def _wait_any(self, *futures: asyncio.Future[Any], timeout: float | None = None) -> None:
         await asyncio.wait(set(futures), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -276,11 +314,84 @@ class _Run:
             if exited.done():
                 raise self._engine_died()
 
+    async def _acquire(self, stop: asyncio.Future[int],
+                       exited: asyncio.Future[int] | None = None) -> Lease | None:
+        """The lease, or None when `stop` (or the engine's death) came first."""
+        acquiring = asyncio.ensure_future(self.lock.aacquire(None))
+        await self._wait_any(acquiring, stop, *([exited] if exited else []))
+        if acquiring.done():
+            lease: Lease = acquiring.result()
+            return lease
+        acquiring.cancel()
+        with contextlib.suppress(asyncio.CancelledError, FtctlError):
+            await acquiring
+        if exited is not None and exited.done():
+            raise self._engine_died()
+        return None
+
+    async def _serve(self, exited: asyncio.Future[int], lost: asyncio.Future[LeaseLost],
+                     stop: asyncio.Future[int]) -> int:
+        await self._wait_any(exited, lost, stop)
+        if lost.done():
+            raise lost.result()
+        if exited.done():
+            raise self._engine_died()
+        return stop.result()
+
+    async def _run_cold(self, client: httpx.AsyncClient, lost: asyncio.Future[LeaseLost],
+                        stop: asyncio.Future[int], detail: str) -> int:
+        """No engine until the lock is held; then start it and serve once it is healthy."""
+        self.enter(EngineState.STANDBY, detail=detail, standby="cold")
+        lease = await self._acquire(stop)
+        if lease is None:
+            return stop.result()
+        self.engine = _start_engine(self.config.argv)  # on this (the main) thread: PDEATHSIG
+        exited = self._watch_engine()
+        self.enter(EngineState.WAKING, token=lease.token,
+                   detail=f"lock held after {lease.waited_s:.3f} s: engine started cold, "
+                          "waiting for its /health")
+        ready = asyncio.ensure_future(self._wait_ready(client, exited))
+        await self._wait_any(ready, lost, stop)
+        if not ready.done():
+            ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError, FtctlError):
+                await ready
+            if lost.done():
+                raise lost.result()
+            return stop.result()
+        ready.result()
+        self.enter(EngineState.ACTIVE, detail="serving")
+        return await self._serve(exited, lost, stop)
+
+    async def _no_sleep(self, client: httpx.AsyncClient, exited: asyncio.Future[int],
+                        lost: asyncio.Future[LeaseLost], stop: asyncio.Future[int],
+                        status: int) -> int:
+        """/sleep refused: strict mode stops (exit 2); auto serves or waits cold."""
+        refused = (f"engine has no sleep mode ({self.config.engine_url}/sleep answered "
+                   f"HTTP {status}; {_NO_SLEEP_HINT})")
+        if self.config.standby == "sleep":
+            msg = f"{refused}: run with --standby cold (or auto)"
+            raise InvalidInput(msg)
+        lease: Lease | None
+        try:  # it is up and cannot sleep: it may serve only if the lock is free right now
+            lease = await self.lock.aacquire(0)
+        except LockTimeout:
+            lease = None
+        if lease is not None:
+            self.enter(EngineState.ACTIVE, token=lease.token,
+                       detail=f"{refused}; the lock was free: serving")
+            return await self._serve(exited, lost, stop)
+        await asyncio.to_thread(_stop_engine, self.engine)
+        await exited
+        self.engine = None  # cold from here: the next one starts with the lock
+        return await self._run_cold(client, lost, stop,
+                                    f"{refused}; engine stopped: cold standby, "
+                                    "waiting for the lock")
+
     async def run(self, stop: asyncio.Future[int]) -> int:
         import httpx
 
         loop = asyncio.get_running_loop()
-        exited: asyncio.Future[int] = asyncio.ensure_future(asyncio.to_thread(self.engine.wait))
         lost: asyncio.Future[LeaseLost] = loop.create_future()
 
         def tell_lost(exc: LeaseLost) -> None:
@@ -295,6 +406,10 @@ class _Run:
         if set_on_lost is not None:
             set_on_lost(tell_lost)
         async with httpx.AsyncClient() as client:
+            if self.engine is None:
+                return await self._run_cold(client, lost, stop,
+                                            "cold: the engine starts when the lock is held")
+            exited = self._watch_engine()
             self.enter(EngineState.INIT, detail="waiting for the engine's /health")
             ready = asyncio.ensure_future(self._wait_ready(client, exited))
             await self._wait_any(ready, stop)
@@ -306,30 +421,21 @@ class _Run:
                                       self.config.wake_timeout_s)
             if exited.done():
                 raise self._engine_died()
-            if not 200 <= status < 300:
-                msg = f"engine {self.config.engine_url}/sleep answered HTTP {status or 'timeout'}"
+            if status == 0:
+                msg = f"engine {self.config.engine_url}/sleep answered no HTTP status (timeout)"
                 raise CheckFailed(msg)
-            self.enter(EngineState.STANDBY, detail="asleep, waiting for the lock")
-            acquiring = asyncio.ensure_future(self.lock.aacquire(None))
-            await self._wait_any(acquiring, exited, stop)
-            if not acquiring.done():
-                acquiring.cancel()
-                with contextlib.suppress(asyncio.CancelledError, FtctlError):
-                    await acquiring
-                if exited.done():
-                    raise self._engine_died()
+            if not 200 <= status < 300:
+                return await self._no_sleep(client, exited, lost, stop, status)
+            self.enter(EngineState.STANDBY, detail="asleep, waiting for the lock",
+                       standby="sleep")
+            lease = await self._acquire(stop, exited)
+            if lease is None:
                 return stop.result()
-            lease = acquiring.result()
             self.enter(EngineState.WAKING, token=lease.token,
                        detail=f"lock held after {lease.waited_s:.3f} s")
             await self._wake(client, exited)
             self.enter(EngineState.ACTIVE, detail="serving")
-            await self._wait_any(exited, lost, stop)
-            if lost.done():
-                raise lost.result()
-            if exited.done():
-                raise self._engine_died()
-            return stop.result()
+            return await self._serve(exited, lost, stop)
 
 
 def run_failover(
@@ -341,10 +447,16 @@ def run_failover(
     Returns 0 after SIGTERM (engine stopped, lock released), 130 after SIGINT;
     raises `CheckFailed` (exit 1) when the engine dies or does not wake in
     time, `LeaseLost` when an etcd lease is lost, `Unreachable` when the engine
-    never becomes healthy.
+    never becomes healthy, `InvalidInput` (exit 2) for a bad standby mode, and
+    with `standby="sleep"` for an engine that refuses /sleep.
     """
+    if config.standby not in STANDBY_MODES:
+        msg = f"--standby must be one of {', '.join(STANDBY_MODES)} (got {config.standby!r})"
+        raise InvalidInput(msg)
+    _check_argv(config.argv)
     # Order matters: bind the port (errors before anything starts), fork the engine
     # while this process has one thread, and only then start the server thread.
+    # A cold standby forks later, on the lock (see _start_engine).
     holder: dict[str, _Run] = {}
 
     def snapshot() -> StateChange:
@@ -352,7 +464,7 @@ def run_failover(
 
     server = HealthServer(config.health_host, config.health_port, snapshot)
     try:
-        engine = _start_engine(config.argv)
+        engine = None if config.standby == "cold" else _start_engine(config.argv)
     except BaseException:
         server.stop()
         raise
@@ -377,7 +489,7 @@ def run_failover(
             return await run.run(stop)
         finally:
             # Before asyncio.run joins its executor: the thread waiting on the engine.
-            _stop_engine(engine)
+            _stop_engine(run.engine)
             if in_main:
                 for signum in (signal.SIGTERM, signal.SIGINT):
                     loop.remove_signal_handler(signum)
@@ -385,7 +497,9 @@ def run_failover(
     try:
         return asyncio.run(main())
     finally:
-        _stop_engine(engine)
+        _stop_engine(run.engine)
         lock.release()
-        run.enter(EngineState.STOPPED, detail=f"engine exit code {engine.returncode}")
+        ended = (f"engine exit code {run.engine.returncode}" if run.engine
+                 else "no engine running (cold standby)")
+        run.enter(EngineState.STOPPED, detail=ended)
         server.stop()
