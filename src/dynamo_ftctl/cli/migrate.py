@@ -100,12 +100,15 @@ def request(  # noqa: PLR0917 - typer passes every option positionally
     request_id: Annotated[str, typer.Option("--request-id", help="The in-flight request.")],
     source: Annotated[str, typer.Option("--from", help="Worker that holds the request.")],
     target: Annotated[str, typer.Option("--to", help="Worker to move it to.")],
-    method: Annotated[str, typer.Option(help="auto, kv or reprefill.")] = "auto",
+    method: Annotated[str, typer.Option(
+        help="auto, kv or reprefill (kv falls back to reprefill on a target without a KV "
+             "import API, and says so).")] = "auto",
     calibration: CalibrationOpt = None,
     timeout: Annotated[float, typer.Option(min=0.1, help="Per-call timeout, s.")] = 60.0,
     json_: JsonFlag = False,
 ) -> None:
-    """Move one in-flight request between sim workers by KV transfer or by re-prefill.
+    """Move one in-flight request by KV transfer or by re-prefill (the source needs a KV
+    export API: ftctl sim; from vLLM, exit 2: use ftctl proxy).
 
     Example: ftctl -i examples/local.yaml migrate request --request-id r1 --from w1 --to w2
     """

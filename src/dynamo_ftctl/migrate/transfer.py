@@ -15,6 +15,13 @@ Sampling keyed by (seed, position) makes both continue identically. With
 cost model. The proxy calls `migrate_request` with its own client; the CLI
 calls `migrate_request_sync`.
 
+Engines without the admin KV API (vLLM, SGLang: only `ftctl sim` has it): a
+target that has no import route (404, 405 or 501, or no admin URL) gets the
+request by re-prefill instead, and the result says so (`fallback`); a source
+with no export route cannot hand the request's state over at all, which is
+`KvApiMissing` (exit 2): there the proxy, which saw every token it streamed,
+is what moves requests.
+
 HTTP goes through one injected `httpx.AsyncClient` (the seam for tests);
 errors become `Unreachable` (no answer) or `InvalidInput` (refused).
 """
@@ -22,7 +29,7 @@ errors become `Unreachable` (no answer) or `InvalidInput` (refused).
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Continuation",
     "Endpoint",
+    "KvApiMissing",
     "MigrationResult",
     "RequestState",
     "endpoint_for",
@@ -59,6 +67,12 @@ __all__ = [
 
 Method = Literal["kv", "reprefill"]
 METHODS = ("auto", "kv", "reprefill")
+# How a server says it has no such route: its router's 404, or 405 / 501.
+_NO_ROUTE = (404, 405, 501)
+
+
+class KvApiMissing(InvalidInput):
+    """A worker has no admin KV route (export or import): its router answered for it."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class MigrationResult:
     text: str
     finish_reason: str | None
     plan: MigrationPlan | None = None
+    fallback: str | None = None  # why `method` is not what was asked (no KV import API)
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -162,6 +177,7 @@ class MigrationResult:
             "request": self.request_id,
             "moved": f"{self.source} → {self.target} by {self.method}"
                      f"{' (auto)' if self.requested == 'auto' else ''}",
+            **({"fallback": self.fallback} if self.fallback else {}),
             "context": f"{self.context_tokens} tokens, {self.payload_bytes} bytes exported",
             "export": f"{self.export_s * 1e3:.2f} ms",
             "move": f"{self.move_s * 1e3:.2f} ms to the first new token",
@@ -206,13 +222,45 @@ def refusal(endpoint: Endpoint, what: str, response: httpx.Response) -> FtctlErr
     return InvalidInput(msg)
 
 
+def _route_missing(response: httpx.Response) -> bool:
+    """Whether `response` is a router's "no such route" rather than the admin API's answer.
+
+    The sim's export answers an unknown request id with 404 and `error.type`
+    NotFoundError; vLLM's router answers a missing route with 404 and type "Not Found".
+    """
+    if response.status_code != 404:
+        return response.status_code in _NO_ROUTE
+    try:
+        doc = response.json()
+    except ValueError:
+        return True
+    error = doc.get("error") if isinstance(doc, dict) else None
+    return not (isinstance(error, dict) and error.get("type") == "NotFoundError")
+
+
+def _no_export_api(source: Endpoint, request_id: str, status: int) -> KvApiMissing:
+    return KvApiMissing(
+        f"{source.name}: the state of request {request_id!r} cannot be read from this worker: "
+        f"it has no KV export API (GET /admin/kv/{{id}} answered HTTP {status}); on engines "
+        "without one (vLLM, SGLang) `ftctl proxy` migrates requests, by re-prefill of the "
+        "tokens it streamed")
+
+
+def _import_refusal(target: Endpoint, what: str, response: httpx.Response) -> FtctlError:
+    if response.status_code in _NO_ROUTE:  # the import route never answers these itself
+        return KvApiMissing(f"{target.name}: no KV import API (POST /admin/kv/import "
+                            f"answered HTTP {response.status_code})")
+    return refusal(target, what, response)
+
+
 async def export_request(
     client: httpx.AsyncClient, source: Endpoint, request_id: str, *, abort: bool = True,
     clock: Clock = SYSTEM_CLOCK,
 ) -> tuple[RequestState, bytes, float]:
     """Export `request_id` from `source` (stopping it there when `abort`).
 
-    Returns the decoded state, the raw payload and the seconds the export took.
+    Returns the decoded state, the raw payload and the seconds the export took;
+    `KvApiMissing` when the source has no export route (vLLM).
     """
     from dynamo_ftctl.kv.wire import decode_kv
 
@@ -224,6 +272,8 @@ async def export_request(
         )
     elapsed = clock.now() - start
     if response.status_code != 200:
+        if _route_missing(response):
+            raise _no_export_api(source, request_id, response.status_code)
         raise refusal(source, f"KV export of {request_id!r}", response)
     payload = response.content
     decoded = decode_kv(payload)
@@ -232,9 +282,13 @@ async def export_request(
 
 async def stream_completion(
     client: httpx.AsyncClient, endpoint: Endpoint, what: str, method: str, url: str, *,
-    clock: Clock, first_only: bool = False, **kwargs: Any,
+    clock: Clock, first_only: bool = False,
+    refuse: Callable[[Endpoint, str, httpx.Response], FtctlError] = refusal, **kwargs: Any,
 ) -> Continuation:
-    """POST/GET a streaming completion and collect it (up to the first token if `first_only`)."""
+    """POST/GET a streaming completion and collect it (up to the first token if `first_only`).
+
+    A status other than 200 raises `refuse(endpoint, what, response)`.
+    """
     from dynamo_ftctl.openai import SseDecoder, StreamAccumulator, parse_sse_event
 
     acc = StreamAccumulator()
@@ -243,7 +297,7 @@ async def stream_completion(
     async with http_errors(what, endpoint), client.stream(method, url, **kwargs) as response:
         if response.status_code != 200:
             await response.aread()
-            raise refusal(endpoint, what, response)
+            raise refuse(endpoint, what, response)
         decoder = SseDecoder()
         async for chunk in response.aiter_bytes():
             for event in decoder.feed(chunk):
@@ -264,10 +318,16 @@ async def resume_by_kv(
     client: httpx.AsyncClient, target: Endpoint, payload: bytes, request_id: str,
     *, clock: Clock = SYSTEM_CLOCK,
 ) -> Continuation:
-    """Import an export on `target` and collect the continuation it streams."""
+    """Import an export on `target` and collect the continuation it streams.
+
+    `KvApiMissing` when the target has no import route (or no admin URL).
+    """
+    if not target.admin_url:
+        msg = f"{target.name}: no KV import API (no admin URL)"
+        raise KvApiMissing(msg)
     return await stream_completion(
         client, target, "KV import", "POST", f"{target.admin_url}/admin/kv/import", clock=clock,
-        content=payload,
+        refuse=_import_refusal, content=payload,
         headers={**target.admin_headers(), "X-Request-Id": request_id,
                  "Content-Type": "application/octet-stream"},
     )
@@ -344,9 +404,18 @@ async def migrate_request(
         chosen = plan.decision
     else:
         chosen = "kv" if method == "kv" else "reprefill"
+    fallback = None
     if chosen == "kv":
-        cont = await resume_by_kv(client, target, payload, request_id, clock=clock)
-        move_s = export_s + cont.first_token_s
+        tried = clock.now()
+        try:
+            cont = await resume_by_kv(client, target, payload, request_id, clock=clock)
+            move_s = export_s + cont.first_token_s
+        except KvApiMissing as exc:  # a vLLM target: recompute the cache there instead
+            fallback = f"{exc}: re-prefilled instead of kv"
+            chosen = "reprefill"
+            failed_s = clock.now() - tried
+            cont = await resume_by_reprefill(client, target, state, request_id, clock=clock)
+            move_s = failed_s + cont.first_token_s
     else:
         cont = await resume_by_reprefill(client, target, state, request_id, clock=clock)
         move_s = cont.first_token_s
@@ -360,6 +429,7 @@ async def migrate_request(
         method=chosen, context_tokens=len(state.token_ids), payload_bytes=state.payload_bytes,
         export_s=export_s, move_s=move_s, generated_before=state.generated,
         continuation=cont.token_ids, text=cont.text, finish_reason=cont.finish_reason, plan=plan,
+        fallback=fallback,
     )
 
 
