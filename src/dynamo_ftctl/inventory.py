@@ -244,6 +244,12 @@ class ProcessRef(StrictStruct, frozen=True):
 
     pid_file: Annotated[Path | None, _doc("File holding the engine's pid.")] = None
     pid: Annotated[int, _doc("A fixed pid (tests, static hosts).", gt=0)] | None = None
+    group: Annotated[
+        bool,
+        _doc("Signal the pid's whole process group (it must lead one): an engine of several "
+             "processes, e.g. vLLM's API server, engine core and workers, dies or stops as "
+             "one."),
+    ] = False
 
 
 class InjectConfig(StrictStruct, frozen=True):

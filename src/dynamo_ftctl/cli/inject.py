@@ -37,6 +37,10 @@ app = typer.Typer(
         "Example: ftctl -i drills/local.yaml inject slow --worker w2 --delay-ms 80 --duration 30s"
         "\n\noverload runs a bounded background load (--rate, --concurrency) against the "
         "worker until --duration or `ftctl inject revert`."
+        "\n\nA worker without an admin API (vLLM): kill, term, hang by signal (process.group: "
+        "true signals its whole process group), net-* through the TCP fault proxy; xid<N> "
+        "writes the driver's Xid line (kmsg or dcgm injector, required) then SIGKILLs (or, "
+        "for a hang Xid, SIGSTOPs) it; slow, sdc, disconnect and contained Xids are refused."
     ),
     invoke_without_command=True,
     rich_markup_mode=None,

@@ -242,7 +242,19 @@ class _Target:
 
     def signal(self, name: str) -> Step:
         pid = self.pid(required=True)
-        return Step("signal", str(pid), {"signal": name})
+        assert pid is not None
+        if self.worker.process is None or not self.worker.process.group:
+            return Step("signal", str(pid), {"signal": name})
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            pgid = pid  # gone already: the injector says so when the step runs
+        if pgid != pid:
+            msg = (f"worker {self.worker.name}: pid {pid} does not lead a process group (its "
+                   f"group is {pgid}): process.group would signal the wrong processes; start "
+                   "the engine in its own session (setsid) or set process.group: false")
+            raise InvalidInput(msg)
+        return Step("signal", str(pid), {"signal": name, "group": True})
 
     def http(self, body: dict[str, Any]) -> Step:
         token_env = self.worker.admin.token_env if self.worker.admin else "FTCTL_ADMIN_TOKEN"
@@ -394,21 +406,41 @@ def _plan_xid(fault: str, xid: int, t: _Target) -> tuple[str, list[Step], list[S
     if info.effect == "log":
         t.need(fault, "kmsg", "dcgm")
         return summary, logs, []
-    if info.effect == "crash":
-        # The sim engine prints the Xid line itself and exits; otherwise SIGKILL after the log.
-        if t.has("http"):
-            return summary, [*logs, t.http({"kind": "crash", "xid": xid})], []
-        t.need(fault, "http", "signal")
-        return summary, [*logs, t.signal("SIGKILL")], []
-    if info.effect == "hang":
-        if t.has("signal"):
+    if info.effect == "crash" and t.has("http"):
+        # The sim engine prints the Xid line itself and exits.
+        return summary, [*logs, t.http({"kind": "crash", "xid": xid})], []
+    if info.effect in ("crash", "hang"):
+        # Without an admin API (vLLM, SGLang…) nothing can raise an Xid inside the engine:
+        # what stays honest is the driver's line where GPU agents read it, then what the
+        # Xid does to the process. Without a log step that would be `kill`/`hang` renamed.
+        sig, plain = ("SIGKILL", "kill") if info.effect == "crash" else ("SIGSTOP", "hang")
+        if info.effect == "hang" and t.has("signal") and (logs or not t.has("http")):
+            _need_xid_log(fault, t, sig, plain)
             return summary, [*logs, t.signal("SIGSTOP")], [t.signal("SIGCONT")]
+        if info.effect == "hang" and t.has("http"):
+            return summary, [*logs, t.http({"kind": "hang"})], [t.http(_CLEAR)]
         t.need(fault, "http", "signal")
-        return summary, [*logs, t.http({"kind": "hang"})], [t.http(_CLEAR)]
+        _need_xid_log(fault, t, sig, plain)
+        return summary, [*logs, t.signal("SIGKILL")], []
     # "request" (contained): the one request running on the faulty context ends with an
-    # error, the engine logs the Xid and keeps serving; nothing to revert.
-    t.need(fault, "http")
+    # error, the engine logs the Xid and keeps serving; nothing to revert. Only an engine's
+    # own admin API can fail one request: no signal does that.
+    if not t.has("http"):
+        msg = (f"worker {t.worker.name}: {fault} is contained (one request fails, the engine "
+               "keeps serving): only the engine's admin API can do that (http injector, "
+               f"`/admin/fault`); its injectors: {', '.join(t.allowed)}")
+        raise InvalidInput(msg)
     return summary, [*logs, t.http({"kind": "contained", "xid": xid})], []
+
+
+def _need_xid_log(fault: str, t: _Target, sig: str, plain: str) -> None:
+    """An Xid fault by signal alone must log the Xid line, or it is only `kill`/`hang`."""
+    if t.has("kmsg") or t.has("dcgm"):
+        return
+    msg = (f"worker {t.worker.name}: {fault} without an admin API is the driver's Xid line "
+           f"(kmsg or dcgm injector) then {sig}: allow kmsg in inject.injectors (with "
+           f"inject.kmsg_path), or inject {plain!r}")
+    raise InvalidInput(msg)
 
 
 def _fault_is_destructive(fault: str) -> bool:

@@ -3,7 +3,8 @@
 A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
 `Injectors.execute` carries it out through one seam per side effect:
 
-    signal  os.kill(pid, SIGKILL | SIGTERM | SIGSTOP | SIGCONT)
+    signal  os.kill(pid, SIGKILL | SIGTERM | SIGSTOP | SIGCONT), or os.kill(-pgid, …) to a
+            whole process group (`process.group`: an engine of several processes)
     http    POST {admin_url}/admin/fault with a bearer token read from the
             environment variable the inventory names (httpx, one shot)
     kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
@@ -54,7 +55,8 @@ class Step:
     def describe(self) -> str:
         """Exactly what executing this step does, for `--dry-run` and the audit log."""
         if self.injector == "signal":
-            return f"kill -{self.data['signal'].removeprefix('SIG')} {self.target}"
+            target = f"-- -{self.target}" if self.data.get("group") else self.target
+            return f"kill -{self.data['signal'].removeprefix('SIG')} {target}"
         if self.injector == "http":
             body = json.dumps(self.data["body"], separators=(",", ":"))
             return (f"POST {self.target} {body} "
@@ -117,15 +119,18 @@ class Injectors:
     def _signal(self, step: Step) -> str:
         pid = int(step.target)
         name = str(step.data["signal"])
+        group = bool(step.data.get("group"))
         try:
-            self.kill(pid, signal.Signals[name].value)
+            # kill(-pgid, sig) signals every process of the group (POSIX kill(2)).
+            self.kill(-pid if group else pid, signal.Signals[name].value)
         except ProcessLookupError:
-            msg = f"no process with pid {pid} (already gone?)"
+            what = f"process group {pid}" if group else f"process with pid {pid}"
+            msg = f"no {what} (already gone?)"
             raise Unreachable(msg) from None
         except PermissionError:
             msg = f"not allowed to signal pid {pid} (run as its user or root)"
             raise InvalidInput(msg) from None
-        return f"sent {name}"
+        return f"sent {name} to process group {pid}" if group else f"sent {name}"
 
     def _client(self) -> httpx.Client:
         import httpx
