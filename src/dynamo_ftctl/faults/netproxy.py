@@ -177,6 +177,11 @@ class NetProxy:
         """The active toxics, in the order they were added."""
         return tuple(self._toxics.values())
 
+    @property
+    def live(self) -> int:
+        """How many relayed connections are open now."""
+        return len(self._connections)
+
     def _active(self, direction: str) -> list[Toxic]:
         return [t for t in self._toxics.values() if t.direction == direction]
 
