@@ -248,6 +248,11 @@ class StreamLedger:
     upstream_endpoint: Endpoint = "completions"
     # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
     parsed_deltas: bool = False
+    # Trailing generated ids whose text the worker has held back so far (the first bytes
+    # of a character): a continuation starts before them (see `_rewind`).
+    _unsettled: int = 0
+    # Ids a rewound continuation generates again that the client already has.
+    _replay: list[int] = field(default_factory=list)
     _role_sent: bool = False
     _prompt_ids_sent: bool = False
     _fingerprint: str | None = None
@@ -359,6 +364,8 @@ class StreamLedger:
             msg = (f"migration limit reached ({self.migration_limit}); "
                    f"the stream broke after {self.generated_count} tokens")
             raise NotContinuable(msg)
+        if remaining is not None:
+            remaining += self._rewind()
         up = self._base_upstream()
         self.upstream_endpoint = self.endpoint
         if remaining is not None:
@@ -395,6 +402,28 @@ class StreamLedger:
         up["continue_final_message"] = True
         up["add_generation_prompt"] = False
         return up
+
+    def _rewind(self) -> int:
+        """Leave the unsettled ids out of the continuation's prompt; how many were left out.
+
+        A worker holds back the text of a token that ends inside a character, and vLLM's
+        detokenizer, given a token-id prompt that ends there, sent the prompt's whole
+        text as the continuation's first delta (tokenizers' DecodeStream, primed with
+        the prompt, lost its prefix; vLLM issue 17448). Starting the continuation before
+        those ids makes it generate them again, text included. The client saw their ids
+        (if it asked for ids) but not their text: a greedy run gives the same ids, which
+        are not sent twice; a sampled one may not, so with ids visible it is not rewound.
+        """
+        held = min(self._unsettled, len(self.generated_ids))
+        temperature = self.body.get("temperature")
+        greedy = isinstance(temperature, int | float) and temperature == 0
+        if not held or not self.exact or (self.client_wants_ids and not greedy):
+            return 0
+        self._replay = self.generated_ids[-held:] if self.client_wants_ids else []
+        del self.generated_ids[-held:]
+        self.generated_count -= held
+        self._unsettled = 0
+        return held
 
     def _chat_as_completion(self, up: dict[str, Any], remaining: int | None) -> dict[str, Any]:
         """A chat continuation as a completion of prompt ids + generated ids."""
@@ -474,6 +503,11 @@ class StreamLedger:
             raise MalformedChunk(f"worker sent more than max_tokens={limit} tokens")
         if new_ids is not None:
             self.generated_ids.extend(new_ids)
+            self._unsettled = 0 if text else self._unsettled + len(new_ids)
+            if self._replay:  # the client has these ids already (see `_rewind`)
+                again = min(len(self._replay), len(new_ids))
+                del self._replay[:again]
+                new_ids = new_ids[again:]
         self.generated_count += count
         self.attempt_tokens += count
         if text:
@@ -514,6 +548,8 @@ class StreamLedger:
         out_choice.pop("prompt_token_ids", None)
         if not self.client_wants_ids:
             out_choice.pop("token_ids", None)
+        elif new_ids is not None:
+            out_choice["token_ids"] = new_ids
         if self.endpoint == "chat":
             delta = dict(choice["delta"])
             if "role" in delta:

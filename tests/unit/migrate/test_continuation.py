@@ -270,3 +270,60 @@ def test_request_ids_are_uuids_and_a_client_id_is_kept() -> None:
     assert b.request_id == f"cmpl-{b.trace_id}"
     mine = StreamLedger("chat", dict(CHAT), trace_id="trace-42")
     assert (mine.trace_id, mine.request_id) == ("trace-42", "chatcmpl-trace-42")
+
+
+def held_back_run(body: dict[str, Any]) -> StreamLedger:
+    """A stream whose last two ids carried no text yet (the first bytes of a character)."""
+    ledger = StreamLedger("completions", prepare_request("completions", body))
+    ledger.observe(chunk("ab", [5], prompt_ids=[1, 2]))
+    ledger.observe(chunk("", [6]))
+    ledger.observe(chunk("", [7]))
+    return ledger
+
+
+def test_a_continuation_starts_before_ids_whose_text_was_held_back() -> None:
+    """The ids of a character cut in two are generated again: the prompt ends where the
+    text does, max_tokens and usage count them once, the client gets their text."""
+    ledger = held_back_run({"prompt": "x", "max_tokens": 10, "temperature": 0})
+    up = ledger.continuation_request()
+    assert up["prompt"] == [1, 2, 5]
+    assert up["max_tokens"] == 9
+    ledger.note_migration()
+    out = ledger.observe(chunk("", [6]))
+    assert out is None or out["choices"][0].get("text") == ""
+    out = ledger.observe(chunk("é", [7]))
+    assert out is not None
+    assert out["choices"][0]["text"] == "é"
+    ledger.observe(chunk("z", [8], finish="length"))
+    assert ledger.generated_ids == [5, 6, 7, 8]
+    assert ledger.output_text == "abéz"
+    assert ledger.usage().completion_tokens == 4
+
+
+def test_rewound_ids_the_client_already_has_are_not_sent_twice() -> None:
+    """With ids asked for, a greedy continuation's repeated ids reach the client once."""
+    ledger = held_back_run({"prompt": "x", "max_tokens": 10, "temperature": 0,
+                            "return_token_ids": True})
+    assert ledger.continuation_request()["prompt"] == [1, 2, 5]
+    ledger.note_migration()
+    out = ledger.observe(chunk("é", [6, 7]))
+    assert out is not None
+    assert out["choices"][0]["token_ids"] == []
+    out = ledger.observe(chunk("z", [8]))
+    assert out is not None
+    assert out["choices"][0]["token_ids"] == [8]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x", "max_tokens": 10, "temperature": 0.9, "seed": 1, "return_token_ids": True},
+    {"prompt": "x", "max_tokens": 3, "temperature": 0},
+])
+def test_no_rewind_when_the_client_saw_sampled_ids_or_nothing_is_left(
+        body: dict[str, Any]) -> None:
+    """Sampled ids the client saw may not come again; a full output is not continued."""
+    ledger = held_back_run(body)
+    if body["max_tokens"] == 3:
+        with pytest.raises(NotContinuable):
+            ledger.continuation_request()
+        return
+    assert ledger.continuation_request()["prompt"] == [1, 2, 5, 6, 7]
