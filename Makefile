@@ -94,7 +94,7 @@ test: dev debs vllm hf-serve lint
 man: dev
 	$(BIN)/python -m dynamo_ftctl.cli.manpage man
 
-bench: dev debs
+bench: dev debs vllm
 	@for script in benchmarks/*.py; do \
 	  echo "== $$script"; $(BIN)/python $$script || exit 1; \
 	done
