@@ -284,10 +284,55 @@ class SimLaunch(StrictStruct, frozen=True):
     args: Annotated[tuple[str, ...], _doc("Extra `ftctl sim serve` flags.")] = ()
 
 
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([^{}]*)\}")  # `${VAR}` is the environment's
+COMMAND_PLACEHOLDERS = ("host", "port", "model")
+
+
+def _check_placeholders(value: str) -> str:
+    for name in _PLACEHOLDER.findall(value):
+        if name not in COMMAND_PLACEHOLDERS:
+            msg = (f"unknown placeholder {{{name}}} in {value!r} (known: "
+                   + ", ".join(f"{{{n}}}" for n in COMMAND_PLACEHOLDERS) + ")")
+            raise ValueError(msg)
+    return value
+
+
 class Launch(StrictStruct, frozen=True):
-    """Local launch recipe (only for workers started by ftctl itself)."""
+    """Local launch recipe (only for workers started by ftctl itself).
+
+    `sim`: an `ftctl sim` engine. `command`: any OpenAI-compatible server (vLLM…),
+    started by `ftctl drill --local` in a process group of its own: `{host}`, `{port}`
+    and `{model}` in it become the loopback address and free port the drill picks and
+    the worker's `model`; `${VAR}` is taken from the environment when the drill starts
+    (an unset one is an error naming the key).
+    """
 
     sim: SimLaunch | None = None
+    command: Annotated[
+        tuple[str, ...],
+        _doc("argv of an OpenAI server, with {host}, {port}, {model} and ${VAR}.",
+             min_length=1),
+    ] | None = None
+    env: Annotated[dict[str, str], _doc("command: extra environment (values take ${VAR}).")] = (
+        field(default_factory=dict)
+    )
+    health_path: Annotated[str, _doc("command: path that answers 200 once it serves.")] = (
+        "/health"
+    )
+    start_timeout_s: Annotated[
+        float, _doc("command: seconds to wait for health.", gt=0, le=3600),
+    ] = 300.0
+    warmup: Annotated[
+        bool, _doc("command: one short completion once healthy (vLLM's first is slow)."),
+    ] = True
+    _checked = (("command", _check_placeholders),)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sim is not None and self.command is not None:
+            raise KeyedValueError(("command",), "give sim or command, not both")
+        if not self.health_path.startswith("/"):
+            raise KeyedValueError(("health_path",), f"must start with '/': {self.health_path!r}")
 
 
 class Worker(StrictStruct, frozen=True):

@@ -26,8 +26,9 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
     ctx: typer.Context,
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML (see drills/).")],
     local: Annotated[bool, typer.Option(
-        "--local", help="Start the scenario's workers (ftctl sim), fault proxies and the "
-        "migrating proxy on loopback first; stop them all after.")] = False,
+        "--local", help="Start the scenario's workers (launch.sim: ftctl sim; launch.command: "
+        "any OpenAI server, e.g. vLLM; none: used as running), fault proxies and the "
+        "migrating proxy on loopback first; stop what it started after.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Report folder (default: reports/drills/<scenario>-<time>).")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Skip timeline.png.")] = False,

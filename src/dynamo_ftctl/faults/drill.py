@@ -44,11 +44,13 @@ from dynamo_ftctl.faults.scenario import (
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import LocalCluster
+    from dynamo_ftctl.faults.command_worker import CommandWorker
     from dynamo_ftctl.faults.drill_report import DrillReport
     from dynamo_ftctl.faults.netproxy import NetProxy
     from dynamo_ftctl.faults.scenario import LoadProfile
+    from dynamo_ftctl.faults.witness import WitnessStream
     from dynamo_ftctl.health.canaryset import CanarySet
-    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory import Inventory, Worker
     from dynamo_ftctl.loadgen.config import LoadConfig
     from dynamo_ftctl.loadgen.record import RequestRecord
     from dynamo_ftctl.loadgen.runner import LoadReport
@@ -99,6 +101,8 @@ class _Run:
     proxy_migrations: int | None = None
     t0: float | None = None
     log: Callable[[str], None] = lambda _: None
+    local: bool = False  # a local drill writes Xid lines to its own kmsg.log
+    witnesses: list[WitnessStream] | None = None
 
 
 def _free_port() -> int:
@@ -142,6 +146,7 @@ class _Local:
     controls: list[Any] = field(default_factory=list)
     loop: _LoopThread | None = None
     launch_inventory: Inventory | None = None
+    commands: dict[str, CommandWorker] = field(default_factory=dict)
 
     def stop(self) -> None:
         for proc in (self.proxy, self.daemon):
@@ -162,6 +167,8 @@ class _Local:
             self.loop.close()
         if self.cluster is not None:
             self.cluster.stop(timeout_s=3)
+        for command in self.commands.values():
+            command.stop()
 
 
 def _wait_http_ok(url: str, deadline: float, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -181,40 +188,69 @@ def _wait_http_ok(url: str, deadline: float, proc: subprocess.Popen[bytes] | Non
 
 def _start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
                  local: _Local) -> Inventory:
-    """Start the inventory on free loopback ports; return the inventory the drill routes by."""
+    """Start the inventory on free loopback ports; return the inventory the drill routes by.
+
+    `launch.sim` workers are `ftctl sim` engines, `launch.command` workers any server the
+    command starts (in a process group of its own, signalled as one); a worker without a
+    `launch` is already running and is used where the inventory says, with its `process`.
+    """
+    from urllib.parse import urlsplit
+
     from dynamo_ftctl.engine.launcher import start_cluster
+    from dynamo_ftctl.faults.command_worker import start_command_workers
     from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy
     from dynamo_ftctl.inventory import parse_inventory
 
     launch_workers = []
-    route_workers = []
-    for worker in inventory.workers:
-        sim_url = f"http://127.0.0.1:{_free_port()}"
-        launch_workers.append(worker.model_copy(update={"url": sim_url, "process": None}))
-        route_workers.append((worker, sim_url))
+    route_workers: list[tuple[Worker, str, str]] = []  # (worker, its URL, how it started)
+    commands: list[tuple[Worker, str, int, str]] = []
+    where = f"{inventory.source or 'inventory'}"
+    for index, worker in enumerate(inventory.workers):
+        recipe = worker.launch
+        if recipe is not None and recipe.sim is not None:
+            sim_url = f"http://127.0.0.1:{_free_port()}"
+            launch_workers.append(worker.model_copy(update={"url": sim_url, "process": None}))
+            route_workers.append((worker, sim_url, "sim"))
+        elif recipe is not None and recipe.command is not None:
+            port = _free_port()
+            commands.append((worker, "127.0.0.1", port, f"{where}: workers[{index}].launch"))
+            route_workers.append((worker, f"http://127.0.0.1:{port}", "command"))
+        else:
+            route_workers.append((worker, worker.url, "running"))
     launch = inventory.model_copy(update={"workers": tuple(launch_workers)})
     local.launch_inventory = launch
-    local.cluster = start_cluster(launch, state_dir=out_dir / "cluster", env=env)
+    local.commands = start_command_workers(commands, log_dir=out_dir,
+                                           environ={**os.environ, **env})
+    if launch_workers:
+        local.cluster = start_cluster(launch, state_dir=out_dir / "cluster", env=env)
     routed = []
-    for worker, sim_url in route_workers:
-        url = sim_url
+    for worker, direct_url, how in route_workers:
+        url = direct_url
         inject = worker.inject
         if "net" in worker.inject.injectors:
             if local.loop is None:
                 local.loop = _LoopThread()
-            port = int(sim_url.rsplit(":", 1)[1])
-            proxy = local.loop.call(NetProxy("127.0.0.1", port).start())
+            parts = urlsplit(direct_url)
+            proxy = local.loop.call(NetProxy(parts.hostname or "127.0.0.1",
+                                             parts.port or 80).start())
             control = local.loop.call(ControlServer(proxy).start())
             local.netproxies.append(proxy)
             local.controls.append(control)
             url = f"http://127.0.0.1:{proxy.port}"
             inject = inject.model_copy(update={"netproxy": control.url})
-        admin = (worker.admin.model_copy(update={"url": sim_url}) if worker.admin else None)
         data = worker.model_dump(by_alias=True, exclude_none=True, mode="json")
         data.update({"url": url, "inject": inject.model_dump(mode="json", exclude_none=True)})
+        if how == "running":
+            # Probed directly (the admin URL), not through the fault proxy in front of it.
+            data.setdefault("admin", {}).setdefault("url", worker.admin_url)
+            routed.append(data)
+            continue
         data.pop("process", None)
+        if how == "command":
+            data["process"] = {"pid": local.commands[worker.name].pid, "group": True}
+        admin = (worker.admin.model_copy(update={"url": direct_url}) if worker.admin else None)
         data["admin"] = (admin.model_dump(mode="json", exclude_none=True) if admin
-                         else {"url": sim_url})
+                         else {"url": direct_url})
         routed.append(data)
     doc = inventory.model_dump(by_alias=True, exclude_none=True, mode="json")
     doc["workers"] = routed
@@ -408,6 +444,23 @@ def loads_counts(runs: list[tuple[LoadProfile, LoadReport]]) -> dict[str, Any]:
     return counts
 
 
+def _add_witness_counts(counts: dict[str, Any], run: _Run) -> None:
+    """Witness streams count as requests too; their own figures go under `witness`."""
+    from dynamo_ftctl.faults.witness import witness_counts
+
+    witness = run.scenario.method.witness
+    assert witness is not None
+    assert run.witnesses is not None
+    seen = witness_counts(run.witnesses, witness.max_tokens)
+    counts["witness"] = seen
+    for key in ("failed", "tokens_lost", "tokens_duplicated"):
+        counts[key] += seen[key]
+    counts["sent"] += seen["streams"]
+    counts["completed"] += seen["streams"] - seen["failed"]
+    counts["streams_cut"] = seen["cut"]
+    counts["ids_mismatched"] = seen["ids_mismatched"]
+
+
 def _metric_probe(probe: Probe, counts: dict[str, Any], ttft_p99: float | None) -> ProbeOutcome:
     assert probe.max is not None
     if probe.priority is not None:
@@ -419,6 +472,11 @@ def _metric_probe(probe: Probe, counts: dict[str, Any], ttft_p99: float | None) 
     value: float | None
     if probe.kind == "ttft_p99_ms":
         value = ttft_p99
+    elif probe.kind == "streams_cut_min":
+        value = float(counts.get("streams_cut", 0))
+        return ProbeOutcome(probe.name, probe.kind, "after", value >= probe.max,
+                            f"{value:g} witness streams cut and continued (need ≥ "
+                            f"{probe.max:g})")
     elif probe.kind == "rejected_min":
         value = float(counts["rejected"])
         passed = value >= probe.max
@@ -445,7 +503,7 @@ def _inject(run: _Run, entry: TimelineEntry) -> str:
     options = InjectOptions(
         pid=run.pids.get(entry.worker), delay_ms=entry.delay_ms, jitter_ms=entry.jitter_ms,
         after_tokens=entry.after_tokens, rate_kbps=entry.rate_kbps, duration_s=entry.duration_s,
-        kmsg_path=run.out_dir / "kmsg.log" if run.pids else None,
+        kmsg_path=run.out_dir / "kmsg.log" if run.local else None,
     )
     plan = plan_injection(run.inventory, entry.worker, entry.fault, options)
     result = run_injection(plan, injectors=Injectors(environ={**os.environ, **run.env}),
@@ -552,6 +610,42 @@ def _load_config(run: _Run, load: LoadProfile) -> LoadConfig:
     )
 
 
+async def _witness(run: _Run, started: asyncio.Event) -> list[WitnessStream]:
+    """The witness streams through the proxy, from `witness.at_s` into the load."""
+    from dynamo_ftctl.faults.witness import run_witnesses
+
+    witness = run.scenario.method.witness
+    assert witness is not None
+    await started.wait()
+    assert run.t0 is not None
+    await run.clock.asleep(run.t0 + witness.at_s - run.clock.now())
+    run.log(f"t={run.clock.now() - run.t0:.2f}s {witness.streams} witness streams")
+    return await run_witnesses(witness, run.target_url, run.inventory.workers[0].model)
+
+
+def _healthy_worker(run: _Run) -> str | None:
+    import httpx
+
+    for worker in run.inventory.workers:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{worker.admin_url}/health", timeout=2.0).status_code == 200:
+                return worker.admin_url
+    return None
+
+
+async def _compare_witnesses(run: _Run, streams: list[WitnessStream]) -> None:
+    """The fault-free run of each witness, straight from a healthy worker (admin URL)."""
+    from dynamo_ftctl.faults.witness import compare_witnesses
+
+    witness = run.scenario.method.witness
+    assert witness is not None
+    url = await asyncio.to_thread(_healthy_worker, run)
+    if url is None:
+        run.log("witness: no healthy worker for the fault-free run")
+        return
+    await compare_witnesses(witness, streams, url)
+
+
 async def _method(run: _Run) -> list[tuple[LoadProfile, LoadReport]]:
     """The timeline over every load profile at once; each profile's report."""
     from dynamo_ftctl.loadgen.runner import LoadEvent, run_load_async
@@ -577,6 +671,8 @@ async def _method(run: _Run) -> list[tuple[LoadProfile, LoadReport]]:
 
         via_proxy = any(p.via == "proxy" for p in profiles)
         timeline = asyncio.ensure_future(_timeline(run, started, markers))
+        witnesses = (asyncio.ensure_future(_witness(run, started))
+                     if method.witness is not None else None)
         migrations_before = (await asyncio.to_thread(_proxy_migrations, run.target_url)
                              if via_proxy else None)
         try:
@@ -585,6 +681,9 @@ async def _method(run: _Run) -> list[tuple[LoadProfile, LoadReport]]:
                 run_load_async(_load_config(run, p), on_event=on_event,
                                markers=markers if i == 0 else [])
                 for i, p in enumerate(profiles)))
+            if witnesses is not None:
+                run.witnesses = await witnesses
+                await _compare_witnesses(run, run.witnesses)
             if migrations_before is not None:
                 after = await asyncio.to_thread(_proxy_migrations, run.target_url)
                 if after is not None:
@@ -592,6 +691,8 @@ async def _method(run: _Run) -> list[tuple[LoadProfile, LoadReport]]:
             await asyncio.wait_for(timeline, timeout=max(5.0, run.scenario.timeout_s))
         finally:
             timeline.cancel()
+            if witnesses is not None:
+                witnesses.cancel()
         await run.clock.asleep(method.settle_s)
         return list(zip(profiles, reports, strict=True))
     finally:
@@ -618,7 +719,7 @@ def _rollback(run: _Run, local: _Local) -> None:
                                    for r in result.failed)
                 text = f"reverted: {done or 'nothing pending'}"
                 run.rollbacks.append(text + (f"; FAILED: {failed}" if failed else ""))
-            elif local.cluster is not None:
+            elif local.cluster is not None or local.commands:
                 run.rollbacks.append(_restart_dead(run, local))
         except (FtctlError, OSError) as exc:
             run.rollbacks.append(f"{rollback.action} failed: {exc}")
@@ -628,9 +729,17 @@ def _rollback(run: _Run, local: _Local) -> None:
 def _restart_dead(run: _Run, local: _Local) -> str:
     from dynamo_ftctl.engine.launcher import start_worker
 
-    assert local.cluster is not None
-    assert local.launch_inventory is not None
     restarted = []
+    for command in local.commands.values():
+        if command.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(command.pid, signal.SIGCONT)  # a SIGSTOPped group resumes
+            continue
+        command.restart()
+        run.pids[command.name] = command.pid
+        restarted.append(command.name)
+    if local.cluster is None or local.launch_inventory is None:
+        return f"restarted: {', '.join(restarted) or 'none needed'}"
     for worker in local.launch_inventory.workers:
         process = local.cluster.workers.get(worker.name)
         if process is None:
@@ -754,7 +863,8 @@ def run_drill(
         for worker in inventory.workers:
             env[worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"] = token
     run = _Run(scenario=scenario, inventory=inventory, out_dir=out, clock=clock, env=env,
-               target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None))
+               target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None),
+               local=local)
     started_at = clock.wall()
     local_run = _Local()
     runs: list[tuple[LoadProfile, LoadReport]] | None = None
@@ -767,8 +877,8 @@ def run_drill(
                 if local:
                     run.inventory = _start_local(inventory, out, env, local_run)
                     run.target_url = f"http://{run.inventory.proxy.listen}"
-                    assert local_run.cluster is not None
-                    run.pids = {w.name: w.pid for w in local_run.cluster}
+                    run.pids = {w.name: w.pid for w in local_run.cluster or ()}
+                    run.pids |= {n: c.pid for n, c in local_run.commands.items()}
                 state_probes = [p for p in scenario.hypothesis.probes
                                 if p.kind not in METRIC_KINDS]
                 before = [_state_probe(run, p, "before") for p in state_probes]
@@ -799,6 +909,8 @@ def run_drill(
                           for p in scenario.hypothesis.probes if p.kind == "drained_s")
     if runs:
         counts = loads_counts(runs)
+        if run.witnesses is not None:
+            _add_witness_counts(counts, run)
         if run.proxy_migrations is not None:
             counts["migrated"] = max(counts["migrated"], run.proxy_migrations)
         for probe in scenario.hypothesis.probes:

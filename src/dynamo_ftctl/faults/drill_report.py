@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from dynamo_ftctl.faults.drill import ProbeOutcome, TimelineEvent
 
-__all__ = ["DrillReport", "plot_timeline", "render_markdown", "write_report"]
+__all__ = ["DrillReport", "plot_timeline", "render_markdown", "witness_line", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,8 @@ class DrillReport:
             lines.append(f"  requests: sent {c['sent']}, failed {c['failed']}, migrated "
                          f"{c['migrated']}, rejected {c['rejected']}; tokens lost "
                          f"{c['tokens_lost']}, duplicated {c['tokens_duplicated']}")
+            if "witness" in c:
+                lines.append("  " + witness_line(c["witness"]))
             lines += [f"    {tier}: sent {t['sent']}, failed {t['failed']}, shed {t['rejected']} "
                       f"({t['shed_with_retry_after']} with Retry-After)"
                       for tier, t in c.get("by_priority", {}).items()]
@@ -110,6 +112,16 @@ class DrillReport:
         return Text("\n".join(self.summary_lines()), no_wrap=True, overflow="ignore")
 
 
+def witness_line(w: dict[str, Any]) -> str:
+    """One sentence on the witness streams: how many were cut and continued intact."""
+    line = (f"witness: {w['streams']} greedy streams, {w['failed']} failed, {w['cut']} cut "
+            f"and continued, {w['cut_intact']} of those token-identical to the fault-free "
+            f"run; {w['ids_mismatched']} differ")
+    if w.get("no_reference"):
+        line += f" ({w['no_reference']} had no fault-free run)"
+    return line
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
@@ -127,6 +139,8 @@ def render_markdown(report: DrillReport) -> str:
                 "tokens duplicated |", "|---|---|---|---|---|---|",
                 f"| {c['sent']} | {c['failed']} | {c['migrated']} | {c['rejected']} | "
                 f"{c['tokens_lost']} | {c['tokens_duplicated']} |", ""]
+        if "witness" in c:
+            out += [witness_line(c["witness"]) + " (counted in the table above too).", ""]
         if c.get("by_priority"):
             out += ["| priority | sent | completed | failed | shed (503/529) | "
                     "shed with Retry-After | error rate |", "|---|---|---|---|---|---|---|"]

@@ -34,17 +34,18 @@ __all__ = [
     "Rollback",
     "Scenario",
     "TimelineEntry",
+    "Witness",
     "load_scenario",
 ]
 
 StateProbeKind = Literal["workers_healthy", "canary", "shed"]
 MetricProbeKind = Literal[
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
-    "drained_s", "admitted_error_rate",
+    "drained_s", "admitted_error_rate", "ids_mismatched", "streams_cut_min",
 ]
 METRIC_KINDS: tuple[str, ...] = (
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
-    "drained_s", "admitted_error_rate",
+    "drained_s", "admitted_error_rate", "ids_mismatched", "streams_cut_min",
 )
 
 
@@ -62,6 +63,9 @@ class Probe(_Model):
     `admitted_error_rate`: failures among the requests the proxy admitted (not shed);
     `drained_s`: the canary daemon took every injected worker (of `workers`) out of
     routing within `max` seconds of its fault (needs `canary.set`, `--local`).
+    `ids_mismatched` (≤ max): witness streams whose token ids differ from the fault-free
+    run; `streams_cut_min` (≥ max): witness streams the proxy moved and completed (both
+    need `method.witness`).
     With `priority`, a metric probe judges only the load profile(s) of that
     priority. `shed` (timeline only) sends one request with the `priority` header
     to the proxy until, within `within_s`, one is shed with 503, a `Retry-After`
@@ -110,6 +114,20 @@ class LoadProfile(_Model):
     seed: int = 0
 
 
+class Witness(_Model):
+    """Greedy streams with token ids sent through the proxy at `at_s`, across the faults.
+
+    After the method each request runs again straight from a healthy worker; every
+    stream's ids must equal that fault-free run (`faults/witness.py`).
+    """
+
+    at_s: float = Field(0.0, ge=0, description="When the streams start (before the fault).")
+    streams: int = Field(4, ge=1, le=64)
+    prompt_tokens: int = Field(16, ge=1, le=4096)
+    max_tokens: int = Field(256, ge=1, le=32_768, description="Long enough to span the fault.")
+    timeout_s: float = Field(120.0, gt=0)
+
+
 class TimelineEntry(_Model):
     """At `at_s` into the method: inject `fault` into `worker`, or run a `probe`."""
 
@@ -140,6 +158,8 @@ class Method(_Model):
         (), description="Load profiles run at the same time (each its own priority).")
     timeline: tuple[TimelineEntry, ...] = Field(min_length=1)
     settle_s: float = Field(1.0, ge=0, le=600, description="Wait after the last entry.")
+    witness: Witness | None = Field(
+        None, description="Greedy token-id streams checked against a fault-free run.")
 
     @model_validator(mode="after")
     def _one_load_key(self) -> Method:
@@ -175,6 +195,9 @@ class Scenario(_Model):
     @model_validator(mode="after")
     def _shed_in_timeline(self) -> Scenario:
         for index, probe in enumerate(self.hypothesis.probes):
+            if probe.kind in ("ids_mismatched", "streams_cut_min") and self.method.witness is None:
+                raise KeyedValueError(("hypothesis", "probes", index, "kind"),
+                                      f"a {probe.kind} probe needs method.witness")
             if probe.kind == "shed":
                 raise KeyedValueError(("hypothesis", "probes", index, "kind"),
                                       "a shed probe runs in the method's timeline only")

@@ -1,0 +1,136 @@
+"""Witness streams: greedy streams with token ids sent through the proxy across a drill's faults.
+
+The load generator counts tokens, not which ones. A witness stream asks for greedy
+tokens and their ids (`return_token_ids`, `ignore_eos`); after the method, the same
+request runs once more straight from a healthy worker (the fault-free run), and each
+stream's ids must equal it: a stream the proxy moved (`x-ftctl-migrated`) and continued
+token-exactly counts as cut and intact. Greedy is exact across workers of one model;
+seeded sampling is not after a cut on vLLM V1 (docs/compatibility.md), so witnesses are
+greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from dynamo_ftctl.faults.scenario import Witness
+
+__all__ = ["WitnessStream", "compare_witnesses", "run_witnesses"]
+
+_MIGRATED = b": x-ftctl-migrated:"
+
+
+@dataclass
+class WitnessStream:
+    """What one witness stream got, and how it compares with the fault-free run."""
+
+    index: int
+    body: dict[str, Any]
+    ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    migrated: bool = False
+    error: str | None = None
+    reference: list[int] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Answered in full: a finish reason, no error."""
+        return self.error is None and self.finished
+
+    @property
+    def intact(self) -> bool:
+        """Its ids are the fault-free run's."""
+        return self.ok and self.reference is not None and self.ids == self.reference
+
+
+def witness_body(witness: Witness, model: str, index: int) -> dict[str, Any]:
+    """Request `index`: a greedy completion of its own prompt, asking for token ids."""
+    from dynamo_ftctl.loadgen.workload import synthetic_prompt
+
+    prompt = synthetic_prompt(random.Random(f"witness-{index}"), witness.prompt_tokens)
+    return {"model": model, "prompt": prompt, "max_tokens": witness.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, out: WitnessStream) -> None:
+    import aiohttp
+
+    try:
+        async with session.post(f"{url}/v1/completions", json=out.body) as response:
+            if response.status != 200:
+                out.error = f"HTTP {response.status}"
+                return
+            out.migrated = bool(response.headers.get("x-ftctl-migrated"))
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    _take(line.rstrip(b"\r"), out)
+            _take(buffer, out)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        out.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
+
+
+def _take(line: bytes, out: WitnessStream) -> None:
+    if line.startswith(_MIGRATED):
+        out.migrated = True
+        return
+    if not line.startswith(b"data: {"):
+        return
+    doc = json.loads(line[6:])
+    if "error" in doc:
+        out.error = f"SSE error event: {str(doc['error'])[:200]}"
+        return
+    for choice in doc.get("choices") or ():
+        out.ids.extend(choice.get("token_ids") or ())
+        if choice.get("finish_reason"):
+            out.finished = True
+
+
+async def run_witnesses(witness: Witness, url: str, model: str) -> list[WitnessStream]:
+    """Send every witness stream to `url` at once; what each got."""
+    import aiohttp
+
+    streams = [WitnessStream(i, witness_body(witness, model, i)) for i in range(witness.streams)]
+    timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(_stream(session, url, s) for s in streams))
+    return streams
+
+
+async def compare_witnesses(witness: Witness, streams: list[WitnessStream],
+                            worker_url: str) -> None:
+    """Run each request once more, one at a time, straight from `worker_url` (no proxy,
+    no fault): the reference its ids must equal."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for stream in streams:
+            fault_free = WitnessStream(stream.index, stream.body)
+            await _stream(session, worker_url, fault_free)
+            stream.reference = fault_free.ids if fault_free.ok else None
+
+
+def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, Any]:
+    """Streams sent, failed, cut (migrated), cut and intact, and ids that differ."""
+    done = [s for s in streams if s.ok]
+    cut = [s for s in done if s.migrated]
+    return {
+        "streams": len(streams), "failed": len(streams) - len(done),
+        "cut": len(cut), "cut_intact": sum(1 for s in cut if s.intact),
+        "ids_mismatched": sum(1 for s in done if not s.intact),
+        "no_reference": sum(1 for s in done if s.reference is None),
+        "tokens_lost": sum(max(0, max_tokens - len(s.ids)) for s in done),
+        "tokens_duplicated": sum(max(0, len(s.ids) - max_tokens) for s in done),
+        "errors": sorted({s.error for s in streams if s.error})[:5],
+    }

@@ -1,0 +1,60 @@
+"""The shipped drills/vllm-worker-crash.yaml on the session's two real vLLM servers.
+
+The test gives the scenario an inventory of its own naming the fixture's running servers
+(no `launch`: `ftctl drill --local` uses them where they are and starts only the migrating
+proxy), each signalled as a process group. The drill kills vllm2 mid-load; the `vllm_pair`
+fixture starts it again for the next test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dynamo_ftctl.faults.drill import run_drill
+from tests.integration.vllm.server import VllmServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+SCENARIO = Path(__file__).parents[3] / "drills" / "vllm-worker-crash.yaml"
+
+
+def running_inventory(pair: tuple[VllmServer, ...], path: Path) -> None:
+    """drills/vllm.yaml's workers, pointed at the fixture's servers instead of launched."""
+    shipped = yaml.safe_load((SCENARIO.parent / "vllm.yaml").read_text())
+    for worker, server in zip(shipped["workers"], pair, strict=True):
+        assert worker["name"] == server.name
+        del worker["launch"]
+        worker.update({"url": server.url, "model": server.model,
+                       "process": {"pid": server.proc.pid, "group": True},
+                       "inject": {"injectors": ["signal"]}})
+    shipped["proxy"]["listen"] = "127.0.0.1:0"
+    path.write_text(yaml.safe_dump(shipped, sort_keys=False))
+
+
+def test_vllm_worker_crash_drill_continues_every_stream_token_exactly(
+    vllm_pair: tuple[VllmServer, ...], tmp_path: Path,
+) -> None:
+    """SIGKILL of vllm2 mid-load: 0 failed requests, 0 tokens lost or repeated, and every
+    witness stream the kill cut has the fault-free run's token ids."""
+    running_inventory(vllm_pair, tmp_path / "vllm.yaml")
+    scenario = tmp_path / SCENARIO.name
+    scenario.write_text(SCENARIO.read_text())
+    report = run_drill(scenario, local=True, out_dir=tmp_path / "out", plot=False)
+    counts = report.counts
+    summary = "\n".join(report.summary_lines())
+    assert report.passed, summary
+    assert counts["failed"] == 0
+    assert counts["tokens_lost"] == counts["tokens_duplicated"] == 0
+    witness = counts["witness"]
+    assert witness["cut"] >= 1, summary
+    assert witness["cut_intact"] == witness["cut"]
+    assert witness["ids_mismatched"] == 0
+    assert not vllm_pair[1].alive, "the drill killed vllm2"
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"{witness['cut']} cut and continued, {witness['cut']} of those token-identical" in text
+    doc = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert doc["requests"]["witness"] == witness
