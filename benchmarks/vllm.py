@@ -16,7 +16,8 @@
    request, so a seeded continuation cannot repeat the uninterrupted run
    (docs/compatibility.md).
 2. TTFT through the proxy vs straight to vLLM: p50 of REQUESTS short completions each,
-   alternating, in the same run (the ratio; these machines are shared and noisy).
+   alternating, in the same run (the ratio; these machines are shared and noisy), through
+   a second proxy over the servers themselves (no fault proxy on that path).
 
 Needs the vLLM venv (`make vllm`, or $FTCTL_VLLM_PYTHON); without it this prints a note
 and exits 0. Usage: python benchmarks/vllm.py [--streams N] [--requests N] [--seed S]
@@ -285,15 +286,21 @@ async def run(servers: list[VllmServer], folder: Path, args: argparse.Namespace)
         if args.dump is not None and dump:
             args.dump.write_text(json.dumps(dump))
             print(f"  ({len(dump)} streams with equal ids and other text: {args.dump})")
-        for np in proxies:
-            np.remove_toxic(PACE.name)
-        # TTFT straight to w0's server vs through the proxy (its fault proxy included).
-        await ttft_figure(servers[0], url, args.requests)
     finally:
         proc.terminate()
         proc.wait(10)
         for np in proxies:
             await np.stop()
+    # TTFT straight to a server vs through a proxy straight over both (no fault proxy).
+    direct = folder / "direct"
+    direct.mkdir()
+    proc, url, _ = await asyncio.to_thread(
+        start_proxy, [s.url for s in servers], servers[0].model, direct)
+    try:
+        await ttft_figure(servers[0], url, args.requests)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def main() -> int:

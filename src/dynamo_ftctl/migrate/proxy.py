@@ -400,7 +400,14 @@ class MigratingProxy:
         return body
 
     async def _scrape_worker(self, slot: WorkerSlot) -> None:
-        if slot.max_model_len is None:
+        # What a worker's probe found missing is not asked for every scrape (a server
+        # without /metrics, or whose /v1/models gives no max_model_len, answered every
+        # 0.1 s with a 404 or a 500 that dropped the connection).
+        caps = self.capabilities.get(slot.name) if self.capabilities is not None else None
+        if caps is not None and caps.metrics is False:
+            self._watch_capabilities(slot, b"")
+            return
+        if slot.max_model_len is None and (caps is None or caps.max_model_len is not None):
             with contextlib.suppress(Exception):
                 doc = json.loads(await self._get(f"{slot.url}/v1/models"))
                 for entry in doc.get("data", ()):

@@ -40,6 +40,8 @@ class FakeWorker:
     # Refuses fields it does not know, as servers on pydantic's extra="forbid" do (400).
     strict: bool = False
     start_time: float = 1.0  # process_start_time_seconds on /metrics (a restart changes it)
+    metrics_status: int = 200
+    metrics_calls: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -160,6 +162,9 @@ class FakeWorker:
             {"id": MODEL, "object": "model", "max_model_len": self.max_model_len}]})
 
     async def metrics(self, _: web.Request) -> web.Response:
+        self.metrics_calls += 1
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status)
         return web.Response(text="vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
                                  f"process_start_time_seconds {self.start_time}\n")
 
@@ -871,4 +876,16 @@ def test_a_restarted_worker_is_probed_again(run: Callable[..., Any]) -> None:
             await c.proxy.scrape_once()
             await until(lambda: slot.token_ids == {"completions": False, "chat": False})
             assert any(r.get("max_tokens") == 1 for r in fake.requests)
+    run(go())
+
+
+def test_what_a_worker_lacks_is_not_scraped_again(run: Callable[..., Any]) -> None:
+    """A worker whose probe found no /metrics is not asked for it at every scrape."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(metrics_status=404)]) as c:
+            asked = c.workers[0].metrics_calls
+            for _ in range(5):
+                await c.proxy.scrape_once()
+            assert c.workers[0].metrics_calls == asked
+            assert c.proxy.router.slots["w0"].max_model_len == 4096
     run(go())
