@@ -14,11 +14,13 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import yaml
 
 HERE = Path(__file__).parent
 SERVED_NAME = "tiny-llama"
@@ -164,3 +166,20 @@ def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEA
             assert waited < deadline_s, (
                 f"{server.name} not healthy after {waited:.0f} s:\n{server.log_tail()}")
             time.sleep(0.5)  # a poll interval, not a wait for time to pass
+
+
+def ftctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`ftctl ARGS` as a user runs it, its output captured."""
+    return subprocess.run([sys.executable, "-m", "dynamo_ftctl", *args], capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+def inventory_for(path: Path, servers: tuple[VllmServer, ...]) -> Path:
+    """An inventory at `path` naming `servers` (canary set: canary-set.yaml beside it)."""
+    path.write_text(yaml.safe_dump({
+        "cluster": path.stem,
+        "workers": [{"name": s.name, "url": s.url, "model": s.model, "node": "localhost"}
+                    for s in servers],
+        "canary": {"set": "canary-set.yaml", "timeout_s": 10, "max_retries": 1},
+    }))
+    return path

@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +39,7 @@ from tests.integration.proxy.test_proxy_sim import (
     stream,
 )
 from tests.integration.vllm.hf_server import spawn_hf_serve
-from tests.integration.vllm.server import VllmServer, wait_healthy
+from tests.integration.vllm.server import VllmServer, ftctl, inventory_for, wait_healthy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -78,22 +76,6 @@ def hf_pair(hf_servers: tuple[VllmServer, ...]) -> tuple[VllmServer, ...]:
         if not server.alive:
             server.restart()
     return hf_servers
-
-
-def _ftctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dynamo_ftctl", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)
-
-
-def _inventory(tmp_path: Path, servers: tuple[VllmServer, ...]) -> Path:
-    path = tmp_path / "hf.yaml"
-    path.write_text(yaml.safe_dump({
-        "cluster": "hf-serve-cpu",
-        "workers": [{"name": s.name, "url": s.url, "model": s.model, "node": "localhost"}
-                    for s in servers],
-        "canary": {"set": "canary-set.yaml", "timeout_s": 10, "max_retries": 1},
-    }))
-    return path
 
 
 def _body(endpoint: str, model: str) -> dict[str, Any]:
@@ -178,28 +160,28 @@ def test_canary_record_then_probe_compares_text(hf_pair: tuple[VllmServer, ...],
                                                 tmp_path: Path) -> None:
     """`canary record` learns that the server refuses return_token_ids and records golden text;
     `canary --all` with that set is healthy, and a changed golden text is a text mismatch."""
-    inventory = _inventory(tmp_path, hf_pair)
-    record = _ftctl("-i", str(inventory), "canary", "record", "-w", hf_pair[0].name,
+    inventory = inventory_for(tmp_path / "hf-serve-cpu.yaml", hf_pair)
+    record = ftctl("-i", str(inventory), "canary", "record", "-w", hf_pair[0].name,
                     "-o", str(tmp_path / "canary-set.yaml"))
     assert record.returncode == 0, record.stdout + record.stderr
     recorded = yaml.safe_load((tmp_path / "canary-set.yaml").read_text())
     assert recorded["return_token_ids"] is False
     assert all(p["expected_text"] and "expected_token_ids" not in p
                for p in recorded["prompts"])
-    probe = _ftctl("-i", str(inventory), "canary", "--all", "--no-state", "--json")
+    probe = ftctl("-i", str(inventory), "canary", "--all", "--no-state", "--json")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     assert [w["verdict"] for w in json.loads(probe.stdout)["workers"]] == ["healthy"] * 2
     recorded["prompts"][0]["expected_text"] += "!"
     (tmp_path / "canary-set.yaml").write_text(yaml.safe_dump(recorded))
-    wrong = _ftctl("-i", str(inventory), "canary", "-w", hf_pair[1].name, "--no-state", "--json")
+    wrong = ftctl("-i", str(inventory), "canary", "-w", hf_pair[1].name, "--no-state", "--json")
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert json.loads(wrong.stdout)["workers"][0]["kind"] == "text_mismatch"
 
 
 def test_load_on_both_workers(hf_pair: tuple[VllmServer, ...], tmp_path: Path) -> None:
     """`ftctl load` bounded by count and time over both workers: every request succeeds."""
-    inventory = _inventory(tmp_path, hf_pair)
-    done = _ftctl("-i", str(inventory), "load", "--workers", ",".join(s.name for s in hf_pair),
+    inventory = inventory_for(tmp_path / "hf-serve-cpu.yaml", hf_pair)
+    done = ftctl("-i", str(inventory), "load", "--workers", ",".join(s.name for s in hf_pair),
                   "--rate", "4", "--requests", "16", "--duration", "60s", "--max-tokens", "16",
                   "--stream", "--timeout", "60s", "--json")
     assert done.returncode == 0, done.stdout + done.stderr

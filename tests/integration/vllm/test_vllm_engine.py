@@ -9,8 +9,6 @@ ids (`return_token_ids`) and greedy decoding continues the same way from ids.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.vllm.server import VllmServer, pinned_version
+from tests.integration.vllm.server import VllmServer, ftctl, inventory_for, pinned_version
 
 pytestmark = [
     pytest.mark.integration, pytest.mark.slow,
@@ -29,22 +27,6 @@ pytestmark = [
 PROMPT = "The capital of France is"
 LENGTH = 150
 SPLITS = (30, 59, 120)
-
-
-def _ftctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dynamo_ftctl", *args], capture_output=True,
-                          text=True, timeout=timeout, check=False)
-
-
-def _inventory(tmp_path: Path, servers: tuple[VllmServer, ...]) -> Path:
-    path = tmp_path / "vllm.yaml"
-    path.write_text(yaml.safe_dump({
-        "cluster": "vllm-cpu",
-        "workers": [{"name": s.name, "url": s.url, "model": s.model, "node": "localhost"}
-                    for s in servers],
-        "canary": {"set": "canary-set.yaml", "timeout_s": 10, "max_retries": 1},
-    }))
-    return path
 
 
 def _stream(client: httpx.Client, url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,22 +62,22 @@ def test_canary_record_then_probe_both(vllm_pair: tuple[VllmServer, ...], tmp_pa
     """`canary record` on a freshly started vLLM (its first request is slow: record warms it
     up first), then `canary --all` with that set exits 0."""
     vllm_pair[0].restart(warm=False)
-    inventory = _inventory(tmp_path, vllm_pair)
-    record = _ftctl("-i", str(inventory), "canary", "record", "-w", vllm_pair[0].name,
+    inventory = inventory_for(tmp_path / "vllm-cpu.yaml", vllm_pair)
+    record = ftctl("-i", str(inventory), "canary", "record", "-w", vllm_pair[0].name,
                     "-o", str(tmp_path / "canary-set.yaml"))
     assert record.returncode == 0, record.stdout + record.stderr
     recorded = yaml.safe_load((tmp_path / "canary-set.yaml").read_text())
     assert recorded["model"] == vllm_pair[0].model
     assert all(p["expected_token_ids"] for p in recorded["prompts"])
-    probe = _ftctl("-i", str(inventory), "canary", "--all", "--no-state", "--json")
+    probe = ftctl("-i", str(inventory), "canary", "--all", "--no-state", "--json")
     assert probe.returncode == 0, probe.stdout + probe.stderr
     json.loads(probe.stdout)
 
 
 def test_load_on_both_workers(vllm_pair: tuple[VllmServer, ...], tmp_path: Path) -> None:
     """`ftctl load` bounded by count and time over both workers: every request succeeds."""
-    inventory = _inventory(tmp_path, vllm_pair)
-    done = _ftctl("-i", str(inventory), "load", "--workers", ",".join(s.name for s in vllm_pair),
+    inventory = inventory_for(tmp_path / "vllm-cpu.yaml", vllm_pair)
+    done = ftctl("-i", str(inventory), "load", "--workers", ",".join(s.name for s in vllm_pair),
                   "--rate", "4", "--requests", "16", "--duration", "60s", "--max-tokens", "16",
                   "--stream", "--timeout", "60s", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
