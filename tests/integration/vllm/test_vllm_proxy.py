@@ -26,6 +26,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +34,10 @@ import httpx
 import pytest
 
 from tests.integration.proxy.test_proxy_sim import (
+    OnChunk,
     ProxyFactory,
     ProxyProcess,
     Streamed,
-    after_tokens,
     proxy_factory,
     stream,
     wait_until,
@@ -49,7 +50,7 @@ __all__ = ["proxy_factory"]  # the fixture, shared with the sim-worker tests
 
 # Long enough that the worker is still decoding when the client sees CUT (a SIGKILL's reset
 # drops what the proxy had not read yet, so the cut falls where the client is).
-MAX_TOKENS = 500
+MAX_TOKENS = 1000
 CUT = 40
 STALL_S = 5.0
 PROMPT = "Why must a stream survive the failure of the worker that serves it?"
@@ -97,6 +98,31 @@ def direct(server: VllmServer, endpoint: str, body: dict[str, Any]) -> Run:
             delta = choice.get("delta")
             text += (delta.get("content") or "") if delta is not None else choice["text"]
     return Run(prompt, ids, text)
+
+
+def after_tokens(count: int, act: Callable[[str], None]) -> tuple[OnChunk, list[str]]:
+    """A `stream` callback calling `act(serving worker)` once the client has `count` ids.
+
+    It counts the ids, not the chunks: a vLLM API server that falls behind its engine
+    sends the tokens made meanwhile in one chunk (40 chunks held all of 1800 tokens once,
+    under load, and the kill came after the end).
+    """
+    hit: list[str] = []
+    seen = [0, 0]  # ids counted, bytes of `raw` parsed
+
+    def callback(out: Streamed, raw: bytes) -> None:
+        end = raw.rfind(b"\n\n") + 2
+        for event in raw[seen[1]:end].split(b"\n\n"):
+            if event.startswith(b"data: {"):
+                seen[0] += sum(len(c.get("token_ids") or ())
+                               for c in json.loads(event[6:])["choices"])
+        seen[1] = max(seen[1], end)
+        if not hit and seen[0] >= count:
+            name = out.headers["x-ftctl-worker"].split(",")[-1]
+            act(name)
+            hit.append(name)
+
+    return callback, hit
 
 
 def signal_group(server: VllmServer, sig: signal.Signals) -> None:
