@@ -13,26 +13,34 @@ differ from the cut on).
   are exactly what vLLM gives for that context and seed: nothing lost, repeated or
   re-tokenized.
 
-The fault is a SIGKILL of the serving server's process group once the client has seen CUT
-tokens: its reset drops what the proxy had not read, so the cut falls where the client is.
-(A SIGSTOP does not: all the server wrote before it stops still arrives, and vLLM runs
-hundreds of tokens ahead of a client, so a hang set off by the client lands at the end.)
-The `vllm_pair` fixture starts a killed server again for the next test.
+The fault, once the client has seen CUT tokens: the serving server's connection is reset
+in a fault proxy (`faults.netproxy`) between it and the proxy, and its process group is
+SIGKILLed. A kill alone does not cut where the client is: the tiny model decodes ~1000
+tokens/s, the dying server's socket still delivers all it wrote, and a client starved by
+the two spinning engines was still at token 40 when the whole answer had been written
+(CI, twice). The fault proxy paces each answer to PACE_KIB_S, so what the server wrote
+ahead waits there and the reset drops it: the cut falls where the client is (as in
+benchmarks/vllm.py). The `vllm_pair` fixture starts a killed server again for the next
+test.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
+from dynamo_ftctl.faults.netproxy import NetProxy, Toxic
 from tests.integration.proxy.test_proxy_sim import (
     OnChunk,
     ProxyFactory,
@@ -48,9 +56,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 
 __all__ = ["proxy_factory"]  # the fixture, shared with the sim-worker tests
 
-# Long enough that the worker is still decoding when the client sees CUT (a SIGKILL's reset
-# drops what the proxy had not read yet, so the cut falls where the client is).
+# Longer than what a paced fault proxy may still deliver after the kill (one 64 KiB read).
 MAX_TOKENS = 1000
+PACE_KIB_S = 64.0  # ~150 streamed tokens/s with their ids
 CUT = 40
 STALL_S = 5.0
 PROMPT = "Why must a stream survive the failure of the worker that serves it?"
@@ -130,10 +138,50 @@ def signal_group(server: VllmServer, sig: signal.Signals) -> None:
     os.killpg(server.proc.pid, sig)
 
 
-def proxy_over(pair: tuple[VllmServer, ...], factory: ProxyFactory) -> ProxyProcess:
-    """The proxy over the pair, once it has learnt their max_model_len."""
-    proxy = factory([(s.name, s.url) for s in pair], model=pair[0].model,
-                    breaker_threshold=100000, stall_timeout_s=STALL_S)
+@dataclass
+class Relays:
+    """The fault proxies in front of the pair, on a loop of their own thread."""
+
+    workers: list[tuple[str, str]]  # (name, the URL of its fault proxy)
+    cut: Callable[[str], None]  # reset every connection of that worker's fault proxy
+
+
+@contextlib.contextmanager
+def paced(pair: tuple[VllmServer, ...]) -> Iterator[Relays]:
+    """A fault proxy in front of each server, pacing its answers to PACE_KIB_S."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    async def start(server: VllmServer) -> NetProxy:
+        relay = await NetProxy("127.0.0.1", int(server.url.rsplit(":", 1)[1])).start()
+        relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=PACE_KIB_S))
+        return relay
+
+    async def reset(relay: NetProxy) -> None:
+        relay.add_toxic(Toxic(name="cut", kind="reset_peer", timeout_ms=0.0))
+
+    relays: list[NetProxy] = []
+    try:
+        relays = [call(start(server)) for server in pair]
+        by_name = {s.name: r for s, r in zip(pair, relays, strict=True)}
+        yield Relays([(name, f"http://127.0.0.1:{r.port}") for name, r in by_name.items()],
+                     lambda name: call(reset(by_name[name])))
+    finally:
+        for relay in relays:
+            call(relay.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def proxy_over(workers: list[tuple[str, str]], model: str,
+               factory: ProxyFactory) -> ProxyProcess:
+    """The proxy over `workers` (name, URL), once it has learnt their max_model_len."""
+    proxy = factory(workers, model=model, breaker_threshold=100000, stall_timeout_s=STALL_S)
 
     def knows() -> bool:
         doc = httpx.get(f"{proxy.url}/v1/models", timeout=5).json()
@@ -188,10 +236,15 @@ def test_sigkilled_worker_mid_stream_is_continued_from_token_ids(
     by_name = {s.name: s for s in vllm_pair}
     body = body_of(endpoint, seeded, vllm_pair[0].model)
     expected = direct(vllm_pair[0], endpoint, body)
-    proxy = proxy_over(vllm_pair, proxy_factory)
-    kill_at_cut, killed = after_tokens(CUT, lambda name: signal_group(by_name[name],
-                                                                      signal.SIGKILL))
-    got = stream(proxy, endpoint, body, on_chunk=kill_at_cut)
+    with paced(vllm_pair) as relays:
+
+        def kill(name: str) -> None:
+            relays.cut(name)
+            signal_group(by_name[name], signal.SIGKILL)
+
+        kill_at_cut, killed = after_tokens(CUT, kill)
+        proxy = proxy_over(relays.workers, vllm_pair[0].model, proxy_factory)
+        got = stream(proxy, endpoint, body, on_chunk=kill_at_cut)
     assert killed, "the stream ended before the kill"
     survivor = next(s for s in vllm_pair if s.name != killed[0])
     assert_continued(got, expected, proxy, survivor, body, seeded=seeded)
