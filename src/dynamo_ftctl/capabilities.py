@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "KV_USAGE_METRICS",
     "MAX_PROBE_BYTES",
+    "PROBE_PROMPT",
     "AiohttpFetch",
     "Capabilities",
     "CapabilityCache",
@@ -83,7 +84,8 @@ KV_USAGE_METRICS: Mapping[LoadMetric, str] = {
     "vllm_old": "vllm:gpu_cache_usage_perc",  # vLLM before 0.10
 }
 _TOKEN_FIELD = "return_token_ids"  # noqa: S105 - a request field, not a secret
-_PROMPT = "ping"
+# The probes' prompt (named so that a test double can tell a probe from a client request).
+PROBE_PROMPT = "ping"
 _START_TIME = re.compile(rb"^process_start_time_seconds(?:\{[^}\n]*\})?[ \t]+(\S+)", re.MULTILINE)
 _METRIC_NAME = {
     family: re.compile(rb"^" + re.escape(name.encode()) + rb"[{ \t]", re.MULTILINE)
@@ -242,9 +244,9 @@ async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout
     body: dict[str, Any] = {"model": worker.model, "max_tokens": 1, "temperature": 0,
                             "stream": True, _TOKEN_FIELD: True}
     if chat:
-        body["messages"] = [{"role": "user", "content": _PROMPT}]
+        body["messages"] = [{"role": "user", "content": PROBE_PROMPT}]
     else:
-        body["prompt"] = _PROMPT
+        body["prompt"] = PROBE_PROMPT
     answer = await _exchange(fetch, "POST", f"{worker.url}{path}", body, timeout_s=timeout_s)
     what = f"POST {path}"
     if not found.saw(what, answer):
@@ -270,7 +272,7 @@ async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout
 
 
 async def _probe_tokenize(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    body = {"model": worker.model, "prompt": _PROMPT}
+    body = {"model": worker.model, "prompt": PROBE_PROMPT}
     answer = await _exchange(fetch, "POST", f"{worker.url}/tokenize", body, timeout_s=timeout_s)
     if not found.saw("POST /tokenize", answer):
         return
