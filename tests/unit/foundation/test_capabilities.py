@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +26,7 @@ from dynamo_ftctl.capabilities import (
 )
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.inventory import Worker, parse_inventory
+from tests.integration.proxy.test_proxy_sim import threaded_server
 from tests.loopback import Server
 
 WORKER = Worker(name="w1", url="http://w1:8000", model="m")
@@ -529,14 +529,8 @@ class _Vllm(BaseHTTPRequestHandler):
 @pytest.fixture
 def vllm_url() -> Iterator[str]:
     """A vLLM-like worker on a loopback port (a thread), shut down after the test."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Vllm)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with threaded_server(_Vllm) as url:
+        yield url
 
 
 def _inventory(tmp_path: Path, *urls: str) -> Path:
