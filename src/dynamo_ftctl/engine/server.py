@@ -14,6 +14,9 @@ Routes (vLLM-compatible where vLLM has them):
 
 Like vLLM (pydantic `extra="forbid"`), a generation request with a field the
 sim does not know is a 400 naming the field (`lenient_fields` turns this off),
+and so is text the tokenizer cannot encode (a lone surrogate escape such as
+`"\\ud800"` in the prompt, a message's content or a stop string): never a 500,
+which a proxy would take for a failing worker,
 and the first generation after start waits `warmup_s` more (real engines
 compile and allocate on their first batch; /health answers meanwhile).
 
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.engine.driver import AsyncEngine
     from dynamo_ftctl.engine.metrics import EngineMetrics
     from dynamo_ftctl.engine.scheduler import Engine, EngineRequest, RequestParams
+    from dynamo_ftctl.engine.tokenizer import SimTokenizer
 
 __all__ = ["DroppedByFault", "ServerSettings", "ServerState", "create_app", "serve"]
 
@@ -216,7 +220,7 @@ def _sampling(body: Mapping[str, Any], prompt_len: int, max_len: int,
     )
 
 
-def _options(body: Mapping[str, Any], logprobs: int | None) -> _Options:
+def _options(body: Mapping[str, Any], logprobs: int | None, tok: SimTokenizer) -> _Options:
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -227,6 +231,8 @@ def _options(body: Mapping[str, Any], logprobs: int | None) -> _Options:
     else:
         msg = "'stop' must be a string or a list of strings"
         raise _ParamError(msg, "stop")
+    for stop_string in stops:  # one the model could never write
+        _check_encodable(tok, stop_string, "stop")
     stream_options = body.get("stream_options") or {}
     return _Options(
         stream=bool(_get(body, "stream", (bool,), False)),
@@ -567,8 +573,12 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
             if cont and add:
                 msg = "continue_final_message and add_generation_prompt cannot both be true"
                 raise _ParamError(msg, "continue_final_message")
+            contents = [_content(m) for m in messages]
+            for index, text in enumerate(contents):
+                _check_encodable(tok, text, f"messages[{index}].content")
             prompt_ids = tok.apply_chat_template(
-                [{"role": str(m.get("role", "user")), "content": _content(m)} for m in messages],
+                [{"role": str(m.get("role", "user")), "content": text}
+                 for m, text in zip(messages, contents, strict=True)],
                 add_generation_prompt=add, continue_final_message=cont,
             )
             logprobs = (int(_get(body, "top_logprobs", (int,), 0))
@@ -586,7 +596,7 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Resp
             raise _ParamError(msg, "logprobs")
         cfg = state.engine.config
         params = _sampling(body, len(prompt_ids), cfg.max_model_len, default_max, logprobs or 0)
-        options = _options(body, logprobs)
+        options = _options(body, logprobs, tok)
         rid = _request_id(request, "chatcmpl" if chat else "cmpl")
         if rid in state.engine.requests:
             return _error(f"request id {rid!r} is already running", 409,
@@ -630,11 +640,20 @@ def _content(message: Mapping[str, Any]) -> str:
     raise _ParamError(msg, "messages")
 
 
+def _check_encodable(tok: SimTokenizer, text: str, param: str) -> None:
+    """A 400 naming `param` for text the tokenizer cannot encode (never a 500)."""
+    try:
+        tok.check_encodable(text)
+    except InvalidInput as exc:
+        raise _ParamError(f"'{param}': {exc}", param) from None
+
+
 def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     tok = state.engine.tokenizer
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        _check_encodable(tok, prompt, "prompt")
         return tok.encode(prompt)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -8,11 +8,14 @@ generated ids such as `["the", " c", "at"]` decode to text that encodes to
 other, longer merges (`["the", " cat"]`). A client that re-sends generated text
 instead of generated ids presents the model with a different prompt; that is
 the hazard a migrating proxy must survive, and the sim keeps it visible.
-Incomplete UTF-8 decodes to U+FFFD, as Hugging Face's `decode` does.
+Incomplete UTF-8 decodes to U+FFFD, as Hugging Face's `decode` does. Lone
+surrogates (`\\ud800` JSON escapes) are no text it can encode: `UnencodableText`
+(Hugging Face's `encode` refuses them too; the server answers 400).
 
 `ByteTokenizer` (`--tokenizer byte`) has ids 0..255 for bytes and an exact round
 trip both ways (invalid UTF-8 decodes to lone surrogates, Python's
-`surrogateescape`, and encodes back to the same bytes).
+`surrogateescape`, and encodes back to the same bytes). The other lone surrogates
+(U+D800-U+DC7F, U+DD00-U+DFFF) stand for no byte: `UnencodableText`.
 
 Both share the specials (`<|bos|>` ... `<|end|>`, rendered as their names and
 matched in text as Hugging Face does), the chat template, `token_text` for
@@ -34,6 +37,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from dynamo_ftctl.errors import InvalidInput
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HfTokenizer
 
@@ -52,6 +57,7 @@ __all__ = [
     "ByteTokenizer",
     "IncrementalDetokenizer",
     "SimTokenizer",
+    "UnencodableText",
     "load_tokenizer",
     "train_bpe",
 ]
@@ -79,6 +85,17 @@ CORPUS_PATHS = (
 BPE_TRAINED_SIZE = 1024
 _ROLES = ("system", "user", "assistant")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
+# What `surrogateescape` cannot turn into a byte: the lone surrogates but U+DC80-U+DCFF.
+_NOT_A_BYTE_RE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+class UnencodableText(InvalidInput):
+    """Text with a character the tokenizer has no ids for (a lone surrogate)."""
+
+    def __init__(self, text: str, index: int) -> None:
+        self.index = index
+        super().__init__(f"U+{ord(text[index]):04X} at character {index} is a lone "
+                         "surrogate, not text the tokenizer can encode")
 
 
 class SimTokenizer:
@@ -96,10 +113,20 @@ class SimTokenizer:
     _role_ids: dict[str, int]
     _end_id: int
     _errors: str
+    _unencodable: re.Pattern[str]  # characters this tokenizer has no ids for
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`, specials for their names; no BOS is added."""
+        """Ids of `text`, specials for their names; no BOS is added.
+
+        Raises `UnencodableText` for a character it has no ids for.
+        """
         raise NotImplementedError
+
+    def check_encodable(self, text: str) -> None:
+        """Raise `UnencodableText` when `encode(text)` would (without encoding it)."""
+        match = self._unencodable.search(text)
+        if match is not None:
+            raise UnencodableText(text, match.start())
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; specials as their names."""
@@ -171,6 +198,7 @@ class ByteTokenizer(SimTokenizer):
     """UTF-8 bytes as ids; specials render as `<|name|>`; exact round trips."""
 
     _errors = "surrogateescape"
+    _unencodable = _NOT_A_BYTE_RE
     _special_re = re.compile("|".join(re.escape(name) for name in SPECIAL_NAMES))
 
     def __init__(self) -> None:
@@ -183,15 +211,19 @@ class ByteTokenizer(SimTokenizer):
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`: its UTF-8 bytes, specials for their names; no BOS is added."""
-        if "<|" not in text:
-            return list(text.encode("utf-8", errors="surrogateescape"))
-        ids: list[int] = []
-        start = 0
-        for match in self._special_re.finditer(text):
-            ids.extend(text[start : match.start()].encode("utf-8", errors="surrogateescape"))
-            ids.append(self._by_name[match.group()])
-            start = match.end()
-        ids.extend(text[start:].encode("utf-8", errors="surrogateescape"))
+        try:
+            if "<|" not in text:
+                return list(text.encode("utf-8", errors="surrogateescape"))
+            ids: list[int] = []
+            start = 0
+            for match in self._special_re.finditer(text):
+                ids.extend(text[start : match.start()].encode("utf-8", errors="surrogateescape"))
+                ids.append(self._by_name[match.group()])
+                start = match.end()
+            ids.extend(text[start:].encode("utf-8", errors="surrogateescape"))
+        except UnicodeEncodeError:
+            self.check_encodable(text)  # names the character
+            raise
         return ids
 
     def token_text(self, token_id: int) -> str:
@@ -219,13 +251,12 @@ class BpeTokenizer(SimTokenizer):
     """A byte-level BPE from a `tokenizers` JSON (default: the shipped one)."""
 
     _errors = "replace"
+    _unencodable = _SURROGATE_RE
 
     def __init__(self, path: Path = BPE_JSON) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            from dynamo_ftctl.errors import InvalidInput
-
             msg = ("the sim's BPE tokenizer needs the `tokenizers` package: "
                    "pip install 'dynamo-ftctl[sim]' (or run with --tokenizer byte)")
             raise InvalidInput(msg) from None
@@ -246,11 +277,10 @@ class BpeTokenizer(SimTokenizer):
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, specials for their names; no BOS is added.
 
-        Lone surrogates (`\\udcXX` JSON escapes) are not text the library accepts;
-        they encode as U+FFFD, which is also what decoding invalid UTF-8 gives.
+        Lone surrogates (`\\udcXX` JSON escapes) are not text the library takes
+        (its `encode` raises TypeError): `UnencodableText`.
         """
-        if _SURROGATE_RE.search(text):
-            text = _SURROGATE_RE.sub("\ufffd", text)
+        self.check_encodable(text)
         return self._tok.encode(text, add_special_tokens=False).ids
 
 

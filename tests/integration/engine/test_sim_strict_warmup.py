@@ -98,6 +98,53 @@ def test_our_own_clients_requests_are_accepted(shared_sim_worker: SimWorker) -> 
         assert post(shared_sim_worker, path, body).status_code == 200, (path, body)
 
 
+def post_escaped(worker: SimWorker, path: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body` as ASCII-escaped JSON: lone surrogates travel as `\\udXXX` escapes."""
+    return httpx.post(f"{worker.url}{path}", content=json.dumps(body), timeout=30,
+                      headers={"Content-Type": "application/json"})
+
+
+# Lone surrogates wherever text reaches the tokenizer, and the field each 400 names.
+UNENCODABLE = [
+    (COMPLETIONS, {"prompt": "a\ud800"}, "prompt"),
+    (COMPLETIONS, {"prompt": ["\udfff"]}, "prompt"),
+    (COMPLETIONS, {"prompt": "ok", "stop": ["zz", "\udcff"]}, "stop"),
+    (COMPLETIONS, {"prompt": "ok", "stop": "\ud800", "stream": True}, "stop"),
+    (CHAT, {"messages": [{"role": "user", "content": "ok"},
+                         {"role": "user", "content": "\udbff"}]}, "messages[1].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+            "stream": True}, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), UNENCODABLE)
+def test_text_the_tokenizer_cannot_encode_is_a_400_naming_the_field(
+    shared_sim_worker: SimWorker, path: str, fields: dict[str, Any], param: str,
+) -> None:
+    """A lone surrogate in any text the tokenizer sees is an OpenAI 400 naming the field,
+    never a 500 (a proxy would take that for a failing worker: issue 22)."""
+    response = post_escaped(shared_sim_worker, path, {"model": MODEL, "max_tokens": 2, **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert "lone surrogate" in error["message"]
+
+
+def test_byte_tokenizer_takes_escaped_bytes_and_refuses_other_surrogates(
+    sim_worker_factory: SimWorkerFactory,
+) -> None:
+    """With --tokenizer byte, U+DC80-U+DCFF are bytes (a 200), U+D800 is a 400, not a 500."""
+    worker = sim_worker_factory(name="bytes", args=["--tokenizer", "byte"])
+    for path, fields, param in UNENCODABLE:
+        escaped_byte = "\udcff" in json.dumps(fields, ensure_ascii=False)
+        response = post_escaped(worker, path, {"model": MODEL, "max_tokens": 2, **fields})
+        assert response.status_code == (200 if escaped_byte else 400), (fields, response.text)
+        if not escaped_byte:
+            assert response.json()["error"]["param"] == param
+    assert "Traceback" not in worker.stderr_text()
+
+
 def test_lenient_fields_ignores_unknown_fields(sim_worker_factory: SimWorkerFactory) -> None:
     """With --lenient-fields an unknown field is ignored, as before strict validation."""
     worker = sim_worker_factory(name="lenient", args=["--lenient-fields"])

@@ -276,6 +276,27 @@ def test_hundred_streams_with_a_worker_failing_at_a_random_token_are_identical(
     assert 'dynamo_migration_total{method="reprefill"' in metrics
 
 
+def test_lone_surrogate_prompts_are_400s_and_leave_every_breaker_closed(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """Issue 22 finding 1 end to end: prompts the byte tokenizer cannot encode, sent through
+    the proxy to two sims, each get a 400 naming the prompt; no worker is charged (every
+    breaker closed, no failure logged), and a normal request is served."""
+    workers = [sim_worker_factory(name=f"p{i}", args=["--tokenizer", "byte"]) for i in range(2)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers])
+    poison = json.dumps({"model": MODEL, "prompt": "\ud800", "max_tokens": 2})
+    for _ in range(4):  # more than breaker_threshold (3)
+        resp = httpx.post(f"{proxy.url}/v1/completions", content=poison, timeout=30,
+                          headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "prompt"
+    health = httpx.get(f"{proxy.url}/health", timeout=5).json()
+    assert {w["breaker"] for w in health["workers"].values()} == {"closed"}
+    assert "worker failed" not in proxy.log_text()
+    got = stream(proxy, *request_body(0))
+    assert (got.status, got.error, got.done) == (200, None, True)
+
+
 def test_sigkilled_worker_mid_stream_is_continued_identically(
     sim_worker_factory: Any, proxy_factory: ProxyFactory,
 ) -> None:

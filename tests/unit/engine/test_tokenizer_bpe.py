@@ -17,6 +17,7 @@ from dynamo_ftctl.engine.tokenizer import (
     SPECIAL_NAMES,
     ByteTokenizer,
     IncrementalDetokenizer,
+    UnencodableText,
     load_tokenizer,
     main,
 )
@@ -118,9 +119,13 @@ def test_incomplete_utf8_decodes_to_replacement_characters() -> None:
     assert TOK.token_bytes(half[0]) == [0xC3]
 
 
-def test_lone_surrogates_encode_as_replacement() -> None:
-    """A `\\udcXX` escape from JSON encodes as U+FFFD instead of failing."""
-    assert TOK.encode("a\udcff") == TOK.encode("a\ufffd")
+@pytest.mark.parametrize("text", ["a\udcff", "\ud800", "ok\udfff!"])
+def test_lone_surrogates_are_no_text_to_encode(text: str) -> None:
+    """A lone surrogate (a `\\ud800` JSON escape) is `UnencodableText` naming where, as
+    Hugging Face's own encode refuses it: never an encoding that guesses."""
+    with pytest.raises(UnencodableText, match="lone surrogate") as caught:
+        TOK.encode(text)
+    assert caught.value.index == next(i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff")
 
 
 def test_specials_from_their_names_and_back() -> None:

@@ -14,6 +14,7 @@ from dynamo_ftctl.engine.tokenizer import (
     USER,
     ByteTokenizer,
     IncrementalDetokenizer,
+    UnencodableText,
 )
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
@@ -27,6 +28,23 @@ LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=
 def test_text_round_trips(text: str) -> None:
     """decode(encode(text)) == text for any text."""
     assert TOK.decode(TOK.encode(text)) == text
+
+
+@given(st.text(st.one_of(st.characters(min_codepoint=0xDC80, max_codepoint=0xDCFF),
+                         st.characters(categories=("Cs",)), st.characters(max_codepoint=127))))
+def test_only_escaped_bytes_among_lone_surrogates_encode(text: str) -> None:
+    """U+DC80-U+DCFF (undecodable bytes) encode to their bytes; any other lone surrogate
+    is `UnencodableText` naming the first one, never a UnicodeEncodeError."""
+    bad = [i for i, ch in enumerate(text)
+           if "\ud800" <= ch <= "\udfff" and not "\udc80" <= ch <= "\udcff"]
+    if not bad:
+        assert TOK.decode(TOK.encode(text)) == text
+        return
+    with pytest.raises(UnencodableText) as caught:
+        TOK.encode(text)
+    assert caught.value.index == bad[0]
+    with pytest.raises(UnencodableText):
+        TOK.check_encodable(text)
 
 
 @given(st.lists(st.integers(0, 261), max_size=64))
