@@ -23,6 +23,7 @@ built-in `TimeoutError`::
 
     HttpError
     ├── ConnectError      refused, unreachable, or closed before any byte of an answer
+    │   └── Unreachable   no connection was made: the request was never sent
     ├── ConnectionBroken  closed or reset after the answer began
     ├── ProtocolError     not HTTP, or a body framing httptools refuses
     └── BodyTooLarge      `read(limit=...)` saw more than `limit` bytes
@@ -53,6 +54,7 @@ __all__ = [
     "Pool",
     "ProtocolError",
     "Response",
+    "Unreachable",
 ]
 
 Key = tuple[str, int]
@@ -69,6 +71,10 @@ class HttpError(OSError):
 
 class ConnectError(HttpError):
     """No answer began: refused, unreachable, or closed before its first byte."""
+
+
+class Unreachable(ConnectError):
+    """No connection was made (refused, unreachable): the server never saw the request."""
 
 
 class ConnectionBroken(HttpError):
@@ -291,7 +297,7 @@ class Pool:
     async def open(self, key: Key, timeout_s: float | None) -> Connection:
         """A new connection to `key` within `timeout_s`.
 
-        Raises `ConnectError` (refused, unreachable) or `TimeoutError`.
+        Raises `Unreachable` (refused, unreachable) or `TimeoutError`.
         """
         loop = asyncio.get_running_loop()
         try:
@@ -303,7 +309,7 @@ class Pool:
             raise TimeoutError(msg) from None
         except OSError as exc:
             msg = f"{type(exc).__name__}: {exc}"
-            raise ConnectError(msg) from exc
+            raise Unreachable(msg) from exc
         self._all.add(conn)
         return conn
 
@@ -662,7 +668,7 @@ class Client:
             response = await self._session.request(method, url, data=body, headers=headers,
                                                    timeout=timeout)
         except aiohttp.ClientConnectorError as exc:
-            raise ConnectError(str(exc)) from exc
+            raise Unreachable(str(exc)) from exc
         except aiohttp.ClientError as exc:
             raise ConnectionBroken(f"{type(exc).__name__}: {exc}") from exc
         return _AiohttpResponse(response)

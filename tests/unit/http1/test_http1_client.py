@@ -19,6 +19,7 @@ from dynamo_ftctl.http1 import (
     Pool,
     ProtocolError,
     Response,
+    Unreachable,
 )
 from tests.loopback import Handler, Server, until
 
@@ -153,7 +154,8 @@ def test_early_close_mid_body_is_a_broken_connection_never_reused() -> None:
 
 
 def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
-    """A connection closed before any byte of the answer, and a refused one, raise ConnectError."""
+    """A connection closed before any byte of the answer, and a refused one, raise ConnectError;
+    only the refused one is `Unreachable` (the server never saw the request)."""
     async def handler(reader: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
         await read_request(reader)
 
@@ -162,10 +164,11 @@ def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/"
 
     async def scenario(server: Server, pool: Pool) -> None:
-        with pytest.raises(ConnectError):
+        with pytest.raises(ConnectError) as closed:
             await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
+        assert not isinstance(closed.value, Unreachable)
         assert server.connections == 1  # a fresh connection's failure is not retried
-        with pytest.raises(ConnectError):
+        with pytest.raises(Unreachable):
             await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
 
     run_with(handler, scenario)
