@@ -45,6 +45,7 @@ __all__ = [
     "LockConfig",
     "ProcessRef",
     "ProxyConfig",
+    "RetryBudget",
     "SimLaunch",
     "StrictStruct",
     "TransitionAction",
@@ -471,12 +472,32 @@ class BusyThresholds(StrictStruct, frozen=True):
     active_prefill_tokens_threshold: Annotated[int, Meta(ge=0)] = 8192
 
 
+class RetryBudget(StrictStruct, frozen=True):
+    """How many retries the proxy lets run at once (Envoy's retry_budget, same defaults).
+
+    A request that failed before its first token is retried elsewhere only while
+    fewer retries are in flight than the larger of `budget_percent` of the
+    requests in flight and `min_retry_concurrency`: a storm of failing requests
+    cannot multiply the fleet's load. Continuations of a stream under way are not
+    retries here (`migration_limit` bounds them per request).
+    """
+
+    budget_percent: Annotated[
+        float, _doc("Retries in flight allowed, as a percentage of the requests in flight.",
+                    ge=0.0, le=100.0),
+    ] = 20.0
+    min_retry_concurrency: Annotated[
+        int, _doc("Retries in flight always allowed, whatever the traffic.", ge=0),
+    ] = 3
+
+
 class ProxyConfig(StrictStruct, frozen=True):
     """The migrating front door."""
 
     listen: str = "127.0.0.1:8000"
     migration_limit: Annotated[int, Meta(ge=0, le=100)] = 3
     busy: BusyThresholds = field(default_factory=BusyThresholds)
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
     stall_timeout_s: Annotated[
         float, _doc("A worker that sends no token for this long has failed.", gt=0),
     ] = 15.0

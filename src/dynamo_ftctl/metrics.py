@@ -19,8 +19,10 @@ __all__ = [
     "METRIC_NAMES",
     "MIGRATION_DURATION",
     "MIGRATION_TOTAL",
+    "QUERY_OF_DEATH",
     "QUEUED_REQUESTS",
     "REGISTRY",
+    "RETRY_BUDGET_EXHAUSTED",
     "TASKS_REJECTED",
     "WORKER_STATUS",
     "XID_EVENTS",
@@ -64,6 +66,16 @@ TASKS_REJECTED = Counter(
 QUEUED_REQUESTS = Gauge(
     "dynamo_queued_requests", "Requests waiting in the proxy for a worker.", registry=REGISTRY,
 )
+QUERY_OF_DEATH = Counter(
+    "ftctl_proxy_query_of_death_total",
+    "Requests that failed the same way on two workers and were not tried on more.",
+    registry=REGISTRY,
+)
+RETRY_BUDGET_EXHAUSTED = Counter(
+    "ftctl_proxy_retry_budget_exhausted_total",
+    "Failed requests not retried because the proxy's retry budget was spent.",
+    registry=REGISTRY,
+)
 LOCK_HOLDER = Gauge(
     "ftctl_lock_holder", "1 while this engine holds the failover lock.",
     ["lock", "engine_id"], registry=REGISTRY,
@@ -90,6 +102,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "dynamo_degradation_level",
     "dynamo_tasks_rejected_total",
     "dynamo_queued_requests",
+    "ftctl_proxy_query_of_death_total",
+    "ftctl_proxy_retry_budget_exhausted_total",
     "ftctl_lock_holder",
     "ftctl_lock_acquire_seconds",
     "ftctl_faults_injected_total",

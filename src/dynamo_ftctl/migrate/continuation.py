@@ -48,6 +48,7 @@ from dynamo_ftctl.openai import StopFinder
 
 __all__ = [
     "Endpoint",
+    "ErrorEvent",
     "MalformedChunk",
     "NotContinuable",
     "RequestRejected",
@@ -96,6 +97,32 @@ _STOP_KEYS = ("stop", "include_stop_str_in_output")
 
 class MalformedChunk(ValueError):
     """An upstream chunk that is not a valid completion chunk (garbage from a worker)."""
+
+
+class ErrorEvent(MalformedChunk):
+    """An SSE error event (`{"error": {...}}`); `status` is its HTTP-like code, if it has one.
+
+    vLLM streams a request's own validation errors this way once the headers are
+    out (`"code": 400`, type `BadRequestError`): those are the client's, not the
+    worker's (`proxy` passes them on); other codes are failures of the worker.
+    """
+
+    def __init__(self, message: str, doc: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.doc = doc
+        self.status = _error_status(doc.get("error"))
+
+
+def _error_status(error: Any) -> int | None:
+    """The code of an OpenAI error object as an HTTP status (400 for a named bad request)."""
+    if not isinstance(error, dict):
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
+        return code
+    if error.get("type") in ("invalid_request_error", "BadRequestError"):
+        return 400
+    return None
 
 
 class NotContinuable(Exception):
@@ -464,7 +491,7 @@ class StreamLedger:
         if "error" in doc:
             error = doc["error"]
             message = error.get("message", error) if isinstance(error, dict) else error
-            raise MalformedChunk(f"error event from worker: {message}")
+            raise ErrorEvent(f"error event from worker: {message}", doc)
         choice = _choice_of(doc)
         prompt_ids = doc.get("prompt_token_ids")
         if choice is not None and prompt_ids is None:

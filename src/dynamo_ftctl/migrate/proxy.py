@@ -28,10 +28,26 @@ way (the client reads slower than the worker writes).
 Every upstream request is streamed with token ids, even when the client asked
 for one JSON answer, so that a generation broken half-way can go on elsewhere
 (`continuation.StreamLedger`). A worker has failed when the connection is
-refused or reset, it answers 5xx, it sends anything that is not a valid
-completion chunk (bad JSON, an HTML page, an SSE error event, more tokens than
-asked for), the stream ends without a finish reason, or no token comes within
-`stall_timeout_s`. Nothing a failed worker sent reaches the client.
+refused or reset, it answers 5xx, 408 or 429, it sends anything that is not a
+valid completion chunk (bad JSON, an HTML page, an SSE error event, more tokens
+than asked for), the stream ends without a finish reason, or no token comes
+within `stall_timeout_s`. Nothing a failed worker sent reaches the client.
+
+Failure attribution: a 4xx (but 408 and 429, which say the worker is loaded),
+as an answer or as an SSE error event's code, is the request's fault: it goes
+to the client, and the worker counts it as an answer, not a failure. A 5xx
+(but 502-504), an error event without such a code, or a connection lost after
+the request went out and before the attempt's first token may be either's
+fault: the request goes to another worker, and the failure is charged (breaker,
+canary daemon report) once that worker's outcome says whose it was. If the
+request fails there the same way (same status, same kind of event, or its
+connection lost again before a token), it is a query of death: the client
+gets a 502 of type `query_of_death`, no further worker is tried, and neither
+worker is charged (`ftctl_proxy_query_of_death_total`). A stream cut after its
+first tokens (a killed worker) is charged at once and never counts towards a
+query of death. Retries of requests with no output yet are capped by
+`proxy.retry_budget` (Envoy's retry budget): past it the request fails with a
+503 of type `retry_budget_exhausted` (`ftctl_proxy_retry_budget_exhausted_total`).
 
 A broken generation goes on elsewhere by re-prefill (prompt + generated ids,
 `method="reprefill"`), by text continuation for servers without token ids
@@ -64,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.http1 import AnyResponse, Client
+from dynamo_ftctl.http1 import AnyResponse, Client, ConnectError, ConnectionBroken, Unreachable
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.httpserver import Pusher, Reply, Stream, call_asgi, start_server
 from dynamo_ftctl.migrate.admission import (
@@ -78,6 +94,7 @@ from dynamo_ftctl.migrate.admission import (
 )
 from dynamo_ftctl.migrate.continuation import (
     Endpoint,
+    ErrorEvent,
     MalformedChunk,
     NotContinuable,
     RequestRejected,
@@ -118,6 +135,9 @@ _SSE_DONE = b"data: [DONE]\n\n"
 _DRAIN_S = 0.1
 # Bytes a worker may send without completing one event: more is garbage, not a token.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
+# Statuses that say the worker is loaded, unavailable or lost behind a gateway, not
+# that the request is bad: worth a try elsewhere, and no sign of a query of death.
+_UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
 
 
 # msgspec: ~10x json's speed on a token chunk (1 vs 14 us to encode, 2.5 vs 11 us
@@ -156,7 +176,17 @@ def _openai_error(message: str, kind: str, code: int) -> dict[str, Any]:
 
 
 class UpstreamFailure(Exception):
-    """The worker failed this attempt (the request may go on elsewhere)."""
+    """The worker failed this attempt (the request may go on elsewhere).
+
+    `way` names how when the request itself may be the cause ("HTTP 500", "error
+    event", "connection lost"): the same way on two workers is a query of death.
+    None when the failure says nothing about the request (a refused connection, a
+    timeout, garbage, a load status).
+    """
+
+    def __init__(self, message: str, way: str | None = None) -> None:
+        super().__init__(message)
+        self.way = way
 
 
 @dataclass(frozen=True)
@@ -180,7 +210,20 @@ class ProxyError(Exception):
 
 
 class StreamAborted(Exception):
-    """A failure after output began: ends the stream with an error event."""
+    """A failure after output began: ends the stream with an error event of type `kind`."""
+
+    def __init__(self, message: str, kind: str = "worker_failed") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class _Suspect:
+    """A failure that may be the request's doing, charged to `slot` only once it is not."""
+
+    slot: WorkerSlot
+    reason: str
+    way: str
 
 
 def _estimate_prompt_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
@@ -330,6 +373,8 @@ class MigratingProxy:
         self.calibration = _load_calibration(inventory, config)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._queued = 0
+        self._in_flight = 0  # requests in `generate`
+        self._retries_in_flight = 0  # their retries before a first token (the retry budget)
         self._workers = {w.name: w for w in inventory.workers}
         self.capabilities: CapabilityCache | None = None
         self._learning: set[str] = set()  # workers whose capability probe is running
@@ -563,9 +608,10 @@ class MigratingProxy:
                                            connect_timeout_s=self.config.connect_timeout_s,
                                            head_timeout_s=stall)
             status = resp.status or 0
-            if status >= 500 or status == 429:
+            if status >= 500 or status in _UNAVAILABLE_STATUSES:
                 msg = f"HTTP {status} from {slot.name}"
-                raise UpstreamFailure(msg)
+                raise UpstreamFailure(msg, None if status in _UNAVAILABLE_STATUSES
+                                      else f"HTTP {status}")
             if status >= 400:
                 raise UpstreamRefused(status, await resp.read(timeout_s=stall),
                                       resp.header("content-type") or "application/json")
@@ -575,19 +621,20 @@ class MigratingProxy:
                       "not an event stream"
                 raise UpstreamFailure(msg)
             reader = _Reader(slot.name, ledger, stall, self.clock.now)
-            yielded = False
+            token_out = False  # `generate` has seen a batch with this attempt's first token
             while piece := await resp.next_chunk(stall):
                 batch = reader.feed(piece)
                 if batch:
                     if ledger.upstream_ttft_s is None:
                         ledger.upstream_ttft_s = resp.body_wait_s
+                    token_out = ledger.attempt_tokens > 0
                     yield batch  # what the ledger recorded reaches the client, always
-                    yielded = True
                 if reader.over:
                     break
-                # Not before this attempt's first batch: `generate` counts a migration
-                # and the worker's first token on it.
-                if yielded and lane is not None and lane.pusher is not None \
+                # Not before `generate` has seen this attempt's first token: it counts a
+                # migration and the worker's first token on it, and settles whose fault an
+                # earlier failure was (a chat's role chunk comes before any token).
+                if token_out and lane is not None and lane.pusher is not None \
                         and isinstance(resp, UpstreamResponse) and resp.sink is None:
                     resp.sink = reader.sink(resp, lane.pusher)
             if reader.failure is not None:
@@ -603,6 +650,13 @@ class MigratingProxy:
                 raise UpstreamFailure(msg)
         except (UpstreamFailure, UpstreamRefused):
             raise
+        except ErrorEvent as exc:
+            code = exc.status
+            if code is not None and 400 <= code < 500 and code not in _UNAVAILABLE_STATUSES:
+                raise UpstreamRefused(code, _dumps(exc.doc), "application/json") from None
+            msg = f"{slot.name}: {exc}"
+            raise UpstreamFailure(msg, None if code in _UNAVAILABLE_STATUSES
+                                  else f"error event {code or ''}".rstrip()) from None
         except MalformedChunk as exc:
             msg = f"{slot.name}: {exc}"
             raise UpstreamFailure(msg) from None
@@ -610,7 +664,11 @@ class MigratingProxy:
             # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
             kind = type(exc).__name__
             msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
-            raise UpstreamFailure(msg) from None
+            # Lost once the request went out: perhaps a worker that crashes on it. A
+            # connection never made, a timeout or garbage says nothing of the request.
+            lost = isinstance(exc, ConnectError | ConnectionBroken) \
+                and not isinstance(exc, Unreachable)
+            raise UpstreamFailure(msg, "connection lost" if lost else None) from None
         finally:
             if resp is not None:
                 resp.close()
@@ -635,7 +693,10 @@ class MigratingProxy:
         source_group = ""
         method = ""
         kv_payload = b""  # a KV export to import on the next worker (method "kv")
+        suspect: _Suspect | None = None  # a failure charged once another worker tells whose
+        retrying = False  # this attempt holds a place in the retry budget
         self._queued += 1
+        self._in_flight += 1
         queued = True
         try:
             while True:
@@ -658,6 +719,9 @@ class MigratingProxy:
                 ledger.start_attempt(slot.name)
                 self.router.start(slot, prompt_estimate)
                 pending = prompt_estimate
+                if method == "retry":
+                    retrying = True
+                    self._retries_in_flight += 1
                 if method == "kv":
                     url, data, headers = self._kv_import(slot, kv_payload, ledger)
                 else:
@@ -683,22 +747,37 @@ class MigratingProxy:
                                     source_group, slot.group, method).inc()
                                 self.metrics.MIGRATION_DURATION.observe(gap)
                                 failed_at = None
+                        if ledger.attempt_tokens:
+                            if suspect is not None:
+                                # The request runs here: the worker it failed on is at fault.
+                                self._charge(suspect.slot, suspect.reason)
+                                suspect = None
+                            if retrying:
+                                retrying = False
+                                self._retries_in_flight -= 1
                         yielded = True
                         yield batch
                     self.router.record_success(slot)
                     self._note_prompt(ledger)
                     return
                 except UpstreamRefused as exc:
+                    self.router.record_success(slot)  # it answered: a 4xx is not its failure
                     if _import_failed(method, ledger, slot, exc):
                         method, kv_payload = "reprefill", b""
                         continue
                     if method != "kv" and self._refused_ids(slot, ledger.upstream_endpoint, exc):
                         continue  # the same body again, without the field
-                    if not yielded and not failed_workers:
+                    if suspect is not None:
+                        # Refused here, it failed there: the request's fault, not that worker's.
+                        log.info("%s not charged: %s refused the request it failed on "
+                                 "(HTTP %d)", suspect.slot.name, slot.name, exc.status)
+                        self.router.record_neutral(suspect.slot)
+                        suspect = None
+                    if not yielded and ledger.generated_count == 0:
                         raise ProxyError(exc.status, self._refusal_body(exc)) from None
-                    self.router.record_success(slot)  # it answered; the continuation was refused
                     message = exc.body.decode("utf-8", "replace")[:200]
-                    raise StreamAborted(f"continuation refused by {slot.name}: "
+                    what = "continuation" if ledger.migrations else "request"
+                    raise StreamAborted(f"{what} refused by {slot.name}: "
                                         f"HTTP {exc.status} {message}") from None
                 except UpstreamFailure as exc:
                     if _import_failed(method, ledger, slot, exc):
@@ -707,10 +786,19 @@ class MigratingProxy:
                     reason = str(exc)
                     log.warning("worker failed: %s (after %d tokens)", reason,
                                 ledger.generated_count)
-                    self.router.record_failure(slot)
-                    self._report_failure(slot, reason)
-                    if self.capabilities is not None:
-                        self.capabilities.invalidate(slot.name)  # probed again once it answers
+                    # Only a failure before the attempt's first token may be the request's:
+                    # a stream cut after it (a killed worker) is the worker's.
+                    way = exc.way if not ledger.attempt_tokens else None
+                    if way is not None and suspect is not None and suspect.way == way:
+                        first, suspect = suspect.slot, None
+                        raise self._query_of_death(ledger, first, slot, way, yielded) from None
+                    if suspect is not None:  # failed another way here: both workers' fault
+                        self._charge(suspect.slot, suspect.reason)
+                        suspect = None
+                    if way is None:
+                        self._charge(slot, reason)
+                    else:
+                        suspect = _Suspect(slot, reason, way)
                     failed_workers.add(slot.name)
                     failed_groups.add(slot.group)
                     failed_at = self.clock.now()
@@ -719,6 +807,8 @@ class MigratingProxy:
                     if not body:
                         yield [ledger.finish_chunk("length")]
                         return
+                    if method == "retry" and not self._retry_allowed():
+                        raise self._retry_refused(reason, yielded) from None
                     export_s = self._kv_export_budget(ledger) if method == "reprefill" else 0
                     if export_s:
                         kv_payload = await self._export_kv(slot, ledger, export_s)
@@ -726,9 +816,62 @@ class MigratingProxy:
                             method = "kv"
                 finally:
                     self.router.finish(slot, pending)
+                    if retrying:
+                        retrying = False
+                        self._retries_in_flight -= 1
         finally:
             if queued:
                 self._queued -= 1
+            self._in_flight -= 1
+            if suspect is not None:  # no other worker told (none left, the client left)
+                self._charge(suspect.slot, suspect.reason)
+
+    def _charge(self, slot: WorkerSlot, reason: str) -> None:
+        """Count a failure against `slot`: its breaker, the canary daemon, its capabilities."""
+        self.router.record_failure(slot)
+        self._report_failure(slot, reason)
+        if self.capabilities is not None:
+            self.capabilities.invalidate(slot.name)  # probed again once it answers
+
+    def _query_of_death(self, ledger: StreamLedger, first: WorkerSlot, second: WorkerSlot,
+                        way: str, yielded: bool) -> Exception:
+        """The error that ends a request that failed `way` on two workers (neither charged).
+
+        The request, not the fleet, is the suspect: tried on every worker, it would
+        open every breaker (issue 22: three such requests took a two-worker cluster
+        down for 60 s). A half-open breaker whose trial it was may try again.
+        """
+        self.router.record_neutral(first)
+        self.router.record_neutral(second)
+        self.metrics.QUERY_OF_DEATH.inc()
+        log.warning("query of death: request %s failed the same way (%s) on %s and %s; "
+                    "not tried on more workers, neither charged",
+                    ledger.trace_id, way, first.name, second.name)
+        message = (f"the request failed the same way ({way}) on two workers "
+                   f"({first.name}, {second.name}); it is not tried on more workers, "
+                   "as it may be what breaks them")
+        if yielded:
+            return StreamAborted(message, "query_of_death")
+        return ProxyError(502, _openai_error(message, "query_of_death", 502))
+
+    def _retry_allowed(self) -> bool:
+        """Whether one more retry fits the retry budget (Envoy's `retry_budget`)."""
+        budget = self.config.retry_budget
+        allowed = max(budget.min_retry_concurrency,
+                      budget.budget_percent / 100 * self._in_flight)
+        return self._retries_in_flight < allowed
+
+    def _retry_refused(self, reason: str, yielded: bool) -> Exception:
+        """The error that ends a failed request the retry budget has no room for."""
+        self.metrics.RETRY_BUDGET_EXHAUSTED.inc()
+        log.debug("retry budget spent (%d retries of %d requests in flight): %s",
+                  self._retries_in_flight, self._in_flight, reason)
+        message = (f"{reason}; not retried: the proxy's retry budget is spent "
+                   f"({self._retries_in_flight} retries in flight), please retry later")
+        if yielded:
+            return StreamAborted(message, "retry_budget_exhausted")
+        return ProxyError(503, _openai_error(message, "retry_budget_exhausted", 503),
+                          {"Retry-After": str(self.config.retry_after_s)})
 
     def _next_body(self, ledger: StreamLedger, reason: str) -> tuple[dict[str, Any], str]:
         """The next upstream body and the migration method; ({}, "") ends with "length"."""
@@ -877,7 +1020,7 @@ class MigratingProxy:
                 except ProxyError as exc:
                     return _reply(exc.status, exc.body, exc.headers)
                 except StreamAborted as exc:
-                    return _reply(502, _openai_error(str(exc), "worker_failed", 502))
+                    return _reply(502, _openai_error(str(exc), exc.kind, 502))
                 finally:
                     await chunks.aclose()
                 return Reply(200, _dumps(ledger.response()), headers=self._answer_headers(ledger))
@@ -890,7 +1033,7 @@ class MigratingProxy:
         except ProxyError as exc:
             return _reply(exc.status, exc.body, exc.headers)
         except StreamAborted as exc:
-            return _reply(502, _openai_error(str(exc), "worker_failed", 502))
+            return _reply(502, _openai_error(str(exc), exc.kind, 502))
         return Stream(self._sse_body(ledger, first, chunks), headers=self._answer_headers(ledger),
                       on_push=lane.bind)
 
@@ -916,8 +1059,9 @@ class MigratingProxy:
                 async for batch in chunks:
                     yield _sse_batch(batch)
             except (StreamAborted, ProxyError) as exc:
-                message = str(exc) if isinstance(exc, StreamAborted) else str(exc.body)
-                yield _sse(_openai_error(message, "worker_failed", 502))
+                message, kind = (str(exc), exc.kind) if isinstance(exc, StreamAborted) \
+                    else (str(exc.body), "worker_failed")
+                yield _sse(_openai_error(message, kind, 502))
                 yield _SSE_DONE
                 return
             tail = _sse(ledger.usage_chunk()) if ledger.client_wants_usage else b""

@@ -4,7 +4,9 @@ Each worker has a routing weight in [0, 1]. When the canary daemon runs, its
 `GET /workers` gives the weights (HEALTHY 1, SUSPICIOUS 0.5, UNHEALTHY and
 beyond 0); otherwise the proxy's own breaker does: `breaker_threshold`
 consecutive failures open it (weight 0), after `recovery_s` one trial request
-goes through (half-open, weight 0.5), a success closes it again.
+goes through (half-open, weight 0.5), a success closes it again. A request that
+failed through its own fault (a query of death, `record_neutral`) is neither: the
+next request may be the trial.
 
 `pick` chooses the worker with the smallest (outstanding + 1) / weight among
 those not excluded (the workers and groups that already failed this request)
@@ -211,6 +213,14 @@ class Router:
         if slot.breaker == "half_open" or slot.consecutive_failures >= self._threshold:
             slot.breaker = "open"
             slot.opened_at = self._clock.now()
+
+    def record_neutral(self, slot: WorkerSlot) -> None:
+        """An attempt on `slot` failed through the request's fault (a query of death).
+
+        Neither a success nor a failure of the worker; a half-open breaker whose
+        trial it was may try the next request.
+        """
+        slot.trial_in_flight = False
 
     def apply_daemon_weights(self, weights: Mapping[str, float]) -> None:
         """Take the canary daemon's weights; workers it does not list keep their own."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class FakeWorker:
     start_time: float = 1.0  # process_start_time_seconds on /metrics (a restart changes it)
     metrics_status: int = 200
     metrics_calls: int = 0
+    # A request whose body holds `poison` gets `poison_answer`: "http500", "reset" (the
+    # connection closed before any answer) or "event<code>" (an SSE error event first).
+    poison: str | None = None
+    poison_answer: str = "http500"
+    gate: asyncio.Event | None = None  # set: the first token may go
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -84,6 +90,8 @@ class FakeWorker:
             return web.json_response({"error": {
                 "message": "1 validation error: return_token_ids: Extra inputs are not "
                            "permitted", "type": "BadRequestError", "code": 400}}, status=400)
+        if self.poison is not None and self.poison in json.dumps(body):
+            return await self.poisoned(request)
         if self.mode == "html502":
             return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
                                 content_type="text/html")
@@ -112,6 +120,8 @@ class FakeWorker:
             await send(first)
             if self.role_gap_s:
                 await asyncio.sleep(self.role_gap_s)  # the role chunk arrives on its own
+        if self.gate is not None and not _is_probe(body):
+            await self.gate.wait()
         n = 0
         try:
             while True:
@@ -157,6 +167,25 @@ class FakeWorker:
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
             raise
+        return resp
+
+    async def poisoned(self, request: web.Request) -> web.StreamResponse:
+        """What an engine that breaks on the request answers (`poison_answer`)."""
+        if self.poison_answer == "http500":
+            return web.json_response({"error": {"message": "Internal Server Error",
+                                                "type": "InternalServerError", "code": 500}},
+                                     status=500)
+        if self.poison_answer == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        code = int(self.poison_answer.removeprefix("event"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"error": {
+            "message": f"error {code}", "type": "BadRequestError" if code < 500
+            else "InternalServerError", "param": None, "code": code}}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
         return resp
 
     def forget(self) -> None:
@@ -694,28 +723,35 @@ def test_lean_front_door_slow_reader_gets_every_token_in_order(run: Callable[...
     assert docs[-1]["usage"]["completion_tokens"] == count
 
 
+@contextlib.asynccontextmanager
+async def fake_daemon(weights: dict[str, float]) -> AsyncIterator[tuple[str, list[Any]]]:
+    """A stand-in canary daemon on loopback: GET /workers from `weights`, POST /report kept."""
+    reports: list[Any] = []
+
+    async def workers(_: web.Request) -> web.Response:
+        return web.json_response({"workers": [{"name": n, "weight": w}
+                                              for n, w in weights.items()]})
+
+    async def report(request: web.Request) -> web.Response:
+        reports.append(await request.json())
+        return web.Response(status=204)
+
+    daemon = web.Application()
+    daemon.router.add_get("/workers", workers)
+    daemon.router.add_post("/report", report)
+    runner = web.AppRunner(daemon)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", reports
+    finally:
+        await runner.cleanup()
+
+
 def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[..., Any]) -> None:
     """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report."""
     async def go() -> None:
-        reports: list[Any] = []
-        weights = {"w0": 1.0, "w1": 1.0, "w2": 0.0}
-
-        async def workers(_: web.Request) -> web.Response:
-            return web.json_response({"workers": [{"name": n, "weight": w}
-                                                  for n, w in weights.items()]})
-
-        async def report(request: web.Request) -> web.Response:
-            reports.append(await request.json())
-            return web.Response(status=204)
-
-        daemon = web.Application()
-        daemon.router.add_get("/workers", workers)
-        daemon.router.add_post("/report", report)
-        runner = web.AppRunner(daemon)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
+        async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
             fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
             async with Cluster(fakes, health_url=url) as c:
                 assert c.proxy.router.healthy_capacity() == pytest.approx(2 / 3)
@@ -732,8 +768,6 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
                 count = next(line for line in text.splitlines()
                              if line.startswith("dynamo_migration_duration_seconds_count"))
                 assert float(count.rsplit(" ", 1)[1]) >= 1
-        finally:
-            await runner.cleanup()
     run(go())
 
 

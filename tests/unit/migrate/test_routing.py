@@ -71,6 +71,22 @@ def test_half_open_failure_reopens_at_once() -> None:
     assert router.healthy_capacity() == 0.0
 
 
+def test_a_neutral_trial_lets_the_next_request_try() -> None:
+    """A trial that failed through its request (a query of death) leaves the breaker
+    half-open with its trial slot free again, counting neither success nor failure."""
+    clock = FakeClock()
+    router = make(clock, groups=("a",))
+    slot = router.slots["w0"]
+    for _ in range(3):
+        router.record_failure(slot)
+    clock.advance(61.0)
+    assert router.pick() is slot
+    assert router.pick() is None  # its trial is out
+    router.record_neutral(slot)
+    assert (slot.breaker, slot.failures, slot.successes) == ("half_open", 3, 0)
+    assert router.pick() is slot
+
+
 def test_success_resets_consecutive_failures() -> None:
     """Failures that are not consecutive never open the breaker."""
     router = make(FakeClock(), groups=("a",))
