@@ -57,15 +57,20 @@ def test_breaker_opens_after_threshold_and_recovers_through_one_trial() -> None:
     assert router.weight(slot) == 1.0
 
 
-def test_half_open_failure_reopens_at_once() -> None:
-    """A failed trial opens the breaker again for another recovery period."""
-    clock = FakeClock()
+def on_trial(clock: FakeClock) -> tuple[Router, WorkerSlot]:
+    """A one-worker router whose breaker opened, then let its one trial request out."""
     router = make(clock, groups=("a",))
     slot = router.slots["w0"]
     for _ in range(3):
         router.record_failure(slot)
     clock.advance(61.0)
     assert router.pick() is slot
+    return router, slot
+
+
+def test_half_open_failure_reopens_at_once() -> None:
+    """A failed trial opens the breaker again for another recovery period."""
+    router, slot = on_trial(FakeClock())
     router.record_failure(slot)
     assert slot.breaker == "open"
     assert router.healthy_capacity() == 0.0
@@ -74,13 +79,7 @@ def test_half_open_failure_reopens_at_once() -> None:
 def test_a_neutral_trial_lets_the_next_request_try() -> None:
     """A trial that failed through its request (a query of death) leaves the breaker
     half-open with its trial slot free again, counting neither success nor failure."""
-    clock = FakeClock()
-    router = make(clock, groups=("a",))
-    slot = router.slots["w0"]
-    for _ in range(3):
-        router.record_failure(slot)
-    clock.advance(61.0)
-    assert router.pick() is slot
+    router, slot = on_trial(FakeClock())
     assert router.pick() is None  # its trial is out
     router.record_neutral(slot)
     assert (slot.breaker, slot.failures, slot.successes) == ("half_open", 3, 0)
