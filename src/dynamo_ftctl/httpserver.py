@@ -77,8 +77,8 @@ _MAX_CONNECTIONS_CEILING = 4096
 # sockets, the upstream pools' idle connections, files, the event loop's own.
 _FD_RESERVE = 128
 # Connections over the cap being answered 503 (each holds a descriptor until its client
-# has read the answer, at most `_REFUSE_LINGER_S`): a quarter of the cap, at most this
-# many; more are closed unanswered.
+# has read the answer, at most `_REFUSE_LINGER_S`): a quarter of the cap (at least 16),
+# at most this many; more are closed unanswered.
 _MAX_REFUSING = 256
 _REFUSE_LINGER_S = 1.0
 # Between requests on a kept-alive connection (nginx keeps 75 s, uvicorn 5 s: clients'
@@ -630,7 +630,7 @@ class Server:
         self.request_timeout_s = request_timeout_s
         self.max_connections = (default_max_connections() if max_connections is None
                                 else max_connections)
-        self.max_refusing = max(1, min(_MAX_REFUSING, self.max_connections // 4))
+        self.max_refusing = min(_MAX_REFUSING, max(16, self.max_connections // 4))
         self.max_buffered = max_buffered
         self.buffered = 0  # request bytes held for requests not yet answered, all connections
         self.refused_connections = 0  # answered 503 for being over `max_connections`
