@@ -44,7 +44,7 @@ from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_crash_lines
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
 from dynamo_ftctl.errors import FtctlError, InvalidInput
-from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse
+from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse, parse_request_json
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -520,9 +520,9 @@ def _asleep_response(state: ServerState) -> Response | None:
 
 async def _read_json(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
-    except ValueError:
-        msg = "request body is not valid JSON"
+        body = parse_request_json(await request.body())
+    except ValueError as exc:
+        msg = f"request body is not valid JSON: {exc}"
         raise _ParamError(msg) from None
     if not isinstance(body, dict):
         msg = "request body must be a JSON object"

@@ -93,7 +93,7 @@ from dynamo_ftctl.migrate.continuation import (
     prepare_request,
 )
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
-from dynamo_ftctl.openai import SseDecoder, error_body
+from dynamo_ftctl.openai import SseDecoder, error_body, parse_request_json
 
 if TYPE_CHECKING:
     import httpx
@@ -857,7 +857,7 @@ class MigratingProxy:
         awaiting its `build()` while the client waits.
         """
         try:
-            raw = _loads(raw_body)
+            raw = parse_request_json(raw_body)
             body = prepare_request(endpoint, raw)
         except (ValueError, RequestRejected) as exc:
             param = exc.param if isinstance(exc, RequestRejected) else None
@@ -983,7 +983,7 @@ class MigratingProxy:
         if denied is not None:
             return denied
         try:
-            doc = json.loads(await request.body())
+            doc = parse_request_json(await request.body())
             if not isinstance(doc, dict):
                 msg = "expected a JSON object"
                 raise ValueError(msg)
