@@ -45,6 +45,7 @@ from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_c
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
 from dynamo_ftctl.errors import FtctlError, InvalidInput
 from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse, parse_request_json
+from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -890,6 +891,7 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
+    install_log_redaction()
     # uvloop and httptools when installed (the `sim` extra): per streamed token, h11's
     # pure-Python framing and the default loop's transport cost more than the SSE
     # encoding itself (benchmarks/sim.py).

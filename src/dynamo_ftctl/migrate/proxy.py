@@ -94,6 +94,7 @@ from dynamo_ftctl.migrate.continuation import (
 )
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
 from dynamo_ftctl.openai import SseDecoder, error_body, parse_request_json
+from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
     import httpx
@@ -1291,6 +1292,7 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
     """
     host, _, port = config.listen.rpartition(":")
     host = host.strip("[]")
+    install_log_redaction()
     fd_limit = raise_open_file_limit()
     if config.max_connections is not None and config.max_connections > \
             default_max_connections(fd_limit):
