@@ -8,15 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.hostile import (
-    RAW_REQUESTS,
-    assert_alive,
-    assert_answered_sanely,
-    exchange,
-    post,
-    request_payloads,
-    status_of,
-)
+from tests import hostile
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -38,8 +30,8 @@ def _port(worker: SimWorker) -> int:
 def test_deep_or_non_finite_json_is_a_400(shared_sim_worker: SimWorker, data: bytes,
                                            reason: bytes) -> None:
     """100k nested `[` and NaN/Infinity get the engine's 400, never a 500."""
-    answer = exchange(_port(shared_sim_worker), post("/v1/completions", data))
-    assert status_of(answer) == 400, answer[:300]
+    answer = hostile.exchange(_port(shared_sim_worker), hostile.post("/v1/completions", data))
+    assert hostile.status_of(answer) == 400, answer[:300]
     assert reason in answer
 
 
@@ -49,23 +41,23 @@ FUZZ = settings(max_examples=100, deadline=None,
 
 
 @FUZZ
-@given(data=RAW_REQUESTS)
+@given(data=hostile.RAW_REQUESTS)
 def test_random_bytes_never_get_a_500(shared_sim_worker: SimWorker, data: bytes) -> None:
     """Any bytes get a well-formed answer or none, never a 500; the engine stays up."""
     port = _port(shared_sim_worker)
-    assert_answered_sanely(exchange(port, data, half_close=True))
-    assert_alive(port)
+    hostile.assert_answered_sanely(hostile.exchange(port, data, half_close=True))
+    hostile.assert_alive(port)
 
 
 @FUZZ
-@given(data=request_payloads(MODEL),
+@given(data=hostile.request_payloads(MODEL),
        path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_random_json_never_gets_a_500(shared_sim_worker: SimWorker, data: bytes,
                                       path: str) -> None:
     """Any body (JSON with odd fields and values, NaN, deep nesting, bytes) gets an answer
     that is not a 500; the engine stays up."""
     port = _port(shared_sim_worker)
-    answer = exchange(port, post(path, data))
-    assert_answered_sanely(answer)
-    assert status_of(answer) is not None
-    assert_alive(port)
+    answer = hostile.exchange(port, hostile.post(path, data))
+    hostile.assert_answered_sanely(answer)
+    assert hostile.status_of(answer) is not None
+    hostile.assert_alive(port)

@@ -12,15 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_ftctl.openai import MAX_JSON_DEPTH, parse_request_json
-from tests.hostile import (
-    RAW_REQUESTS,
-    assert_alive,
-    assert_answered_sanely,
-    exchange,
-    post,
-    request_payloads,
-    status_of,
-)
+from tests import hostile
 from tests.unit.migrate.test_proxy import MODEL, Cluster, FakeWorker
 
 BAD_JSON = [
@@ -107,27 +99,27 @@ FUZZ = settings(max_examples=150, deadline=None,
 
 
 @FUZZ
-@given(data=RAW_REQUESTS)
+@given(data=hostile.RAW_REQUESTS)
 def test_random_bytes_at_the_front_door_never_get_a_500(live_proxy: LiveProxy,
                                                         data: bytes) -> None:
     """Any bytes get a well-formed answer (or none, when they are half a request), never a
     500, and the proxy answers its health check after them."""
-    assert_answered_sanely(exchange(live_proxy.port, data, half_close=True))
-    assert_alive(live_proxy.port)
+    hostile.assert_answered_sanely(hostile.exchange(live_proxy.port, data, half_close=True))
+    hostile.assert_alive(live_proxy.port)
 
 
 @FUZZ
-@given(data=request_payloads(MODEL), path=st.sampled_from(["/v1/completions",
+@given(data=hostile.request_payloads(MODEL), path=st.sampled_from(["/v1/completions",
                                                            "/v1/chat/completions"]))
 def test_random_json_at_the_front_door_never_gets_a_500(live_proxy: LiveProxy, data: bytes,
                                                         path: str) -> None:
     """Any body (JSON with NaN or Infinity, deep nesting, bytes) gets an answer that is not
     a 500, a 400 when it is not strict JSON; the proxy stays up."""
-    answer = exchange(live_proxy.port, post(path, data))
-    assert_answered_sanely(answer)
-    assert status_of(answer) is not None
+    answer = hostile.exchange(live_proxy.port, hostile.post(path, data))
+    hostile.assert_answered_sanely(answer)
+    assert hostile.status_of(answer) is not None
     try:
         parse_request_json(data)
     except ValueError:
-        assert status_of(answer) == 400, answer[:300]
-    assert_alive(live_proxy.port)
+        assert hostile.status_of(answer) == 400, answer[:300]
+    hostile.assert_alive(live_proxy.port)
