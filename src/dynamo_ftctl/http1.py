@@ -264,7 +264,8 @@ class Pool:
             msg = f"the http1 client speaks plain http only, not {url!r}"
             raise ValueError(msg)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        authority = parts.netloc.rpartition("@")[2]  # user info is no part of a Host header
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {authority}\r\n"
                 f"User-Agent: {self._user_agent}\r\nAccept: */*\r\n").encode("latin-1")
         entry = ((parts.hostname, parts.port or 80), head)
         if len(self._heads) < 4096:  # URLs come from a short list (workers, targets)

@@ -8,6 +8,15 @@ side of `dynamo_ftctl.http1`.
 
 - `Request`: method, path, query, lower-cased headers and the whole body (by
   Content-Length or chunked; more than `max_body` bytes is 413).
+- Caps (a slow or hostile client must not grow the process without bound):
+  at most `max_connections` clients (default: what the descriptor limit leaves
+  room for, see `default_max_connections`); one more is answered 503 and closed.
+  Requests not yet answered (heads and bodies, partial ones included) hold at
+  most `max_buffered` bytes across all connections: the request that would go
+  over is answered 503 and its bytes dropped; an answered or closed connection's
+  bytes are released.
+- An `Upgrade` (h2c from `curl --http2`, websocket) is ignored: the request is
+  answered in HTTP/1.1 on the same connection (RFC 9110 section 7.8).
 - A handler returns a `Reply` (a whole body, sent with Content-Length) or a
   `Stream` (chunked: its first piece goes out in the same write as the head).
 - Keep-alive; pipelined requests are answered in order (reading pauses while
@@ -48,14 +57,30 @@ from urllib.parse import unquote
 import httptools
 
 __all__ = [
-    "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_REQUEST_TIMEOUT_S", "Handler",
-    "Pusher", "Reply", "Request", "Server", "Stream", "call_asgi", "start_server",
+    "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_MAX_BUFFERED",
+    "DEFAULT_REQUEST_TIMEOUT_S", "Handler", "Pusher", "Reply", "Request", "Server", "Stream",
+    "call_asgi", "default_max_connections", "raise_open_file_limit", "start_server",
 ]
 
 log = logging.getLogger("ftctl.httpserver")
 
 # A generation request is a few KiB (a long prompt as token ids: ~1 MiB); more is abuse.
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
+# Request bytes held for requests not yet answered, all connections together: sixteen
+# bodies at the bound above, thousands of real ones. Without it 30 clients each holding
+# 14 MiB of an unfinished body took the proxy from 140 to 540 MB (issue 22).
+DEFAULT_MAX_BUFFERED = 256 * 1024 * 1024
+# Client connections at most, however many descriptors the process may open (nginx's
+# worker_connections default is 512, HAProxy derives its maxconn from the fd limit).
+_MAX_CONNECTIONS_CEILING = 4096
+# Descriptors kept for all but client connections (a quarter of a small limit): listening
+# sockets, the upstream pools' idle connections, files, the event loop's own.
+_FD_RESERVE = 128
+# Connections over the cap being answered 503 (each holds a descriptor until its client
+# has read the answer, at most `_REFUSE_LINGER_S`): a quarter of the cap (at least 16),
+# at most this many; more are closed unanswered.
+_MAX_REFUSING = 256
+_REFUSE_LINGER_S = 1.0
 # Between requests on a kept-alive connection (nginx keeps 75 s, uvicorn 5 s: clients'
 # pools reuse a connection within seconds, and a close under a reuse costs them a retry).
 DEFAULT_IDLE_TIMEOUT_S = 60.0
@@ -167,10 +192,43 @@ def _head(status: int, content_type: str, headers: Mapping[str, str], framing: b
     return b"".join(lines)
 
 
-def _error_bytes(status: int, message: str) -> bytes:
+def _error_bytes(status: int, message: str, headers: Mapping[str, str] | None = None) -> bytes:
     body = message.encode()
-    return _head(status, "text/plain; charset=utf-8", {}, b"content-length: %d\r\n" % len(body),
-                 keep_alive=False) + body
+    return _head(status, "text/plain; charset=utf-8", headers or {},
+                 b"content-length: %d\r\n" % len(body), keep_alive=False) + body
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit; the new soft limit.
+
+    The soft limit is often 1024 for select()'s sake (systemd's default); asyncio polls
+    with epoll, so a server may take what the hard limit allows (Go's runtime does so
+    at start). Where the system refuses, the limit stays as it was.
+    """
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def default_max_connections(fd_limit: int | None = None) -> int:
+    """Client connections that fit under `fd_limit` (default: this process's soft limit).
+
+    Each client may also hold an upstream connection, and a quarter as many again may
+    be being refused: 4/9 of what a reserve leaves; at most 4096, at least 16.
+    """
+    if fd_limit is None:
+        import resource
+
+        fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if fd_limit == resource.RLIM_INFINITY:
+            fd_limit = 1 << 20
+    room = (fd_limit - min(_FD_RESERVE, fd_limit // 4)) * 4 // 9
+    return max(16, min(_MAX_CONNECTIONS_CEILING, room))
 
 
 class _Connection(asyncio.Protocol):
@@ -183,13 +241,19 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.client: tuple[str, int] | None = None
         self.task: asyncio.Task[None] | None = None
-        self.pending: deque[tuple[Request, bool, bool]] = deque()
+        # Requests read but not yet answered: (request, keep-alive, HTTP/1.1, bytes held).
+        self.pending: deque[tuple[Request, bool, bool, int]] = deque()
         self.closed = False
         self.discarding = False  # after a 400/413: ignore the rest of the input
+        self.held = 0  # request bytes this connection counts in `Server.buffered`
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
         self._size = 0
+        self._message_bytes = 0  # of `held`: the request being read
+        # An upgrade request whose body llhttp leaves unread (see `on_message_complete`).
+        self._raw_request: tuple[Request, bool, bool] | None = None
+        self._raw_left = 0
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
         self._head_sent = False
@@ -202,25 +266,59 @@ class _Connection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        if len(self.server.connections) >= self.server.max_connections:
+            self._refuse()
+            return
         self.server.connections.add(self)
         self._arm(self.server.idle_timeout_s)
 
-    def data_received(self, data: bytes) -> None:
-        if self.discarding:
+    def _refuse(self) -> None:
+        """Answer 503 to a connection over the cap at once, then hang up."""
+        server = self.server
+        server.refused_connections += 1
+        self.discarding = True
+        assert self.transport is not None
+        if len(server.refusing) >= server.max_refusing:
+            self.transport.close()  # a flood: no descriptor is held for an answer
             return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.fail(400, "protocol upgrades are not supported")
-        except httptools.HttpParserError as exc:
-            if not self.discarding:
-                self.fail(400, f"malformed HTTP request: {exc}")
+        server.refusing.add(self)
+        self.transport.write(_error_bytes(
+            503, f"over {server.max_connections} connections; retry later",
+            {"retry-after": "1"}))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        # What the client sends meanwhile is read and dropped until it hangs up: a close
+        # with its request unread would reset the connection, and the reset can reach the
+        # client before the answer does.
+        self._timer = self.loop.call_later(_REFUSE_LINGER_S, self.hang_up)
+
+    def data_received(self, data: bytes) -> None:
+        while data and not self.discarding:
+            if self._raw_left:
+                data = self._read_raw_body(data)
+                continue
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as exc:
+                # The upgrade request is complete (`on_message_complete`); what follows
+                # it is HTTP/1.1 again, for a new parser (this one stopped for good).
+                data = data[cast("int", exc.args[0]):]
+                self.parser = httptools.HttpRequestParser(self)
+                continue
+            except httptools.HttpParserError as exc:
+                if not self.discarding:
+                    self.fail(400, f"malformed HTTP request: {exc}")
+            return
 
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002
         self.closed = True
         self._disarm()
         self.server.connections.discard(self)
+        self.server.refusing.discard(self)
         self.pending.clear()
+        self._body = []
+        self._raw_request = None
+        self._release(self.held)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client hung up: its upstream request ends now
         self._wake_writer()
@@ -242,6 +340,32 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    # -- accounting of buffered request bytes
+    def _over_budget(self, size: int) -> bool:
+        """True (and the request answered 503) when `size` more bytes would take the
+        server over `max_buffered`."""
+        server = self.server
+        if server.buffered + size <= server.max_buffered:
+            return False
+        self.fail(503, f"this server holds {server.max_buffered:,} bytes of requests "
+                       "not yet answered; retry later", {"retry-after": "1"})
+        return True
+
+    def _hold(self, size: int) -> bool:
+        """Count `size` more bytes of the request being read; False when refused (503)."""
+        if self._over_budget(size):
+            return False
+        server = self.server
+        server.buffered += size
+        self.held += size
+        self._message_bytes += size
+        return True
+
+    def _release(self, size: int) -> None:
+        size = min(size, self.held)
+        self.held -= size
+        self.server.buffered -= size
+
     # -- httptools callbacks
     def on_message_begin(self) -> None:
         self._reading = True
@@ -250,6 +374,7 @@ class _Connection(asyncio.Protocol):
         self._headers = []
         self._body = []
         self._size = 0
+        self._message_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -257,6 +382,8 @@ class _Connection(asyncio.Protocol):
         if self._size > _MAX_HEAD:
             self.fail(431, "request line too long")
             raise httptools.HttpParserError("head too large")  # stops this feed_data
+        if not self._hold(len(url)):
+            raise httptools.HttpParserError("buffers full")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
@@ -264,27 +391,38 @@ class _Connection(asyncio.Protocol):
         if self._size > _MAX_HEAD:
             self.fail(431, "request headers too large")
             raise httptools.HttpParserError("head too large")
+        if not self._hold(len(name) + len(value)):
+            raise httptools.HttpParserError("buffers full")
 
     def on_headers_complete(self) -> None:
         self._size = 0
+        length = self._declared_length()
+        if length > self.server.max_body:
+            self.too_large()
+        if length and self._over_budget(length):  # refused before it is sent
+            raise httptools.HttpParserError("buffers full")
         for name, value in self._headers:
-            if name == b"content-length" and value.strip().isdigit() \
-                    and int(value) > self.server.max_body:
-                self.too_large()
-            elif name == b"expect" and value.lower() == b"100-continue" \
+            if name == b"expect" and value.lower() == b"100-continue" \
                     and self.transport is not None:
                 # curl and some SDKs wait for this (1 s in curl) before sending a body.
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _declared_length(self) -> int:
+        """The Content-Length of the request being read (0 without one; llhttp checked it)."""
+        for name, value in self._headers:
+            if name == b"content-length" and value.strip().isdigit():
+                return int(value)
+        return 0
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > self.server.max_body:
             self.too_large()
+        if not self._hold(len(body)):
+            raise httptools.HttpParserError("buffers full")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._reading = False
-        self._disarm()
         parts = httptools.parse_url(self._url)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
@@ -297,15 +435,54 @@ class _Connection(asyncio.Protocol):
         keep_alive = self.parser.should_keep_alive()
         # HTTP/1.0 has no chunked coding: a stream to such a client ends with the connection.
         http11 = self.parser.get_http_version() != "1.0"
+        if self.parser.should_upgrade():
+            # The upgrade is ignored (RFC 9110 7.8: "a server MAY ignore a received
+            # Upgrade"), but llhttp stops at the request's head: its body is read by
+            # `_read_raw_body` and the rest by a new parser (`data_received`).
+            if request.method == "CONNECT":
+                keep_alive = False  # what follows is a tunnel's, not HTTP
+            elif any(name == b"transfer-encoding" for name, _ in self._headers):
+                self.fail(400, "an Upgrade request with a chunked body is not supported")
+                raise httptools.HttpParserError("chunked upgrade")
+            length = self._declared_length()
+            if length:
+                self._raw_request = (request, keep_alive, http11)
+                self._raw_left = length
+                return
+        self._dispatch(request, keep_alive, http11)
+
+    def _read_raw_body(self, data: bytes) -> bytes:
+        """Take the next bytes of an upgrade request's body from `data`; the rest of it."""
+        piece = data[:self._raw_left]
+        if not self._hold(len(piece)):
+            return b""
+        self._raw_left -= len(piece)
+        self._body.append(piece)
+        if not self._raw_left and self._raw_request is not None:
+            request, keep_alive, http11 = self._raw_request
+            self._raw_request = None
+            request.body = b"".join(self._body)
+            self._body = []
+            self._dispatch(request, keep_alive, http11)
+        return data[len(piece):]
+
+    def _dispatch(self, request: Request, keep_alive: bool, http11: bool) -> None:
+        """Answer `request` now, or after those before it (pipelined)."""
+        self._reading = False
+        self._disarm()
+        size = self._message_bytes
+        self._message_bytes = 0
         if self.task is None:
-            self.task = self.loop.create_task(self._answer(request, keep_alive, http11))
+            self.task = self.loop.create_task(self._answer(request, keep_alive, http11, size))
             self.server.tasks.add(self.task)
         else:  # pipelined: answered in order; stop reading until its turn
-            self.pending.append((request, keep_alive, http11))
+            self.pending.append((request, keep_alive, http11, size))
             if keep_alive is False:
                 self.discarding = True
             assert self.transport is not None
             self.transport.pause_reading()
+        if request.method == "CONNECT":
+            self.discarding = True
 
     # -- timeouts
     def _arm(self, seconds: float) -> None:
@@ -332,15 +509,21 @@ class _Connection(asyncio.Protocol):
         self.fail(413, f"request body larger than {self.server.max_body:,} bytes")
         raise httptools.HttpParserError("body too large")
 
-    def fail(self, status: int, message: str) -> None:
+    def fail(self, status: int, message: str, headers: Mapping[str, str] | None = None) -> None:
         """Answer a request this server refuses, then hang up (nothing more is read)."""
         self.discarding = True
+        self._body = []  # what was read of it is dropped now, not at the hang-up
+        self._raw_request = None
+        self._raw_left = 0
+        self._release(self._message_bytes)
+        self._message_bytes = 0
         if self.transport is not None and not self.closed:
             if self.task is None:
-                self.transport.write(_error_bytes(status, message))
+                self.transport.write(_error_bytes(status, message, headers))
             self.transport.close()
 
-    async def _answer(self, request: Request, keep_alive: bool, http11: bool) -> None:
+    async def _answer(self, request: Request, keep_alive: bool, http11: bool,
+                      size: int) -> None:
         try:
             while True:
                 self._head_sent = False
@@ -362,6 +545,8 @@ class _Connection(asyncio.Protocol):
                     if not self._head_sent:
                         self._write(_error_bytes(500, "internal server error"))
                     keep_alive = False  # a broken stream ends with the connection
+                finally:
+                    self._release(size)
                 if not keep_alive or self.closed or self.server.stopping:
                     self.hang_up()
                     return
@@ -369,7 +554,7 @@ class _Connection(asyncio.Protocol):
                     self._arm(self.server.request_timeout_s if self._reading
                               else self.server.idle_timeout_s)
                     return
-                request, keep_alive, http11 = self.pending.popleft()
+                request, keep_alive, http11, size = self.pending.popleft()
                 if not self.pending and self.transport is not None:
                     self.transport.resume_reading()
         finally:
@@ -436,13 +621,22 @@ class Server:
 
     def __init__(self, handler: Handler, *, max_body: int = DEFAULT_MAX_BODY,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 max_connections: int | None = None,
+                 max_buffered: int = DEFAULT_MAX_BUFFERED) -> None:
         self.handler = handler
         self.max_body = max_body
         self.idle_timeout_s = idle_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.max_connections = (default_max_connections() if max_connections is None
+                                else max_connections)
+        self.max_refusing = min(_MAX_REFUSING, max(16, self.max_connections // 4))
+        self.max_buffered = max_buffered
+        self.buffered = 0  # request bytes held for requests not yet answered, all connections
+        self.refused_connections = 0  # answered 503 for being over `max_connections`
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
+        self.refusing: set[_Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
         self._server: asyncio.Server | None = None
@@ -464,7 +658,7 @@ class Server:
         self.stopping = True
         if self._server is not None:
             self._server.close()
-        for conn in list(self.connections):
+        for conn in [*self.connections, *self.refusing]:
             conn.close_if_idle()
         tasks = set(self.tasks)
         if tasks:
@@ -528,10 +722,13 @@ async def call_asgi(app: Callable[..., Awaitable[None]], request: Request) -> Re
 async def start_server(handler: Handler, host: str, port: int, *,
                        max_body: int = DEFAULT_MAX_BODY,
                        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
-                       request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Server:
+                       request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                       max_connections: int | None = None,
+                       max_buffered: int = DEFAULT_MAX_BUFFERED) -> Server:
     """A `Server` listening on `host:port` (an IPv6 host without brackets)."""
     server = Server(handler, max_body=max_body, idle_timeout_s=idle_timeout_s,
-                    request_timeout_s=request_timeout_s)
+                    request_timeout_s=request_timeout_s, max_connections=max_connections,
+                    max_buffered=max_buffered)
     await server.listen(host, port)
     return server
 

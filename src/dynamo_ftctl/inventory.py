@@ -533,6 +533,16 @@ class ProxyConfig(StrictStruct, frozen=True):
              "live failed worker's KV is moved when it says a transfer beats re-prefill; "
              "none: always re-prefill."),
     ] = None
+    max_connections: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        _doc("Client connections at most; one more is answered 503 and closed. Default: "
+             "what the open-file limit leaves room for, at most 4096."),
+    ] = None
+    max_buffered_mib: Annotated[
+        int,
+        _doc("MiB of requests not yet answered (partial bodies included) held across all "
+             "clients; the request that would go over is answered 503.", ge=1),
+    ] = 256
     _checked = (("listen", _check_host_port), ("health_url", _check_http_url))
 
 

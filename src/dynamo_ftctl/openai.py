@@ -10,6 +10,8 @@ reason, usage), request bodies, and the OpenAI error body
 Both response shapes are understood: completions (`choices[i].text`,
 `logprobs.tokens/token_logprobs/top_logprobs`) and chat
 (`choices[i].message.content` or `.delta.content`, `logprobs.content[]`).
+A client's request body is read by `parse_request_json`: strict JSON (no NaN
+or Infinity) nested at most `MAX_JSON_DEPTH` deep.
 vLLM puts `prompt_token_ids` on the choice for completions and at the top level
 for chat; `extract_prompt_token_ids` looks at both.
 
@@ -29,6 +31,7 @@ from dynamo_ftctl.errors import FtctlError
 
 __all__ = [
     "DONE",
+    "MAX_JSON_DEPTH",
     "ApiError",
     "SseDecoder",
     "SseEvent",
@@ -52,6 +55,7 @@ __all__ = [
     "iter_sse_events",
     "iter_sse_lines",
     "parse_error_body",
+    "parse_request_json",
     "parse_sse_event",
 ]
 
@@ -358,6 +362,68 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
     prompt = int(usage.get("prompt_tokens") or 0)
     completion = int(usage.get("completion_tokens") or 0)
     return Usage(prompt, completion, int(usage.get("total_tokens") or prompt + completion))
+
+
+# ---------------------------------------------------------------------------
+# Request bodies
+
+MAX_JSON_DEPTH = 64
+"""Arrays and objects a request body may nest: OpenAI's own bodies nest under ten deep
+(a tool's JSON schema a little more); 100,000 nested `[` made the proxy answer 500."""
+
+_DECODER = msgspec.json.Decoder()
+
+
+def _refuse_constant(name: str) -> Any:
+    msg = f"{name} is not a JSON number"
+    raise ValueError(msg)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        msg = f"number out of range: {text[:32]}"
+        raise ValueError(msg)
+    return value
+
+
+def _nests_deeper(doc: Any, limit: int) -> bool:
+    """`doc` has arrays or objects more than `limit` deep (iterative: no recursion limit)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def parse_request_json(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A client's JSON body; `ValueError` for one that is not strict JSON (NaN,
+    Infinity and numbers past a double's range are refused) or that nests arrays and
+    objects deeper than `max_depth`."""
+    too_deep = f"JSON nested deeper than {max_depth} arrays or objects"
+    try:
+        doc = _DECODER.decode(data)
+    except RecursionError:
+        raise ValueError(too_deep) from None
+    except msgspec.DecodeError:
+        # msgspec refuses lone-surrogate escapes ("\ud800"), which json reads (the
+        # engine answers them); json alone would also read NaN, Infinity and 1e999.
+        try:
+            doc = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+        except RecursionError:
+            raise ValueError(too_deep) from None
+    if not isinstance(doc, dict | list):
+        return doc
+    # Counting brackets (in C) clears nearly every body without a walk: fewer of them
+    # than the limit cannot nest past it, strings or not.
+    opens = data.count("[") + data.count("{") if isinstance(data, str) else \
+        data.count(b"[") + data.count(b"{")
+    if opens > max_depth and _nests_deeper(doc, max_depth):
+        raise ValueError(too_deep)
+    return doc
 
 
 # ---------------------------------------------------------------------------

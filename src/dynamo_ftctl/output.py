@@ -5,6 +5,11 @@ With `--json`, stdout carries exactly one JSON document (or JSON lines for
 streams, via `emit_line`) and nothing else; logs and errors go to stderr.
 A result renders for people through `__rich__` when it has one, else as a
 key/value table of its JSON form.
+
+Every renderer here masks secrets in URLs (`redact`): `user:password@` and
+token query parameters print as `***`, in tables, text, JSON, errors and
+warnings alike. `to_jsonable` keeps them: files that are read back (revert
+records, drill inventories) need the real URL.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.redact import redact_text
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -27,6 +34,7 @@ __all__ = [
     "emit_line",
     "error",
     "kv_table",
+    "redact_doc",
     "stderr_console",
     "stdout_console",
     "table",
@@ -86,20 +94,35 @@ def stderr_console() -> Console:
     return _console(sys.stderr)
 
 
+def redact_doc(doc: Any) -> Any:
+    """A JSON-shaped `doc` with secrets in URLs masked in every string (keys too)."""
+    if isinstance(doc, str):
+        return redact_text(doc)
+    if isinstance(doc, Mapping):
+        return {redact_text(str(k)): redact_doc(v) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [redact_doc(v) for v in doc]
+    return doc
+
+
 def emit(result: Any, *, json_mode: bool) -> None:
     """Print one result: a JSON document with `json_mode`, else a rich rendering."""
     if json_mode:
-        sys.stdout.write(json.dumps(to_jsonable(result), indent=2, sort_keys=False) + "\n")
+        doc = redact_doc(to_jsonable(result))
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
         sys.stdout.flush()
         return
     if hasattr(result, "plain_text") and not sys.stdout.isatty():
         # Probes, cron and pipes get plain aligned text, and skip rich's ~30 ms import.
-        sys.stdout.write(result.plain_text())
+        sys.stdout.write(redact_text(result.plain_text()))
         sys.stdout.flush()
         return
     console = stdout_console()
-    if hasattr(result, "__rich__") or isinstance(result, str):
-        console.print(result)
+    if isinstance(result, str):
+        console.print(redact_text(result))
+        return
+    if hasattr(result, "__rich__"):
+        console.print(result)  # its tables come from `table` (masked cells)
         return
     doc = to_jsonable(result)
     if isinstance(doc, Mapping):
@@ -121,7 +144,7 @@ def plain_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 def emit_line(record: Any) -> None:
     """Print one JSON line (for streams of events) and flush it at once."""
-    sys.stdout.write(json.dumps(to_jsonable(record), separators=(",", ":")) + "\n")
+    sys.stdout.write(json.dumps(redact_doc(to_jsonable(record)), separators=(",", ":")) + "\n")
     sys.stdout.flush()
 
 
@@ -129,10 +152,10 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, Mapping | list | tuple):
-        return json.dumps(to_jsonable(value))
+        return redact_text(json.dumps(to_jsonable(value)))
     if value is None:
         return "-"
-    return str(value)
+    return redact_text(str(value))
 
 
 def kv_table(title: str | None, data: Mapping[str, Any]) -> Table:
@@ -171,7 +194,7 @@ def one_line(message: str) -> str:
 
 def error(message: str) -> None:
     """One red line on stderr (the CLI's only way to report a failure)."""
-    message = one_line(message)
+    message = one_line(redact_text(message))
     if sys.stderr.isatty() and not os.environ.get("NO_COLOR"):
         sys.stderr.write(f"\x1b[31merror:\x1b[0m {message}\n")
     else:
@@ -181,7 +204,7 @@ def error(message: str) -> None:
 
 def warn(message: str) -> None:
     """One warning line on stderr."""
-    sys.stderr.write(f"warning: {one_line(message)}\n")
+    sys.stderr.write(f"warning: {one_line(redact_text(message))}\n")
     sys.stderr.flush()
 
 

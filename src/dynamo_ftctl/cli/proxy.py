@@ -41,6 +41,16 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         help="Calibration file (`ftctl migrate calibrate`): move a live failed worker's KV "
              "when the cost model says a transfer beats re-prefill (default: "
              "proxy.calibration; none: always re-prefill).")] = None,
+    max_connections: Annotated[int | None, typer.Option(
+        "--max-connections", min=1,
+        help="Client connections at most; one more is answered 503 and closed (default: "
+             "proxy.max_connections, else what the open-file limit leaves room for, at most "
+             "4096).")] = None,
+    max_buffered_mib: Annotated[int | None, typer.Option(
+        "--max-buffered-mib", min=1,
+        help="MiB of requests not yet answered (partial bodies included) held across all "
+             "clients; the request that would go over is answered 503 (default: "
+             "proxy.max_buffered_mib, 256).")] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Run the migrating proxy until Ctrl-C.
@@ -58,6 +68,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "listen": listen, "migration_limit": migration_limit, "stall_timeout_s": stall_timeout,
         "health_url": health_url, "reject_status": reject_status,
         "calibration": str(calibration.resolve()) if calibration is not None else None,
+        "max_connections": max_connections, "max_buffered_mib": max_buffered_mib,
     }
     data = inventory.proxy.model_dump()
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -47,7 +47,8 @@ from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_crash_lines
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
 from dynamo_ftctl.errors import FtctlError, InvalidInput
-from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse
+from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse, parse_request_json
+from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -526,9 +527,9 @@ def _asleep_response(state: ServerState) -> Response | None:
 
 async def _read_json(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
-    except ValueError:
-        msg = "request body is not valid JSON"
+        body = parse_request_json(await request.body())
+    except ValueError as exc:
+        msg = f"request body is not valid JSON: {exc}"
         raise _ParamError(msg) from None
     if not isinstance(body, dict):
         msg = "request body must be a JSON object"
@@ -909,6 +910,7 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
+    install_log_redaction()
     # uvloop and httptools when installed (the `sim` extra): per streamed token, h11's
     # pure-Python framing and the default loop's transport cost more than the SSE
     # encoding itself (benchmarks/sim.py).

@@ -2,6 +2,8 @@
 
 matplotlib (the `plot` extra) loads only in `plot_timeline`, with the Agg
 backend; without it the report is written without the picture and says so.
+Secrets in URLs (an inventory's `user:password@`, `?token=`) are masked in
+every form of the report.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.output import to_jsonable, write_atomic
+from dynamo_ftctl.output import redact_doc, to_jsonable, write_atomic
+from dynamo_ftctl.redact import redact_text
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -109,7 +112,8 @@ class DrillReport:
     def __rich__(self) -> RenderableType:
         from rich.text import Text
 
-        return Text("\n".join(self.summary_lines()), no_wrap=True, overflow="ignore")
+        return Text(redact_text("\n".join(self.summary_lines())), no_wrap=True,
+                    overflow="ignore")
 
 
 def witness_line(w: dict[str, Any]) -> str:
@@ -244,7 +248,7 @@ def write_report(report: DrillReport, *, plot: bool = True) -> DrillReport:
         except ImportError:
             warn("matplotlib is not installed (pip install 'dynamo-ftctl[plot]'): no timeline.png")
     report = replace(report, files=tuple(files))
-    write_atomic(report.out_dir / "report.md", render_markdown(report))
+    write_atomic(report.out_dir / "report.md", redact_text(render_markdown(report)))
     write_atomic(report.out_dir / "report.json",
-                 json.dumps(to_jsonable(report.to_json()), indent=2) + "\n")
+                 json.dumps(redact_doc(to_jsonable(report.to_json())), indent=2) + "\n")
     return report

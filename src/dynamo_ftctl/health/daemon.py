@@ -44,6 +44,7 @@ from dynamo_ftctl.health.state import (
     WorkerHealth,
 )
 from dynamo_ftctl.health.transport import AiohttpTransport, AsyncTransport
+from dynamo_ftctl.redact import install_log_redaction, redact_url
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -307,7 +308,8 @@ class HealthDaemon:
             health = entry.health
             last = entry.last
             rows.append({
-                "name": name, "url": entry.worker.target.url, "state": health.state.value,
+                "name": name, "url": redact_url(entry.worker.target.url),
+                "state": health.state.value,
                 "weight": health.weight, "breaker": health.breaker.value,
                 "consecutive_failures": health.consecutive_failures,
                 "retry_in_s": health.retry_in(), "reason": health.last_reason,
@@ -438,6 +440,8 @@ def run_daemon(
 ) -> DaemonSummary:
     """Run the daemon and its HTTP API until SIGINT/SIGTERM (blocking)."""
     import uvicorn
+
+    install_log_redaction()
 
     sock = _bind(listen or config.listen)
     host, port = sock.getsockname()[:2]

@@ -150,17 +150,19 @@ class Http1Transport:
                   headers: Mapping[str, str] | None = None) -> HttpReply:
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
+        # host[:port]: user info is no part of a Host header, nor of a message
+        authority = parts.netloc.rpartition("@")[2]
         https = parts.scheme == "https"
         port = parts.port or (443 if https else 80)
         deadline = time.monotonic() + timeout_s
         try:
             sock: Any = _connect(host, port, timeout_s)
         except ConnectionRefusedError:
-            raise TransportError("refused", f"connection refused by {parts.netloc}") from None
+            raise TransportError("refused", f"connection refused by {authority}") from None
         except TimeoutError:
             raise TransportError("timeout", f"no connection within {timeout_s:g} s") from None
         except OSError as exc:
-            raise TransportError("refused", f"cannot connect to {parts.netloc}: "
+            raise TransportError("refused", f"cannot connect to {authority}: "
                                             f"{exc.strerror or exc}") from None
         reply = _Reply(self.max_bytes)
         try:
@@ -171,7 +173,7 @@ class Http1Transport:
                 plain = socket.socket(fileno=sock.detach())  # ssl wraps socket.socket only
                 plain.settimeout(timeout_s)
                 sock = ssl.create_default_context().wrap_socket(plain, server_hostname=host)
-            sock.sendall(_request(parts.netloc, parts.path or "/", parts.query, body, headers))
+            sock.sendall(_request(authority, parts.path or "/", parts.query, body, headers))
             status = _read(sock, reply, deadline)
         except TransportError:
             raise
@@ -298,7 +300,8 @@ class AiohttpTransport:
             what = "response body" if state["headers"] else "response"
             raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
         except aiohttp.ClientConnectorError as exc:
-            raise TransportError("refused", f"cannot connect to {urlsplit(url).netloc}: "
+            authority = urlsplit(url).netloc.rpartition("@")[2]
+            raise TransportError("refused", f"cannot connect to {authority}: "
                                             f"{exc.strerror or exc}") from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
                 aiohttp.ClientOSError) as exc:

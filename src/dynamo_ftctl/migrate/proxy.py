@@ -82,7 +82,15 @@ import msgspec
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client, ConnectError, ConnectionBroken, Unreachable
 from dynamo_ftctl.http1 import Response as UpstreamResponse
-from dynamo_ftctl.httpserver import Pusher, Reply, Stream, call_asgi, start_server
+from dynamo_ftctl.httpserver import (
+    Pusher,
+    Reply,
+    Stream,
+    call_asgi,
+    default_max_connections,
+    raise_open_file_limit,
+    start_server,
+)
 from dynamo_ftctl.migrate.admission import (
     BUSY_BODY,
     Thresholds,
@@ -102,7 +110,8 @@ from dynamo_ftctl.migrate.continuation import (
     prepare_request,
 )
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
-from dynamo_ftctl.openai import SseDecoder, error_body
+from dynamo_ftctl.openai import SseDecoder, error_body, parse_request_json
+from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
     import httpx
@@ -992,7 +1001,7 @@ class MigratingProxy:
         awaiting its `build()` while the client waits.
         """
         try:
-            raw = _loads(raw_body)
+            raw = parse_request_json(raw_body)
             body = prepare_request(endpoint, raw)
         except (ValueError, RequestRejected) as exc:
             param = exc.param if isinstance(exc, RequestRejected) else None
@@ -1119,7 +1128,7 @@ class MigratingProxy:
         if denied is not None:
             return denied
         try:
-            doc = json.loads(await request.body())
+            doc = parse_request_json(await request.body())
             if not isinstance(doc, dict):
                 msg = "expected a JSON object"
                 raise ValueError(msg)
@@ -1421,9 +1430,19 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
     cancels the rest and closes the upstream pools. A second signal cuts the wait
     short. SIGINT then raises `KeyboardInterrupt` (exit 130); SIGTERM returns.
     An address it cannot listen on (in use, not local) is `InvalidInput` (exit 2).
+    The front door holds at most `config.max_connections` clients and
+    `config.max_buffered_mib` of requests not yet answered (`httpserver`'s caps);
+    the soft open-file limit is raised to the hard one first, as Go's runtime does.
     """
     host, _, port = config.listen.rpartition(":")
     host = host.strip("[]")
+    install_log_redaction()
+    fd_limit = raise_open_file_limit()
+    if config.max_connections is not None and config.max_connections > \
+            default_max_connections(fd_limit):
+        log.warning("proxy.max_connections %d is more than the open-file limit (%d) leaves "
+                    "room for (%d): past it, new clients are reset", config.max_connections,
+                    fd_limit, default_max_connections(fd_limit))
     app = build_app(inventory, config)
     started = time.monotonic()
     received: list[int] = []
@@ -1440,7 +1459,9 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
         await app.proxy.start()
         try:
             try:
-                server = await start_server(front_door(app), host, int(port))
+                server = await start_server(
+                    front_door(app), host, int(port), max_connections=config.max_connections,
+                    max_buffered=config.max_buffered_mib * 1024 * 1024)
             except OSError as exc:
                 from dynamo_ftctl.errors import InvalidInput
 
