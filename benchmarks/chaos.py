@@ -1,0 +1,383 @@
+"""Issue #22's eight attacks, replayed on loopback against real ftctl processes.
+
+`make chaos` runs this (and `make bench` with the other scripts). Each attack starts what
+it needs (`ftctl sim` engines, `ftctl proxy`, the canary daemon, `ftctl lock`), attacks it
+as the issue describes, and prints one row: attack, what must happen, what happened.
+The exit status is 1 when any row misses its expectation, so a regression shows here as in
+the tests. Every process is stopped and every temporary file removed at the end; every
+wait is a condition with a deadline, every loop bounded.
+
+Usage: python benchmarks/chaos.py [--only N[,N...]] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+MODEL = "ftctl-sim-tiny"
+SIM_TOKEN = "chaos-sim-token"  # noqa: S105 (a test token for loopback processes)
+PROXY_TOKEN = "chaos-proxy-token"  # noqa: S105
+DAEMON_TOKEN = "chaos-daemon-token"  # noqa: S105
+
+import httpx  # noqa: E402
+
+from dynamo_ftctl.engine.launcher import SimWorker, start_worker  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Row:
+    """One attack's outcome."""
+
+    attack: str
+    expected: str
+    observed: str
+    ok: bool
+
+
+# ------------------------------------------------------------------ processes on loopback
+
+
+def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
+    """Poll `check` until it holds; RuntimeError naming `what` past the deadline."""
+    end = time.monotonic() + deadline_s
+    while not check():
+        if time.monotonic() > end:
+            msg = f"timed out waiting for {what}"
+            raise RuntimeError(msg)
+        time.sleep(0.01)
+
+
+def ftctl(*argv: str, env: dict[str, str] | None = None, timeout_s: float = 30.0,
+          cwd: Path | None = None) -> tuple[int, str, str, float, float]:
+    """Run `ftctl ARGV`: exit code, stdout, stderr, wall seconds, peak RSS in MiB.
+
+    A run past `timeout_s` is killed and reported with exit code -9.
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, cwd=cwd)
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    try:
+        out, err = proc.communicate()
+    finally:
+        timer.cancel()
+    # The child's own peak RSS: wait4 would race communicate(), so read it from the
+    # children's rusage delta; the benchmark runs one short child at a time here.
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"), \
+        time.monotonic() - start, rss_mib
+
+
+@contextlib.contextmanager
+def sims(count: int, *args: str) -> Iterator[list[SimWorker]]:
+    """`count` sim engines on free ports (no warm-up, the admin token set); stopped after."""
+    workers: list[SimWorker] = []
+    try:
+        for i in range(count):
+            workers.append(start_worker(f"w{i + 1}", admin_token=SIM_TOKEN, timeout_s=90,
+                                        args=("--warmup-s", "0", *args)))
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop(timeout_s=3)
+
+
+def write_inventory(folder: Path, workers: list[SimWorker], **proxy: Any) -> Path:
+    """An inventory over `workers` with `proxy:` settings (listen on a free port)."""
+    import yaml
+
+    doc = {
+        "cluster": "chaos",
+        "workers": [{"name": w.name, "url": w.url, "model": MODEL,
+                     "admin": {"token_env": "CHAOS_SIM_TOKEN"}} for w in workers],
+        "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1, **proxy},
+    }
+    path = folder / "inventory.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@contextlib.contextmanager
+def proxy(inventory: Path, log: Path) -> Iterator[str]:
+    """`ftctl proxy` over `inventory`; yields its URL once it serves."""
+    env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_TOKEN, "CHAOS_SIM_TOKEN": SIM_TOKEN}
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
+                                stdout=subprocess.DEVNULL, stderr=sink, env=env)
+    try:
+        found: list[str] = []
+
+        def serving() -> bool:
+            match = re.search(r"serving \d+ workers on (http://\S+)",
+                              log.read_text(errors="replace"))
+            if match:
+                found.append(match.group(1))
+            if proc.poll() is not None:
+                msg = f"proxy exited: {log.read_text(errors='replace')[-500:]}"
+                raise RuntimeError(msg)
+            return bool(found)
+
+        wait_until(serving, 30, "the proxy")
+        yield found[0]
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 5 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def completion(prompt: str = "hello", max_tokens: int = 4) -> dict[str, Any]:
+    """A small completion request body."""
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}
+
+
+# ------------------------------------------------------------------ the eight attacks
+
+
+def attack_poison(tmp: Path) -> Row:
+    """1. Poison requests (a lone surrogate) x3 over 2 workers, then normal traffic."""
+    poison = b'{"model": "%s", "prompt": "\\ud800", "max_tokens": 4}' % MODEL.encode()
+    with sims(2) as workers, proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        bad = [client.post("/v1/completions", content=poison,
+                           headers={"content-type": "application/json"}).status_code
+               for _ in range(3)]
+        good = [client.post("/v1/completions", json=completion()).status_code
+                for _ in range(5)]
+        health = client.get("/health").json()
+    open_breakers = sum(1 for w in health.get("workers", {}).values()
+                        if isinstance(w, dict) and w.get("breaker") not in (None, "closed"))
+    ok = bad == [400] * 3 and good == [200] * 5 and open_breakers == 0
+    return Row("poison request x3, 2 workers",
+               "poison 400 x3; then 200 x5; 0 breakers open",
+               f"poison {bad}; then {good}; {open_breakers} breakers open", ok)
+
+
+def attack_yaml_bomb(tmp: Path) -> Row:
+    """3. A 409-byte billion-laughs inventory, checked twice (the second run hits the cache)."""
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]"
+               for i in range(8)]
+    bomb = tmp / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\ncluster: *i\nworkers: []\n")
+    cache = tmp / "cache"
+    env = {"XDG_CACHE_HOME": str(cache)}
+    runs = [ftctl("inventory", "check", str(bomb), env=env, timeout_s=20) for _ in range(2)]
+    cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
+    codes = [r[0] for r in runs]
+    walls = [r[3] for r in runs]
+    lines = [len(r[2].strip().splitlines()) for r in runs]
+    ok = codes == [2, 2] and max(walls) < 5 and cached < 64 * 1024 and lines == [1, 1]
+    return Row(f"YAML alias bomb ({bomb.stat().st_size} B, 9 levels)",
+               "exit 2, one line, < 5 s, nothing cached",
+               f"exit {codes}, {lines} lines, {max(walls):.2f} s, cache {cached} B", ok)
+
+
+def attack_out_targets(tmp: Path) -> Row:
+    """4. `--out` naming a FIFO, a device node and an unwritable path."""
+    fifo = tmp / "fifo"
+    os.mkfifo(fifo)
+    device = tmp / "null-device"
+    targets = [fifo]
+    if os.geteuid() == 0:
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+        targets.append(device)
+    blocker = tmp / "a-file"
+    blocker.write_text("not a directory\n")
+    unwritable = blocker / "out"
+    with sims(1) as workers:
+        url = workers[0].url
+        outcomes = []
+        for target in [*targets, unwritable]:
+            code, _, err, _, _ = ftctl("canary", "record", "--url", url, "--model", MODEL,
+                                       "--out", str(target), timeout_s=120)
+            outcomes.append((code, len(err.strip().splitlines())))
+    kinds_kept = stat.S_ISFIFO(fifo.lstat().st_mode) and (
+        not device.exists() or stat.S_ISCHR(device.lstat().st_mode))
+    ok = all(code in (1, 2) and lines == 1 for code, lines in outcomes) and kinds_kept
+    return Row("--out FIFO / device node / file as a folder",
+               "exit 1 or 2, one line each; nodes untouched",
+               f"(exit, lines) {outcomes}; nodes untouched: {kinds_kept}", ok)
+
+
+def attack_caps(tmp: Path) -> Row:
+    """8. Proxy caps: deep JSON, NaN, h2c upgrade, connection flood, partial-body memory."""
+    with sims(1) as workers, proxy(write_inventory(tmp, workers, max_connections=64,
+                                                   max_buffered_mib=32),
+                                   tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=30) as client:
+        deep = client.post("/v1/completions", content=b"[" * 100_000,
+                           headers={"content-type": "application/json"}).status_code
+        nan = client.post("/v1/completions",
+                          content=b'{"model": "%s", "prompt": "x", "max_tokens": NaN}'
+                          % MODEL.encode(),
+                          headers={"content-type": "application/json"}).status_code
+        h2c = h2c_status(url)
+        flood = connection_flood(url, 200)
+        held_mib = partial_bodies(url, 30, 14)
+        after = client.post("/v1/completions", json=completion()).status_code
+    ok = (deep == 400 and nan == 400 and h2c.startswith("HTTP/1.1 200")
+          and flood["200"] + flood["503"] + flood["closed"] + flood["reset"] == 200
+          and 60 <= flood["200"] < 64 and flood["503"] > 0 and after == 200 and held_mib < 200)
+    return Row("deep JSON / NaN / h2c / 200 conns / 30x14 MiB bodies",
+               "400 / 400 / HTTP/1.1 200 / 200 up to the cap of 64, then 503 or"
+               " closed, none hang / RSS bounded by the 32 MiB cap / still serves",
+               f"{deep} / {nan} / {h2c} / {flood} / +{held_mib:.0f} MiB; after: {after}", ok)
+
+
+def h2c_status(url: str) -> str:
+    """The status line `curl --http2` (an h2c upgrade) gets, or a raw-socket stand-in."""
+    if shutil.which("curl"):
+        out = subprocess.run(["curl", "-s", "-i", "--http2", "--max-time", "20",
+                              f"{url}/v1/models"], capture_output=True, check=False, timeout=30)
+        return out.stdout.split(b"\r\n", 1)[0].decode(errors="replace") or "empty reply"
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings"
+                     b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n")
+        return sock.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace") or "empty reply"
+
+
+def connection_flood(url: str, count: int) -> dict[str, int]:
+    """`count` clients that each ask once and keep their connection open: answers by kind."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    socks = []
+    tally = {"200": 0, "503": 0, "closed": 0, "reset": 0, "other": 0}
+    try:
+        for _ in range(count):
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=10)
+                socks.append(sock)
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                head = sock.recv(4096).split(b"\r\n", 1)[0]
+            except OSError:
+                tally["reset"] += 1
+                continue
+            parts = head.split(b" ")
+            key = parts[1].decode(errors="replace") if len(parts) > 1 else "closed"
+            tally[key if key in tally else "other"] += 1
+    finally:
+        for sock in socks:
+            sock.close()
+    return tally
+
+
+def partial_bodies(url: str, count: int, mib: int) -> float:
+    """RSS growth (MiB) of the process listening at `url` while `count` clients each
+    hold `mib` MiB of a body they never finish."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    pid = listener_pid(int(port))
+    before = rss_mib(pid)
+    chunk = b"x" * (1 << 20)
+    socks = []
+    peak = before
+    try:
+        for _ in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            socks.append(sock)
+            head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    f"\r\nContent-Length: {(mib + 1) << 20}\r\n\r\n").encode()
+            with contextlib.suppress(OSError):
+                sock.sendall(head)
+                for _ in range(mib):
+                    sock.sendall(chunk)
+            peak = max(peak, rss_mib(pid))
+    finally:
+        for sock in socks:
+            sock.close()
+    return peak - before
+
+
+def listener_pid(port: int) -> int:
+    """The pid of the process listening on loopback `port` (from /proc/net/tcp and fds)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                    inodes.add(fields[9])
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    return int(entry.name)
+    msg = f"no process listens on port {port}"
+    raise RuntimeError(msg)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of `pid` in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+ATTACKS: dict[int, Callable[[Path], Row]] = {
+    1: attack_poison,
+    3: attack_yaml_bomb,
+    4: attack_out_targets,
+    8: attack_caps,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="attack numbers, comma-separated")
+    parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    opts = parser.parse_args()
+    chosen = [int(n) for n in opts.only.split(",") if n] or sorted(ATTACKS)
+    rows: list[Row] = []
+    for number in chosen:
+        with tempfile.TemporaryDirectory(prefix=f"ftctl-chaos-{number}-") as folder:
+            try:
+                rows.append(ATTACKS[number](Path(folder)))
+            except Exception as exc:  # noqa: BLE001 (a crashed attack is a row, not the end)
+                rows.append(Row(f"attack {number}", "a row", f"crashed: {exc}", False))
+    if opts.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        width = max(len(r.attack) for r in rows)
+        for i, r in zip(chosen, rows, strict=True):
+            mark = "ok  " if r.ok else "FAIL"
+            print(f"{mark} {i}. {r.attack:<{width}}  expected: {r.expected}\n"
+                  f"     {'':<{width + 3}}  observed: {r.observed}")
+    return 0 if all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sys.exit(main())
