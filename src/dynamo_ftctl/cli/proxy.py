@@ -33,7 +33,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "--stall-timeout", min=0.001, help="Seconds without a token before a worker has failed.",
     )] = None,
     health_url: Annotated[str | None, typer.Option(
-        "--health-url", help="Canary daemon base URL (weights from GET /workers).")] = None,
+        "--health-url", help="Canary daemon base URL (weights from GET /workers; failures "
+        "POSTed to /report with the bearer token in $FTCTL_DAEMON_TOKEN, or the variable "
+        "proxy.health_token_env names).")] = None,
     reject_status: Annotated[int | None, typer.Option(
         "--reject-status", help="503 or 529 when every worker is busy.")] = None,
     calibration: Annotated[Path | None, typer.Option(

@@ -860,8 +860,12 @@ def run_drill(
     token = secrets.token_hex(16)
     env = {}
     if local:
+        # One secret for everything the drill starts: engines' admin APIs, and the
+        # canary daemon with the proxy that reports to it.
         for worker in inventory.workers:
             env[worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"] = token
+        env[inventory.canary.token_env] = token
+        env[inventory.proxy.health_token_env] = token
     run = _Run(scenario=scenario, inventory=inventory, out_dir=out, clock=clock, env=env,
                target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None),
                local=local)

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_ftctl.auth import bearer_headers, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client
 from dynamo_ftctl.http1 import Response as UpstreamResponse
@@ -344,6 +345,9 @@ class MigratingProxy:
         from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
 
         self._http = Client(user_agent="ftctl-proxy")
+        if self.config.health_url and not token_from_env(self.config.health_token_env):
+            log.warning("$%s is not set: worker failures are not reported to the canary "
+                        "daemon at %s", self.config.health_token_env, self.config.health_url)
         self.capabilities = CapabilityCache(fetch=fetch_through(self._http), clock=self.clock)
         self._spawn(self._scrape_forever())
 
@@ -475,14 +479,17 @@ class MigratingProxy:
 
     def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
         base = self.config.health_url
-        if not base:
-            return
+        # Read per report: a token rotated in the environment of a test or embedder counts.
+        token = token_from_env(self.config.health_token_env)
+        if not base or not token:
+            return  # the daemon refuses unauthenticated reports (start() said so once)
 
         async def post() -> None:
             body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
             with contextlib.suppress(Exception):
                 await self.http.fetch("POST", f"{base}/report", _dumps(body),
-                                      {"Content-Type": "application/json"}, timeout_s=2.0)
+                                      {"Content-Type": "application/json",
+                                       **bearer_headers(token)}, timeout_s=2.0)
 
         self._spawn(post())
 

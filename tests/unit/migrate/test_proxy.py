@@ -694,8 +694,16 @@ def test_lean_front_door_slow_reader_gets_every_token_in_order(run: Callable[...
     assert docs[-1]["usage"]["completion_tokens"] == count
 
 
-def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[..., Any]) -> None:
-    """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report."""
+@pytest.mark.parametrize("token", ["d4emon", None])
+def test_canary_daemon_weights_route_and_failures_are_reported(
+        run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, token: str | None) -> None:
+    """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report
+    with the daemon's bearer token ($FTCTL_DAEMON_TOKEN), and not at all without one."""
+    if token is None:
+        monkeypatch.delenv("FTCTL_DAEMON_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("FTCTL_DAEMON_TOKEN", token)
+
     async def go() -> None:
         reports: list[Any] = []
         weights = {"w0": 1.0, "w1": 1.0, "w2": 0.0}
@@ -705,7 +713,8 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
                                                   for n, w in weights.items()]})
 
         async def report(request: web.Request) -> web.Response:
-            reports.append(await request.json())
+            reports.append({**await request.json(),
+                            "authorization": request.headers.get("Authorization")})
             return web.Response(status=204)
 
         daemon = web.Application()
@@ -724,10 +733,15 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
                 c.proxy.router.slots["w1"].outstanding = 0
                 assert stream_text(events) == expected_text("hello world", 5, 20)
                 assert not fakes[2].requests
+                if token is None:
+                    await c.proxy.scrape_once()  # the next daemon round trip: still none
+                    assert reports == []
+                    return
                 await until(lambda: bool(reports))
                 assert reports[0]["worker"] == "w0"
                 assert reports[0]["ok"] is False
                 assert reports[0]["source"] == "proxy"
+                assert reports[0]["authorization"] == f"Bearer {token}"
                 text = (await c.client.get("/metrics")).text
                 count = next(line for line in text.splitlines()
                              if line.startswith("dynamo_migration_duration_seconds_count"))
