@@ -268,6 +268,9 @@ class InjectConfig(StrictStruct, frozen=True):
     netproxy: Annotated[
         str | None, _doc("Control URL of the TCP fault proxy in front of this worker."),
     ] = None
+    netproxy_token_env: Annotated[
+        str, _doc("Variable holding the fault proxy's control token (bearer).", min_length=1),
+    ] = "FTCTL_NETPROXY_TOKEN"  # noqa: S105 - the variable's name, not a secret
     _checked = (("netproxy", _check_http_url),)
 
 

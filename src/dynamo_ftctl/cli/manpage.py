@@ -143,6 +143,8 @@ def _root_page(root: click.Command, ctx: click.Context) -> str:
                 "and the proxy's POST /busy_threshold.")
     body.append(".TP\n.B FTCTL_DAEMON_TOKEN\nDefault variable holding the canary daemon's "
                 "bearer token: POST /report needs it; the proxy and gpu --report send it.")
+    body.append(".TP\n.B FTCTL_NETPROXY_TOKEN\nDefault variable holding the TCP fault "
+                "proxy's control token (POST/DELETE /toxics).")
     body.append(".TP\n.B NO_COLOR\nDisable colour on stderr.")
     body.extend(_exit_status())
     see = ", ".join(f".BR ftctl\\-{n} (1)" for n in sorted(COMMANDS))
