@@ -47,6 +47,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
 ) -> None:
     """Run the migrating proxy until Ctrl-C.
 
+    POST /busy_threshold needs Authorization: Bearer $FTCTL_ADMIN_TOKEN (or the variable
+    proxy.admin_token_env names; 403 while it is unset).
+
     Example: ftctl -i examples/local.yaml proxy --listen 127.0.0.1:8000 --stall-timeout 5
     """
     from pydantic import ValidationError

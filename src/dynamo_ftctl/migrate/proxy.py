@@ -53,8 +53,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import secrets
 import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -63,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from dynamo_ftctl.auth import bearer_headers, token_from_env
+from dynamo_ftctl.auth import bearer_headers, check_bearer, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client
 from dynamo_ftctl.http1 import Response as UpstreamResponse
@@ -1007,16 +1005,14 @@ class MigratingProxy:
         return _json(200, self.busy_threshold_doc(model))
 
     def _check_admin(self, authorization: str | None) -> Response | None:
-        token = os.environ.get(self.config.admin_token_env)
-        if not token:
-            return _json(403, _openai_error(
-                f"admin API disabled: ${self.config.admin_token_env} is not set",
-                "forbidden", 403))
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), token.encode()):
-            return _json(401, _openai_error("missing or wrong admin bearer token",
-                                            "unauthorized", 401))
-        return None
+        env = self.config.admin_token_env
+        denied = check_bearer(authorization, token_from_env(env),
+                              unset=f"admin API disabled: ${env} is not set")
+        if denied is None:
+            return None
+        kind = "forbidden" if denied.status == 403 else "unauthorized"
+        return _json(denied.status, _openai_error(denied.message, kind, denied.status),
+                     denied.headers)
 
 
 def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,

@@ -564,6 +564,40 @@ def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
     run(go())
 
 
+def test_busy_threshold_takes_the_token_only_as_a_bearer_header(
+        run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bearer` in any case is taken; a bare token, another scheme, another header or the
+    query string is a 401 (with WWW-Authenticate); no token configured is a 403."""
+    monkeypatch.setenv("FTCTL_ADMIN_TOKEN", "s3cret")
+    change = {"model": MODEL, "active_decode_blocks_threshold": 0.5}
+    refused: list[tuple[dict[str, str], dict[str, str]]] = [
+        ({"Authorization": "s3cret"}, {}), ({"Authorization": "Basic s3cret"}, {}),
+        ({"Authorization": "Bearer"}, {}), ({"Authorization": "Bearer s3cret2"}, {}),
+        ({"X-Admin-Token": "s3cret"}, {}), ({"Proxy-Authorization": "Bearer s3cret"}, {}),
+        ({}, {"token": "s3cret"}), ({}, {"access_token": "s3cret"}),
+    ]
+
+    async def go() -> None:
+        async with Cluster([FakeWorker()]) as c:
+            for headers, params in refused:
+                answer = await c.client.post("/busy_threshold", json=change, headers=headers,
+                                             params=params)
+                assert answer.status_code == 401, (headers, params)
+                assert answer.headers["www-authenticate"] == "Bearer"
+                assert answer.json()["error"]["type"] == "unauthorized"
+            assert c.proxy.thresholds[MODEL].active_decode_blocks_threshold == 0.85
+            for scheme in ("bearer", "BEARER", "Bearer"):
+                answer = await c.client.post("/busy_threshold", json=change,
+                                             headers={"authorization": f"{scheme} s3cret"})
+                assert answer.status_code == 200, scheme
+            monkeypatch.delenv("FTCTL_ADMIN_TOKEN")
+            answer = await c.client.post("/busy_threshold", json=change,
+                                         headers={"Authorization": "Bearer s3cret"})
+            assert answer.status_code == 403
+            assert "FTCTL_ADMIN_TOKEN is not set" in answer.json()["error"]["message"]
+    run(go())
+
+
 @FRONTS
 def test_metrics_and_health_are_served(run: Callable[..., Any], front: str) -> None:
     """/metrics carries the migration counter after a migration; /health names the workers."""
