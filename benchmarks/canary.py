@@ -253,7 +253,8 @@ def detection() -> None:
         inv.write_text(json.dumps(inventory))
         daemon = subprocess.Popen([*FTCTL, "-i", str(inv), "canary", "--watch", "--json",
                                    "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "FTCTL_DAEMON_TOKEN": "bench"})
         unhealthy_at: dict[str, float] = {}
         seen = threading.Event()
 
@@ -274,7 +275,7 @@ def detection() -> None:
             # The proxy reports over a connection it keeps open (its pooled client):
             # one client, connected before the kill. A fresh `httpx.post` per report
             # would add ~50 ms of client set-up (an SSL context) to every figure.
-            reporter = httpx.Client(timeout=5)
+            reporter = httpx.Client(timeout=5, headers={"Authorization": "Bearer bench"})
             reporter.get(f"{url}/health")
             time.sleep(interval * 1.5)  # a first round has probed everyone
             passive, probes, exits = [], [], []

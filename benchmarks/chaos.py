@@ -35,9 +35,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 MODEL = "ftctl-sim-tiny"
-SIM_TOKEN = "chaos-sim-token"  # noqa: S105 (a test token for loopback processes)
-PROXY_TOKEN = "chaos-proxy-token"  # noqa: S105
-DAEMON_TOKEN = "chaos-daemon-token"  # noqa: S105
+SIM_TOKEN = "chaos-sim-token"
+PROXY_TOKEN = "chaos-proxy-token"
+DAEMON_TOKEN = "chaos-daemon-token"
 
 import httpx  # noqa: E402
 
@@ -321,7 +321,7 @@ def listener_pid(port: int) -> int:
     """The pid of the process listening on loopback `port` (from /proc/net/tcp and fds)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as handle:
+        with contextlib.suppress(OSError), Path(table).open() as handle:
             for line in handle.readlines()[1:]:
                 fields = line.split()
                 if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
@@ -331,7 +331,7 @@ def listener_pid(port: int) -> int:
             continue
         with contextlib.suppress(OSError):
             for fd in (entry / "fd").iterdir():
-                target = os.readlink(fd)
+                target = str(fd.readlink())
                 if target.startswith("socket:[") and target[8:-1] in inodes:
                     return int(entry.name)
     msg = f"no process listens on port {port}"
@@ -365,7 +365,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix=f"ftctl-chaos-{number}-") as folder:
             try:
                 rows.append(ATTACKS[number](Path(folder)))
-            except Exception as exc:  # noqa: BLE001 (a crashed attack is a row, not the end)
+            except Exception as exc:
                 rows.append(Row(f"attack {number}", "a row", f"crashed: {exc}", False))
     if opts.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))

@@ -269,6 +269,9 @@ class InjectConfig(StrictStruct, frozen=True):
     netproxy: Annotated[
         str | None, _doc("Control URL of the TCP fault proxy in front of this worker."),
     ] = None
+    netproxy_token_env: Annotated[
+        str, _doc("Variable holding the fault proxy's control token (bearer).", min_length=1),
+    ] = "FTCTL_NETPROXY_TOKEN"  # noqa: S105 - the variable's name, not a secret
     _checked = (("netproxy", _check_http_url),)
 
 
@@ -436,6 +439,17 @@ class CanaryConfig(StrictStruct, frozen=True):
     listen: Annotated[str, _doc("Daemon HTTP address (/workers, /report, /metrics).")] = (
         "127.0.0.1:8090"
     )
+    token_env: Annotated[
+        str,
+        _doc("Variable holding the bearer token of POST /report (unset: reports refused, "
+             "403); `ftctl gpu --report` sends it too.", min_length=1),
+    ] = "FTCTL_DAEMON_TOKEN"  # noqa: S105 - the variable's name, not a secret
+    report_rate_per_s: Annotated[
+        float, _doc("Reports a second one client address may send (beyond: 429).", gt=0),
+    ] = 10.0
+    report_burst: Annotated[
+        int, _doc("Reports one client address may send at once.", ge=1, le=10000),
+    ] = 20
     state_file: Annotated[
         str | None, _doc("Latency baseline file (default: $XDG_STATE_HOME/ftctl/canary.json)."),
     ] = None
@@ -506,6 +520,11 @@ class ProxyConfig(StrictStruct, frozen=True):
         str | None,
         _doc("Canary daemon base URL (GET /workers, POST /report); none: own breaker."),
     ] = None
+    health_token_env: Annotated[
+        str,
+        _doc("Variable holding the daemon's bearer token for POST /report (unset: failures "
+             "are not reported).", min_length=1),
+    ] = "FTCTL_DAEMON_TOKEN"  # noqa: S105 - the variable's name, not a secret
     reject_status: Annotated[
         Literal[503, 529], _doc("HTTP status when every worker is busy or a tier is shed."),
     ] = 503

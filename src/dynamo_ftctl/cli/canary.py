@@ -21,7 +21,11 @@ app = typer.Typer(
         "URL --set FILE without an inventory). Exit 0 healthy, 1 unhealthy (token mismatch, "
         "logit drift, latency spike, garbage answer), 3 unreachable or timed out, 2 bad input.\n\n"
         "Daemon: ftctl canary --watch probes every worker each canary.interval_s, keeps the "
-        "state machine and breakers, serves GET /workers, POST /report, /metrics, /health."
+        "state machine and breakers, serves GET /workers, POST /report, /metrics, /health. "
+        "POST /report needs Authorization: Bearer $FTCTL_DAEMON_TOKEN (or the variable "
+        "canary.token_env names; unset: reports refused with 403), at most canary.report_burst "
+        "at once and canary.report_rate_per_s a second per client address (429 beyond); a "
+        "report can only lower a worker's health, a passing probe restores it."
     ),
     invoke_without_command=True,
     no_args_is_help=False,
@@ -106,7 +110,9 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
 
 def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,
            state_file: Path | None, use_state: bool, as_json: bool) -> None:
+    from dynamo_ftctl.auth import token_from_env
     from dynamo_ftctl.health.run import watch_fleet
+    from dynamo_ftctl.output import warn
 
     inventory = _inventory(ctx, required=True)
     assert inventory is not None
@@ -115,6 +121,8 @@ def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,
     def ready(url: str) -> None:
         sys.stderr.write(f"canary daemon: {len(inventory.workers)} workers, serving {url}\n")
         sys.stderr.flush()
+        if token_from_env(inventory.canary.token_env) is None:
+            warn(f"${inventory.canary.token_env} is not set: POST /report is refused (403)")
 
     summary = watch_fleet(inventory, set_path=set_path, listen=listen, state_file=state_file,
                           use_state=use_state, on_transition=None if live else _print_transition,

@@ -64,6 +64,11 @@ def run(  # noqa: PLR0917 - typer passes every option positionally
         "--standby", help="How the shadow waits: sleep (engine asleep; exit 2 if it refuses "
         "/sleep), cold (engine started only with the lock), auto (sleep, else cold).",
     )] = "auto",
+    admin_token_env: Annotated[str, typer.Option(
+        "--admin-token-env", help="Variable holding the engine's admin token, sent as "
+        "Authorization: Bearer on /sleep and /wake_up (ftctl sim requires it); unset: a "
+        "random token, given to the engine in that variable.")] = (
+        "FTCTL_ADMIN_TOKEN"),  # noqa: S107 - a variable's name, not a secret
     path: PathOpt = None,
     backend: BackendOpt = None,
     endpoint: EndpointOpt = None,
@@ -97,5 +102,6 @@ def run(  # noqa: PLR0917 - typer passes every option positionally
         argv=tuple(command), engine_id=settings.engine_id, engine_url=engine_url.rstrip("/"),
         health_host=health_host, health_port=health_port, ready_timeout_s=ready_timeout,
         wake_timeout_s=wake_timeout, sleep_level=sleep_level, standby=standby,
+        admin_token_env=admin_token_env,
     )
     raise typer.Exit(run_failover(config, open_lock(settings, metrics=True), on_state=report))

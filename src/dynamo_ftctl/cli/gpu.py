@@ -47,7 +47,9 @@ NodeOpt = Annotated[
 ReportOpt = Annotated[
     str | None,
     typer.Option("--report", metavar="URL",
-                 help="Canary daemon URL: POST /report for each affected worker.",
+                 help="Canary daemon URL: POST /report for each affected worker, with the "
+                      "bearer token in $FTCTL_DAEMON_TOKEN (or the variable the inventory's "
+                      "canary.token_env names).",
                  show_default=False),
 ]
 CountOpt = Annotated[
@@ -119,9 +121,16 @@ def _stream(
     machine = json_mode(ctx, json_flag)
     reporter = None
     if report:
+        from dynamo_ftctl.auth import DAEMON_TOKEN_ENV, token_from_env
         from dynamo_ftctl.gpu.report import CanaryReporter
+        from dynamo_ftctl.output import warn
 
-        reporter = CanaryReporter(report)
+        inventory = optional_inventory(global_options(ctx).inventory, required=False)
+        token_env = inventory.canary.token_env if inventory is not None else DAEMON_TOKEN_ENV
+        token = token_from_env(token_env)
+        if token is None:
+            warn(f"${token_env} is not set: the canary daemon will refuse these reports")
+        reporter = CanaryReporter(report, token=token)
     seen = actionable = 0
     try:
         for event in events:

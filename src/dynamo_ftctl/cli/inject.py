@@ -175,15 +175,29 @@ def netproxy(
     upstream: Annotated[str, typer.Option("--upstream", help="HOST:PORT to relay to.")],
     control: Annotated[str, typer.Option("--control", help="HOST:PORT of the HTTP control API.")]
     = "127.0.0.1:0",
+    token_env: Annotated[str, typer.Option(
+        "--token-env", help="Variable holding the control API's bearer token (POST/DELETE "
+        "/toxics need it; unset: exit 2). The net injector reads the variable the worker's "
+        "inject.netproxy_token_env names.")] = (
+        "FTCTL_NETPROXY_TOKEN"),  # noqa: S107 - a variable's name, not a secret
 ) -> None:
     """Run the TCP fault proxy in the foreground (toxics via its control API).
 
     Prints one JSON line {listen, upstream, control} once it serves.
-    Example: ftctl inject netproxy --listen 127.0.0.1:9101 --upstream 127.0.0.1:8101
+    Example: FTCTL_NETPROXY_TOKEN=secret ftctl inject netproxy --listen 127.0.0.1:9101
+    --upstream 127.0.0.1:8101
     """
     import asyncio
 
+    from dynamo_ftctl.auth import token_from_env
+    from dynamo_ftctl.errors import InvalidInput
     from dynamo_ftctl.faults.netproxy import serve_netproxy
     from dynamo_ftctl.output import emit_line
 
-    asyncio.run(serve_netproxy(listen, upstream, control, emit_line))
+    token = token_from_env(token_env)
+    if token is None:
+        msg = (f"${token_env} is not set: the control API needs a bearer token "
+               "(--token-env names the variable)")
+        raise InvalidInput(msg)
+    asyncio.run(serve_netproxy(listen, upstream, control, emit_line, token=token,
+                               token_env=token_env))

@@ -139,7 +139,12 @@ def _root_page(root: click.Command, ctx: click.Context) -> str:
     body.append(".SH ENVIRONMENT")
     body.append(".TP\n.B FTCTL_INVENTORY\nDefault inventory path when -i is not given.")
     body.append(".TP\n.B FTCTL_ADMIN_TOKEN\nDefault variable holding worker admin tokens "
-                "(tokens never travel in flags).")
+                "(tokens never travel in flags): ftctl sim's /admin/*, /sleep and /wake_up, "
+                "and the proxy's POST /busy_threshold.")
+    body.append(".TP\n.B FTCTL_DAEMON_TOKEN\nDefault variable holding the canary daemon's "
+                "bearer token: POST /report needs it; the proxy and gpu --report send it.")
+    body.append(".TP\n.B FTCTL_NETPROXY_TOKEN\nDefault variable holding the TCP fault "
+                "proxy's control token (POST/DELETE /toxics).")
     body.append(".TP\n.B NO_COLOR\nDisable colour on stderr.")
     body.extend(_exit_status())
     see = ", ".join(f".BR ftctl\\-{n} (1)" for n in sorted(COMMANDS))

@@ -33,7 +33,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "--stall-timeout", min=0.001, help="Seconds without a token before a worker has failed.",
     )] = None,
     health_url: Annotated[str | None, typer.Option(
-        "--health-url", help="Canary daemon base URL (weights from GET /workers).")] = None,
+        "--health-url", help="Canary daemon base URL (weights from GET /workers; failures "
+        "POSTed to /report with the bearer token in $FTCTL_DAEMON_TOKEN, or the variable "
+        "proxy.health_token_env names).")] = None,
     reject_status: Annotated[int | None, typer.Option(
         "--reject-status", help="503 or 529 when every worker is busy.")] = None,
     calibration: Annotated[Path | None, typer.Option(
@@ -54,6 +56,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     json_: JsonFlag = False,
 ) -> None:
     """Run the migrating proxy until Ctrl-C.
+
+    POST /busy_threshold needs Authorization: Bearer $FTCTL_ADMIN_TOKEN (or the variable
+    proxy.admin_token_env names; 403 while it is unset).
 
     Example: ftctl -i examples/local.yaml proxy --listen 127.0.0.1:8000 --stall-timeout 5
     """

@@ -46,7 +46,8 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     pid_file: Annotated[Path | None, typer.Option(help="Write the pid here once serving.")]
     = None,
     admin_token_env: Annotated[str, typer.Option(
-        help="Environment variable holding the admin bearer token.",
+        help="Environment variable holding the admin bearer token (/admin/*, /sleep, "
+        "/wake_up; unset: those answer 403).",
     )] = "FTCTL_ADMIN_TOKEN",  # noqa: S107 (a variable name, not a secret)
     fault: Annotated[list[str] | None, typer.Option(
         "--fault", help="Start with a fault: KIND[:key=value,...], e.g. slow:delay_ms=50, "

@@ -7,7 +7,7 @@ Routes (vLLM-compatible where vLLM has them):
     POST /v1/chat/completions       stream or not; `continue_final_message`
     GET  /health                    200 serving, 503 starting or asleep
     GET  /metrics                   Prometheus text, vLLM names
-    POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping
+    POST /sleep?level=1|2, POST /wake_up (bearer token), GET /is_sleeping
     GET  /admin/kv/{request_id}     KV export (`kv.wire` format); `?abort=true` stops it
     POST /admin/kv/import           resume a request from an export (`?stream=false`)
     POST /admin/fault, GET /admin/fault   fault injection (bearer token)
@@ -29,7 +29,6 @@ not UTF-8 travel as `\\udcXX` and come back exactly (see `tokenizer`).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.auth import check_bearer
 from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.faults import FaultSpec, FaultState, parse_fault, xid_crash_lines
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
@@ -664,17 +664,13 @@ def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
 
 
 def _check_admin(state: ServerState, request: Request) -> Response | None:
-    token = state.settings.admin_token
-    if not token:
-        return _error("admin API disabled: no admin token configured on this engine", 403,
-                      kind="forbidden")
-    given = request.headers.get("authorization", "")
-    scheme, _, value = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                             token.encode()):
-        return _error("missing or wrong bearer token", 401, kind="unauthorized",
-                      headers={"WWW-Authenticate": "Bearer"})
-    return None
+    denied = check_bearer(request.headers.get("authorization"), state.settings.admin_token,
+                          unset="admin API disabled: no admin token configured on this engine")
+    if denied is None:
+        return None
+    return _error(denied.message, denied.status,
+                  kind="forbidden" if denied.status == 403 else "unauthorized",
+                  headers=denied.headers)
 
 
 def _crash(spec: FaultSpec, pci_bus_id: str) -> None:
@@ -735,6 +731,11 @@ def create_app(state: ServerState) -> Starlette:
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def sleep(request: Request) -> Response:
+        # Sleep aborts every request in flight: an admin call, as vLLM's dev-mode routes
+        # should be (issue 22: anyone could cut every stream with one POST).
+        denied = _check_admin(state, request)
+        if denied is not None:
+            return denied
         try:
             level = int(request.query_params.get("level", "1"))
         except ValueError:
@@ -745,7 +746,10 @@ def create_app(state: ServerState) -> Starlette:
         state.driver.fail(aborted, "engine is going to sleep")
         return _json({"is_sleeping": True, "level": level, "aborted": len(aborted)})
 
-    async def wake_up(_: Request) -> Response:
+    async def wake_up(request: Request) -> Response:
+        denied = _check_admin(state, request)
+        if denied is not None:
+            return denied
         await state.driver.run_locked(state.engine.wake)
         return _json({"is_sleeping": False})
 

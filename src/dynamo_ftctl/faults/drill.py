@@ -233,7 +233,9 @@ def _start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
             parts = urlsplit(direct_url)
             proxy = local.loop.call(NetProxy(parts.hostname or "127.0.0.1",
                                              parts.port or 80).start())
-            control = local.loop.call(ControlServer(proxy).start())
+            control = local.loop.call(ControlServer(
+                proxy, token=env[worker.inject.netproxy_token_env],
+                token_env=worker.inject.netproxy_token_env).start())
             local.netproxies.append(proxy)
             local.controls.append(control)
             url = f"http://127.0.0.1:{proxy.port}"
@@ -860,8 +862,13 @@ def run_drill(
     token = secrets.token_hex(16)
     env = {}
     if local:
+        # One secret for everything the drill starts: engines' admin APIs, the fault
+        # proxies' control APIs, and the canary daemon with the proxy that reports to it.
         for worker in inventory.workers:
             env[worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"] = token
+            env[worker.inject.netproxy_token_env] = token
+        env[inventory.canary.token_env] = token
+        env[inventory.proxy.health_token_env] = token
     run = _Run(scenario=scenario, inventory=inventory, out_dir=out, clock=clock, env=env,
                target_url=f"http://{inventory.proxy.listen}", log=log or (lambda _: None),
                local=local)

@@ -288,7 +288,8 @@ class _Target:
             msg = (f"worker {self.worker.name}: no TCP fault proxy in front of it "
                    "(set inject.netproxy to its control URL)")
             raise InvalidInput(msg)
-        return Step("net", f"{url}{path}", {"method": method, "body": body})
+        return Step("net", f"{url}{path}", {"method": method, "body": body,
+                                            "token_env": self.worker.inject.netproxy_token_env})
 
     def need(self, fault: str, *kinds: str) -> None:
         if not any(self.has(k) for k in kinds):

@@ -10,7 +10,8 @@ A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
     kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
             /dev/kmsg (or a file, for tests), so GPU health agents fire
     dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid)
-    net     the TCP fault proxy's control API (POST/DELETE /toxics)
+    net     the TCP fault proxy's control API (POST/DELETE /toxics) with the bearer
+            token from the variable the inventory names (inject.netproxy_token_env)
     load    start or stop a bounded background load process (`faults/overload.py`)
 
 Low-level failures become `FtctlError`s here, once: a vanished pid or a
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 
 if TYPE_CHECKING:
@@ -72,8 +74,10 @@ class Step:
             return f"stop the background load whose pid is in {self.target} (SIGTERM)"
         method = self.data["method"]
         payload = self.data.get("body")
+        token_env = self.data.get("token_env", NETPROXY_TOKEN_ENV)
         return f"{method} {self.target}" + (
-            f" {json.dumps(payload, separators=(',', ':'))}" if payload is not None else "")
+            f" {json.dumps(payload, separators=(',', ':'))}" if payload is not None else ""
+        ) + f" (Authorization: Bearer ${token_env})"
 
     def to_json(self) -> dict[str, Any]:
         """The step as a JSON object (revert records, reports)."""
@@ -154,17 +158,22 @@ class Injectors:
             raise InvalidInput(msg)
         return f"HTTP {response.status_code}"
 
-    def _http(self, step: Step) -> str:
-        env = str(step.data["token_env"])
-        token = self.environ.get(env)
-        if not token:
-            msg = f"the admin token variable ${env} is not set (the inventory names it)"
+    def _token(self, env: str, what: str) -> str:
+        token = token_from_env(env, self.environ)
+        if token is None:
+            msg = f"the {what} token variable ${env} is not set (the inventory names it)"
             raise InvalidInput(msg)
-        return self._request("POST", step.target, step.data["body"],
-                             {"Authorization": f"Bearer {token}"})
+        return token
+
+    def _http(self, step: Step) -> str:
+        token = self._token(str(step.data["token_env"]), "admin")
+        return self._request("POST", step.target, step.data["body"], bearer_headers(token))
 
     def _net(self, step: Step) -> str:
-        return self._request(str(step.data["method"]), step.target, step.data.get("body"), {})
+        # Revert records written before the control API took a token name none.
+        token = self._token(str(step.data.get("token_env", NETPROXY_TOKEN_ENV)), "fault proxy")
+        return self._request(str(step.data["method"]), step.target, step.data.get("body"),
+                             bearer_headers(token))
 
     def _kmsg(self, step: Step) -> str:
         path = Path(step.target)

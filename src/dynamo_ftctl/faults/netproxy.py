@@ -14,6 +14,9 @@ the default, as in toxiproxy; "upstream": client → upstream):
 `ControlServer` exposes them over a small HTTP/JSON API (what the `net`
 injector and `ftctl inject netproxy` speak): `GET /toxics`, `POST /toxics`
 (a toxic as JSON), `DELETE /toxics/{name}`, `DELETE /toxics`, `GET /health`.
+POST and DELETE need `Authorization: Bearer <token>` (`dynamo_ftctl.auth`;
+no token given to the server: 403, refused; `ftctl inject netproxy` reads it
+from $FTCTL_NETPROXY_TOKEN): a toxic cuts or stalls every client of a worker.
 This module owns sockets only; it knows nothing of workers or the inventory.
 """
 
@@ -29,10 +32,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, check_bearer
 from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
     from aiohttp import web
+    from aiohttp.typedefs import Handler
 
 __all__ = [
     "TOXIC_KINDS", "ControlServer", "NetProxy", "NetProxyInfo", "Toxic", "parse_toxic",
@@ -318,10 +323,13 @@ class NetProxy:
 class ControlServer:
     """The HTTP/JSON control API of one `NetProxy` (aiohttp, loopback by default)."""
 
-    def __init__(self, proxy: NetProxy, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, proxy: NetProxy, *, host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, token_env: str = NETPROXY_TOKEN_ENV) -> None:
         self.proxy = proxy
         self.host = host
         self.port = port
+        self.token = token  # None: POST and DELETE are refused (403)
+        self.token_env = token_env  # only named in the 403's message
         self._runner: web.AppRunner | None = None
 
     @property
@@ -332,6 +340,18 @@ class ControlServer:
     def app(self) -> web.Application:
         """The aiohttp application (routes only; no state outside the proxy)."""
         from aiohttp import web
+
+        unset = f"toxics disabled: no control token (set ${self.token_env})"
+
+        @web.middleware
+        async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.method in ("GET", "HEAD"):
+                return await handler(request)
+            denied = check_bearer(request.headers.get("Authorization"), self.token, unset=unset)
+            if denied is not None:
+                return web.json_response({"error": denied.message}, status=denied.status,
+                                         headers=denied.headers)
+            return await handler(request)
 
         async def health(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok", "listen": self.proxy.port,
@@ -358,7 +378,7 @@ class ControlServer:
         async def clear(_: web.Request) -> web.Response:
             return web.json_response({"removed": self.proxy.clear()})
 
-        app = web.Application()
+        app = web.Application(middlewares=[authorize])
         app.router.add_get("/health", health)
         app.router.add_get("/toxics", list_toxics)
         app.router.add_post("/toxics", add)
@@ -405,13 +425,15 @@ class NetProxyInfo:
 
 
 async def serve_netproxy(listen: str, upstream: str, control: str,
-                         on_ready: Callable[[NetProxyInfo], None]) -> None:
-    """Run a fault proxy and its control API until cancelled (Ctrl-C)."""
+                         on_ready: Callable[[NetProxyInfo], None], *, token: str,
+                         token_env: str = NETPROXY_TOKEN_ENV) -> None:
+    """Run a fault proxy and its control API (bearer `token`) until cancelled (Ctrl-C)."""
     host, port = split_host_port(listen, what="--listen")
     up_host, up_port = split_host_port(upstream, what="--upstream")
     ctl_host, ctl_port = split_host_port(control, what="--control")
     proxy = await NetProxy(up_host, up_port, host=host, port=port).start()
-    server = ControlServer(proxy, host=ctl_host, port=ctl_port)
+    server = ControlServer(proxy, host=ctl_host, port=ctl_port, token=token,
+                           token_env=token_env)
     try:
         await server.start()
         on_ready(NetProxyInfo(listen=f"{host}:{proxy.port}", upstream=f"{up_host}:{up_port}",

@@ -1,7 +1,8 @@
 """Hand GPU faults to the canary daemon: `POST /report` once per affected worker.
 
 The body is the daemon's passive-signal format:
-`{"worker": "w3", "ok": false, "reason": "xid 48: ...", "source": "gpu"}`.
+`{"worker": "w3", "ok": false, "reason": "xid 48: ...", "source": "gpu"}`,
+with the daemon's bearer token (`Authorization: Bearer`, see `dynamo_ftctl.auth`).
 Only actionable events (catalog action other than IGNORE) that name workers
 are sent. A daemon that is down must not stop the watcher: failures are
 counted and logged on stderr, never raised.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.auth import bearer_headers
 from dynamo_ftctl.gpu.events import GpuEvent
 
 if TYPE_CHECKING:
@@ -29,9 +31,11 @@ class CanaryReporter:
     """Posts actionable GPU events to a canary daemon."""
 
     def __init__(
-        self, url: str, *, client: httpx.Client | None = None, timeout_s: float = 2.0,
+        self, url: str, *, token: str | None = None, client: httpx.Client | None = None,
+        timeout_s: float = 2.0,
     ) -> None:
         self.url = report_url(url)
+        self._headers = bearer_headers(token)
         self._own_client = client is None
         if client is None:
             import httpx
@@ -60,7 +64,7 @@ class CanaryReporter:
         accepted = 0
         for body in self.bodies(event):
             try:
-                response = self._client.post(self.url, json=body)
+                response = self._client.post(self.url, json=body, headers=self._headers)
             except httpx.HTTPError as exc:
                 self.failures += 1
                 warn(f"cannot report {body['worker']} to {self.url}: {exc}")

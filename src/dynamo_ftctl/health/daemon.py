@@ -11,12 +11,18 @@ clock and a fake transport:
   instead of `failure_threshold` intervals;
 - passive signals (`report`: the proxy's failed request or broken stream, the
   GPU watcher's Xid for a worker's GPUs) count as failures at once and also
-  trigger a confirmation probe;
+  trigger an early probe, at most one per worker per `REPORT_PROBE_GAP_S`
+  (reports cannot make the daemon hammer a worker); a report never restores a
+  worker: `"ok": true` changes nothing, only a passing probe does;
 - each transition updates the metrics, is handed to `on_transition` (the JSON
   line log) and runs the inventory's actions.
 
-`create_app` serves `GET /workers`, `POST /report`, `GET /metrics`, `GET /health`.
-`run_daemon` runs both under uvicorn until SIGINT/SIGTERM.
+`create_app` serves `GET /workers`, `POST /report`, `GET /metrics`, `GET /health`;
+`/report` needs the bearer token in `$canary.token_env` (FTCTL_DAEMON_TOKEN;
+403 while it is unset, 401 without it, `dynamo_ftctl.auth`) and takes at most
+`report_burst` reports at once and `report_rate_per_s` a second from one client
+address (429 with Retry-After beyond). `run_daemon` runs both under uvicorn
+until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.auth import RateLimiter, check_bearer, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.actions import ActionOutcome, actions_for, run_action
@@ -53,6 +60,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.inventory import CanaryConfig, Inventory
 
 __all__ = [
+    "REPORT_PROBE_GAP_S",
     "DaemonSummary",
     "HealthDaemon",
     "ReportOutcome",
@@ -61,6 +69,12 @@ __all__ = [
     "run_daemon",
     "watched_workers",
 ]
+
+
+# At most one report-triggered probe per worker per second: a stream of reports once
+# made the daemon probe one worker ~95 times a second (issue 22). A failed probe still
+# confirms itself at once (the fast path to UNHEALTHY, at most failure_threshold probes).
+REPORT_PROBE_GAP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class _Entry:
     last_at: float | None = None
     probes: int = 0
     in_flight: bool = False
+    report_probe_at: float | None = None  # when a report last triggered a probe
     published: tuple[HealthState, BreakerState] | None = None
 
 
@@ -213,16 +228,29 @@ class HealthDaemon:
         if not result.healthy:
             self._confirm(entry)
 
-    def _confirm(self, entry: _Entry) -> None:
+    def _confirm(self, entry: _Entry) -> bool:
         # Still counting failures with the breaker closed: ask again now, not next interval.
         health = entry.health
         if health.breaker is BreakerState.CLOSED and health.consecutive_failures > 0:
-            self._spawn_probe(entry)
+            return self._spawn_probe(entry)
+        return False
+
+    def _confirm_report(self, entry: _Entry) -> None:
+        now = self.clock.now()
+        last = entry.report_probe_at
+        if last is not None and now - last < REPORT_PROBE_GAP_S:
+            return
+        if self._confirm(entry):
+            entry.report_probe_at = now
 
     # ------------------------------------------------------------------ passive signals
 
     def report(self, body: Mapping[str, Any]) -> ReportOutcome:
-        """A passive signal: `{"worker", "ok", "reason", "source"}` or a GPU event."""
+        """A passive signal: `{"worker", "ok", "reason", "source"}` or a GPU event.
+
+        `"ok": false` counts as a failure and asks for an early probe; `"ok": true`
+        is taken (not an error) but changes nothing: only a passing probe restores.
+        """
         source = body.get("source", "proxy")
         if source not in ("proxy", "gpu", "probe"):
             msg = f"'source' must be proxy or gpu, got {source!r}"
@@ -234,14 +262,18 @@ class HealthDaemon:
             raise InvalidInput(msg)
         if source == "gpu" and body.get("actionable") is False:
             return ReportOutcome(False, names, detail="GPU event needs no action")
-        reason = str(body.get("reason") or ("ok" if ok else f"reported by {source}"))[:300]
+        if ok:
+            return ReportOutcome(False, names, {n: self.entries[n].health.state.value
+                                                for n in names},
+                                 detail="an ok report changes nothing: only a passing canary "
+                                        "probe restores a worker")
+        reason = str(body.get("reason") or f"reported by {source}")[:300]
         sig: SignalSource = "gpu" if source == "gpu" else "proxy"
         states = {}
         for name in names:
             entry = self.entries[name]
-            self._apply(entry, entry.health.record(ok, f"{source}: {reason}", sig))
-            if not ok:
-                self._confirm(entry)
+            self._apply(entry, entry.health.record(False, f"{source}: {reason}", sig))
+            self._confirm_report(entry)
             states[name] = entry.health.state.value
         return ReportOutcome(True, names, states)
 
@@ -371,17 +403,33 @@ class HealthDaemon:
 # ---------------------------------------------------------------------- HTTP API
 
 
-def create_app(daemon: HealthDaemon) -> Starlette:
-    """The daemon's HTTP API (starlette)."""
+def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Starlette:
+    """The daemon's HTTP API (starlette); `POST /report` needs `token` (None: refused)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
+    config = daemon.config
+    limiter = RateLimiter(config.report_rate_per_s, config.report_burst, daemon.clock)
+    unset = f"reports disabled: ${config.token_env} is not set on the canary daemon"
+
     async def workers(_: Request) -> Response:
         return JSONResponse(daemon.snapshot())
 
     async def report(request: Request) -> Response:
+        denied = check_bearer(request.headers.get("authorization"), token, unset=unset)
+        if denied is not None:
+            return JSONResponse({"error": denied.message}, status_code=denied.status,
+                                headers=denied.headers)
+        # Limited after the token check: unauthenticated floods must not use up the
+        # budget of a real reporter sharing the address (every local client is 127.0.0.1).
+        wait_s = limiter.take(request.client.host if request.client else "")
+        if wait_s:
+            return JSONResponse(
+                {"error": f"more than {config.report_burst} reports at once or "
+                          f"{config.report_rate_per_s:g}/s from this address"},
+                status_code=429, headers={"Retry-After": limiter.retry_after(wait_s)})
         raw = await request.body()
         if len(raw) > 65536:
             return JSONResponse({"error": "report body over 64 KiB"}, status_code=413)
@@ -469,7 +517,8 @@ def run_daemon(
         daemon = HealthDaemon(watched_workers(inventory), canary_set, config,
                               baselines=baselines, on_transition=transition, on_action=on_action)
         server = uvicorn.Server(uvicorn.Config(
-            create_app(daemon), log_level="warning", access_log=False, lifespan="off",
+            create_app(daemon, token=token_from_env(config.token_env)), log_level="warning",
+            access_log=False, lifespan="off",
             loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=2,
         ))
         server.config.load()

@@ -13,7 +13,11 @@ States and routing weights (the proxy reads them from `GET /workers`):
 Only a half-open trial brings a worker back from UNHEALTHY, DRAINING or DEAD.
 While the breaker is open, nothing is sent to the worker and passive reports
 are ignored (they carry no news). While it is half-open, only the trial's own
-result counts. `record` returns the `Transition` it caused (or None).
+result counts. Passive signals (the proxy, the GPU watcher) can only lower
+confidence: a success from one of them is ignored, since only a passing probe
+shows that the worker answers correctly (a stream of forged `ok` reports once
+kept a worker with silent data corruption HEALTHY, issue 22). `record` returns
+the `Transition` it caused (or None).
 """
 
 from __future__ import annotations
@@ -144,7 +148,7 @@ class WorkerHealth:
 
     def record(self, ok: bool, reason: str, source: SignalSource = "probe") -> Transition | None:
         """Fold in one signal; return the transition it caused, if any."""
-        if self.breaker is BreakerState.OPEN:
+        if self.breaker is BreakerState.OPEN or (ok and source != "probe"):
             return None
         if self.breaker is BreakerState.HALF_OPEN:
             if source != "probe":

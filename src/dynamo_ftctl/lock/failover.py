@@ -13,7 +13,10 @@ any point exits non-zero (the lock goes with the process); a wake that takes
 longer than `wake_timeout_s` exits 1. The endpoints are vLLM's sleep mode (`POST /sleep?level=1`,
 `POST /wake_up`, `GET /is_sleeping`), which `ftctl sim` implements too; vLLM serves them
 only with `--enable-sleep-mode` and `VLLM_SERVER_DEV_MODE=1`, and on CPU not at all (it
-refuses the flag at start-up), so there the shadow waits cold.
+refuses the flag at start-up), so there the shadow waits cold. `/sleep` and `/wake_up`
+carry `Authorization: Bearer $FTCTL_ADMIN_TOKEN` (`admin_token_env`), which `ftctl sim`
+requires (they abort every request in flight); when the variable is unset the wrapper
+makes a random token and gives it to its engine in that variable, so the two agree.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ import contextlib
 import ctypes
 import enum
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.auth import ADMIN_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import CheckFailed, FtctlError, InvalidInput, LockTimeout, Unreachable
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
@@ -81,6 +87,7 @@ class FailoverConfig:
     wake_timeout_s: float = 30.0
     sleep_level: int = 1
     standby: str = "auto"  # one of STANDBY_MODES
+    admin_token_env: str = ADMIN_TOKEN_ENV  # the engine's bearer token for /sleep, /wake_up
 
 
 @dataclass(frozen=True)
@@ -167,7 +174,7 @@ def _check_argv(argv: Sequence[str]) -> None:
         raise InvalidInput(msg)
 
 
-def _start_engine(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+def _start_engine(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
     _check_argv(argv)
     # Looked up here, in the parent: the child only makes the call (no dlopen after fork,
     # where another thread of ours may have held the loader's lock).
@@ -181,7 +188,7 @@ def _start_engine(argv: Sequence[str]) -> subprocess.Popen[bytes]:
         # A cold start forks with the health thread running; die_with_parent touches no
         # lock of ours. PDEATHSIG follows the forking thread: we fork on the main one.
         # The engine's stdout goes to our stderr: with --json, stdout carries only state lines.
-        return subprocess.Popen(list(argv), stdout=sys.stderr.fileno(),
+        return subprocess.Popen(list(argv), stdout=sys.stderr.fileno(), env=dict(env),
                                 preexec_fn=die_with_parent)  # noqa: PLW1509
     except OSError as exc:
         msg = f"cannot start engine {argv[0]!r}: {exc.strerror}"
@@ -204,10 +211,12 @@ class _Run:
 
     def __init__(self, config: FailoverConfig, lock: FailoverLock,
                  engine: subprocess.Popen[bytes] | None,
-                 on_state: Callable[[StateChange], None], clock: Clock) -> None:
+                 on_state: Callable[[StateChange], None], clock: Clock, *,
+                 engine_env: Mapping[str, str]) -> None:
         self.config = config
         self.lock = lock
         self.engine = engine
+        self.engine_env = engine_env  # holds the admin token the engine checks
         self.on_state = on_state
         self.clock = clock
         self.health_port: int | None = None
@@ -276,7 +285,9 @@ class _Run:
         import httpx
 
         try:
-            response = await client.post(f"{self.config.engine_url}{path}", timeout=timeout)
+            response = await client.post(
+                f"{self.config.engine_url}{path}", timeout=timeout,
+                headers=bearer_headers(self.engine_env.get(self.config.admin_token_env)))
         except httpx.TimeoutException:
             return 0
         except httpx.HTTPError as exc:
@@ -345,7 +356,8 @@ class _Run:
         lease = await self._acquire(stop)
         if lease is None:
             return stop.result()
-        self.engine = _start_engine(self.config.argv)  # on this (the main) thread: PDEATHSIG
+        # On this (the main) thread: PDEATHSIG.
+        self.engine = _start_engine(self.config.argv, self.engine_env)
         exited = self._watch_engine()
         self.enter(EngineState.WAKING, token=lease.token,
                    detail=f"lock held after {lease.waited_s:.3f} s: engine started cold, "
@@ -369,8 +381,14 @@ class _Run:
         """/sleep refused: strict mode stops (exit 2); auto serves or waits cold."""
         refused = (f"engine has no sleep mode ({self.config.engine_url}/sleep answered "
                    f"HTTP {status}; {_NO_SLEEP_HINT})")
+        advice = "run with --standby cold (or auto)"
+        if status in (401, 403):
+            refused = (f"engine refused /sleep ({self.config.engine_url}/sleep answered HTTP "
+                       f"{status}: it checks another admin token than "
+                       f"${self.config.admin_token_env})")
+            advice = "name the engine's variable with --admin-token-env"
         if self.config.standby == "sleep":
-            msg = f"{refused}: run with --standby cold (or auto)"
+            msg = f"{refused}: {advice}"
             raise InvalidInput(msg)
         lease: Lease | None
         try:  # it is up and cannot sleep: it may serve only if the lock is free right now
@@ -463,12 +481,15 @@ def run_failover(
         return holder["run"].snapshot()
 
     server = HealthServer(config.health_host, config.health_port, snapshot)
+    # The engine is our child: a token we make and hand it is one both sides know.
+    token = token_from_env(config.admin_token_env) or secrets.token_urlsafe(32)
+    engine_env = {**os.environ, config.admin_token_env: token}
     try:
-        engine = None if config.standby == "cold" else _start_engine(config.argv)
+        engine = None if config.standby == "cold" else _start_engine(config.argv, engine_env)
     except BaseException:
         server.stop()
         raise
-    run = _Run(config, lock, engine, on_state, clock)
+    run = _Run(config, lock, engine, on_state, clock, engine_env=engine_env)
     run.health_port = server.port
     holder["run"] = run
     server.start()

@@ -69,8 +69,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import secrets
 import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -79,6 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_ftctl.auth import bearer_headers, check_bearer, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import AnyResponse, Client, ConnectError, ConnectionBroken, Unreachable
 from dynamo_ftctl.http1 import Response as UpstreamResponse
@@ -398,6 +397,9 @@ class MigratingProxy:
         from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
 
         self._http = Client(user_agent="ftctl-proxy")
+        if self.config.health_url and not token_from_env(self.config.health_token_env):
+            log.warning("$%s is not set: worker failures are not reported to the canary "
+                        "daemon at %s", self.config.health_token_env, self.config.health_url)
         self.capabilities = CapabilityCache(fetch=fetch_through(self._http), clock=self.clock)
         self._spawn(self._scrape_forever())
 
@@ -529,14 +531,17 @@ class MigratingProxy:
 
     def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
         base = self.config.health_url
-        if not base:
-            return
+        # Read per report: a token rotated in the environment of a test or embedder counts.
+        token = token_from_env(self.config.health_token_env)
+        if not base or not token:
+            return  # the daemon refuses unauthenticated reports (start() said so once)
 
         async def post() -> None:
             body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
             with contextlib.suppress(Exception):
                 await self.http.fetch("POST", f"{base}/report", _dumps(body),
-                                      {"Content-Type": "application/json"}, timeout_s=2.0)
+                                      {"Content-Type": "application/json",
+                                       **bearer_headers(token)}, timeout_s=2.0)
 
         self._spawn(post())
 
@@ -1153,16 +1158,14 @@ class MigratingProxy:
         return _json(200, self.busy_threshold_doc(model))
 
     def _check_admin(self, authorization: str | None) -> Response | None:
-        token = os.environ.get(self.config.admin_token_env)
-        if not token:
-            return _json(403, _openai_error(
-                f"admin API disabled: ${self.config.admin_token_env} is not set",
-                "forbidden", 403))
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(given.encode(), token.encode()):
-            return _json(401, _openai_error("missing or wrong admin bearer token",
-                                            "unauthorized", 401))
-        return None
+        env = self.config.admin_token_env
+        denied = check_bearer(authorization, token_from_env(env),
+                              unset=f"admin API disabled: ${env} is not set")
+        if denied is None:
+            return None
+        kind = "forbidden" if denied.status == 403 else "unauthorized"
+        return _json(denied.status, _openai_error(denied.message, kind, denied.status),
+                     denied.headers)
 
 
 def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,

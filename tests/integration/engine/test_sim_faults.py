@@ -142,15 +142,63 @@ def test_kv_migration_between_workers(sim_worker_factory: Any) -> None:
 def test_sleep_and_wake(sim_worker: SimWorker) -> None:
     """Asleep: /health and requests answer 503; after /wake_up the same outputs return."""
     body = {**LONG, "max_tokens": 5}
+    auth = {"Authorization": f"Bearer {sim_worker.admin_token}"}
     before = httpx.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
-    assert httpx.post(f"{sim_worker.url}/sleep?level=1", timeout=10).status_code == 200
+    assert httpx.post(f"{sim_worker.url}/sleep?level=1", headers=auth,
+                      timeout=10).status_code == 200
     assert httpx.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
     assert httpx.get(f"{sim_worker.url}/health", timeout=10).status_code == 503
     assert httpx.post(f"{sim_worker.url}/v1/completions", json=body,
                       timeout=10).status_code == 503
-    assert httpx.post(f"{sim_worker.url}/wake_up", timeout=10).status_code == 200
+    assert httpx.post(f"{sim_worker.url}/wake_up", timeout=10).status_code == 401
+    assert httpx.post(f"{sim_worker.url}/wake_up", headers=auth, timeout=10).status_code == 200
     after = httpx.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize(("headers", "params"), [
+    ({}, {}),
+    ({"Authorization": "Bearer wrong"}, {}),
+    ({"Authorization": "default"}, {}),
+    ({"X-Admin-Token": "default"}, {}),
+    ({}, {"token": "default"}),
+])
+def test_sleep_and_wake_need_the_admin_token(sim_worker: SimWorker, headers: dict[str, str],
+                                             params: dict[str, str]) -> None:
+    """/sleep without the bearer token (or with it in the wrong place) is a 401 and leaves a
+    stream in flight untouched; `bearer` in lower case is accepted."""
+    token = sim_worker.admin_token or ""
+    headers = {k: token if v == "default" else v for k, v in headers.items()}
+    params = {k: token if v == "default" else v for k, v in params.items()}
+    body = {**LONG, "max_tokens": 30, "stream": True}
+    with httpx.stream("POST", f"{sim_worker.url}/v1/completions", json=body,
+                      timeout=30) as response:
+        events = iter_sse_events(response.iter_raw())
+        acc = StreamAccumulator()
+        acc.add(parse_sse_event(next(events)))  # the stream is running
+        for path in ("/sleep", "/wake_up"):
+            denied = httpx.post(f"{sim_worker.url}{path}", headers=headers, params=params,
+                                timeout=10)
+            assert denied.status_code == 401, path
+            assert denied.headers["www-authenticate"] == "Bearer"
+        for event in events:
+            acc.add(parse_sse_event(event))
+    assert acc.finished
+    assert len(acc.token_ids) == 30
+    assert httpx.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+    lower = {"authorization": f"bearer {token}"}
+    assert httpx.post(f"{sim_worker.url}/sleep", headers=lower, timeout=10).status_code == 200
+    assert httpx.post(f"{sim_worker.url}/wake_up", headers=lower, timeout=10).status_code == 200
+
+
+def test_sleep_is_refused_without_a_configured_token(sim_worker_factory: Any) -> None:
+    """An engine with no admin token answers 403 to /sleep and /wake_up and stays awake."""
+    worker = sim_worker_factory(name="noauth", env={"FTCTL_ADMIN_TOKEN": ""}, admin_token="")
+    for path in ("/sleep?level=1", "/wake_up"):
+        refused = httpx.post(f"{worker.url}{path}", headers={"Authorization": "Bearer x"},
+                             timeout=10)
+        assert refused.status_code == 403, path
+    assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
 
 
 def _free_port() -> int:

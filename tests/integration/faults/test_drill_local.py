@@ -55,6 +55,11 @@ def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> Non
     assert "restarted: w2" in doc["rollbacks"]
     assert {"report.json", "report.md", "timeline.png"} <= {p.name for p in tmp_path.iterdir()}
     assert read_audit(tmp_path / "audit.jsonl")[0]["what"] == "kill"
+    # The proxy's failure reports reach the canary daemon: the drill gave both its token
+    # (each stream broken by the kill is reported within milliseconds, before a probe).
+    log = (tmp_path / "transitions.jsonl").read_text()
+    moves = [json.loads(line) for line in log.splitlines()]
+    assert any(m["worker"] == "w2" and m["source"] == "proxy" for m in moves), moves
     _all_stopped(tmp_path)
 
 

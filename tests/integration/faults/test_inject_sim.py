@@ -58,8 +58,12 @@ workers:
     return load_inventory(path)
 
 
+NET_TOKEN = "net-test-token"
+
+
 def _injectors(worker: SimWorker) -> Injectors:
-    return Injectors(environ={"FTCTL_TEST_ADMIN": worker.admin_token or ""})
+    return Injectors(environ={"FTCTL_TEST_ADMIN": worker.admin_token or "",
+                              "FTCTL_NETPROXY_TOKEN": NET_TOKEN})
 
 
 def _stream_or_error(url: str, body: dict[str, Any] = BODY,
@@ -153,6 +157,7 @@ def netproxy(worker: SimWorker) -> Iterator[dict[str, str]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynamo_ftctl", "inject", "netproxy", "--listen", "127.0.0.1:0",
          "--upstream", upstream], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env={**os.environ, "FTCTL_NETPROXY_TOKEN": NET_TOKEN},
     )
     try:
         assert proc.stdout is not None

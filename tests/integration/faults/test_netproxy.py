@@ -17,6 +17,8 @@ from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy, Toxic, parse_t
 pytestmark = pytest.mark.integration
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+TOKEN = "n3t-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -193,9 +195,9 @@ def test_control_api_adds_lists_and_clears() -> None:
     """The HTTP control API adds a toxic, lists it, rejects a bad one, removes and clears."""
 
     async def body(proxy: NetProxy) -> None:
-        control = await ControlServer(proxy).start()
+        control = await ControlServer(proxy, token=TOKEN).start()
         try:
-            async with aiohttp.ClientSession(control.url) as http:
+            async with aiohttp.ClientSession(control.url, headers=AUTH) as http:
                 async with http.post("/toxics", json={"name": "l", "kind": "latency",
                                                       "latency_ms": 5}) as r:
                     assert r.status == 201
@@ -213,6 +215,65 @@ def test_control_api_adds_lists_and_clears() -> None:
                     assert r.status == 404
                 async with http.delete("/toxics") as r:
                     assert (await r.json())["removed"] == 1
+            assert proxy.toxics() == ()
+        finally:
+            await control.stop()
+
+    run(_echo, body)
+
+
+@pytest.mark.parametrize(("headers", "params"), [
+    ({}, {}),
+    ({"Authorization": "Bearer wrong"}, {}),
+    ({"Authorization": TOKEN}, {}),
+    ({"Authorization": f"Basic {TOKEN}"}, {}),
+    ({"X-Auth-Token": TOKEN}, {}),
+    ({}, {"token": TOKEN}),
+])
+def test_control_api_changes_need_the_bearer_token(headers: dict[str, str],
+                                                   params: dict[str, str]) -> None:
+    """POST and DELETE without the token in the Authorization header: 401 and no toxic;
+    `bearer` in lower case works; GET needs no token."""
+
+    async def body(proxy: NetProxy) -> None:
+        control = await ControlServer(proxy, token=TOKEN).start()
+        try:
+            async with aiohttp.ClientSession(control.url) as http:
+                blackhole = {"kind": "blackhole"}
+                async with http.post("/toxics", json=blackhole, headers=headers,
+                                     params=params) as r:
+                    assert r.status == 401
+                    assert r.headers["WWW-Authenticate"] == "Bearer"
+                assert proxy.toxics() == ()
+                async with http.post("/toxics", json=blackhole,
+                                     headers={"authorization": f"bearer {TOKEN}"}) as r:
+                    assert r.status == 201
+                for path in ("/toxics/blackhole_downstream", "/toxics"):
+                    async with http.delete(path, headers=headers, params=params) as r:
+                        assert r.status == 401
+                async with http.get("/toxics") as r:
+                    assert len((await r.json())["toxics"]) == 1
+            assert len(proxy.toxics()) == 1
+        finally:
+            await control.stop()
+
+    run(_echo, body)
+
+
+def test_control_api_without_a_token_refuses_every_change() -> None:
+    """A control server given no token answers 403 to POST and DELETE, even with a header."""
+
+    async def body(proxy: NetProxy) -> None:
+        control = await ControlServer(proxy).start()
+        try:
+            async with aiohttp.ClientSession(control.url, headers=AUTH) as http:
+                async with http.post("/toxics", json={"kind": "blackhole"}) as r:
+                    assert r.status == 403
+                    assert "FTCTL_NETPROXY_TOKEN" in (await r.json())["error"]
+                async with http.delete("/toxics") as r:
+                    assert r.status == 403
+                async with http.get("/health") as r:
+                    assert r.status == 200
             assert proxy.toxics() == ()
         finally:
             await control.stop()

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[3]
+DAEMON_TOKEN = "daemon-test-token"
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> float:
@@ -73,7 +74,7 @@ def daemon(sim_worker_factory: SimWorkerFactory, tmp_path: Path,
         [sys.executable, "-m", "dynamo_ftctl", "-i", str(inv), "canary", "--watch", "--json",
          "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "MARK": str(marker)},
+        env={**os.environ, "MARK": str(marker), "FTCTL_DAEMON_TOKEN": DAEMON_TOKEN},
     )
     try:
         line = read_line(proc.stderr, proc, 60)
@@ -110,8 +111,10 @@ def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> N
     assert states(url) == {"w1": "healthy", "w2": "healthy"}
     workers["w2"].kill()
     assert workers["w2"].wait_exit(10) is not None
-    response = httpx.post(f"{url}/report", timeout=5, json={
-        "worker": "w2", "ok": False, "reason": "stream broke", "source": "proxy"})
+    report = {"worker": "w2", "ok": False, "reason": "stream broke", "source": "proxy"}
+    assert httpx.post(f"{url}/report", timeout=5, json=report).status_code == 401
+    response = httpx.post(f"{url}/report", timeout=5, json=report,
+                          headers={"Authorization": f"Bearer {DAEMON_TOKEN}"})
     assert response.status_code == 200
     wait_for(lambda: states(url)["w2"] == "unhealthy", 5, "w2 unhealthy")
     assert states(url)["w1"] == "healthy"

@@ -1,17 +1,21 @@
 """A tiny engine with vLLM's sleep endpoints, for `failover run` tests (run as a script).
 
-argv: PORT [--wake-delay S] [--no-is-sleeping]. /health is 200 once up,
-/sleep and /wake_up toggle `sleeping`, /v1/completions answers 503 while asleep.
+argv: PORT [--wake-delay S] [--no-is-sleeping] [--token-env NAME]. /health is 200 once up,
+/sleep and /wake_up toggle `sleeping`, /v1/completions answers 503 while asleep. With
+--token-env, /sleep and /wake_up need `Authorization: Bearer $NAME` (401 without it, 403
+while NAME is unset), as `ftctl sim` does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 STATE = {"sleeping": False, "wake_delay": 0.0, "is_sleeping": True}
+TOKEN_ENV: list[str] = []  # the variable named by --token-env, if given
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -31,7 +35,21 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, {})
 
+    def _denied(self) -> bool:
+        if not TOKEN_ENV:
+            return False
+        token = os.environ.get(TOKEN_ENV[0])
+        if not token:
+            self._reply(403, {"error": "no admin token"})
+            return True
+        if self.headers.get("Authorization") != f"Bearer {token}":
+            self._reply(401, {"error": "missing or wrong bearer token"})
+            return True
+        return False
+
     def do_POST(self) -> None:
+        if self.path.startswith(("/sleep", "/wake_up")) and self._denied():
+            return
         if self.path.startswith("/sleep"):
             STATE["sleeping"] = True
             self._reply(200, {})
@@ -54,6 +72,8 @@ def main() -> None:
         STATE["wake_delay"] = float(sys.argv[sys.argv.index("--wake-delay") + 1])
     if "--no-is-sleeping" in sys.argv:
         STATE["is_sleeping"] = False
+    if "--token-env" in sys.argv:
+        TOKEN_ENV.append(sys.argv[sys.argv.index("--token-env") + 1])
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 

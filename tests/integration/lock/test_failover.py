@@ -69,7 +69,8 @@ def start_wrapper(tmp_path: Path) -> Iterator[WrapperFactory]:
     """Start `failover run` processes sharing tmp_path/failover.lock; all killed at teardown."""
     started: list[Wrapper] = []
 
-    def start(engine_id: int, engine: list[str], engine_url: str, *extra: str) -> Wrapper:
+    def start(engine_id: int, engine: list[str], engine_url: str, *extra: str,
+              env: dict[str, str] | None = None) -> Wrapper:
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "dynamo_ftctl", "failover", "run", "--json",
@@ -77,7 +78,7 @@ def start_wrapper(tmp_path: Path) -> Iterator[WrapperFactory]:
              "--path", str(tmp_path / "failover.lock"), "--engine-url", engine_url, *extra,
              "--", *engine],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "NO_COLOR": "1"},
+            env={**os.environ, "NO_COLOR": "1", **(env or {})},
         )
         wrapper = Wrapper(proc, port, engine_url)
 
@@ -137,6 +138,33 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     metrics = httpx.get(f"http://127.0.0.1:{shadow.health_port}/metrics", timeout=5).text
     assert 'ftctl_lock_holder{engine_id="1"' in metrics
     assert "ftctl_lock_acquire_seconds_count 1.0" in metrics
+
+
+@pytest.mark.parametrize("token", ["s3cret", None])
+def test_sleep_and_wake_carry_the_engines_admin_token(start_wrapper: WrapperFactory,
+                                                      token: str | None) -> None:
+    """/sleep and /wake_up carry Bearer $FTCTL_ADMIN_TOKEN; unset, the wrapper makes one and
+    hands it to its engine, so an engine that requires it still sleeps and wakes."""
+    port = free_port()
+    env = {"FTCTL_ADMIN_TOKEN": token or ""}
+    wrapper = start_wrapper(0, fake_engine(port, "--token-env", "FTCTL_ADMIN_TOKEN"),
+                            f"http://127.0.0.1:{port}", "--standby", "sleep", env=env)
+    assert wrapper.wait_state("STANDBY")["standby"] == "sleep"
+    wrapper.wait_state("ACTIVE")
+    assert httpx.post(f"{wrapper.engine_url}/v1/completions", timeout=5).status_code == 200
+
+
+def test_an_engine_checking_another_token_is_named(start_wrapper: WrapperFactory) -> None:
+    """An engine reading another variable refuses /sleep (403): --standby sleep exits 2 and
+    points at --admin-token-env instead of blaming a missing sleep mode."""
+    port = free_port()
+    wrapper = start_wrapper(0, fake_engine(port, "--token-env", "OTHER_TOKEN"),
+                            f"http://127.0.0.1:{port}", "--standby", "sleep",
+                            env={"OTHER_TOKEN": ""})
+    assert wrapper.proc.wait(30) == 2
+    err = stderr_of(wrapper)
+    assert "refused /sleep" in err
+    assert "--admin-token-env" in err
 
 
 def test_init_answers_503_and_engine_death_exits_non_zero(start_wrapper: WrapperFactory) -> None:
@@ -215,7 +243,8 @@ def test_two_sim_engines_shadow_takes_over_and_serves(start_wrapper: WrapperFact
     primary = start(0)
     first = primary.wait_state("ACTIVE", timeout=120)  # before the shadow starts: no race
     wrappers = [primary, start(1)]
-    wrappers[1].wait_state("STANDBY", timeout=120)
+    # Asleep, not cold: the sim takes the token the wrapper made for it on /sleep.
+    assert wrappers[1].wait_state("STANDBY", timeout=120)["standby"] == "sleep"
     body = {"model": "ftctl-sim-tiny", "prompt": "hello", "max_tokens": 4}
     served = httpx.post(f"{wrappers[0].engine_url}/v1/completions", json=body, timeout=30)
     assert served.status_code == 200, served.text

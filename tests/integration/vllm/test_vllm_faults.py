@@ -40,6 +40,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 __all__ = ["proxy_factory"]
 
 GONE_DEADLINE_S = 60.0  # a SIGTERMed vLLM shuts its engine core down first
+# The fault proxy's control token, for `ftctl inject netproxy` and the net injector.
+NET_ENV = {**os.environ, "FTCTL_NETPROXY_TOKEN": "net-test-token"}
 
 
 def write_inventory(tmp_path: Path, server: VllmServer, *, url: str | None = None,
@@ -66,7 +68,8 @@ def ftctl(inventory: Path, tmp_path: Path, *args: str) -> subprocess.CompletedPr
     if args[0] != "netproxy":
         argv += ["--audit-log", str(tmp_path / "audit.jsonl"),
                  "--state-dir", str(tmp_path / "state")]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                          env=NET_ENV)
 
 
 def group_gone(pgid: int) -> bool:
@@ -215,7 +218,8 @@ def netproxy(vllm_pair: tuple[VllmServer, ...]) -> Iterator[dict[str, str]]:
     upstream = vllm_pair[1].url.removeprefix("http://")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynamo_ftctl", "inject", "netproxy", "--listen", "127.0.0.1:0",
-         "--upstream", upstream], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         "--upstream", upstream], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env=NET_ENV)
     assert proc.stdout is not None
     with proc.stdout:
         try:

@@ -82,7 +82,8 @@ class Recorder:
             self.commands.append(argv)
             return subprocess.CompletedProcess(argv, 0, "", "")
 
-        return Injectors(environ={"T_TOKEN": "s3cret"}, transport=httpx.MockTransport(
+        return Injectors(environ={"T_TOKEN": "s3cret", "FTCTL_NETPROXY_TOKEN": "n3t"},
+                         transport=httpx.MockTransport(
             self.handler), kill=kill, run_command=run)
 
 
@@ -330,7 +331,8 @@ def test_dcgmi_failure_is_unreachable(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_net_faults_post_and_delete_toxics(inventory: Inventory, tmp_path: Path) -> None:
-    """net-blackhole adds a toxic each way on the worker's proxy and deletes both on revert."""
+    """net-blackhole adds a toxic each way on the worker's proxy and deletes both on revert,
+    each call with the fault proxy's bearer token."""
     rec = Recorder()
     run_injection(plan_injection(inventory, "w3", "net-blackhole",
                                  InjectOptions(duration_s=1)),
@@ -343,6 +345,20 @@ def test_net_faults_post_and_delete_toxics(inventory: Inventory, tmp_path: Path)
     ]
     assert {b["direction"] for _, _, b, _ in rec.requests[:2] if "direction" in b} == {
         "upstream"}
+    assert {auth for _, _, _, auth in rec.requests} == {"Bearer n3t"}
+
+
+def test_net_faults_need_the_fault_proxy_token(inventory: Inventory, tmp_path: Path) -> None:
+    """An unset netproxy token variable is bad input naming it; no toxic is sent."""
+    rec = Recorder()
+    injectors = rec.injectors()
+    injectors.environ = {"T_TOKEN": "s3cret"}
+    plan = plan_injection(inventory, "w3", "net-blackhole", InjectOptions(duration_s=1))
+    assert "(Authorization: Bearer $FTCTL_NETPROXY_TOKEN)" in plan.steps[0].describe()
+    with pytest.raises(InvalidInput, match=r"\$FTCTL_NETPROXY_TOKEN"):
+        run_injection(plan, injectors=injectors, audit_log=tmp_path / "a.jsonl",
+                      state_dir=tmp_path / "s", clock=FakeClock())
+    assert rec.requests == []
 
 
 def test_list_covers_catalog_and_xids() -> None:

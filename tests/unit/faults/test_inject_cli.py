@@ -150,3 +150,18 @@ def test_list_prints_json_catalog() -> None:
     names = [f["name"] for f in json.loads(done.stdout)["faults"]]
     assert "kill" in names
     assert "xid48" in names
+
+
+def test_netproxy_without_a_control_token_exits_2() -> None:
+    """`ftctl inject netproxy` with its token variable unset: one line naming it, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k != "FTCTL_TEST_NET_TOKEN"}
+    done = subprocess.run(
+        [sys.executable, "-m", "dynamo_ftctl", "inject", "netproxy", "--listen", "127.0.0.1:0",
+         "--upstream", "127.0.0.1:9", "--token-env", "FTCTL_TEST_NET_TOKEN"],
+        capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "$FTCTL_TEST_NET_TOKEN is not set" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert done.stdout == ""

@@ -160,7 +160,8 @@ class _Daemon(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers["Content-Length"])
-        _Daemon.bodies.append({"path": self.path, **json.loads(self.rfile.read(length))})
+        _Daemon.bodies.append({"path": self.path, **json.loads(self.rfile.read(length)),
+                               "authorization": self.headers.get("Authorization")})
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -170,7 +171,7 @@ class _Daemon(BaseHTTPRequestHandler):
 
 
 def test_watch_reports_xid_48_to_the_canary_daemon(tmp_path: Path, inventory: Path) -> None:
-    """`gpu watch --report` posts an Xid 48 on GPU 2 as w2 ok=false, and prints it."""
+    """`gpu watch --report` posts an Xid 48 on GPU 2 as w2 ok=false with the daemon's token."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Daemon)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -178,6 +179,7 @@ def test_watch_reports_xid_48_to_the_canary_daemon(tmp_path: Path, inventory: Pa
     try:
         env = _spec(tmp_path, {"gpus": 4, "script": [
             {"xids": [[2, 48]], "set": {"2": {"ecc_volatile_uncorrected": 1}}}]})
+        env["FTCTL_DAEMON_TOKEN"] = "d4emon"
         proc = ftctl("-i", str(inventory), "gpu", "watch", "--node", "node-a", "--interval",
                      "0.01", "--count", "2", "--json", "--report",
                      f"http://127.0.0.1:{server.server_address[1]}", env=env)
@@ -193,6 +195,7 @@ def test_watch_reports_xid_48_to_the_canary_daemon(tmp_path: Path, inventory: Pa
     assert _Daemon.bodies[0] == {
         "path": "/report", "worker": "w2", "ok": False, "source": "gpu",
         "reason": "xid 48: Double Bit ECC Error (uncorrectable memory error) (RESET_GPU)",
+        "authorization": "Bearer d4emon",
     }
     assert len(_Daemon.bodies) == 2
 

@@ -33,16 +33,17 @@ def test_report_url() -> None:
 
 
 def test_actionable_event_is_posted_per_worker() -> None:
-    """An Xid 48 posts one ok=false body per affected worker with the catalog reason."""
+    """An Xid 48 posts one ok=false body per affected worker, with the daemon's token."""
     seen: list[dict[str, object]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/report"
+        assert request.headers["authorization"] == "Bearer d4emon"
         seen.append(json.loads(request.content))
         return httpx.Response(200, json={"accepted": True})
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
-    reporter = CanaryReporter("http://daemon:9400", client=client)
+    reporter = CanaryReporter("http://daemon:9400", token="d4emon", client=client)
     assert reporter.report(_event(48)) == 2
     assert seen == [
         {"worker": w, "ok": False, "source": "gpu",

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.health.daemon import HealthDaemon, WatchedWorker, create_app
+from dynamo_ftctl.health.daemon import REPORT_PROBE_GAP_S, HealthDaemon, WatchedWorker, create_app
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
 from dynamo_ftctl.health.transport import HttpReply
@@ -21,6 +21,9 @@ from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.migrate.routing import parse_daemon_weights
 
 from .fakes import SET, AsyncFakeWorkers, corrupt, good, refused
+
+TOKEN = "daemon-s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def fleet(prefix: str, count: int) -> list[WatchedWorker]:
@@ -161,8 +164,9 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
 
     async def go() -> None:
         await daemon.probe_round()
-        transport = httpx.ASGITransport(app=create_app(daemon))
-        async with httpx.AsyncClient(transport=transport, base_url="http://d") as client:
+        transport = httpx.ASGITransport(app=create_app(daemon, token=TOKEN))
+        async with httpx.AsyncClient(transport=transport, base_url="http://d",
+                                     headers=AUTH) as client:
             doc = (await client.get("/workers")).json()
             assert parse_daemon_weights(doc) == {"rg0": 1.0, "rg1": 0.0}
             assert doc["workers"][1]["last"]["kind"] == "token_mismatch"
@@ -204,3 +208,171 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
     asyncio.run(go())
     assert out.read_text() == "rh0 unhealthy suspicious"
     assert len(outcomes) == 1
+
+
+# ---------------------------------------------------------------------- reports under attack
+
+
+def api(daemon: HealthDaemon, *, token: str | None = TOKEN,
+        client: tuple[str, int] = ("10.0.0.1", 40000)) -> httpx.AsyncClient:
+    """An HTTP client for the daemon's API, coming from `client`'s address."""
+    transport = httpx.ASGITransport(app=create_app(daemon, token=token), client=client)
+    return httpx.AsyncClient(transport=transport, base_url="http://d")
+
+
+FORGED = {"worker": "ta0", "ok": False, "reason": "forged"}
+
+
+@pytest.mark.parametrize(("headers", "params"), [
+    ({}, {}),
+    ({"Authorization": "Bearer wrong"}, {}),
+    ({"Authorization": TOKEN}, {}),
+    ({"Authorization": f"Token {TOKEN}"}, {}),
+    ({"X-Auth-Token": TOKEN}, {}),
+    ({"Cookie": f"token={TOKEN}"}, {}),
+    ({}, {"token": TOKEN}),
+    ({}, {"access_token": TOKEN}),
+])
+def test_forged_reports_without_the_token_change_nothing(
+        headers: dict[str, str], params: dict[str, str]) -> None:
+    """Five failure reports without the token in the Authorization header: 401, still HEALTHY."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock)
+    daemon, seen = daemon_for("ta", 1, fake, clock)
+
+    async def go() -> list[int]:
+        async with api(daemon) as client:
+            codes = [(await client.post("/report", json=FORGED, headers=headers,
+                                        params=params)).status_code for _ in range(5)]
+        await daemon.settle()
+        return codes
+
+    codes = asyncio.run(go())
+    assert codes == [401] * 5
+    assert daemon.entries["ta0"].health.state is HealthState.HEALTHY
+    assert daemon.entries["ta0"].health.consecutive_failures == 0
+    assert seen == []
+    assert fake.calls == []  # not even an early probe
+
+
+def test_reports_are_refused_with_403_while_the_daemon_has_no_token() -> None:
+    """No token configured: every report is refused, whatever it sends; GETs still answer."""
+    clock = FakeClock()
+    daemon, _ = daemon_for("tb", 1, AsyncFakeWorkers(clock), clock)
+
+    async def go() -> None:
+        async with api(daemon, token=None) as client:
+            refused = await client.post("/report", json={**FORGED, "worker": "tb0"},
+                                        headers={"Authorization": "Bearer "})
+            assert refused.status_code == 403
+            assert "FTCTL_DAEMON_TOKEN is not set" in refused.json()["error"]
+            assert (await client.get("/workers")).status_code == 200
+
+    asyncio.run(go())
+    assert daemon.entries["tb0"].health.state is HealthState.HEALTHY
+
+
+def test_a_lowercase_bearer_report_is_taken() -> None:
+    """`authorization: bearer TOKEN` counts: the scheme is case-insensitive (RFC 7235)."""
+    clock = FakeClock()
+    daemon, _ = daemon_for("tc", 1, AsyncFakeWorkers(clock), clock)
+
+    async def go() -> httpx.Response:
+        async with api(daemon) as client:
+            response = await client.post("/report", json={**FORGED, "worker": "tc0"},
+                                         headers={"authorization": f"bearer {TOKEN}"})
+        await daemon.settle()
+        return response
+
+    assert asyncio.run(go()).json()["states"] == {"tc0": "suspicious"}
+
+
+def test_reports_beyond_the_burst_get_429_per_source() -> None:
+    """A source past report_burst gets 429 + Retry-After; another source and time bring room."""
+    clock = FakeClock()
+    daemon, _ = daemon_for("td", 1, AsyncFakeWorkers(clock), clock, failure_threshold=100,
+                           report_burst=3, report_rate_per_s=0.5)
+
+    async def go() -> None:
+        body = {**FORGED, "worker": "td0"}
+        async with api(daemon) as one, api(daemon, client=("10.0.0.2", 1)) as two:
+            codes = [(await one.post("/report", json=body, headers=AUTH)).status_code
+                     for _ in range(4)]
+            assert codes == [200, 200, 200, 429]
+            limited = await one.post("/report", json=body, headers=AUTH)
+            assert limited.status_code == 429
+            assert limited.headers["Retry-After"] == "2"
+            assert (await two.post("/report", json=body, headers=AUTH)).status_code == 200
+            clock.advance(2.0)
+            assert (await one.post("/report", json=body, headers=AUTH)).status_code == 200
+        await daemon.settle()
+
+    asyncio.run(go())
+    assert daemon.entries["td0"].health.consecutive_failures <= 5
+
+
+def test_ok_reports_never_restore_a_worker() -> None:
+    """`ok: true` (proxy or GPU) leaves a SUSPICIOUS worker suspicious; a passing probe restores."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock)
+    daemon, seen = daemon_for("te", 1, fake, clock)
+    health = daemon.entries["te0"].health
+    health.record(False, "canary: token mismatch", "probe")
+
+    async def go() -> None:
+        for source in ("proxy", "gpu"):
+            outcome = daemon.report({"worker": "te0", "ok": True, "source": source})
+            assert not outcome.accepted
+            assert "only a passing canary probe" in outcome.detail
+            assert outcome.states == {"te0": "suspicious"}
+        async with api(daemon) as client:
+            answer = await client.post("/report", json={"worker": "te0", "ok": True},
+                                       headers=AUTH)
+            assert answer.json()["states"] == {"te0": "suspicious"}
+        assert (health.state, health.consecutive_failures) == (HealthState.SUSPICIOUS, 1)
+        assert fake.calls == []  # an ok report asks for no probe either
+        await daemon.probe_round()
+
+    asyncio.run(go())
+    assert health.state is HealthState.HEALTHY
+    assert seen[-1].source == "probe"
+
+
+def test_ok_reports_cannot_hold_up_a_corrupt_worker_or_storm_it_with_probes() -> None:
+    """Under a stream of `ok: true` reports an SDC worker still reaches UNHEALTHY in
+    failure_threshold probes (issue 22: it stayed HEALTHY at ~95 probes a second)."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://tf0": corrupt})
+    daemon, _ = daemon_for("tf", 1, fake, clock, failure_threshold=3)
+
+    async def go() -> None:
+        daemon.start_round()
+        for _ in range(200):  # 2 s of reports, one every 10 ms
+            daemon.report({"worker": "tf0", "ok": True, "source": "proxy"})
+            await asyncio.sleep(0)
+            clock.advance(0.01)
+        await daemon.settle()
+
+    asyncio.run(go())
+    assert daemon.entries["tf0"].health.state is HealthState.UNHEALTHY
+    assert daemon.probes == 3
+
+
+def test_a_stream_of_failure_reports_probes_at_most_once_a_second() -> None:
+    """Forty failure reports in 2 s on a healthy worker: at most one early probe per second."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock)
+    daemon, _ = daemon_for("tg", 1, fake, clock, failure_threshold=100)
+
+    async def go() -> None:
+        for _ in range(40):  # one every 50 ms
+            daemon.report({"worker": "tg0", "ok": False, "reason": "stream broke"})
+            for _ in range(5):
+                await asyncio.sleep(0)
+            clock.advance(0.05)
+        await daemon.settle()
+
+    asyncio.run(go())
+    window_s = 40 * 0.05 + 40 * 2 * 0.01  # the reports' spacing plus the fake probes' own time
+    assert 1 <= daemon.probes <= int(window_s / REPORT_PROBE_GAP_S) + 1
+    assert daemon.entries["tg0"].health.state is not HealthState.UNHEALTHY

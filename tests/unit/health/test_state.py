@@ -126,3 +126,17 @@ def test_thresholds_are_configurable() -> None:
     dead = health.record(False, "b")
     assert dead is not None
     assert dead.state is HealthState.DEAD
+
+
+def test_only_a_probe_success_restores_confidence() -> None:
+    """A success from the proxy or the GPU watcher changes nothing; a probe's success restores."""
+    health = machine(FakeClock())
+    health.record(False, "token mismatch")
+    health.record(False, "token mismatch")
+    for source in ("proxy", "gpu"):
+        assert health.record(True, "ok", source) is None
+        assert (health.state, health.consecutive_failures) == (HealthState.SUSPICIOUS, 2)
+    assert health.last_reason == "token mismatch"
+    back = health.record(True, "canary passed", "probe")
+    assert back is not None
+    assert back.state is HealthState.HEALTHY

@@ -36,10 +36,13 @@ def charged(c: Cluster) -> dict[str, int]:
     return {name: slot.failures for name, slot in c.proxy.router.slots.items()}
 
 
-def test_poison_requests_leave_the_cluster_up(run: Callable[..., Any]) -> None:
+def test_poison_requests_leave_the_cluster_up(run: Callable[..., Any],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 22 finding 1: requests that get a 500 from every worker end after two workers as
     a query of death (502), charge no worker, report nothing to the daemon; then a normal
     request is served, every breaker closed."""
+    monkeypatch.setenv("FTCTL_DAEMON_TOKEN", "d4emon")  # reports go out only with a token
+
     async def go() -> None:
         before = counted("ftctl_proxy_query_of_death_total")
         async with fake_daemon({"w0": 1.0, "w1": 1.0}) as (url, reports):

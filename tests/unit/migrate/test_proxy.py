@@ -593,6 +593,40 @@ def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
     run(go())
 
 
+def test_busy_threshold_takes_the_token_only_as_a_bearer_header(
+        run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bearer` in any case is taken; a bare token, another scheme, another header or the
+    query string is a 401 (with WWW-Authenticate); no token configured is a 403."""
+    monkeypatch.setenv("FTCTL_ADMIN_TOKEN", "s3cret")
+    change = {"model": MODEL, "active_decode_blocks_threshold": 0.5}
+    refused: list[tuple[dict[str, str], dict[str, str]]] = [
+        ({"Authorization": "s3cret"}, {}), ({"Authorization": "Basic s3cret"}, {}),
+        ({"Authorization": "Bearer"}, {}), ({"Authorization": "Bearer s3cret2"}, {}),
+        ({"X-Admin-Token": "s3cret"}, {}), ({"Proxy-Authorization": "Bearer s3cret"}, {}),
+        ({}, {"token": "s3cret"}), ({}, {"access_token": "s3cret"}),
+    ]
+
+    async def go() -> None:
+        async with Cluster([FakeWorker()]) as c:
+            for headers, params in refused:
+                answer = await c.client.post("/busy_threshold", json=change, headers=headers,
+                                             params=params)
+                assert answer.status_code == 401, (headers, params)
+                assert answer.headers["www-authenticate"] == "Bearer"
+                assert answer.json()["error"]["type"] == "unauthorized"
+            assert c.proxy.thresholds[MODEL].active_decode_blocks_threshold == 0.85
+            for scheme in ("bearer", "BEARER", "Bearer"):
+                answer = await c.client.post("/busy_threshold", json=change,
+                                             headers={"authorization": f"{scheme} s3cret"})
+                assert answer.status_code == 200, scheme
+            monkeypatch.delenv("FTCTL_ADMIN_TOKEN")
+            answer = await c.client.post("/busy_threshold", json=change,
+                                         headers={"Authorization": "Bearer s3cret"})
+            assert answer.status_code == 403
+            assert "FTCTL_ADMIN_TOKEN is not set" in answer.json()["error"]["message"]
+    run(go())
+
+
 @FRONTS
 def test_metrics_and_health_are_served(run: Callable[..., Any], front: str) -> None:
     """/metrics carries the migration counter after a migration; /health names the workers."""
@@ -725,7 +759,8 @@ def test_lean_front_door_slow_reader_gets_every_token_in_order(run: Callable[...
 
 @contextlib.asynccontextmanager
 async def fake_daemon(weights: dict[str, float]) -> AsyncIterator[tuple[str, list[Any]]]:
-    """A stand-in canary daemon on loopback: GET /workers from `weights`, POST /report kept."""
+    """A stand-in canary daemon on loopback: GET /workers from `weights`, POST /report kept
+    (with its Authorization header)."""
     reports: list[Any] = []
 
     async def workers(_: web.Request) -> web.Response:
@@ -733,7 +768,8 @@ async def fake_daemon(weights: dict[str, float]) -> AsyncIterator[tuple[str, lis
                                               for n, w in weights.items()]})
 
     async def report(request: web.Request) -> web.Response:
-        reports.append(await request.json())
+        reports.append({**await request.json(),
+                        "authorization": request.headers.get("Authorization")})
         return web.Response(status=204)
 
     daemon = web.Application()
@@ -748,8 +784,16 @@ async def fake_daemon(weights: dict[str, float]) -> AsyncIterator[tuple[str, lis
         await runner.cleanup()
 
 
-def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[..., Any]) -> None:
-    """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report."""
+@pytest.mark.parametrize("token", ["d4emon", None])
+def test_canary_daemon_weights_route_and_failures_are_reported(
+        run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, token: str | None) -> None:
+    """Daemon weight 0 keeps a worker out of routing; a worker failure is POSTed to /report
+    with the daemon's bearer token ($FTCTL_DAEMON_TOKEN), and not at all without one."""
+    if token is None:
+        monkeypatch.delenv("FTCTL_DAEMON_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("FTCTL_DAEMON_TOKEN", token)
+
     async def go() -> None:
         async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
             fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
@@ -760,10 +804,15 @@ def test_canary_daemon_weights_route_and_failures_are_reported(run: Callable[...
                 c.proxy.router.slots["w1"].outstanding = 0
                 assert stream_text(events) == expected_text("hello world", 5, 20)
                 assert not fakes[2].requests
+                if token is None:
+                    await c.proxy.scrape_once()  # the next daemon round trip: still none
+                    assert reports == []
+                    return
                 await until(lambda: bool(reports))
                 assert reports[0]["worker"] == "w0"
                 assert reports[0]["ok"] is False
                 assert reports[0]["source"] == "proxy"
+                assert reports[0]["authorization"] == f"Bearer {token}"
                 text = (await c.client.get("/metrics")).text
                 count = next(line for line in text.splitlines()
                              if line.startswith("dynamo_migration_duration_seconds_count"))
