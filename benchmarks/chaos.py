@@ -182,6 +182,117 @@ def attack_poison(tmp: Path) -> Row:
                f"poison {bad}; then {good}; {open_breakers} breakers open", ok)
 
 
+@contextlib.contextmanager
+def daemon(tmp: Path, workers: list[SimWorker]) -> Iterator[str]:
+    """`ftctl canary --watch` over `workers` (token $FTCTL_DAEMON_TOKEN); yields its URL."""
+    inventory = {
+        "cluster": "chaos",
+        "workers": [{"name": w.name, "url": w.url, "model": MODEL} for w in workers],
+        "canary": {"interval_s": 1.0, "timeout_s": 2.0, "max_retries": 0,
+                   "set": str(ROOT / "canaries" / f"{MODEL}.yaml"),
+                   "state_file": str(tmp / "state.json")},
+    }
+    path = tmp / "daemon.json"
+    path.write_text(json.dumps(inventory))
+    log = tmp / "daemon.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(path), "canary", "--watch",
+                                 "--listen", "127.0.0.1:0"], stdout=subprocess.DEVNULL,
+                                stderr=sink, env={**os.environ, "FTCTL_DAEMON_TOKEN": DAEMON_TOKEN})
+    try:
+        found: list[str] = []
+
+        def listening() -> bool:
+            match = re.search(r"(http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
+            if match:
+                found.append(match.group(1))
+            if proc.poll() is not None:
+                msg = f"daemon exited: {log.read_text(errors='replace')[-500:]}"
+                raise RuntimeError(msg)
+            return bool(found)
+
+        wait_until(listening, 60, "the canary daemon")
+        yield found[0]
+    finally:
+        stop(proc)
+
+
+def daemon_view(client: httpx.Client) -> dict[str, dict[str, Any]]:
+    """The daemon's GET /workers, by worker name."""
+    return {w["name"]: w for w in client.get("/workers").json()["workers"]}
+
+
+def probes_of(client: httpx.Client, worker: str) -> float:
+    """How many canary probes the daemon has made of `worker` (its duration histogram)."""
+    name = re.escape(worker)
+    pattern = re.compile(rf'^dynamo_health_check_duration_seconds_count\{{[^}}]*worker="{name}"'
+                         r"[^}]*\} (\S+)$", re.MULTILINE)
+    return sum(float(m.group(1)) for m in pattern.finditer(client.get("/metrics").text))
+
+
+def attack_forged_reports(tmp: Path) -> Row:
+    """2. Forged reports: drain a healthy worker; hold up a corrupting one with ok reports."""
+    with sims(1) as good, sims(1, "--fault", "sdc") as bad:
+        good[0].name, bad[0].name = "w1", "w2"
+        with daemon(tmp, [good[0], bad[0]]) as url, \
+                httpx.Client(base_url=url, timeout=10) as client:
+            wait_until(lambda: all(w["last"] is not None for w in daemon_view(client).values()),
+                       60, "the daemon's first round")
+            forged = [client.post("/report", json={"worker": "w1", "ok": False,
+                                                   "reason": "forged"}).status_code
+                      for _ in range(5)]
+            drained = daemon_view(client)["w1"]["state"]
+            auth = {"Authorization": f"bearer {DAEMON_TOKEN}"}
+            before = probes_of(client, "w2")
+            start = time.monotonic()
+            codes: dict[int, int] = {}
+            for _ in range(200):  # a stream of ok reports for the corrupting worker, ~2 s
+                code = client.post("/report", headers=auth,
+                                   json={"worker": "w2", "ok": True}).status_code
+                codes[code] = codes.get(code, 0) + 1
+                time.sleep(0.01)
+            seconds = time.monotonic() - start
+            probes_per_s = (probes_of(client, "w2") - before) / seconds
+            wait_until(lambda: daemon_view(client)["w2"]["state"] == "unhealthy", 30,
+                       "the corrupting worker unhealthy")
+            corrupt = daemon_view(client)["w2"]["state"]
+    ok = (forged == [401] * 5 and drained == "healthy" and corrupt == "unhealthy"
+          and codes.get(429, 0) > 0 and before >= 1 and probes_per_s <= 2)
+    return Row("forged reports: 5 unauthenticated drains; 200 ok reports for an SDC worker",
+               "401 x5, w1 healthy; 429 past the burst; SDC worker unhealthy; <= 2 probes/s",
+               f"{forged}, w1 {drained}; answers {codes}; SDC worker {corrupt};"
+               f" {probes_per_s:.1f} probes/s ({before:.0f} before)", ok)
+
+
+def attack_sleep(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its temp folder)
+    """7. `/sleep` on a sim without a token while a stream is in flight."""
+    with sims(1) as workers, httpx.Client(base_url=workers[0].url, timeout=30) as client:
+        tokens: list[str] = []
+        done = threading.Event()
+
+        def read() -> None:
+            body = {**completion("a long answer", 200), "stream": True, "ignore_eos": True}
+            with client.stream("POST", "/v1/completions", json=body) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens.append(line)
+            done.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        wait_until(lambda: len(tokens) >= 3, 30, "the stream's first tokens")
+        asked = [client.post("/sleep", params={"level": 1}, headers=h).status_code
+                 for h in ({}, {"Authorization": "Bearer wrong"},
+                           {"X-Api-Key": SIM_TOKEN})]
+        asked.append(client.post("/sleep", params={"level": 1, "token": SIM_TOKEN}).status_code)
+        wait_until(done.is_set, 60, "the stream's end")
+        asleep = client.get("/is_sleeping").json()
+    ok = asked == [401] * 4 and len(tokens) == 200 and asleep.get("is_sleeping") is False
+    return Row("/sleep without a token (none, wrong, other header, query) mid-stream",
+               "401 x4; the stream ends whole (200 tokens); engine awake",
+               f"{asked}; stream {len(tokens)} tokens; asleep: {asleep.get('is_sleeping')}", ok)
+
+
 def attack_yaml_bomb(tmp: Path) -> Row:
     """3. A 409-byte billion-laughs inventory, checked twice (the second run hits the cache)."""
     levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
@@ -348,8 +459,10 @@ def rss_mib(pid: int) -> float:
 
 ATTACKS: dict[int, Callable[[Path], Row]] = {
     1: attack_poison,
+    2: attack_forged_reports,
     3: attack_yaml_bomb,
     4: attack_out_targets,
+    7: attack_sleep,
     8: attack_caps,
 }
 
