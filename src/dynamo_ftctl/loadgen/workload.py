@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dynamo_ftctl.documents import parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
 from dynamo_ftctl.loadgen.config import Length, Workload
 
@@ -40,24 +41,12 @@ class PromptItem(BaseModel):
 
 def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
     """Read a JSONL prompt file (or a trace, whose lines need `timestamp`), sorted by time."""
-    try:
-        if path.stat().st_size > _MAX_FILE_BYTES:
-            msg = f"larger than {_MAX_FILE_BYTES >> 20} MiB"
-            raise InventoryError(msg, path=path)
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InventoryError(exc.strerror or str(exc), path=path) from None
-    except UnicodeDecodeError:
-        raise InventoryError("not UTF-8 text", path=path) from None
+    text = read_document(path, limit=_MAX_FILE_BYTES, what="JSON lines")
     items: list[PromptItem] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            msg = f"not JSON: {exc.msg}"
-            raise InventoryError(msg, path=path, line=number) from None
+        raw = parse_json(line, path, line=number)
         try:
             item = PromptItem.model_validate(raw)
         except ValidationError as exc:
