@@ -8,6 +8,7 @@ errors (`InventoryError`, exit 2, naming the file and line):
 - size: at most `MAX_DOCUMENT_BYTES` (1 MiB) unless the caller names its own limit;
   larger files are refused before they are read, so is binary or non-UTF-8 text;
 - nesting: at most `MAX_DEPTH` levels of lists and mappings;
+- YAML tags: only `!!str` (and `!!seq`, `!!map`); a value is what it reads as;
 - YAML aliases: all the nodes that aliases (`*name`, and `<<: *name` merges) repeat
   come to at most `MAX_ALIAS_NODES`. A "billion laughs" document is a few hundred
   bytes whose aliases repeat aliases: its events are counted here, one pass over the
@@ -145,10 +146,12 @@ def _scan_events(parser: Any, path: Path) -> None:
                        f"(at *{name}); write the values out")
                 raise InventoryError(msg, path=path, line=line)
         elif isinstance(event, yaml.ScalarEvent):
+            _check_tag(event.tag, path, line)
             size = 1
             if event.anchor is not None:
                 sizes[event.anchor] = 1
         elif isinstance(event, yaml.CollectionStartEvent):
+            _check_tag(event.tag, path, line)
             frames.append([event.anchor, 1])
             if len(frames) > MAX_DEPTH:
                 msg = f"nested more than {MAX_DEPTH} levels deep"
@@ -162,6 +165,21 @@ def _scan_events(parser: Any, path: Path) -> None:
             continue
         if frames:
             frames[-1][1] += size
+
+
+# Explicit tags that build only what a plain document holds, whatever their value:
+# `!!int abc`, `!!bool maybe` or `!!timestamp 2020-13-45` fail inside PyYAML's
+# constructors (ValueError, KeyError), and `!!binary`, `!!set` or `!!timestamp`
+# build values no ftctl file has.
+_TAGS = frozenset((None, "!", "tag:yaml.org,2002:str", "tag:yaml.org,2002:seq",
+                   "tag:yaml.org,2002:map"))
+
+
+def _check_tag(tag: str | None, path: Path, line: int) -> None:
+    if tag not in _TAGS:
+        shown = str(tag).replace("tag:yaml.org,2002:", "!!")
+        msg = f"YAML tag {shown} is not supported; write the plain value"
+        raise InventoryError(msg, path=path, line=line)
 
 
 def parse_json(text: str | bytes, path: Path, *, line: int | None = None) -> Any:

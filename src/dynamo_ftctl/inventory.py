@@ -649,11 +649,13 @@ _LOADER: Any = None
 
 
 def _loader() -> Any:
-    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans.
+    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans, no timestamps.
 
     YAML 1.1 reads `on`, `off`, `yes`, `no`, `y`, `n` as booleans, which turns
     `canary.actions[].on` into `True` and a worker called `no` into `False`;
-    here only true/false (any case) are booleans, as in YAML 1.2.
+    here only true/false (any case) are booleans, as in YAML 1.2. Nor does a
+    date-like value become a datetime (`2020-13-45` failed inside PyYAML): it
+    stays a string, as in YAML 1.2's core schema.
     """
     global _LOADER  # noqa: PLW0603 - built once per process, on first use
     if _LOADER is None:
@@ -661,8 +663,9 @@ def _loader() -> Any:
 
         base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         bool_tag = "tag:yaml.org,2002:bool"
+        dropped = {bool_tag, "tag:yaml.org,2002:timestamp"}
         resolvers = {
-            first: [(tag, regexp) for tag, regexp in entries if tag != bool_tag]
+            first: [(tag, regexp) for tag, regexp in entries if tag not in dropped]
             for first, entries in base.yaml_implicit_resolvers.items()
         }
         _LOADER = type("FtctlLoader", (base,), {"yaml_implicit_resolvers": resolvers})
@@ -712,6 +715,10 @@ def _parse_yaml_text(text: str, path: Path) -> _Located:
         raise InventoryError(msg, path=path) from None
     except RecursionError:
         msg = "YAML nested too deeply"
+        raise InventoryError(msg, path=path) from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # A constructor PyYAML did not guard; the bounds check leaves few (tags, dates).
+        msg = f"YAML value ftctl cannot read: {exc}"
         raise InventoryError(msg, path=path) from None
     return _Located(data, lines)
 

@@ -38,7 +38,7 @@ __all__ = ["MAX_ENTRIES", "MAX_ENTRY_BYTES", "Lines", "cache_dir", "lookup", "st
 
 # Bump when the YAML loader's output for the same text changes (booleans, tags).
 # 2: documents are bounded before they are cached; a format-1 entry may hold the
-# expansion of an alias bomb (issue 22), and is never read again.
+# expansion of an alias bomb (issue 22), and is never read again. Dates stay strings.
 FORMAT = 2
 MAX_ENTRIES = 256
 # A 1 MiB inventory of 1,000 workers packs to ~0.5 MiB with its line map.

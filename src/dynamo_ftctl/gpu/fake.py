@@ -26,6 +26,7 @@ from dynamo_ftctl.clock import Clock
 from dynamo_ftctl.documents import load_json_file
 from dynamo_ftctl.errors import FtctlError, InvalidInput
 from dynamo_ftctl.gpu.nvml import GpuSnapshot, XidSignal
+from dynamo_ftctl.output import one_line
 
 __all__ = ["FakeGpu", "FakeNvml", "ScriptStep", "load_fake_nvml"]
 
@@ -172,6 +173,6 @@ def load_fake_nvml(path: Path, *, clock: Clock | None = None) -> FakeNvml:
             for step in spec.get("script", ())
         ]
     except (ValueError, TypeError, AttributeError) as exc:
-        msg = f"{path}: not a fake NVML spec: {exc}"
+        msg = one_line(f"{path}: not a fake NVML spec: {exc}")  # it may quote a key "\n"
         raise InvalidInput(msg) from exc
     return FakeNvml(gpus, script=script, clock=clock)

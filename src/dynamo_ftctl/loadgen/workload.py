@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dynamo_ftctl.documents import parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.inventory import format_key_path
 from dynamo_ftctl.loadgen.config import Length, Workload
 
 __all__ = ["PRIORITY_HEADER", "PromptItem", "RequestFactory", "RequestSpec", "load_prompts"]
@@ -51,7 +52,7 @@ def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
             item = PromptItem.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
-            key = ".".join(str(part) for part in first["loc"]) or None
+            key = format_key_path(first["loc"]) or None  # a key "\n" is shown quoted
             raise InventoryError(first["msg"], path=path, line=number, key=key) from None
         if (item.prompt is None) == (item.messages is None):
             raise InventoryError("give exactly one of prompt or messages", path=path,

@@ -194,6 +194,28 @@ def test_nesting_past_the_limit_is_refused(tmp_path: Path, flow: bool) -> None:
         check_yaml_bounds(nested(MAX_DEPTH), tmp_path / "deep.yaml")
 
 
+WORKERS = "workers: [{name: w1, url: 'http://127.0.0.1:1', model: m}]\n"
+
+
+def test_dates_stay_strings(tmp_path: Path) -> None:
+    """A date-like value is a string (YAML 1.2): `2020-13-45` no longer fails inside PyYAML."""
+    assert parse_inventory("cluster: 2024-01-01\n" + WORKERS, tmp_path / "a.yaml").cluster == \
+        "2024-01-01"
+    assert parse_inventory("cluster: 2020-13-45\n" + WORKERS, tmp_path / "b.yaml").cluster == \
+        "2020-13-45"
+
+
+@pytest.mark.parametrize("tagged", ["!!int abc", "!!bool maybe", "!!float x", "!!timestamp",
+                                    "!!binary aGk=", "!!set {a: null}", "!custom x"])
+def test_explicit_tags_other_than_str_are_refused(tmp_path: Path, tagged: str) -> None:
+    """Tags that build values no ftctl file holds (or fail in PyYAML) are one line with
+    the line number; `!!str` still forces a string."""
+    with pytest.raises(InventoryError, match=r"x\.yaml:2: YAML tag .* is not supported"):
+        parse_inventory(f"{WORKERS}cluster: {tagged}\n", tmp_path / "x.yaml")
+    assert parse_inventory(f"cluster: !!str 1.0\n{WORKERS}", tmp_path / "y.yaml").cluster == \
+        "1.0"
+
+
 def test_a_lone_surrogate_in_text_is_one_line(tmp_path: Path) -> None:
     """Text from a caller (not a file) with a lone surrogate is an InventoryError."""
     with pytest.raises(InventoryError, match="lone surrogate"):
