@@ -16,19 +16,16 @@ import pytest
 
 from dynamo_ftctl import yamlcache
 from dynamo_ftctl.documents import MAX_ALIAS_NODES, MAX_DEPTH, check_yaml_bounds, parse_json
-from dynamo_ftctl.engine.config import resolve_engine_config
 from dynamo_ftctl.errors import InvalidInput, InventoryError
 from dynamo_ftctl.faults.audit import read_audit
 from dynamo_ftctl.faults.inject import pending_reverts
-from dynamo_ftctl.faults.scenario import load_scenario
 from dynamo_ftctl.gpu.fake import load_fake_nvml
 from dynamo_ftctl.health.baseline import BaselineStore
-from dynamo_ftctl.health.canaryset import load_canary_set
-from dynamo_ftctl.inventory import load_inventory, load_yaml_document, parse_inventory
+from dynamo_ftctl.inventory import load_yaml_document, parse_inventory
 from dynamo_ftctl.loadgen.compare import load_report_json
 from dynamo_ftctl.loadgen.workload import load_prompts
 from dynamo_ftctl.lock.flock import read_owner
-from dynamo_ftctl.migrate.calibrate import load_calibration
+from tests.unit.foundation.loaders import YAML_LOADERS
 
 ROOT = Path(__file__).resolve().parents[3]
 INVENTORY = ROOT / "examples" / "local.yaml"
@@ -63,14 +60,6 @@ def mapping_bomb() -> str:
         lines.append(f"m{level}: &m{level} {{<<: *m0, {keys}}}")
     lines.append("cluster: *m8")
     return "\n".join(lines) + "\n"
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The parse cache, on and empty, in this test's temp dir."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("FTCTL_NO_CACHE", raising=False)
-    return tmp_path / "cache" / "ftctl" / "yaml"
 
 
 def _entries(cache: Path) -> list[Path]:
@@ -124,16 +113,6 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     path = tmp_path / name
     path.write_text(text)
     return path
-
-
-YAML_LOADERS: dict[str, Callable[[Path], Any]] = {
-    "inventory": load_inventory,
-    "canary set": load_canary_set,
-    "scenario": load_scenario,
-    "engine config": lambda p: resolve_engine_config(str(p)),
-    "calibration": load_calibration,
-    "document": load_yaml_document,
-}
 
 
 @pytest.mark.parametrize("loader", YAML_LOADERS.values(), ids=YAML_LOADERS.keys())

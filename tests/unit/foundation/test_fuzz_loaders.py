@@ -21,19 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_ftctl.documents import parse_json
-from dynamo_ftctl.engine.config import resolve_engine_config
 from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.faults.audit import read_audit
 from dynamo_ftctl.faults.inject import pending_reverts
-from dynamo_ftctl.faults.scenario import load_scenario
 from dynamo_ftctl.gpu.fake import load_fake_nvml
 from dynamo_ftctl.health.baseline import BaselineStore
-from dynamo_ftctl.health.canaryset import load_canary_set
-from dynamo_ftctl.inventory import load_inventory, load_yaml_document, parse_inventory
+from dynamo_ftctl.inventory import parse_inventory
 from dynamo_ftctl.loadgen.compare import load_report_json
 from dynamo_ftctl.loadgen.workload import load_prompts
 from dynamo_ftctl.lock.flock import read_owner
-from dynamo_ftctl.migrate.calibrate import load_calibration
+from tests.unit.foundation.loaders import YAML_LOADERS as FILE_YAML_LOADERS
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,12 +51,7 @@ def _reverts(path: Path) -> object:
 
 
 YAML_LOADERS: dict[str, Callable[[Path], object]] = {
-    "inventory": load_inventory,
-    "canary-set": load_canary_set,
-    "scenario": load_scenario,
-    "engine-config": lambda p: resolve_engine_config(str(p)),
-    "calibration": load_calibration,
-    "yaml-document": load_yaml_document,
+    **FILE_YAML_LOADERS,
     "inventory-text": lambda p: parse_inventory(p.read_bytes().decode("utf-8", "replace"), p),
 }
 JSON_LOADERS: dict[str, Callable[[Path], object]] = {
