@@ -6,8 +6,11 @@ and the exit code the class carries.
 
     FtctlError (1)
     ├── CheckFailed (1)          a probe ran and the target is unhealthy
+    ├── WriteFailed (1)          an output file could not be written (names the path)
     ├── InvalidInput (2)         bad flags, inventory, scenario, canary set
-    │   └── InventoryError (2)   carries file, line and key path
+    │   ├── InventoryError (2)   carries file, line and key path
+    │   └── OutputRefused (2)    an output path names a device, FIFO, socket, directory
+    │                            or a symbolic link out of its directory
     ├── Unreachable (3)          target refused, timed out or is missing
     ├── LockTimeout (4)          lock not acquired within --timeout
     └── Interrupted (130)        Ctrl-C / SIGINT
@@ -26,7 +29,9 @@ __all__ = [
     "InvalidInput",
     "InventoryError",
     "LockTimeout",
+    "OutputRefused",
     "Unreachable",
+    "WriteFailed",
 ]
 
 
@@ -53,6 +58,18 @@ class CheckFailed(FtctlError):
     exit_code = ExitCode.FAILED
 
 
+class WriteFailed(FtctlError):
+    """The system refused a write (permission, full or read-only disk); names the path.
+
+    Exit 1, as a full disk under a redirected stdout: the input was fine.
+    """
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
+
+
 class InvalidInput(FtctlError):
     """Bad usage or invalid input: flags, inventory, scenario or canary files."""
 
@@ -76,6 +93,16 @@ class InventoryError(InvalidInput):
         if key:
             where += f"{key}: "
         super().__init__(f"{where}{message}")
+
+
+class OutputRefused(InvalidInput):
+    """An output path that ftctl will not replace (a device, FIFO, socket, directory, or a
+    symbolic link out of its directory); exit 2, before any work is done."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{path}: {reason}")
 
 
 class Unreachable(FtctlError):

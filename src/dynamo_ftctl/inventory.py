@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import msgspec
 from msgspec import Meta, field
 
+from dynamo_ftctl.documents import MAX_DOCUMENT_BYTES, check_yaml_bounds, read_document
 from dynamo_ftctl.errors import InvalidInput, InventoryError
 
 if TYPE_CHECKING:
@@ -59,8 +60,8 @@ __all__ = [
     "validation_error_to_inventory_error",
 ]
 
-# A cluster inventory of 1,000 workers is ~200 KiB; anything past 1 MiB is a mistake.
-MAX_YAML_BYTES = 1024 * 1024
+# The limit of every YAML document ftctl reads (see `documents`).
+MAX_YAML_BYTES = MAX_DOCUMENT_BYTES
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
@@ -650,45 +651,6 @@ def format_key_path(loc: Sequence[str | int]) -> str:
     return out
 
 
-def _read_text(path: Path) -> str:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        msg = "no such file"
-        raise InventoryError(msg, path=path) from None
-    except OSError as exc:
-        raise InventoryError(exc.strerror or str(exc), path=path) from None
-    if path.is_dir():
-        msg = "is a directory, expected a YAML file"
-        raise InventoryError(msg, path=path)
-    if size > MAX_YAML_BYTES:
-        msg = f"file is {size:,} bytes; the limit is {MAX_YAML_BYTES:,} (1 MiB)"
-        raise InventoryError(msg, path=path)
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_YAML_BYTES + 1)
-    except OSError as exc:
-        raise InventoryError(exc.strerror or str(exc), path=path) from None
-    if len(raw) > MAX_YAML_BYTES:
-        msg = f"file is over {MAX_YAML_BYTES:,} bytes (1 MiB)"
-        raise InventoryError(msg, path=path)
-    return _decode(raw, path)
-
-
-def _decode(raw: bytes, path: Path) -> str:
-    if b"\x00" in raw:
-        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
-        msg = "binary data (NUL byte), expected UTF-8 YAML text"
-        raise InventoryError(msg, path=path, line=line)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        msg = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
-        raise InventoryError(msg, path=path, line=line) from None
-    return text.removeprefix("\ufeff")
-
-
 class _Located:
     """A YAML document plus the line of every key path in it."""
 
@@ -737,11 +699,13 @@ _LOADER: Any = None
 
 
 def _loader() -> Any:
-    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans.
+    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans, no timestamps.
 
     YAML 1.1 reads `on`, `off`, `yes`, `no`, `y`, `n` as booleans, which turns
     `canary.actions[].on` into `True` and a worker called `no` into `False`;
-    here only true/false (any case) are booleans, as in YAML 1.2.
+    here only true/false (any case) are booleans, as in YAML 1.2. Nor does a
+    date-like value become a datetime (`2020-13-45` failed inside PyYAML): it
+    stays a string, as in YAML 1.2's core schema.
     """
     global _LOADER  # noqa: PLW0603 - built once per process, on first use
     if _LOADER is None:
@@ -749,8 +713,9 @@ def _loader() -> Any:
 
         base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
         bool_tag = "tag:yaml.org,2002:bool"
+        dropped = {bool_tag, "tag:yaml.org,2002:timestamp"}
         resolvers = {
-            first: [(tag, regexp) for tag, regexp in entries if tag != bool_tag]
+            first: [(tag, regexp) for tag, regexp in entries if tag not in dropped]
             for first, entries in base.yaml_implicit_resolvers.items()
         }
         _LOADER = type("FtctlLoader", (base,), {"yaml_implicit_resolvers": resolvers})
@@ -776,6 +741,9 @@ def _parse_yaml_text(text: str, path: Path) -> _Located:
     import yaml
 
     try:
+        # Bounds first, on events alone: an alias bomb is refused before PyYAML composes
+        # it, before `_walk_lines`, validation or the cache see its expansion.
+        check_yaml_bounds(text, path)
         loader = _loader()(text)
         try:
             node = loader.get_single_node()
@@ -798,16 +766,21 @@ def _parse_yaml_text(text: str, path: Path) -> _Located:
     except RecursionError:
         msg = "YAML nested too deeply"
         raise InventoryError(msg, path=path) from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # A constructor PyYAML did not guard; the bounds check leaves few (tags, dates).
+        msg = f"YAML value ftctl cannot read: {exc}"
+        raise InventoryError(msg, path=path) from None
     return _Located(data, lines)
 
 
 def load_yaml_document(path: Path, *, what: str = "a mapping") -> tuple[Any, _Located]:
-    """Read a YAML file of at most 1 MiB and return (data, line map).
+    """Read a YAML file within `documents`' bounds (1 MiB, 64 levels, aliases repeating
+    at most 10,000 nodes) and return (data, line map).
 
     Shared by the inventory, canary sets and drill scenarios so all three give
     the same one-line errors. The document must be a mapping.
     """
-    located = _parse_yaml(_read_text(path), path)
+    located = _parse_yaml(read_document(path), path)
     if located.data is None:
         msg = f"empty document, expected {what}"
         raise InventoryError(msg, path=path, line=1)

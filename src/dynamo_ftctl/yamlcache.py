@@ -8,11 +8,14 @@ is kept, with the line of every key (for error messages), as msgpack under
 hash of its text and of the loader's version: an edited file hashes to a new
 name, so an entry is never stale, and validation still runs on every load.
 
-Only plain documents are kept (mappings, lists, strings, numbers, booleans,
-null). The cache never fails a command: an entry it cannot read back, a
-directory that is not the user's own or that others may write, a read-only
-home, all count as a miss. At most `MAX_ENTRIES` entries are kept, the least
-recently written go first. `FTCTL_NO_CACHE=1` turns the cache off.
+Only documents that passed `documents.check_yaml_bounds` reach `store` (at most
+1 MiB of text, 64 levels, aliases repeating at most 10,000 nodes), so an entry
+holds no alias bomb's expansion; and only plain ones are kept (mappings, lists,
+strings, numbers, booleans, null), of at most `MAX_ENTRY_BYTES`: a larger entry
+is neither written nor read. The cache never fails a command: an entry it
+cannot read back, a directory that is not the user's own or that others may
+write, a read-only home, all count as a miss. At most `MAX_ENTRIES` entries are
+kept, the least recently written go first. `FTCTL_NO_CACHE=1` turns the cache off.
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ try:  # what hashlib.blake2b is, without hashlib's import of OpenSSL
 except ImportError:  # pragma: no cover - CPython always builds _blake2
     from hashlib import blake2b
 
-__all__ = ["MAX_ENTRIES", "Lines", "cache_dir", "lookup", "store"]
+__all__ = ["MAX_ENTRIES", "MAX_ENTRY_BYTES", "Lines", "cache_dir", "lookup", "store"]
 
 # Bump when the YAML loader's output for the same text changes (booleans, tags).
-FORMAT = 1
+# 2: documents are bounded before they are cached; a format-1 entry may hold the
+# expansion of an alias bomb (issue 22), and is never read again. Dates stay strings.
+FORMAT = 2
 MAX_ENTRIES = 256
+# A 1 MiB inventory of 1,000 workers packs to ~0.5 MiB with its line map.
+MAX_ENTRY_BYTES = 8 * 1024 * 1024
 
 Lines = dict[tuple[str | int, ...], int]
 _Entry = tuple[Any, list[tuple[list[str | int], int]]]
@@ -73,7 +80,10 @@ def lookup(text: str) -> tuple[Any, Lines] | None:
     if directory is None or not _trusted(directory):
         return None
     try:
-        blob = (directory / _name(text)).read_bytes()
+        with (directory / _name(text)).open("rb") as handle:
+            blob = handle.read(MAX_ENTRY_BYTES + 1)
+        if len(blob) > MAX_ENTRY_BYTES:
+            return None
         data, pairs = msgspec.msgpack.decode(blob, type=_Entry)
     except (OSError, msgspec.DecodeError, ValueError):
         return None
@@ -103,6 +113,8 @@ def store(text: str, data: Any, lines: Lines) -> None:
         if not _trusted(directory):
             return
         blob = msgspec.msgpack.encode((data, [(list(k), v) for k, v in lines.items()]))
+        if len(blob) > MAX_ENTRY_BYTES:
+            return
         target = directory / _name(text)
         partial = directory / f".{target.name}.{os.getpid()}"
         try:

@@ -63,11 +63,14 @@ def guarded(call: Callable[[], int], *, debug: bool) -> int:
         _silence_stdout()
         return int(ExitCode.FAILED)
     except OSError as exc:
+        if exc.filename is not None:
+            # A file the library did not translate (a plot, a log): still one line
+            # naming it, exit 1; the traceback with --debug.
+            return _report(FtctlError(f"{exc.filename}: {exc.strerror or exc}"), debug=debug)
         if exc.errno not in _WRITE_REFUSED:
             raise
         _silence_stdout()
-        return _report(FtctlError(f"cannot write {exc.filename or 'output'}: {exc.strerror}"),
-                       debug=debug)
+        return _report(FtctlError(f"cannot write output: {exc.strerror}"), debug=debug)
 
 
 def _report(exc: FtctlError, *, debug: bool) -> int:

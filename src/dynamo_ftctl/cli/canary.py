@@ -150,7 +150,8 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="Where to write (default: canaries/<model>.yaml).",
+        typer.Option("--out", "-o", help="Where to write (default: canaries/<model>.yaml): a "
+                     "regular file or a new path, checked before recording.",
                      show_default=False),
     ] = None,
     repeats: Annotated[

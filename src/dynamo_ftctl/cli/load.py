@@ -128,7 +128,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         "--sweep", help="Bisect LOW:HIGH requests/s for the highest rate meeting the SLO.")
     ] = None,
     out: Annotated[Path | None, typer.Option(
-        "--out", help="Write summary.json, requests.csv/.jsonl and load.png here.")] = None,
+        "--out", help="Write summary.json, requests.csv/.jsonl and load.png into this "
+        "directory (made if new; checked before the run).")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write load.png with --out.")
     ] = True,
     spin_us: Annotated[int, typer.Option(
@@ -195,6 +196,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         spin_s=spin_us / 1e6,
         client=client,  # type: ignore[arg-type]
     )
+    if out is not None:
+        lg.report_paths(out, plot=plot)  # a bad --out is refused before the run, not after
     quiet = json_mode(ctx, json_)
     live, on_event = (None, None) if quiet else _progress_hook(config.requests)
     if sweep_bounds is not None:

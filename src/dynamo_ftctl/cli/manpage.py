@@ -22,8 +22,11 @@ __all__ = ["render_pages", "write_pages"]
 _EXIT_STATUS = (
     (0, "success; the target is healthy"),
     (1, "a check ran and failed (unhealthy, mismatch, drill hypothesis broken), or the "
-        "output could not be written (a full disk; a closed pipe, silently)"),
-    (2, "bad usage or invalid input (flags, inventory, scenario, canary set)"),
+        "output could not be written (a full disk, permission denied: one line naming the "
+        "file; a closed pipe, silently)"),
+    (2, "bad usage or invalid input (flags, inventory, scenario, canary set), or an output "
+        "path ftctl will not replace (a device, FIFO, socket, directory, or a symbolic link "
+        "out of its directory)"),
     (3, "target unreachable or timed out"),
     (4, "lock not acquired within --timeout"),
     (130, "interrupted"),

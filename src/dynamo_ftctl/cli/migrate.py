@@ -76,7 +76,8 @@ def calibrate(  # noqa: PLR0917 - typer passes every option positionally
         help="Prompt lengths to time, tokens, comma-separated.")] = "16,64,128,256,384,512",
     repeats: Annotated[int, typer.Option(min=1, help="Runs per length (median).")] = 3,
     output: Annotated[Path, typer.Option(
-        "--output", "-o", help="Calibration file to write.")] = Path("ftctl-calibration.json"),
+        "--output", "-o", help="Calibration file to write (a regular file or a new path, "
+        "checked before measuring).")] = Path("ftctl-calibration.json"),
     timeout: Annotated[float, typer.Option(min=0.1, help="Per-request timeout, s.")] = 60.0,
     json_: JsonFlag = False,
 ) -> None:

@@ -908,6 +908,10 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
     """Run the server in this thread until SIGINT/SIGTERM; `on_ready(url)` once serving."""
     import uvicorn
 
+    from dynamo_ftctl.output import check_output_path, write_atomic
+
+    if settings.pid_file is not None:
+        check_output_path(settings.pid_file)  # before the model loads, not after
     state = build_state(settings)
     app = create_app(state)
     sock = bind_socket(settings.host, settings.port)
@@ -922,14 +926,16 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
                             loop="auto", http="auto", ws="none", timeout_graceful_shutdown=3,
                             timeout_keep_alive=30)
 
+    wrote_pid = False
+
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            nonlocal wrote_pid
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
                 if settings.pid_file is not None:
-                    from dynamo_ftctl.output import write_atomic
-
                     write_atomic(settings.pid_file, f"{os.getpid()}\n")
+                    wrote_pid = True
                 if on_ready is not None:
                     on_ready(url)
 
@@ -940,6 +946,6 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
         raise
     finally:
         sock.close()
-        if settings.pid_file is not None:
+        if settings.pid_file is not None and wrote_pid:  # never what it refused to replace
             settings.pid_file.unlink(missing_ok=True)
     return 0 if server.started else 1

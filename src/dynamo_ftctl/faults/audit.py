@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dynamo_ftctl.documents import parse_json, read_document
+from dynamo_ftctl.errors import InventoryError
 from dynamo_ftctl.output import to_jsonable, write_atomic
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "read_audit",
     "who_am_i",
 ]
+
+# A record is ~300 bytes: 256 MiB is close to a million injections.
+_MAX_AUDIT_BYTES = 256 * 1024 * 1024
 
 
 def default_state_dir() -> Path:
@@ -81,10 +86,21 @@ def append_audit(path: Path, record: AuditRecord) -> None:
 
 
 def read_audit(path: Path) -> list[dict[str, Any]]:
-    """Every record of an audit log (tests and `drill` reports read it back)."""
+    """Every record of an audit log (tests and `drill` reports read it back); a line that
+    is not a JSON object is an `InventoryError` naming the file and line."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = read_document(path, limit=_MAX_AUDIT_BYTES, what="JSON lines")
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        record = parse_json(line, path, line=number)
+        if not isinstance(record, dict):
+            msg = "expected a JSON object (one audit record a line)"
+            raise InventoryError(msg, path=path, line=number)
+        records.append(record)
+    return records
 
 
 def write_record(path: Path, data: Any) -> None:

@@ -41,6 +41,7 @@ from dynamo_ftctl.faults.scenario import (
     TimelineEntry,
     load_scenario,
 )
+from dynamo_ftctl.output import check_output_path, make_output_dir, write_atomic
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import LocalCluster
@@ -272,7 +273,7 @@ def _start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
 
     path = out_dir / "inventory.yaml"
     text = yaml.safe_dump(doc, sort_keys=False)
-    path.write_text(text)
+    write_atomic(path, text)
     routing = parse_inventory(text, path)
     if local.daemon_url is not None:
         local.daemon = _spawn_ftctl(
@@ -852,13 +853,15 @@ def run_drill(
     plot: bool = True,
 ) -> DrillReport:
     """Run one scenario end to end and write its report files under `out_dir`."""
-    from dynamo_ftctl.faults.drill_report import DrillReport, write_report
+    from dynamo_ftctl.faults.drill_report import REPORT_FILES, DrillReport, write_report
 
     path = Path(path)
     scenario, inventory = load_scenario(path)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall()))
     out = out_dir or Path("reports") / "drills" / f"{path.stem}-{stamp}"
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
+    for name in REPORT_FILES:  # refused before the drill runs, not after
+        check_output_path(out / name)
     token = secrets.token_hex(16)
     env = {}
     if local:

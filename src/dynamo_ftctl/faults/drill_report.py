@@ -8,6 +8,7 @@ every form of the report.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,17 @@ if TYPE_CHECKING:
 
     from dynamo_ftctl.faults.drill import ProbeOutcome, TimelineEvent
 
-__all__ = ["DrillReport", "plot_timeline", "render_markdown", "witness_line", "write_report"]
+__all__ = [
+    "REPORT_FILES",
+    "DrillReport",
+    "plot_timeline",
+    "render_markdown",
+    "witness_line",
+    "write_report",
+]
+
+# What `write_report` writes into a drill's folder (the picture only with matplotlib).
+REPORT_FILES = ("report.json", "report.md", "timeline.png")
 
 
 @dataclass(frozen=True)
@@ -230,10 +241,10 @@ def plot_timeline(report: DrillReport, path: Path) -> None:
                          xytext=(3, -12), textcoords="offset points", fontsize=8)
     fig.suptitle(f"{report.title}: {'PASSED' if report.passed else 'FAILED'}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=90)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
-    tmp.replace(path)
+    write_atomic(path, png.getvalue())
 
 
 def write_report(report: DrillReport, *, plot: bool = True) -> DrillReport:

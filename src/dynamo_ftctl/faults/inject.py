@@ -16,7 +16,6 @@ crashed or duration-less injection left behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.documents import load_json_file
+from dynamo_ftctl.errors import FtctlError, InvalidInput, InventoryError
 from dynamo_ftctl.faults.audit import (
     AuditRecord,
     append_audit,
@@ -222,7 +222,8 @@ class _Target:
         if ref is not None and ref.pid_file is not None:
             path = self.inventory.resolve(ref.pid_file)
             try:
-                text = path.read_text().strip()
+                with path.open("rb") as handle:  # a pid is a few bytes; /dev/zero is not one
+                    text = handle.read(64).decode("ascii", "replace").strip()
             except OSError as exc:
                 if not required:
                     return None
@@ -583,10 +584,11 @@ def pending_reverts(state_dir: Path | None = None) -> list[dict[str, Any]]:
     folder = _reverts_dir(state_dir or default_state_dir())
     out: list[dict[str, Any]] = []
     for path in sorted(folder.glob("*.json")) if folder.exists() else []:
-        with contextlib.suppress(OSError, ValueError):
-            doc = json.loads(path.read_text())
-            doc["path"] = str(path)
-            out.append(doc)
+        with contextlib.suppress(InventoryError):  # not one of ours: left for a person
+            doc = load_json_file(path, what="a revert record (JSON)")
+            if isinstance(doc, dict):
+                doc["path"] = str(path)
+                out.append(doc)
     return out
 
 

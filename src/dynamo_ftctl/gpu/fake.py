@@ -16,7 +16,6 @@ without GPUs (`FTCTL_FAKE_NVML=spec.json ftctl gpu watch`, demos and drills):
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,12 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.clock import Clock
+from dynamo_ftctl.documents import load_json_file
 from dynamo_ftctl.errors import FtctlError, InvalidInput
 from dynamo_ftctl.gpu.nvml import GpuSnapshot, XidSignal
+from dynamo_ftctl.output import one_line
 
 __all__ = ["FakeGpu", "FakeNvml", "ScriptStep", "load_fake_nvml"]
 
 _GIB = 1024**3
+# Eight GPUs a node is the norm; a spec of a billion would only exhaust memory.
+MAX_FAKE_GPUS = 256
 
 
 @dataclass
@@ -149,10 +152,13 @@ class FakeNvml:
 
 def load_fake_nvml(path: Path, *, clock: Clock | None = None) -> FakeNvml:
     """A `FakeNvml` from a JSON spec (see the module docstring); errors exit 2."""
+    spec = load_json_file(path, what="a fake NVML spec (JSON)")
     try:
-        spec = json.loads(path.read_text())
         gpus_spec = spec.get("gpus", 1)
         if isinstance(gpus_spec, int):
+            if gpus_spec > MAX_FAKE_GPUS:
+                msg = f"'gpus': at most {MAX_FAKE_GPUS}"
+                raise ValueError(msg)
             gpus: list[FakeGpu] = [FakeGpu(i) for i in range(gpus_spec)]
         else:
             gpus = [
@@ -166,7 +172,7 @@ def load_fake_nvml(path: Path, *, clock: Clock | None = None) -> FakeNvml:
             )
             for step in spec.get("script", ())
         ]
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        msg = f"{path}: not a fake NVML spec: {exc}"
+    except (ValueError, TypeError, AttributeError) as exc:
+        msg = one_line(f"{path}: not a fake NVML spec: {exc}")  # it may quote a key "\n"
         raise InvalidInput(msg) from exc
     return FakeNvml(gpus, script=script, clock=clock)

@@ -39,6 +39,8 @@ __all__ = [
 MIN_SAMPLES = 3
 MIN_SPIKE_S = 0.05
 _VERSION = 1
+# About 60 bytes a worker: 16 MiB is far past any fleet, and bounds what a probe reads.
+_MAX_STATE_BYTES = 16 * 1024 * 1024
 
 
 def default_state_file() -> Path:
@@ -165,13 +167,16 @@ class BaselineStore:
 
     def _read(self) -> Baselines:
         try:
-            raw = self.path.read_bytes()
+            with self.path.open("rb") as handle:
+                raw = handle.read(_MAX_STATE_BYTES + 1)
         except FileNotFoundError:
             return Baselines()
         except OSError as exc:
             msg = f"{self.path}: cannot read the canary state file: {exc.strerror or exc}"
             raise InvalidInput(msg) from None
+        if len(raw) > _MAX_STATE_BYTES:
+            return Baselines()  # a cache: a damaged one is rebuilt, not fatal
         try:
             return Baselines.from_json(json.loads(raw))
-        except ValueError:
-            return Baselines()  # a cache: a damaged one is rebuilt, not fatal
+        except (ValueError, RecursionError):
+            return Baselines()

@@ -137,6 +137,7 @@ def record_set(
         DEFAULT_WARMUP_TIMEOUT_S,
         record_canary_set,
     )
+    from dynamo_ftctl.output import check_output_path
 
     targets = _targets(inventory, [worker] if worker else [], False, url)
     target = targets[0]
@@ -147,6 +148,8 @@ def record_set(
     if repeats < 2:
         msg = "--repeats must be at least 2 (a golden answer must repeat)"
         raise InvalidInput(msg)
+    path = out or Path("canaries") / f"{served}.yaml"
+    check_output_path(path)  # a bad --out is refused before the worker is asked anything
     config = canary_config(inventory, timeout_s=timeout_s)
     recorded = record_canary_set(target, model=served, prompts=prompts or DEFAULT_PROMPTS,
                                  max_tokens=max_tokens, repeats=repeats,
@@ -155,7 +158,6 @@ def record_set(
                                                    if warmup_timeout_s is None
                                                    else warmup_timeout_s),
                                  on_warmup=on_warmup)
-    path = out or Path("canaries") / f"{served}.yaml"
     dump_canary_set(recorded, path)
     return RecordResult(path, served, recorded.recorded_from or target.url,
                         len(recorded.prompts), repeats, recorded)

@@ -18,7 +18,7 @@ from dynamo_ftctl.loadgen.config import (
     parse_duration,
     parse_length,
 )
-from dynamo_ftctl.loadgen.export import write_report
+from dynamo_ftctl.loadgen.export import report_paths, write_report
 from dynamo_ftctl.loadgen.record import RequestRecord
 from dynamo_ftctl.loadgen.runner import LoadEvent, LoadReport, Progress, run_load, run_load_async
 from dynamo_ftctl.loadgen.stats import Distribution, LoadSummary
@@ -41,6 +41,7 @@ __all__ = [
     "compare_reports",
     "parse_duration",
     "parse_length",
+    "report_paths",
     "run_load",
     "run_load_async",
     "sweep_rate",

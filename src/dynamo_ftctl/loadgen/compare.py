@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo_ftctl.documents import load_json_file
 from dynamo_ftctl.errors import InventoryError
 
 __all__ = ["Comparison", "MetricDelta", "compare_reports", "load_report_json"]
+
+# A summary is a few KiB (per-request rows go to requests.jsonl); 16 MiB is no report.
+_MAX_REPORT_BYTES = 16 * 1024 * 1024
 
 # (key path, higher is better)
 _METRICS: tuple[tuple[str, bool], ...] = (
@@ -67,13 +70,7 @@ class Comparison:
 
 def load_report_json(path: Path) -> dict[str, Any]:
     """Read a load report JSON; InvalidInput (exit 2) names the file when it is not one."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InventoryError(exc.strerror or str(exc), path=path) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        msg = f"not JSON: {exc}"
-        raise InventoryError(msg, path=path) from None
+    doc = load_json_file(path, limit=_MAX_REPORT_BYTES, what="a load report (JSON)")
     if not isinstance(doc, dict) or doc.get("kind") != "ftctl-load-report":
         raise InventoryError("not an ftctl load report (kind: ftctl-load-report)", path=path,
                              key="kind")

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.output import write_atomic
+from dynamo_ftctl.output import check_output_dir, check_output_path, write_atomic
 
 if TYPE_CHECKING:
     from dynamo_ftctl.loadgen.record import RequestRecord
     from dynamo_ftctl.loadgen.runner import LoadReport
 
-__all__ = ["CSV_COLUMNS", "plot_report", "write_report"]
+__all__ = ["CSV_COLUMNS", "plot_report", "report_paths", "write_report"]
 
 CSV_COLUMNS = (
     "index", "target", "warmup", "outcome", "status", "migrated", "planned_s", "sent_s",
@@ -47,11 +47,19 @@ def _row(r: RequestRecord) -> dict[str, Any]:
     }
 
 
+def report_paths(out: Path, *, plot: bool = True) -> tuple[Path, ...]:
+    """The files `write_report` writes into `out`, checked before a run: `out` is a
+    directory or a new path, each file a regular file or a new path (`OutputRefused`)."""
+    names = ("summary.json", "requests.csv", "requests.jsonl", *(("load.png",) if plot else ()))
+    check_output_dir(out)
+    for name in names:
+        check_output_path(out / name)
+    return tuple(out / name for name in names)
+
+
 def write_report(report: LoadReport, out: Path, *, plot: bool = True) -> tuple[Path, ...]:
     """Write the report's files into `out` (created if missing); return their paths."""
-    if out.exists() and not out.is_dir():
-        msg = f"--out: {out} exists and is not a directory"
-        raise InvalidInput(msg)
+    paths = report_paths(out, plot=plot)
     rows = [_row(r) for r in report.records]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
@@ -61,14 +69,12 @@ def write_report(report: LoadReport, out: Path, *, plot: bool = True) -> tuple[P
     for row, rec in zip(rows, report.records, strict=True):
         row["itl_ms"] = [round(g * 1000.0, 4) for g in rec.itl]
         lines.append(json.dumps(row, separators=(",", ":")))
-    paths = [out / "summary.json", out / "requests.csv", out / "requests.jsonl"]
     write_atomic(paths[0], json.dumps(report.to_json(), indent=2) + "\n")
     write_atomic(paths[1], buf.getvalue())
     write_atomic(paths[2], "\n".join(lines) + ("\n" if lines else ""))
     if plot:
-        paths.append(out / "load.png")
         write_atomic(paths[3], plot_report(report))
-    return tuple(paths)
+    return paths
 
 
 def _per_second(records: tuple[RequestRecord, ...]) -> dict[str, list[float]]:

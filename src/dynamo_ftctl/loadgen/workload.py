@@ -16,7 +16,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dynamo_ftctl.documents import parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.inventory import format_key_path
 from dynamo_ftctl.loadgen.config import Length, Workload
 
 __all__ = ["PRIORITY_HEADER", "PromptItem", "RequestFactory", "RequestSpec", "load_prompts"]
@@ -40,29 +42,17 @@ class PromptItem(BaseModel):
 
 def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
     """Read a JSONL prompt file (or a trace, whose lines need `timestamp`), sorted by time."""
-    try:
-        if path.stat().st_size > _MAX_FILE_BYTES:
-            msg = f"larger than {_MAX_FILE_BYTES >> 20} MiB"
-            raise InventoryError(msg, path=path)
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InventoryError(exc.strerror or str(exc), path=path) from None
-    except UnicodeDecodeError:
-        raise InventoryError("not UTF-8 text", path=path) from None
+    text = read_document(path, limit=_MAX_FILE_BYTES, what="JSON lines")
     items: list[PromptItem] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            msg = f"not JSON: {exc.msg}"
-            raise InventoryError(msg, path=path, line=number) from None
+        raw = parse_json(line, path, line=number)
         try:
             item = PromptItem.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
-            key = ".".join(str(part) for part in first["loc"]) or None
+            key = format_key_path(first["loc"]) or None  # a key "\n" is shown quoted
             raise InventoryError(first["msg"], path=path, line=number, key=key) from None
         if (item.prompt is None) == (item.messages is None):
             raise InventoryError("give exactly one of prompt or messages", path=path,

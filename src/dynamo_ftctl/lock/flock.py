@@ -114,7 +114,7 @@ class _Waiter:
 def _parse_owner(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data.decode("utf-8")) if data.strip() else {}
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # 4 KiB of "[" is too deep
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -482,7 +482,9 @@ def calibrate_workers(
     import httpx
 
     from dynamo_ftctl.migrate.transfer import endpoint_for
+    from dynamo_ftctl.output import check_output_path
 
+    check_output_path(output)  # a bad --output is refused before the measurements
     src = endpoint_for(inventory, worker)
     dst = endpoint_for(inventory, peer) if peer else src
 

@@ -1,0 +1,225 @@
+"""Reading the files a user hands to ftctl, within bounds, before anything trusts them.
+
+Every YAML and JSON file ftctl reads (inventories, canary sets, drill scenarios,
+engine configs, calibrations, load reports, prompt files, fake-GPU specs) comes
+through here, so that all of them share the same limits and the same one-line
+errors (`InventoryError`, exit 2, naming the file and line):
+
+- size: at most `MAX_DOCUMENT_BYTES` (1 MiB) unless the caller names its own limit;
+  larger files are refused before they are read, so is binary or non-UTF-8 text;
+- nesting: at most `MAX_DEPTH` levels of lists and mappings;
+- YAML tags: only `!!str` (and `!!seq`, `!!map`); a value is what it reads as;
+- YAML aliases: all the nodes that aliases (`*name`, and `<<: *name` merges) repeat
+  come to at most `MAX_ALIAS_NODES`. A "billion laughs" document is a few hundred
+  bytes whose aliases repeat aliases: its events are counted here, one pass over the
+  parser's event stream that builds nothing, before PyYAML composes a node tree or
+  anything walks, validates or caches the expanded document.
+
+JSON has no aliases: its bounds are the size and Python's own recursion limit,
+which ends up as the same one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dynamo_ftctl.errors import InventoryError
+
+__all__ = [
+    "MAX_ALIAS_NODES",
+    "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
+    "check_yaml_bounds",
+    "decode_text",
+    "load_json_file",
+    "parse_json",
+    "read_document",
+]
+
+# A cluster inventory of 1,000 workers is ~200 KiB; anything past 1 MiB is a mistake.
+MAX_DOCUMENT_BYTES = 1024 * 1024
+# Our deepest schema (drill steps, canary prompts) nests 5 levels; 64 leaves room.
+MAX_DEPTH = 64
+# Anchors that share a header block among a few hundred workers repeat a few thousand
+# nodes; the 409-byte bomb of issue 22 repeated 9**8 (43 million).
+MAX_ALIAS_NODES = 10_000
+
+
+def _size_text(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit:,} bytes"
+
+
+def read_document(path: Path, *, limit: int = MAX_DOCUMENT_BYTES,
+                  what: str = "YAML text") -> str:
+    """The text of `path` (UTF-8, at most `limit` bytes, BOM removed); `InventoryError`
+    naming the file otherwise (missing, a directory, too large, binary, not UTF-8)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        msg = "no such file"
+        raise InventoryError(msg, path=path) from None
+    except OSError as exc:
+        raise InventoryError(exc.strerror or str(exc), path=path) from None
+    if path.is_dir():
+        msg = f"is a directory, expected {what}"
+        raise InventoryError(msg, path=path)
+    if size > limit:
+        msg = f"file is {size:,} bytes; the limit is {limit:,} ({_size_text(limit)})"
+        raise InventoryError(msg, path=path)
+    try:
+        with path.open("rb") as handle:
+            # One byte past the limit tells a device or a growing file from a full one.
+            raw = handle.read(limit + 1)
+    except OSError as exc:
+        raise InventoryError(exc.strerror or str(exc), path=path) from None
+    if len(raw) > limit:
+        msg = f"file is over {limit:,} bytes ({_size_text(limit)})"
+        raise InventoryError(msg, path=path)
+    return decode_text(raw, path, what=what)
+
+
+def decode_text(raw: bytes, path: Path, *, what: str = "YAML text") -> str:
+    """`raw` as UTF-8 text without a BOM; a NUL byte or bad UTF-8 is an `InventoryError`."""
+    if b"\x00" in raw:
+        line = raw[: raw.index(b"\x00")].count(b"\n") + 1
+        msg = f"binary data (NUL byte), expected UTF-8 {what}"
+        raise InventoryError(msg, path=path, line=line)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        msg = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+        raise InventoryError(msg, path=path, line=line) from None
+    return text.removeprefix("\ufeff")
+
+
+def check_yaml_bounds(text: str, path: Path) -> None:
+    """Refuse YAML `text` (named `path` in errors) that is too large, nests too deeply or
+    whose aliases repeat too much, from its event stream alone (nothing is built).
+
+    Syntax errors are PyYAML's `MarkedYAMLError`, for the caller to word.
+    """
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError as exc:  # a lone surrogate, from a caller's str
+        line = text.count("\n", 0, exc.start) + 1
+        msg = f"not UTF-8 text (a lone surrogate at offset {exc.start})"
+        raise InventoryError(msg, path=path, line=line) from None
+    if size > MAX_DOCUMENT_BYTES:
+        msg = f"document is over {MAX_DOCUMENT_BYTES:,} bytes (1 MiB)"
+        raise InventoryError(msg, path=path)
+    import yaml
+
+    parser = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    try:
+        _scan_events(parser, path)
+    finally:
+        parser.dispose()
+
+
+def _scan_events(parser: Any, path: Path) -> None:
+    """Depth and alias expansion over `parser`'s events (see `check_yaml_bounds`)."""
+    import yaml
+
+    # Nodes in each anchored node, aliases counted expanded; an anchor names the
+    # latest node that took it, and each document has its own.
+    sizes: dict[str, int] = {}
+    # Open collections: [anchor, nodes so far].
+    frames: list[list[Any]] = []
+    repeated = 0
+    while (event := parser.get_event()) is not None:
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.DocumentStartEvent):
+            sizes.clear()
+            continue
+        if isinstance(event, yaml.AliasEvent):
+            name = str(event.anchor)
+            if any(anchor == name for anchor, _ in frames):
+                msg = f"alias *{name} refers to a node that contains it"
+                raise InventoryError(msg, path=path, line=line)
+            size = sizes.get(name, 1)  # an unknown one: the composer says so
+            repeated += size
+            if repeated > MAX_ALIAS_NODES:
+                msg = (f"YAML aliases repeat more than {MAX_ALIAS_NODES:,} nodes "
+                       f"(at *{name}); write the values out")
+                raise InventoryError(msg, path=path, line=line)
+        elif isinstance(event, yaml.ScalarEvent):
+            _check_tag(event.tag, path, line)
+            size = 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            _check_tag(event.tag, path, line)
+            frames.append([event.anchor, 1])
+            if len(frames) > MAX_DEPTH:
+                msg = f"nested more than {MAX_DEPTH} levels deep"
+                raise InventoryError(msg, path=path, line=line)
+            continue
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, size = frames.pop()
+            if anchor is not None:
+                sizes[anchor] = size
+        else:  # stream and document ends
+            continue
+        if frames:
+            frames[-1][1] += size
+
+
+# Explicit tags that build only what a plain document holds, whatever their value:
+# `!!int abc`, `!!bool maybe` or `!!timestamp 2020-13-45` fail inside PyYAML's
+# constructors (ValueError, KeyError), and `!!binary`, `!!set` or `!!timestamp`
+# build values no ftctl file has.
+_TAGS = frozenset((None, "!", "tag:yaml.org,2002:str", "tag:yaml.org,2002:seq",
+                   "tag:yaml.org,2002:map"))
+
+
+def _check_tag(tag: str | None, path: Path, line: int) -> None:
+    if tag not in _TAGS:
+        shown = str(tag).replace("tag:yaml.org,2002:", "!!")
+        msg = f"YAML tag {shown} is not supported; write the plain value"
+        raise InventoryError(msg, path=path, line=line)
+
+
+def parse_json(text: str | bytes, path: Path, *, line: int | None = None) -> Any:
+    """`text` as JSON; `InventoryError` naming `path` (and `line`) when it is not JSON or
+    nests more than `MAX_DEPTH` levels."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        msg = f"not JSON: {exc.msg}"
+        where = line if line is not None else exc.lineno
+        raise InventoryError(msg, path=path, line=where) from None
+    except ValueError as exc:  # bytes that are not UTF-8
+        msg = f"not JSON: {exc}".splitlines()[0]
+        raise InventoryError(msg, path=path, line=line) from None
+    except RecursionError:
+        too_deep = True
+    else:
+        too_deep = _too_deep(doc)
+    if too_deep:
+        msg = f"nested more than {MAX_DEPTH} levels deep"
+        raise InventoryError(msg, path=path, line=line)
+    return doc
+
+
+def _too_deep(doc: Any) -> bool:
+    """True when `doc` nests lists and mappings more than `MAX_DEPTH` levels (no recursion)."""
+    todo: list[tuple[Any, int]] = [(doc, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        if depth == MAX_DEPTH:
+            return True
+        todo.extend((child, depth + 1) for child in node)
+    return False
+
+
+def load_json_file(path: Path, *, limit: int = MAX_DOCUMENT_BYTES,
+                   what: str = "JSON text") -> Any:
+    """The JSON document in `path`, read within `limit` bytes (see `read_document`)."""
+    return parse_json(read_document(path, limit=limit, what=what), path)
