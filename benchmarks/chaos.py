@@ -265,6 +265,74 @@ def attack_forged_reports(tmp: Path) -> Row:
                f" {probes_per_s:.1f} probes/s ({before:.0f} before)", ok)
 
 
+def lock_holder(path: Path, marker: Path) -> subprocess.Popen[bytes]:
+    """`ftctl lock acquire --path PATH -- CMD`, CMD noting a SIGTERM in `marker`."""
+    script = f'trap "echo TERM >> {marker}; exit 143" TERM; while :; do sleep 0.02; done'
+    return subprocess.Popen([PY, "-m", "dynamo_ftctl", "lock", "acquire", "--path", str(path),
+                             "--", "sh", "-c", script], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def held_token(path: Path, pid: int) -> int:
+    """The fencing token once the holder with `pid` owns the lock at `path`."""
+    found: list[int] = []
+
+    def owned() -> bool:
+        code, out, _, _, _ = ftctl("lock", "owner", "--path", str(path), "--json")
+        if code == 0:
+            doc = json.loads(out)
+            owner = doc.get("owner", doc)
+            if owner.get("alive", True) and owner.get("pid") is not None:
+                found.append(int(owner["token"]))
+        return bool(found)
+
+    wait_until(owned, 30, f"pid {pid} holding {path}")
+    return found[-1]
+
+
+def told_within(holder: subprocess.Popen[bytes], marker: Path, start: float) -> float:
+    """Seconds from `start` until the holder's CMD got SIGTERM (10 s at most)."""
+    wait_until(lambda: marker.exists() and "TERM" in marker.read_text(), 10, "the SIGTERM")
+    seen = time.monotonic() - start
+    holder.wait(10)
+    marker.unlink()
+    return seen
+
+
+def attack_lock_file(tmp: Path) -> Row:
+    """6. The held lock file deleted, then replaced by a forged one claiming token 1001."""
+    path, marker = tmp / "engine.lock", tmp / "term"
+    first = lock_holder(path, marker)
+    try:
+        t1 = held_token(path, first.pid)
+        start = time.monotonic()
+        path.unlink()
+        deleted_s = told_within(first, marker, start)
+        second = lock_holder(path, marker)
+        t2 = held_token(path, second.pid)
+        forged = json.loads(path.read_text())
+        forged["token"] = 1001
+        fake = tmp / "forged.lock"
+        fake.write_text(json.dumps(forged))
+        start = time.monotonic()
+        fake.replace(path)
+        replaced_s = told_within(second, marker, start)
+        third = lock_holder(path, marker)
+        t3 = held_token(path, third.pid)
+        stop(third)
+    finally:
+        for proc in (first, locals().get("second"), locals().get("third")):
+            if isinstance(proc, subprocess.Popen):
+                stop(proc)
+                if proc.stderr is not None:
+                    proc.stderr.close()
+    ok = deleted_s < 2 and replaced_s < 2 and t1 < t2 < t3 and t3 == t2 + 1
+    return Row("lock file deleted, then replaced by a forged token 1001",
+               "holder's CMD SIGTERMed < 2 s each time; tokens t1 < t2 < t3 = t2 + 1",
+               f"SIGTERM after {deleted_s:.2f} s / {replaced_s:.2f} s; tokens {t1}, {t2}, {t3}",
+               ok)
+
+
 def attack_sleep(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its temp folder)
     """7. `/sleep` on a sim without a token while a stream is in flight."""
     with sims(1) as workers, httpx.Client(base_url=workers[0].url, timeout=30) as client:
@@ -466,6 +534,7 @@ ATTACKS: dict[int, Callable[[Path], Row]] = {
     2: attack_forged_reports,
     3: attack_yaml_bomb,
     4: attack_out_targets,
+    6: attack_lock_file,
     7: attack_sleep,
     8: attack_caps,
 }
