@@ -26,6 +26,7 @@ _EXIT_STATUS = (
     (2, "bad usage or invalid input (flags, inventory, scenario, canary set)"),
     (3, "target unreachable or timed out"),
     (4, "lock not acquired within --timeout"),
+    (5, "a held lock was lost (etcd lease lost, lock file deleted or replaced)"),
     (130, "interrupted"),
 )
 
