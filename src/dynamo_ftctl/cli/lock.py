@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from click.core import ParameterSource
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, resolve_inventory_path
 from dynamo_ftctl.errors import InvalidInput
@@ -68,10 +67,10 @@ TtlOpt = Annotated[
 ]
 WatchIntervalOpt = Annotated[
     float | None,
-    typer.Option("--watch-interval", envvar="FTCTL_LOCK_WATCH_INTERVAL",
+    typer.Option("--watch-interval",
                  help="flock: check the lock file every this many seconds while CMD runs; "
-                 "deleted or replaced: SIGTERM to CMD, SIGKILL 5 s later. 0 turns it off.",
-                 show_default="0.5"),
+                 "deleted or replaced: SIGTERM to CMD, SIGKILL 5 s later. 0 turns it off "
+                 "(default: $FTCTL_LOCK_WATCH_INTERVAL, then 0.5).", show_default=False),
 ]
 TimeoutOpt = Annotated[
     float | None,
@@ -144,10 +143,10 @@ def acquire(  # noqa: PLR0917 - typer passes every option positionally
         if (backend or "flock") != "flock":
             msg = "--fd works with the flock backend only"
             raise InvalidInput(msg)
-        if ctx.get_parameter_source("watch_interval") is ParameterSource.COMMANDLINE:
+        if watch_interval is not None:  # ($FTCTL_LOCK_WATCH_INTERVAL, pod-wide, is ignored)
             msg = ("--watch-interval needs the command form (-- CMD): with --fd nothing "
                    "stays behind to watch the lock file")
-            raise InvalidInput(msg)  # ($FTCTL_LOCK_WATCH_INTERVAL, pod-wide, is not refused)
+            raise InvalidInput(msg)
         from dynamo_ftctl.lock.flock import flock_descriptor
         from dynamo_ftctl.lock.settings import engine_id_from_env
 

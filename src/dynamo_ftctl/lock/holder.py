@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -95,9 +96,14 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
     assert lease.fd is not None
     os.set_inheritable(lease.fd, True)
     env = {**os.environ, LOCK_FD_ENV: str(lease.fd), LOCK_TOKEN_ENV: str(lease.token)}
-    watcher = (spawn_watcher(lock.path, lease.fd, token=lease.token,
-                             interval_s=watch_interval_s, grace_s=term_grace_s)
-               if watch_interval_s > 0 else None)
+    watcher = None
+    if watch_interval_s > 0:
+        try:
+            watcher = spawn_watcher(lock.path, lease.fd, token=lease.token,
+                                    interval_s=watch_interval_s, grace_s=term_grace_s)
+        except OSError as exc:  # no process left (EAGAIN): run unwatched, as flock(1) does
+            sys.stderr.write(f"ftctl lock: cannot start the lock file watcher "
+                             f"({exc.strerror}): {argv[0]!r} runs unwatched\n")
     try:
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:

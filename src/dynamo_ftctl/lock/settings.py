@@ -26,6 +26,7 @@ __all__ = ["LockSettings", "engine_id_from_env", "open_lock", "resolve_lock_sett
 
 PATH_ENV = "FAILOVER_LOCK_PATH"
 ENGINE_ID_ENV = "ENGINE_ID"
+WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
 # The same defaults as inventory.EtcdConfig, without importing pydantic.
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:2379",)
 DEFAULT_KEY = "/ftctl/locks/failover"
@@ -68,14 +69,24 @@ def engine_id_from_env(explicit: int | None) -> int:
 
 
 def _check_watch_interval(value: float | None, backend: str) -> float:
+    """`--watch-interval`, else `$FTCTL_LOCK_WATCH_INTERVAL` (flock only), else 0.5 s."""
+    source = "--watch-interval"
     if value is None:
-        return DEFAULT_WATCH_INTERVAL_S
-    if backend != "flock":
+        raw = os.environ.get(WATCH_INTERVAL_ENV, "").strip()
+        if not raw or backend != "flock":  # a pod-wide variable must not break etcd
+            return DEFAULT_WATCH_INTERVAL_S
+        source = f"${WATCH_INTERVAL_ENV}"
+        try:
+            value = float(raw)
+        except ValueError:
+            msg = f"{source}: not a number of seconds: {raw!r}"
+            raise InvalidInput(msg) from None
+    elif backend != "flock":
         msg = ("--watch-interval works with the flock backend only (an etcd holder learns "
                "of a lost key with its keep-alive)")
         raise InvalidInput(msg)
     if not math.isfinite(value) or value < 0:
-        msg = f"--watch-interval: expected seconds >= 0 (0 turns the watch off), got {value}"
+        msg = f"{source}: expected seconds >= 0 (0 turns the watch off), got {value}"
         raise InvalidInput(msg)
     return value
 
