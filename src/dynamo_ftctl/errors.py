@@ -13,6 +13,7 @@ and the exit code the class carries.
     │                            or a symbolic link out of its directory
     ├── Unreachable (3)          target refused, timed out or is missing
     ├── LockTimeout (4)          lock not acquired within --timeout
+    ├── LeaseLost (5)            a held lock was lost: lease expired, lock file replaced
     └── Interrupted (130)        Ctrl-C / SIGINT
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "Interrupted",
     "InvalidInput",
     "InventoryError",
+    "LeaseLost",
     "LockTimeout",
     "OutputRefused",
     "Unreachable",
@@ -43,6 +45,7 @@ class ExitCode(IntEnum):
     USAGE = 2
     UNREACHABLE = 3
     LOCK_TIMEOUT = 4
+    LEASE_LOST = 5
     INTERRUPTED = 130
 
 
@@ -115,6 +118,13 @@ class LockTimeout(FtctlError):
     """A lock was not acquired within the requested timeout."""
 
     exit_code = ExitCode.LOCK_TIMEOUT
+
+
+class LeaseLost(FtctlError):
+    """The holder lost the lock (etcd lease expired, lock file deleted or replaced): stop
+    serving now; another engine may hold it already (its fencing token is higher)."""
+
+    exit_code = ExitCode.LEASE_LOST
 
 
 class Interrupted(FtctlError):

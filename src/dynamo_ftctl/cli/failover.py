@@ -29,7 +29,8 @@ app = typer.Typer(
         "the engine only once it holds the lock.\n\n"
         "Exit codes: 0 stopped by SIGTERM, 1 engine died or did not wake in time, "
         "2 bad usage (or --standby sleep and the engine refuses /sleep), 3 engine never "
-        "healthy, 130 interrupted."
+        "healthy, 5 lock lost (lock file deleted or replaced, etcd lease lost: the engine "
+        "is stopped), 130 interrupted."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,

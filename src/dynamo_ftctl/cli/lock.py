@@ -22,8 +22,14 @@ if TYPE_CHECKING:
 app = typer.Typer(
     help=(
         "Acquire, inspect and release the failover lock shared by a primary and its shadow.\n\n"
-        "flock (one node, default) or etcd (--backend etcd). Exit codes: acquire 0 held, "
-        "4 not acquired within --timeout; owner/status 0 held, 1 free."
+        "flock (one node, default) or etcd (--backend etcd). Exit codes: acquire 0 held "
+        "(with a command: the command's status), 4 not acquired within --timeout, 5 lock "
+        "lost (etcd lease lost, or --fd's file deleted or replaced); owner/status 0 held, "
+        "1 free.\n\n"
+        "A flock holder checks every --watch-interval seconds that the lock file is still "
+        "the file it locked; once it is deleted or replaced the command gets SIGTERM (SIGKILL "
+        "5 s later) and a line on stderr. Fencing tokens come from PATH.floor beside the "
+        "lock file and keep rising when the lock file is deleted or replaced."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -59,6 +65,13 @@ TtlOpt = Annotated[
     typer.Option("--ttl", help="etcd lease TTL in seconds (default: lock.etcd.ttl_s, 5).",
                  show_default=False),
 ]
+WatchIntervalOpt = Annotated[
+    float | None,
+    typer.Option("--watch-interval",
+                 help="flock: check the lock file every this many seconds while CMD runs; "
+                 "deleted or replaced: SIGTERM to CMD, SIGKILL 5 s later. 0 turns it off "
+                 "(default: $FTCTL_LOCK_WATCH_INTERVAL, then 0.5).", show_default=False),
+]
 TimeoutOpt = Annotated[
     float | None,
     typer.Option("--timeout", "-t", help="Give up after this many seconds (exit 4); "
@@ -75,6 +88,7 @@ _BOTH_FORMS = (
 def lock_settings(
     ctx: typer.Context, *, backend: str | None, engine_id: int | None, path: Path | None,
     endpoints: list[str] | None, key: str | None, ttl_s: float | None,
+    watch_interval_s: float | None = None,
 ) -> LockSettings:
     """Merge flags, environment and the inventory (read only when something is missing)."""
     from dynamo_ftctl.lock.settings import resolve_lock_settings
@@ -90,7 +104,7 @@ def lock_settings(
 
     return resolve_lock_settings(
         backend=backend, engine_id=engine_id, path=path, endpoints=tuple(endpoints or ()),
-        key=key, ttl_s=ttl_s, inventory=from_inventory,
+        key=key, ttl_s=ttl_s, watch_interval_s=watch_interval_s, inventory=from_inventory,
     )
 
 
@@ -101,10 +115,13 @@ def acquire(  # noqa: PLR0917 - typer passes every option positionally
         help="Command to run holding the lock (after --).", show_default=False)] = None,
     path: PathOpt = None,
     fd: Annotated[int | None, typer.Option(
-        "--fd", help="Lock this already open descriptor instead of running a command.",
+        "--fd", help="Lock this already open descriptor instead of running a command "
+        "(ftctl then exits: nothing watches the lock file; exit 5 if it was already deleted "
+        "or replaced).",
         show_default=False)] = None,
     engine_id: EngineIdOpt = None,
     timeout: TimeoutOpt = None,
+    watch_interval: WatchIntervalOpt = None,
     backend: BackendOpt = None,
     endpoint: EndpointOpt = None,
     key: KeyOpt = None,
@@ -126,6 +143,10 @@ def acquire(  # noqa: PLR0917 - typer passes every option positionally
         if (backend or "flock") != "flock":
             msg = "--fd works with the flock backend only"
             raise InvalidInput(msg)
+        if watch_interval is not None:  # ($FTCTL_LOCK_WATCH_INTERVAL, pod-wide, is ignored)
+            msg = ("--watch-interval needs the command form (-- CMD): with --fd nothing "
+                   "stays behind to watch the lock file")
+            raise InvalidInput(msg)
         from dynamo_ftctl.lock.flock import flock_descriptor
         from dynamo_ftctl.lock.settings import engine_id_from_env
 
@@ -133,7 +154,8 @@ def acquire(  # noqa: PLR0917 - typer passes every option positionally
         finish(ctx, lease, json_flag=json_)
     assert command is not None
     settings = lock_settings(ctx, backend=backend, engine_id=engine_id, path=path,
-                             endpoints=endpoint, key=key, ttl_s=ttl)
+                             endpoints=endpoint, key=key, ttl_s=ttl,
+                             watch_interval_s=watch_interval)
     from dynamo_ftctl.lock.holder import hold_for_command
 
     raise typer.Exit(hold_for_command(settings, command, timeout))

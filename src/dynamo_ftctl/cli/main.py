@@ -105,7 +105,8 @@ app = typer.Typer(
         "Fault-tolerance utilities for LLM inference clusters: canary probes, failover "
         "locks, a migrating proxy, KV transfer, fault injection, chaos drills and load.\n\n"
         "Exit codes: 0 ok/healthy, 1 check failed, 2 bad usage or input, "
-        "3 unreachable or timed out, 4 lock not acquired in time, 130 interrupted."
+        "3 unreachable or timed out, 4 lock not acquired in time, 5 lock lost while held, "
+        "130 interrupted."
     ),
     rich_markup_mode=None,
     pretty_exceptions_enable=False,

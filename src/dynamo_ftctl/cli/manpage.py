@@ -29,6 +29,7 @@ _EXIT_STATUS = (
         "out of its directory)"),
     (3, "target unreachable or timed out"),
     (4, "lock not acquired within --timeout"),
+    (5, "a held lock was lost (etcd lease lost, lock file deleted or replaced)"),
     (130, "interrupted"),
 )
 

@@ -9,7 +9,11 @@ Holding: a keep-alive thread renews the lease every TTL/3. A watchdog thread
 declares the lease lost at `send time of the last successful renewal + TTL -
 margin`: etcd can only expire it at `receipt time + TTL`, which is later, so
 the holder is told (`on_lost` callback, `LeaseLost` from `ensure_held`) before
-any other engine can be given the key and a new token.
+any other engine can be given the key and a new token. After each renewal the
+keep-alive thread also reads the key: deleted (`etcdctl del`), created anew or
+put without our lease, the lock is no longer ours (a waiter may hold it
+already, with a higher revision as its token) and the holder is told within
+TTL/3. Tokens need no floor: etcd never reuses a revision.
 
 The gateway speaks protobuf-JSON: keys and values are base64, 64-bit numbers
 are strings and zero values (`succeeded: false`, `create_revision: 0`) are
@@ -231,7 +235,7 @@ class EtcdLock:
         with self._cond:
             if self._lost is not None or self._lease is None:
                 return
-            self._lost = LeaseLost(f"etcd lock {self._key}: lost the lease ({reason})")
+            self._lost = LeaseLost(f"etcd lock {self._key}: lost the lock ({reason})")
             lost = self._lost
             self._cond.notify_all()
         if self._metrics:
@@ -258,6 +262,29 @@ class EtcdLock:
                 with self._cond:
                     self._expires = max(self._expires, sent + ttl - self._margin)
                     self._cond.notify_all()
+                try:
+                    taken = self._key_taken(client, lease_id)
+                except Unreachable:
+                    continue  # as for a failed renewal: the watchdog decides
+                if taken is not None:
+                    self._lose(taken)
+                    return
+
+    def _key_taken(self, client: httpx.Client, lease_id: str) -> str | None:
+        """Why the key is no longer the one this lease created, or None while it is."""
+        with self._cond:
+            lease = self._lease
+        if lease is None:
+            return None  # released meanwhile
+        kvs = self._post(client, "/v3/kv/range", {"key": _b64(self._key)}).get("kvs") or []
+        if not kvs:
+            return "the key was deleted"
+        created = int(kvs[0].get("create_revision", 0))
+        if created != lease.token:
+            return f"the key was created anew (revision {created})"
+        if int(kvs[0].get("lease", 0)) != int(lease_id):
+            return "the key was put without this lease"
+        return None
 
     def _watchdog(self) -> None:
         with self._cond:

@@ -464,7 +464,8 @@ def run_failover(
 
     Returns 0 after SIGTERM (engine stopped, lock released), 130 after SIGINT;
     raises `CheckFailed` (exit 1) when the engine dies or does not wake in
-    time, `LeaseLost` when an etcd lease is lost, `Unreachable` when the engine
+    time, `LeaseLost` (exit 5) when the lock is lost (an etcd lease, a lock file deleted
+    or replaced: the engine is stopped first), `Unreachable` when the engine
     never becomes healthy, `InvalidInput` (exit 2) for a bad standby mode, and
     with `standby="sleep"` for an engine that refuses /sleep.
     """

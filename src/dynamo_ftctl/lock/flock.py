@@ -8,9 +8,33 @@ worst). A waiter that gives up (timeout, cancelled task) leaves its thread in
 the kernel queue; if that thread later gets the lock it releases it at once.
 
 The lock file holds the owner data as JSON (engine id, pid, host, acquired-at
-and the fencing token). The token is read, incremented and written back while
-the lock is held, in place (a rename would create a new inode and with it a
-second lock) and fsynced, so tokens grow by one on every acquisition.
+and the fencing token), written in place while the lock is held (a rename would
+create a new inode and with it a second lock).
+
+Tokens come from the token floor `P.floor` beside the lock file `P`: the last
+token issued and the device and inode of the lock file it was issued for. An
+issuer flocks the floor for the few microseconds of its read-modify-write (so
+issuers on two different inodes, when `P` was replaced, still take turns),
+issues one above the floor, and one above the lock file's own claim only when
+the floor last saw that very inode (in-place writes, which older ftctl versions
+make, continue the sequence). A lock file deleted, truncated or replaced by
+another file (a `mv` of a copy claiming token 1001) therefore neither lowers nor
+raises the sequence: its claim is ignored, with a warning when it was higher.
+Only when the floor is missing too (first use, or both files deleted) does the
+lock file's claim (0 for a new file) start it. Trust: whoever may write the
+directory may rewrite both files; the floor guards against accidents (a cleanup
+`rm`, a tool that writes by rename, `exec 9>P` truncating), not a forger.
+
+Durability: the floor is fsynced before the token is handed out (and its
+directory once, when the floor is created), so a token survives a power loss
+and the next one after a reboot is still higher; the owner data is not fsynced
+(only `owner`/`status` read it, and the floor does not depend on it). One fsync
+per acquisition, as before the floor existed.
+
+A held lock is watched (`watch.py`): every `watch_interval_s` the path is
+compared with the locked inode; when it was deleted or replaced the lock is
+lost: `is_held` turns False, `ensure_held` raises `LeaseLost` and the
+`on_lost` callback is told.
 """
 
 from __future__ import annotations
@@ -20,17 +44,20 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import signal
 import socket
+import stat
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import InvalidInput, LockTimeout
+from dynamo_ftctl.errors import InvalidInput, LeaseLost, LockTimeout
 from dynamo_ftctl.lock.protocol import (
     Lease,
     LockStatus,
@@ -38,12 +65,21 @@ from dynamo_ftctl.lock.protocol import (
     record_acquired,
     record_released,
 )
+from dynamo_ftctl.lock.watch import FILE_WATCH, WATCH_INTERVAL_S, FileIdentity, lock_file_gone
 
-__all__ = ["FlockLock", "flock_descriptor", "read_owner", "unlock_descriptor"]
+__all__ = [
+    "FLOOR_SUFFIX", "FlockLock", "flock_descriptor", "floor_path", "read_owner",
+    "unlock_descriptor",
+]
 
 BACKEND = "flock"
 # Owner data is ~150 bytes of JSON; anything past this is not ours.
 _OWNER_MAX = 4096
+# The token floor of lock file P is P + this suffix.
+FLOOR_SUFFIX = ".floor"
+# Fencing tokens stay within a signed 64-bit integer, what storage usually keeps.
+_TOKEN_MAX = 2**63 - 1
+_log = logging.getLogger("ftctl.lock")
 
 
 class _Waiter:
@@ -135,21 +171,111 @@ def _owner_from(doc: dict[str, Any], *, lock: str, live: bool) -> OwnerInfo:
     )
 
 
-def _write_owner(fd: int, *, engine_id: int, pid: int, acquired_at: float) -> int:
-    """Read the last token, write owner data with token + 1 in place; return the token.
+def floor_path(lock_path: Path) -> Path:
+    """The token floor kept beside the lock file `lock_path` (`P.floor`; beside the file a
+    symbolic link points to, as `--fd` users see it through /proc)."""
+    real = Path(os.path.realpath(lock_path))
+    return real.with_name(real.name + FLOOR_SUFFIX)
 
-    Must be called while holding the lock: the read-modify-write is what makes
-    tokens unique. A single pwrite cannot be torn by the death of this process.
-    """
-    previous = _int_or_none(_parse_owner(os.pread(fd, _OWNER_MAX, 0)).get("token")) or 0
-    token = previous + 1
-    payload = json.dumps({
-        "engine_id": engine_id, "pid": pid, "host": socket.gethostname(),
-        "acquired_at": acquired_at, "token": token,
-    }, separators=(",", ":")).encode() + b"\n"
+
+@dataclass(frozen=True)
+class _Floor:
+    """The floor's record: the last token issued, and for which lock file inode."""
+
+    token: int
+    locked: FileIdentity
+
+
+def _read_floor(data: bytes) -> _Floor | None:
+    doc = _parse_owner(data)
+    token, dev, ino = (_int_or_none(doc.get(key)) for key in ("token", "dev", "ino"))
+    if token is None or dev is None or ino is None or not 0 <= token <= _TOKEN_MAX:
+        return None  # missing, empty or not ours: as if there were no floor
+    return _Floor(token, FileIdentity(dev, ino))
+
+
+def _write_in_place(fd: int, payload: bytes) -> None:
+    """Replace the file's content with `payload` (a single pwrite: the death of this
+    process cannot tear it)."""
     os.pwrite(fd, payload, 0)
     os.ftruncate(fd, len(payload))
-    os.fsync(fd)
+
+
+def _open_floor(floor: Path) -> int:
+    """The floor, created if missing and flocked: issuers take turns on it for microseconds."""
+    while True:
+        try:
+            fd = os.open(floor, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            msg = f"{floor}: cannot open the token floor: {exc.strerror}"
+            raise InvalidInput(msg) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        if lock_file_gone(floor, FileIdentity.of_fd(fd)) is None:
+            return fd
+        os.close(fd)  # replaced between open and flock: the new one is the floor
+
+
+def _sync_directory(path: Path) -> None:
+    """fsync `path`'s directory, so a file just created there survives a power loss."""
+    with contextlib.suppress(OSError):  # some file systems refuse fsync on a directory
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: str) -> int:
+    """The token to issue: see the module docstring for whose word counts."""
+    if floor is None:
+        token = claimed + 1
+    elif floor.locked == locked:
+        token = max(floor.token, claimed) + 1
+    else:
+        token = floor.token + 1
+        if claimed > floor.token:
+            _log.warning("%s: the lock file was replaced and claims token %d, above the "
+                         "floor's %d: ignored (not issued here); token %d",
+                         name, claimed, floor.token, token)
+    if token > _TOKEN_MAX:
+        msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
+        raise InvalidInput(msg)
+    return token
+
+
+def _write_owner(data_fd: int, floor: Path | None, name: str, *, locked: FileIdentity,
+                 engine_id: int, pid: int, acquired_at: float) -> int:
+    """Issue the next token (floor first, fsynced), then write owner data in place; the token.
+
+    Must be called while holding the lock on the inode `locked`. `data_fd` reads and
+    writes the owner data (the locked descriptor unless that is write-only); `floor`
+    None: no floor (the lock file's path is not known); `name` is the lock's, for messages.
+    """
+    claimed = _int_or_none(_parse_owner(os.pread(data_fd, _OWNER_MAX, 0)).get("token"))
+    claimed = min(max(claimed or 0, 0), _TOKEN_MAX)
+    if floor is None:
+        token = _next_token(None, locked, claimed, name)
+    else:
+        floor_fd = _open_floor(floor)
+        try:
+            record = os.pread(floor_fd, _OWNER_MAX, 0)
+            token = _next_token(_read_floor(record), locked, claimed, name)
+            # Formatted by hand: json.dumps costs several times more, on the hot path.
+            _write_in_place(floor_fd, b'{"token":%d,"dev":%d,"ino":%d}\n'
+                            % (token, locked.dev, locked.ino))
+            os.fsync(floor_fd)
+        finally:
+            os.close(floor_fd)
+        if not record:  # the floor was just created: make its name durable too
+            _sync_directory(floor)
+    _write_in_place(data_fd, json.dumps({
+        "engine_id": engine_id, "pid": pid, "host": socket.gethostname(),
+        "acquired_at": acquired_at, "token": token,
+    }, separators=(",", ":")).encode() + b"\n")
     return token
 
 
@@ -189,18 +315,28 @@ class FlockLock:
     """The flock backend of `FailoverLock` (engines on one node).
 
     One object holds the lock at most once at a time; `lease.fd` is the locked
-    descriptor (close-on-exec unless made inheritable for `exec`).
+    descriptor (close-on-exec unless made inheritable for `exec`). While held,
+    the lock file is checked every `watch_interval_s` (0: never); when it was
+    deleted or replaced, `on_lost` is called (from a helper thread) with a
+    `LeaseLost`, and the holder must stop serving at once.
     """
 
     def __init__(
         self, path: Path | str, engine_id: int = 0, *, clock: Clock = SYSTEM_CLOCK,
-        metrics: bool = False,
+        metrics: bool = False, watch_interval_s: float = WATCH_INTERVAL_S,
+        on_lost: Callable[[LeaseLost], None] | None = None,
     ) -> None:
         self._path = Path(path)
+        self._floor = floor_path(self._path)
         self._engine_id = engine_id
         self._clock = clock
         self._metrics = metrics
+        self._watch_interval_s = watch_interval_s
+        self._on_lost = on_lost
+        self._guard = threading.Lock()
         self._lease: Lease | None = None
+        self._lost: LeaseLost | None = None
+        self._watch: object | None = None
 
     @property
     def name(self) -> str:
@@ -212,12 +348,56 @@ class FlockLock:
 
     @property
     def is_held(self) -> bool:
-        return self._lease is not None
+        """True while held and the lock file is still the locked one (as last checked)."""
+        with self._guard:
+            return self._lease is not None and self._lost is None
 
     @property
     def lease(self) -> Lease | None:
         """The current lease, None when not held."""
         return self._lease
+
+    @property
+    def lost(self) -> LeaseLost | None:
+        """The loss, once the lock file was found deleted or replaced while held."""
+        with self._guard:
+            return self._lost
+
+    def set_on_lost(self, callback: Callable[[LeaseLost], None] | None) -> None:
+        """Replace the callback told (from a helper thread) that the lock was lost."""
+        self._on_lost = callback
+
+    def ensure_held(self) -> Lease:
+        """The lease, or `LeaseLost` (checks the file now: call before every fenced write)."""
+        with self._guard:
+            lease, lost = self._lease, self._lost
+        if lost is not None:
+            raise lost
+        if lease is None or lease.fd is None:
+            msg = f"{self.name}: not held"
+            raise LeaseLost(msg)
+        reason = lock_file_gone(self._path, FileIdentity.of_fd(lease.fd))
+        if reason is not None:
+            self._lose(lease, reason)
+            raise self._lost or LeaseLost(f"{self.name}: not held")
+        return lease
+
+    def _lose(self, lease: Lease, reason: str) -> None:
+        """The lock file is gone: record the loss once and tell the holder."""
+        with self._guard:
+            if self._lease is not lease or self._lost is not None:
+                return
+            self._lost = LeaseLost(
+                f"{self.name}: lock lost (token {lease.token}): the lock file was {reason}; "
+                "another engine may hold the lock now")
+            lost, watch, self._watch = self._lost, self._watch, None
+        if watch is not None:
+            FILE_WATCH.unwatch(watch)
+        if self._metrics:
+            record_released(self.name, self._engine_id)
+        callback = self._on_lost
+        if callback is not None:
+            callback(lost)
 
     def _open(self) -> int:
         try:
@@ -227,27 +407,33 @@ class FlockLock:
 
     def _still_linked(self, fd: int) -> bool:
         """False when the file was unlinked or replaced while we waited (a different lock)."""
-        try:
-            st = self._path.stat()
-        except FileNotFoundError:
-            return False
-        mine = os.fstat(fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+        return lock_file_gone(self._path, FileIdentity.of_fd(fd)) is None
 
     def _take(self, fd: int, started: float) -> Lease:
         acquired_at = self._clock.wall()
+        locked = FileIdentity.of_fd(fd)
         try:
-            token = _write_owner(fd, engine_id=self._engine_id, pid=os.getpid(),
+            token = _write_owner(fd, self._floor, self.name, locked=locked,
+                                 engine_id=self._engine_id, pid=os.getpid(),
                                  acquired_at=acquired_at)
         except OSError as exc:  # disk full, read-only volume: do not keep a lock without a token
             os.close(fd)
             msg = f"{self.name}: cannot write owner data: {exc.strerror}"
             raise InvalidInput(msg) from exc
+        except BaseException:
+            os.close(fd)
+            raise
         lease = Lease(
             lock=self.name, backend=BACKEND, engine_id=self._engine_id, token=token,
             acquired_at=acquired_at, waited_s=max(0.0, self._clock.now() - started), fd=fd,
         )
-        self._lease = lease
+        with self._guard:
+            self._lease, self._lost = lease, None
+        if self._watch_interval_s > 0:
+            handle = FILE_WATCH.watch(self._path, locked, self._watch_interval_s,
+                                      lambda reason: self._lose(lease, reason))
+            with self._guard:
+                self._watch = handle
         if self._metrics:
             record_acquired(lease)
         return lease
@@ -256,6 +442,8 @@ class FlockLock:
         if self._lease is not None:
             msg = f"{self.name}: this FlockLock already holds the lock"
             raise InvalidInput(msg)
+        if self._watch_interval_s > 0:
+            FILE_WATCH.start()  # before the wait, not in the handoff
 
     @staticmethod
     def _try_now(fd: int) -> bool:
@@ -342,19 +530,30 @@ class FlockLock:
 
     def release(self) -> None:
         """Unlock and close the descriptor; the owner data (and its token) stay."""
-        lease, self._lease = self._lease, None
+        with self._guard:
+            lease, self._lease = self._lease, None
+            lost, self._lost = self._lost, None
+            watch, self._watch = self._watch, None
+        if watch is not None:
+            FILE_WATCH.unwatch(watch)
         if lease is None or lease.fd is None:
             return
         with contextlib.suppress(OSError):
             fcntl.flock(lease.fd, fcntl.LOCK_UN)
         with contextlib.suppress(OSError):
             os.close(lease.fd)
-        if self._metrics:
+        if self._metrics and lost is None:  # a loss already exported the release
             record_released(self.name, self._engine_id)
 
     def detach(self) -> Lease:
-        """Forget the lease without unlocking: its descriptor now belongs to the caller."""
-        lease, self._lease = self._lease, None
+        """Forget the lease without unlocking (and stop watching): its descriptor now
+        belongs to the caller."""
+        with self._guard:
+            lease, self._lease = self._lease, None
+            self._lost = None
+            watch, self._watch = self._watch, None
+        if watch is not None:
+            FILE_WATCH.unwatch(watch)
         if lease is None:
             msg = f"{self.name}: not held"
             raise InvalidInput(msg)
@@ -407,9 +606,12 @@ def flock_descriptor(
     """
     started = clock.now()
     try:
-        os.fstat(fd)
+        st = os.fstat(fd)
     except OSError as exc:
         raise InvalidInput(f"--fd {fd}: not an open descriptor ({exc.strerror})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        msg = f"--fd {fd}: not a regular file (open the lock file: exec {fd}<>PATH)"
+        raise InvalidInput(msg)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -422,22 +624,46 @@ def flock_descriptor(
         raise LockTimeout(f"--fd {fd}: lock not acquired within {timeout:g} s") from None
     except OSError as exc:
         raise InvalidInput(f"--fd {fd}: flock failed: {exc.strerror}") from exc
-    proc_fd = Path(f"/proc/self/fd/{fd}")
-    name = str(proc_fd.readlink()) if proc_fd.exists() else f"fd:{fd}"
+    path = _descriptor_path(fd)
+    locked = FileIdentity(st.st_dev, st.st_ino)
+    if path is not None:
+        reason = lock_file_gone(path, locked)
+        if reason is not None:  # the shell opened a file no other engine will lock
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            msg = (f"--fd {fd}: {path} was {reason} since the shell opened it: locking "
+                   f"this descriptor excludes nobody; reopen it (exec {fd}<>{path}) and retry")
+            raise LeaseLost(msg)
     # `exec 9>P` opens write-only: read and write the owner data through a
     # second description of the same file (the lock stays on the shell's).
     readable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
     data_fd = fd if readable else os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     try:
         acquired_at = clock.wall()
-        token = _write_owner(data_fd, engine_id=engine_id,
+        token = _write_owner(data_fd, None if path is None else floor_path(path),
+                             str(path or f"fd:{fd}"), locked=locked, engine_id=engine_id,
                              pid=os.getppid() if holder_pid is None else holder_pid,
                              acquired_at=acquired_at)
+    except BaseException:
+        with contextlib.suppress(OSError):  # no token, no lock
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        raise
     finally:
         if data_fd != fd:
             os.close(data_fd)
-    return Lease(lock=name, backend=BACKEND, engine_id=engine_id, token=token,
-                 acquired_at=acquired_at, waited_s=max(0.0, clock.now() - started), fd=fd)
+    return Lease(lock=str(path) if path else f"fd:{fd}", backend=BACKEND, engine_id=engine_id,
+                 token=token, acquired_at=acquired_at,
+                 waited_s=max(0.0, clock.now() - started), fd=fd)
+
+
+def _descriptor_path(fd: int) -> Path | None:
+    """The path `fd` was opened with (from /proc; " (deleted)" stripped), None without /proc."""
+    try:
+        target = str(Path(f"/proc/self/fd/{fd}").readlink())
+    except OSError:
+        return None
+    deleted = " (deleted)"
+    return Path(target.removesuffix(deleted) if target.endswith(deleted) else target)
 
 
 def unlock_descriptor(fd: int) -> None:

@@ -2,11 +2,18 @@
 
 With flock, the locked descriptor is made inheritable and this process execs
 the command (like `flock(1)`): the lock lives until the command's last copy of
-the descriptor closes, with no supervisor in between. With etcd, a lease needs
-a keep-alive, so the command runs as a child and is killed if the lease is lost;
-meanwhile this process passes the signals a supervisor sends (SIGTERM from
-Kubernetes, SIGHUP, SIGQUIT, SIGUSR1/2, SIGINT) on to the command, as tini does,
-and exits with the command's status (128+N when a signal ended it).
+the descriptor closes, with no supervisor in between. A forked watcher
+(`watch.spawn_watcher`, which holds no lock) checks the lock file meanwhile and,
+when it is deleted or replaced, sends the command SIGTERM with one line on
+stderr, then SIGKILL after `TERM_GRACE_S`; the command's exit status is then
+its own (143 for a default SIGTERM), since ftctl has become the command.
+
+With etcd, a lease needs a keep-alive, so the command runs as a child and is
+killed the same way (SIGTERM, SIGKILL after `TERM_GRACE_S`) if the lease is lost,
+and ftctl exits 5 (`LeaseLost`); meanwhile this process passes the signals a
+supervisor sends (SIGTERM from Kubernetes, SIGHUP, SIGQUIT, SIGUSR1/2, SIGINT)
+on to the command, as tini does, and exits with the command's status (128+N
+when a signal ended it).
 """
 
 from __future__ import annotations
@@ -14,22 +21,27 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, LeaseLost
 from dynamo_ftctl.lock.flock import FlockLock
-from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
+from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
+from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, spawn_watcher
 
-__all__ = ["LOCK_FD_ENV", "LOCK_TOKEN_ENV", "exec_holding", "hold_for_command", "run_holding"]
+__all__ = [
+    "LOCK_FD_ENV", "LOCK_TOKEN_ENV", "TERM_GRACE_S", "exec_holding", "hold_for_command",
+    "run_holding",
+]
 
 # The command learns which descriptor holds the lock and its fencing token.
 LOCK_FD_ENV = "FTCTL_LOCK_FD"
 LOCK_TOKEN_ENV = "FTCTL_LOCK_TOKEN"  # noqa: S105 (a fencing token, not a secret)
-# How long a command gets to exit after SIGTERM when its etcd lease is lost.
-_TERM_GRACE_S = 5.0
+# How long a command gets to exit after SIGTERM when its lock is lost.
+TERM_GRACE_S = 5.0
 # What a supervised command is sent on when this process receives it.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2, signal.SIGINT)
@@ -68,20 +80,36 @@ def _check_command(argv: Sequence[str]) -> None:
         raise InvalidInput(msg)
 
 
-def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = None) -> None:
+def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = None, *,
+                 watch_interval_s: float = WATCH_INTERVAL_S,
+                 term_grace_s: float = TERM_GRACE_S) -> None:
     """Acquire `lock`, then replace this process with `argv`, the descriptor inherited.
 
-    Returns only by raising: `LockTimeout`, or `InvalidInput` when the command
-    cannot be executed (the lock is released then).
+    With `watch_interval_s` > 0 a watcher process checks the lock file at that
+    interval and stops the command (SIGTERM, SIGKILL `term_grace_s` later) once
+    it is deleted or replaced. `lock` itself must not watch (a thread would not
+    survive the exec). Returns only by raising: `LockTimeout`, or `InvalidInput`
+    when the command cannot be executed (the lock is released then).
     """
     _check_command(argv)
     lease = lock.acquire(timeout)
     assert lease.fd is not None
     os.set_inheritable(lease.fd, True)
     env = {**os.environ, LOCK_FD_ENV: str(lease.fd), LOCK_TOKEN_ENV: str(lease.token)}
+    watcher = None
+    if watch_interval_s > 0:
+        try:
+            watcher = spawn_watcher(lock.path, lease.fd, token=lease.token,
+                                    interval_s=watch_interval_s, grace_s=term_grace_s)
+        except OSError as exc:  # no process left (EAGAIN): run unwatched, as flock(1) does
+            sys.stderr.write(f"ftctl lock: cannot start the lock file watcher "
+                             f"({exc.strerror}): {argv[0]!r} runs unwatched\n")
     try:
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:
+        if watcher is not None:
+            os.kill(watcher, signal.SIGKILL)
+            os.waitpid(watcher, 0)
         lock.release()
         msg = f"cannot run {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
@@ -90,14 +118,19 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
 def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None) -> int:
     """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
 
-    An etcd lease lost while the child runs terminates the child (SIGTERM, then
-    SIGKILL after a grace period) and raises `LeaseLost`.
+    A lock lost while the child runs (etcd lease, flock file deleted or replaced)
+    terminates the child (SIGTERM, then SIGKILL after `TERM_GRACE_S`) and raises
+    `LeaseLost`.
     """
     _check_command(argv)
     lost = threading.Event()
-    set_on_lost = getattr(lock, "set_on_lost", None)
-    if set_on_lost is not None:
-        set_on_lost(lambda _exc: lost.set())
+    why: list[LeaseLost] = []
+
+    def tell(exc: LeaseLost) -> None:
+        why.append(exc)
+        lost.set()
+
+    lock.set_on_lost(tell)
     lease: Lease = lock.acquire(timeout)
     env = {**os.environ, LOCK_TOKEN_ENV: str(lease.token)}
     children: list[subprocess.Popen[bytes]] = []
@@ -121,11 +154,12 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
-                child.wait(_TERM_GRACE_S)
+                child.wait(TERM_GRACE_S)
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-            msg = f"{lock.name}: lease lost; stopped {argv[0]!r}"
+            reason = str(why[0]) if why else f"{lock.name}: lease lost"
+            msg = f"{reason}; stopped {argv[0]!r}"
             raise LeaseLost(msg)
         # A command ended by signal N exits 128+N, as a shell reports it.
         return child.returncode if child.returncode >= 0 else 128 - child.returncode
@@ -138,5 +172,6 @@ def hold_for_command(settings: LockSettings, argv: Sequence[str],
     """`ftctl lock acquire -- CMD`: exec CMD holding a flock, or supervise it holding etcd."""
     if settings.backend == "flock":
         assert settings.path is not None
-        exec_holding(FlockLock(settings.path, settings.engine_id), argv, timeout)
+        exec_holding(FlockLock(settings.path, settings.engine_id, watch_interval_s=0), argv,
+                     timeout, watch_interval_s=settings.watch_interval_s)
     return run_holding(open_lock(settings), argv, timeout)

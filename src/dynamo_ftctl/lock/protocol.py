@@ -3,16 +3,20 @@
 A `FailoverLock` is held by at most one engine at a time. Each acquisition
 carries a fencing token that is strictly greater than every token issued
 before it, so storage that sees a token can refuse writes from an older holder.
+A holder that loses the lock (an etcd lease expired, an flock file deleted or
+replaced) is told through `set_on_lost` and `ensure_held`; until it stops, the
+token is what keeps its writes out.
 This module imports nothing heavy; `record_*` load prometheus_client only when
 a caller asked for metrics.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from dynamo_ftctl.errors import CheckFailed
+from dynamo_ftctl.errors import LeaseLost
 
 __all__ = [
     "FailoverLock",
@@ -23,10 +27,6 @@ __all__ = [
     "record_acquired",
     "record_released",
 ]
-
-
-class LeaseLost(CheckFailed):
-    """The holder lost the lock (lease expired, lock file replaced): stop serving now."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,14 @@ class FailoverLock(Protocol):
 
     def release(self) -> None:
         """Give the lock up (a no-op when not held)."""
+        ...
+
+    def ensure_held(self) -> Lease:
+        """The lease, or `LeaseLost` when it was lost (call before every fenced write)."""
+        ...
+
+    def set_on_lost(self, callback: Callable[[LeaseLost], None] | None) -> None:
+        """Replace the callback told (from a helper thread) that the lock was lost."""
         ...
 
     def owner(self) -> OwnerInfo | None:

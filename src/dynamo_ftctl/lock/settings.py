@@ -1,13 +1,15 @@
 """Where a lock's settings come from: flags, then environment, then the inventory.
 
 `--path` / `$FAILOVER_LOCK_PATH` / `lock.path`; `--endpoint`, `--key`, `--ttl`
-/ `lock.etcd`; `--engine-id` / `$ENGINE_ID` (0 may be primary, >= 1 shadow).
+/ `lock.etcd`; `--engine-id` / `$ENGINE_ID` (0 may be primary, >= 1 shadow);
+`--watch-interval` / `$FTCTL_LOCK_WATCH_INTERVAL` (flock only, default 0.5 s).
 The inventory (and pydantic with it) is read only when a flag or variable is
 missing, so `ftctl lock status --path P` stays fast in probes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,10 +26,13 @@ __all__ = ["LockSettings", "engine_id_from_env", "open_lock", "resolve_lock_sett
 
 PATH_ENV = "FAILOVER_LOCK_PATH"
 ENGINE_ID_ENV = "ENGINE_ID"
+WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
 # The same defaults as inventory.EtcdConfig, without importing pydantic.
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:2379",)
 DEFAULT_KEY = "/ftctl/locks/failover"
 DEFAULT_TTL_S = 5.0
+# The same as watch.WATCH_INTERVAL_S, without importing the watch machinery.
+DEFAULT_WATCH_INTERVAL_S = 0.5
 
 Backend = Literal["flock", "etcd"]
 
@@ -42,6 +47,8 @@ class LockSettings:
     endpoints: tuple[str, ...] = DEFAULT_ENDPOINTS
     key: str = DEFAULT_KEY
     ttl_s: float = DEFAULT_TTL_S
+    # flock: how often the holder checks its lock file was not deleted or replaced (0: never).
+    watch_interval_s: float = DEFAULT_WATCH_INTERVAL_S
 
 
 def engine_id_from_env(explicit: int | None) -> int:
@@ -61,9 +68,33 @@ def engine_id_from_env(explicit: int | None) -> int:
     return value
 
 
+def _check_watch_interval(value: float | None, backend: str) -> float:
+    """`--watch-interval`, else `$FTCTL_LOCK_WATCH_INTERVAL` (flock only), else 0.5 s."""
+    source = "--watch-interval"
+    if value is None:
+        raw = os.environ.get(WATCH_INTERVAL_ENV, "").strip()
+        if not raw or backend != "flock":  # a pod-wide variable must not break etcd
+            return DEFAULT_WATCH_INTERVAL_S
+        source = f"${WATCH_INTERVAL_ENV}"
+        try:
+            value = float(raw)
+        except ValueError:
+            msg = f"{source}: not a number of seconds: {raw!r}"
+            raise InvalidInput(msg) from None
+    elif backend != "flock":
+        msg = ("--watch-interval works with the flock backend only (an etcd holder learns "
+               "of a lost key with its keep-alive)")
+        raise InvalidInput(msg)
+    if not math.isfinite(value) or value < 0:
+        msg = f"{source}: expected seconds >= 0 (0 turns the watch off), got {value}"
+        raise InvalidInput(msg)
+    return value
+
+
 def resolve_lock_settings(
     *, backend: str | None, engine_id: int | None, path: Path | None = None,
     endpoints: Sequence[str] = (), key: str | None = None, ttl_s: float | None = None,
+    watch_interval_s: float | None = None,
     inventory: Callable[[], LockConfig | None] = lambda: None,
 ) -> LockSettings:
     """Merge flags, environment and (only if needed) the inventory's `lock:` section."""
@@ -72,6 +103,7 @@ def resolve_lock_settings(
         msg = f"--backend: expected 'flock' or 'etcd', got {chosen!r}"
         raise InvalidInput(msg)
     eid = engine_id_from_env(engine_id)
+    watch = _check_watch_interval(watch_interval_s, chosen)
     if chosen == "flock":
         if path is None and os.environ.get(PATH_ENV):
             path = Path(os.environ[PATH_ENV])
@@ -82,7 +114,7 @@ def resolve_lock_settings(
             msg = (f"no lock file: pass --path, set ${PATH_ENV}, "
                    "or set lock.path in the inventory")
             raise InvalidInput(msg)
-        return LockSettings(backend="flock", engine_id=eid, path=path)
+        return LockSettings(backend="flock", engine_id=eid, path=path, watch_interval_s=watch)
     if not endpoints or key is None or ttl_s is None:
         config = inventory()
         if config is not None:
@@ -101,7 +133,8 @@ def open_lock(settings: LockSettings, *, metrics: bool = False) -> FailoverLock:
         from dynamo_ftctl.lock.flock import FlockLock
 
         assert settings.path is not None
-        return FlockLock(settings.path, settings.engine_id, metrics=metrics)
+        return FlockLock(settings.path, settings.engine_id, metrics=metrics,
+                         watch_interval_s=settings.watch_interval_s)
     from dynamo_ftctl.lock.etcd import EtcdLock
 
     return EtcdLock(settings.endpoints, settings.key, settings.engine_id,

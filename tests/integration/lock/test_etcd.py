@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import shutil
 import signal
 import socket
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -207,32 +208,88 @@ sys.exit(9)
 """
 
 
+HoldCli = Callable[[str, str], subprocess.Popen[str]]
+
+
+@pytest.fixture
+def hold_cli(etcd: str) -> Iterator[HoldCli]:
+    """Start `lock acquire --backend etcd --key KEY -- python -c SCRIPT` once SCRIPT said
+    "ready" (it runs holding the lease); killed at teardown if still running."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(key: str, script: str) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--backend", "etcd",
+             "--endpoint", etcd, "--key", key, "--ttl", str(TTL), "--",
+             sys.executable, "-c", script],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"  # the child runs, holding the lease
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
 @pytest.mark.parametrize(("script", "code", "said"), [
     (TRAPPER, 7, "got SIGTERM"),
     ("import time\nprint('ready', flush=True)\ntime.sleep(50)", 128 + signal.SIGTERM, None),
 ])
 def test_cli_acquire_forwards_sigterm_to_the_command(
-    etcd: str, script: str, code: int, said: str | None,
+    etcd: str, hold_cli: HoldCli, script: str, code: int, said: str | None,
 ) -> None:
     """SIGTERM to `lock acquire --backend etcd -- CMD` reaches CMD; ftctl exits with CMD's status."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_ftctl", "lock", "acquire", "--backend", "etcd",
-         "--endpoint", etcd, "--key", "/t/sig", "--ttl", str(TTL), "--",
-         sys.executable, "-c", script],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"  # the child runs, holding the lease
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=30)
-        assert proc.returncode == code, err
-        if said:
-            assert said in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+    proc = hold_cli("/t/sig", script)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, err
+    if said:
+        assert said in out
     probe = EtcdLock([etcd], "/t/sig")
     assert probe.owner() is None  # released on the way out
     probe.close()
+
+
+def delete_key(etcd: str, key: str) -> None:
+    """`etcdctl del KEY`, through the JSON gateway."""
+    body = {"key": base64.b64encode(key.encode()).decode()}
+    response = httpx.post(f"{etcd}/v3/kv/deleterange", json=body, timeout=5)
+    assert response.status_code == 200
+
+
+def test_deleted_key_tells_the_holder_and_the_next_token_is_higher(etcd: str) -> None:
+    """The key deleted under its holder (etcdctl del): the holder is told within about TTL/3,
+    and the engine that takes the key gets a higher token."""
+    told = threading.Event()
+    holder = EtcdLock([etcd], "/t/del", 0, ttl_s=TTL, on_lost=lambda _exc: told.set())
+    old = holder.acquire(5)
+    deleted_at = time.monotonic()
+    delete_key(etcd, "/t/del")
+    waiter = EtcdLock([etcd], "/t/del", 1, ttl_s=TTL)
+    assert waiter.acquire(5).token > old.token
+    assert told.wait(TTL * 3), "the holder was never told"
+    assert time.monotonic() - deleted_at < TTL * 2
+    assert not holder.is_held
+    with pytest.raises(LeaseLost, match="lost the lock"):
+        holder.ensure_held()
+    waiter.close()
+    holder.close()
+
+
+def test_cli_acquire_stops_the_command_when_the_key_is_deleted(
+    etcd: str, hold_cli: HoldCli,
+) -> None:
+    """`lock acquire --backend etcd -- CMD` and the key deleted: CMD gets SIGTERM, ftctl exits 5
+    with one line saying the lock was lost."""
+    proc = hold_cli("/t/cmd", TRAPPER)
+    delete_key(etcd, "/t/cmd")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 5, err
+    assert "got SIGTERM" in out
+    assert "lost the lock (the key was deleted)" in err
+    assert err.count("\n") == 1

@@ -214,6 +214,21 @@ def test_sigterm_stops_engine_and_frees_the_lock(
     assert status.returncode == 1
 
 
+def test_deleted_lock_file_stops_the_engine_and_exits_5(
+    start_wrapper: WrapperFactory, tmp_path: Path,
+) -> None:
+    """The lock file deleted under an ACTIVE wrapper: it stops its engine and exits 5 with one
+    line saying the lock was lost (another engine may hold it now)."""
+    port = free_port()
+    wrapper = start_wrapper(0, fake_engine(port, "--no-is-sleeping"), f"http://127.0.0.1:{port}")
+    active = wrapper.wait_state("ACTIVE")
+    (tmp_path / "failover.lock").unlink()
+    assert wrapper.proc.wait(30) == 5
+    assert "the lock file was deleted" in stderr_of(wrapper)
+    with pytest.raises(ProcessLookupError):
+        os.kill(active["engine_pid"], 0)
+
+
 def test_wrapper_killed_takes_its_engine_with_it(start_wrapper: WrapperFactory) -> None:
     """SIGKILL of the wrapper kills the engine too (no engine serves without the lock)."""
     port = free_port()

@@ -209,7 +209,8 @@ def test_async_waiter_is_woken_by_release(lock_path: Path) -> None:
 
 
 def test_replaced_lock_file_is_locked_anew(lock_path: Path) -> None:
-    """A waiter whose file was unlinked while it waited locks the new file, not the orphan."""
+    """A waiter whose file was unlinked while it waited locks the new file, not the orphan,
+    and its token continues from the floor (2, not a restart at 1)."""
     holder = FlockLock(lock_path, engine_id=0)
     holder.acquire()
     waiter = FlockLock(lock_path, engine_id=1)
@@ -220,7 +221,7 @@ def test_replaced_lock_file_is_locked_anew(lock_path: Path) -> None:
     lock_path.unlink()
     holder.release()
     thread.join(10)
-    assert got == [1]  # a fresh file: token restarts, and the lock is on the linked inode
+    assert got == [2]  # a fresh file, yet the token goes on; the lock is on the linked inode
     lease = waiter.lease
     assert lease is not None
     assert lease.fd is not None

@@ -1,0 +1,191 @@
+"""Fencing tokens never go backwards, even when the lock file is deleted, replaced, truncated
+or forged (issue 22, finding 6): the token floor `P.floor` beside it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dynamo_ftctl.lock import FlockLock
+from dynamo_ftctl.lock.flock import floor_path
+
+ROOT = Path(__file__).resolve().parents[3]
+FTCTL = (sys.executable, "-m", "dynamo_ftctl")
+
+# Acquires and releases in a loop for argv[2] seconds, printing each token.
+CONTENDER = """
+import sys, time
+from dynamo_ftctl.lock import FlockLock
+lock = FlockLock(sys.argv[1])
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    print(lock.acquire(10).token, flush=True)
+    lock.release()
+"""
+
+
+@pytest.fixture
+def lock_path(tmp_path: Path) -> Path:
+    return tmp_path / "failover.lock"
+
+
+def acquire_cli(lock_path: Path) -> subprocess.CompletedProcess[str]:
+    """`ftctl lock acquire -p P -- sh -c 'echo $FTCTL_LOCK_TOKEN'` (a separate process)."""
+    proc = subprocess.run([*FTCTL, "lock", "acquire", "-p", str(lock_path), "-t", "10", "--",
+                           "sh", "-c", "echo $FTCTL_LOCK_TOKEN"],
+                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def token(lock_path: Path) -> int:
+    return int(acquire_cli(lock_path).stdout)
+
+
+def replace_with(lock_path: Path, content: str) -> None:
+    """`mv` a file with `content` over the lock file (a new inode at the path)."""
+    other = lock_path.with_name("incoming")
+    other.write_text(content)
+    other.rename(lock_path)
+
+
+def test_replacement_claiming_token_1_does_not_restart_the_sequence(lock_path: Path) -> None:
+    """A lock file replaced by one claiming token 1: the next token is still one above the last."""
+    tokens = [token(lock_path) for _ in range(3)]
+    replace_with(lock_path, '{"engine_id":0,"token":1}\n')
+    assert token(lock_path) == tokens[-1] + 1
+
+
+def test_deleted_lock_file_does_not_restart_the_sequence(lock_path: Path) -> None:
+    """A deleted lock file: the new file's first token is one above the last issued."""
+    last = [token(lock_path) for _ in range(3)][-1]
+    lock_path.unlink()
+    assert token(lock_path) == last + 1
+
+
+def test_forged_higher_token_in_a_replaced_file_is_ignored(lock_path: Path) -> None:
+    """A replaced file claiming token 1001 does not move the sequence: next is last + 1, and a
+    warning names the ignored claim."""
+    last = [token(lock_path) for _ in range(2)][-1]
+    replace_with(lock_path, '{"engine_id":9,"pid":1,"token":1001}\n')
+    proc = acquire_cli(lock_path)
+    assert int(proc.stdout) == last + 1
+    assert "claims token 1001" in proc.stderr
+    assert "ignored" in proc.stderr
+    assert json.loads(lock_path.read_text())["token"] == last + 1
+
+
+def test_truncation_by_a_write_only_fd_does_not_restart_the_sequence(lock_path: Path) -> None:
+    """`exec 9>P` truncates the owner data; `lock acquire --fd 9` still issues last + 1."""
+    last = [token(lock_path) for _ in range(2)][-1]
+    script = (f"exec 9>{lock_path}\n"
+              f"{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n")
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token"] == last + 1
+
+
+def test_lock_file_without_a_floor_continues_its_own_sequence(lock_path: Path) -> None:
+    """A lock file from before the floor (or whose floor was deleted) continues from its token,
+    and the floor then records the token and the lock file's inode."""
+    lock_path.write_text('{"engine_id":0,"token":41}\n')
+    assert token(lock_path) == 42
+    floor = json.loads(floor_path(lock_path).read_text())
+    assert floor["token"] == 42
+    assert (floor["dev"], floor["ino"]) == (lock_path.stat().st_dev, lock_path.stat().st_ino)
+    floor_path(lock_path).unlink()
+    assert token(lock_path) == 43
+
+
+def test_in_place_higher_claim_continues_the_sequence(lock_path: Path) -> None:
+    """A token written in place into the file the floor knows (an older ftctl sharing the lock)
+    is a continuation: the next token is above it, never a repeat."""
+    token(lock_path)
+    with lock_path.open("r+") as held:  # same inode, as an older version writes it
+        held.write('{"engine_id":1,"token":7}\n')
+        held.truncate()
+    assert token(lock_path) == 8
+
+
+def test_both_files_deleted_start_over_at_1(lock_path: Path) -> None:
+    """Deleting the lock file and its floor resets the sequence (documented; nothing is left)."""
+    token(lock_path)
+    token(lock_path)
+    lock_path.unlink()
+    floor_path(lock_path).unlink()
+    assert token(lock_path) == 1
+
+
+def test_tokens_never_repeat_while_the_file_is_replaced_under_contenders(
+    lock_path: Path,
+) -> None:
+    """3 contender processes for ~3 s while the lock file is deleted or replaced 30 times: no
+    token is issued twice, and each contender sees its tokens rise."""
+    seconds = 3.0
+    contenders = [subprocess.Popen([sys.executable, "-c", CONTENDER, str(lock_path),
+                                    str(seconds)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                  for _ in range(3)]
+    outputs: list[str] = ["", "", ""]
+
+    def drain(index: int) -> None:
+        outputs[index] = contenders[index].communicate(timeout=60)[0]
+
+    readers = [threading.Thread(target=drain, args=(i,)) for i in range(3)]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not lock_path.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling for the first contender's file, with a deadline
+        for i in range(30):
+            time.sleep(seconds / 40)  # spread the replacements over the contenders' run
+            if i % 2:
+                replace_with(lock_path, '{"token":1}\n')
+            else:
+                lock_path.unlink(missing_ok=True)
+    finally:
+        for reader in readers:
+            reader.join(70)
+        for proc in contenders:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(proc.returncode == 0 for proc in contenders)
+    per_contender = [[int(line) for line in out.split()] for out in outputs]
+    everything = [t for tokens in per_contender for t in tokens]
+    assert len(everything) > 30
+    assert len(everything) == len(set(everything)), "a token was issued twice"
+    for tokens in per_contender:
+        assert tokens == sorted(tokens)
+
+
+def test_floor_records_the_token_before_it_is_handed_out(lock_path: Path) -> None:
+    """When acquire returns, the floor already holds the token just given (the floor, not the
+    owner data, is what a crash must not lose)."""
+    lock = FlockLock(lock_path, watch_interval_s=0)
+    lease = lock.acquire(5)
+    assert json.loads(floor_path(lock_path).read_text())["token"] == lease.token
+    lock.release()
+
+
+def test_symlinked_lock_path_and_fd_form_share_one_floor(tmp_path: Path) -> None:
+    """A lock path that is a symbolic link: `-p LINK` and `exec 9<>LINK; --fd 9` (which sees
+    the target through /proc) keep one floor, beside the target."""
+    target = tmp_path / "real.lock"
+    link = tmp_path / "link.lock"
+    link.symlink_to(target)
+    assert token(link) == 1
+    script = f"exec 9<>{link}\n{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token"] == 2
+    assert floor_path(link) == tmp_path / "real.lock.floor"
+    assert not (tmp_path / "link.lock.floor").exists()
