@@ -22,6 +22,7 @@ __all__ = [
     "QUEUED_REQUESTS",
     "REGISTRY",
     "TASKS_REJECTED",
+    "WORKER_BUSY",
     "WORKER_STATUS",
     "XID_EVENTS",
 ]
@@ -64,6 +65,10 @@ TASKS_REJECTED = Counter(
 QUEUED_REQUESTS = Gauge(
     "dynamo_queued_requests", "Requests waiting in the proxy for a worker.", registry=REGISTRY,
 )
+WORKER_BUSY = Gauge(
+    "ftctl_worker_busy", "1 while the proxy counts a worker busy (admission), else 0.",
+    ["worker"], registry=REGISTRY,
+)
 LOCK_HOLDER = Gauge(
     "ftctl_lock_holder", "1 while this engine holds the failover lock.",
     ["lock", "engine_id"], registry=REGISTRY,
@@ -90,6 +95,7 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "dynamo_degradation_level",
     "dynamo_tasks_rejected_total",
     "dynamo_queued_requests",
+    "ftctl_worker_busy",
     "ftctl_lock_holder",
     "ftctl_lock_acquire_seconds",
     "ftctl_faults_injected_total",
