@@ -43,6 +43,9 @@ from typing import Any
 
 import aiohttp
 
+from dynamo_ftctl.engine.launcher import SimWorker, start_worker
+from proxy import free_port, stop, wait_http  # benchmarks/proxy.py
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 MODEL = "ftctl-sim-tiny"
@@ -77,49 +80,34 @@ def _env(src: Path | None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str((src or ROOT) / "src")}
 
 
-def start_worker(folder: Path, load: Workload, src: Path | None) -> tuple[subprocess.Popen[bytes],
-                                                                         str]:
-    """`ftctl sim serve` with the workload's engine shape; (process, URL)."""
+def start_sim(folder: Path, load: Workload, src: Path | None) -> SimWorker:
+    """`ftctl sim serve` with the workload's engine shape."""
     config = folder / f"engine-{load.name}.yaml"
     config.write_text("".join(f"{k}: {v}\n" for k, v in load.engine.items()))
-    proc = subprocess.Popen(
-        [PY, "-m", "dynamo_ftctl", "sim", "serve", "--model-config", str(config),
-         "--served-model-name", MODEL, "--warmup-s", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=_env(src))
-    assert proc.stdout is not None
-    line = proc.stdout.readline().decode().strip()  # the URL, once it serves
-    if not line.startswith("http"):
-        proc.kill()
-        msg = "the sim did not start"
-        raise RuntimeError(msg)
-    return proc, line
+    return start_worker(load.name, model_config=str(config), env=_env(src),
+                        args=("--served-model-name", MODEL, "--warmup-s", "0"))
 
 
 def start_proxy(folder: Path, worker_url: str, load: Workload, scrape_s: float | None,
                 src: Path | None) -> tuple[subprocess.Popen[bytes], str]:
     """`ftctl proxy` in front of one worker with the workload's thresholds; (process, URL)."""
-    inventory = folder / f"inventory-{load.name}-{time.monotonic_ns()}.yaml"
+    port = free_port()
+    inventory = folder / f"inventory-{port}.yaml"
     scrape = f"  scrape_interval_s: {scrape_s}\n" if scrape_s else ""
     inventory.write_text(
         f"cluster: bench\nworkers:\n  - {{name: w0, url: '{worker_url}', model: {MODEL}}}\n"
-        f"proxy:\n  listen: 127.0.0.1:0\n{scrape}"
+        f"proxy:\n  listen: 127.0.0.1:{port}\n{scrape}"
         f"  busy: {{active_decode_blocks_threshold: {load.kv_threshold}, "
         f"active_prefill_tokens_threshold: {load.prefill_threshold}}}\n")
-    log = folder / f"{inventory.stem}.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
-                                stdout=subprocess.DEVNULL, stderr=sink, env=_env(src))
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        match = re.search(r"serving \d+ workers on (http://\S+)", log.read_text())
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    msg = f"the proxy did not start: {log.read_text()[-500:]}"
-    raise RuntimeError(msg)
+    proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(src))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 60.0)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def body(load: Workload) -> dict[str, Any]:
@@ -216,21 +204,20 @@ async def overload(proxy_url: str, worker_url: str, load: Workload, *, rate: flo
 
 async def one_run(folder: Path, load: Workload, args: argparse.Namespace,
                   src: Path | None) -> Run:
-    worker, worker_url = start_worker(folder, load, src)
-    proxy = None
+    worker = start_sim(folder, load, src)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            rate = await capacity(session, worker_url, load, args.capacity_s)
-        proxy, proxy_url = start_proxy(folder, worker_url, load, args.scrape_interval_s, src)
-        await asyncio.sleep(1.5)  # a scrape or two of the idle worker
-        saturated, sent = await overload(proxy_url, worker_url, load,
-                                         rate=args.overload * rate, seconds=args.seconds,
-                                         poll_s=args.poll_ms / 1e3)
+            rate = await capacity(session, worker.url, load, args.capacity_s)
+        proxy, proxy_url = start_proxy(folder, worker.url, load, args.scrape_interval_s, src)
+        try:
+            await asyncio.sleep(1.5)  # a scrape or two of the idle worker
+            saturated, sent = await overload(proxy_url, worker.url, load,
+                                             rate=args.overload * rate, seconds=args.seconds,
+                                             poll_s=args.poll_ms / 1e3)
+        finally:
+            stop(proxy)
     finally:
-        for proc in (proxy, worker):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        worker.stop()
     shed = sorted(at for at, status in sent if status == 503)
     return Run(capacity=rate, saturated_at=saturated, first_shed_at=shed[0] if shed else None,
                shed=len(shed), served=sum(status == 200 for _, status in sent),

@@ -117,6 +117,8 @@ def test_shedding_starts_between_two_scrapes_once_the_worker_is_full(
 ) -> None:
     """Under overload the first 503 comes within 1 s of the KV crossing 0.85, no scrape between."""
     worker = sim_worker_factory(name="s0", model_config=SMALL_CACHE)
+    # Full for seconds, not for a moment a loaded test machine's watcher could miss.
+    set_fault(worker, {"kind": "slow", "delay_ms": 30})
     # One scrape at start (the pool's size and an idle worker), none during the test.
     proxy = proxy_factory([("s0", worker.url)], scrape_interval_s=60,
                           busy={"active_decode_blocks_threshold": 0.85,
@@ -145,8 +147,8 @@ def test_shedding_starts_between_two_scrapes_once_the_worker_is_full(
     futures: list[Future[int]] = []
     with ThreadPoolExecutor(40) as pool:
         watcher = pool.submit(watch)
-        # ~20 requests/s of 8-block requests into a 24-block pool: several times what it
-        # serves. Bounded: 10 s, or until the proxy sheds.
+        # ~20 requests/s of 8-block requests (3 s each) into a 24-block pool: many times
+        # what it serves. Bounded: 10 s, or until the proxy sheds.
         while time.monotonic() - start < 10 and not shed:
             futures.append(pool.submit(send))
             time.sleep(0.05)
@@ -155,7 +157,7 @@ def test_shedding_starts_between_two_scrapes_once_the_worker_is_full(
         statuses = [f.result(timeout=120) for f in futures]
         stop.set()
         watcher.result(timeout=30)
-    assert saturated, "the worker never filled"
+    assert saturated, f"the worker never filled ({statuses})"
     assert shed, f"no 503 in 10 s of overload ({len(statuses)} requests)"
     assert shed[0] - saturated[0] < 1.0, (saturated, shed[0])
     assert set(statuses) <= {200, 503}
