@@ -24,6 +24,7 @@ __all__ = [
     "REGISTRY",
     "RETRY_BUDGET_EXHAUSTED",
     "TASKS_REJECTED",
+    "WORKER_BUSY",
     "WORKER_STATUS",
     "XID_EVENTS",
 ]
@@ -76,6 +77,10 @@ RETRY_BUDGET_EXHAUSTED = Counter(
     "Failed requests not retried because the proxy's retry budget was spent.",
     registry=REGISTRY,
 )
+WORKER_BUSY = Gauge(
+    "ftctl_worker_busy", "1 while the proxy counts a worker busy (admission), else 0.",
+    ["worker"], registry=REGISTRY,
+)
 LOCK_HOLDER = Gauge(
     "ftctl_lock_holder", "1 while this engine holds the failover lock.",
     ["lock", "engine_id"], registry=REGISTRY,
@@ -104,6 +109,7 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "dynamo_queued_requests",
     "ftctl_proxy_query_of_death_total",
     "ftctl_proxy_retry_budget_exhausted_total",
+    "ftctl_worker_busy",
     "ftctl_lock_holder",
     "ftctl_lock_acquire_seconds",
     "ftctl_faults_injected_total",

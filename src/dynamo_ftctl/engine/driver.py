@@ -3,9 +3,10 @@
 One asyncio task loops while there is work: it takes the engine lock, runs one
 step in a single-thread executor (torch releases the GIL, so the event loop
 keeps serving HTTP meanwhile), and puts each token event on its request's
-queue. Everything that must see the engine between steps (KV export/import,
-sleep/wake) takes the same lock. The `slow` fault sleeps after each step, the `hang`
-fault stalls the loop on an event, a contained Xid ends one running request.
+queue; while idle it frees retained KV blocks as they lapse. Everything that must
+see the engine between steps (KV export/import, sleep/wake) takes the same lock.
+The `slow` fault sleeps after each step, the `hang` fault stalls the loop on an
+event, a contained Xid ends one running request.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
@@ -27,6 +29,9 @@ __all__ = ["AsyncEngine"]
 
 _log = logging.getLogger("ftctl.sim")
 T = TypeVar("T")
+# Past a retained request's deadline (`retained_until` is a strict bound), so that the
+# timer's wake-up finds it lapsed.
+_EXPIRY_SLACK_S = 0.001
 
 
 class AsyncEngine:
@@ -82,7 +87,7 @@ class AsyncEngine:
             if not self.engine.has_work():
                 self._wake.clear()
                 if not self.engine.has_work():
-                    await self._wake.wait()
+                    await self._idle()
             if not self.faults.serving.is_set():  # the hang fault: stall, loop stays free
                 await self.faults.serving.wait()
             self.engine.corrupt_logits = self.faults.sdc
@@ -98,6 +103,21 @@ class AsyncEngine:
             self._deliver(events)
             delay = self.faults.delay_s
             await (asyncio.sleep(delay) if delay > 0 else asyncio.sleep(0))
+
+    async def _idle(self) -> None:
+        """Wait for work; meanwhile free retained KV as it lapses (no step would)."""
+        while True:
+            async with self.lock:  # an export or import may be changing `retained`
+                due = self.engine.next_expiry()
+            if due is None:
+                await self._wake.wait()
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, due - time.monotonic()) + _EXPIRY_SLACK_S):
+                    await self._wake.wait()
+                    return
+            async with self.lock:
+                self.engine.expire_retained()
 
     def _fail_all(self, reason: str) -> list[TokenEvent]:
         events = []

@@ -21,7 +21,8 @@ _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 1
 class EngineMetrics:
     """vLLM-named gauges, counters and histograms for one served model."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, block_size: int | None = None,
+                 num_blocks: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name}
         r = self.registry
@@ -42,6 +43,13 @@ class EngineMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(**labels)
         self._model_name = model_name
+        if block_size is not None and num_blocks is not None:
+            # vLLM's info gauge (value 1, the settings in labels): a proxy reads the pool's
+            # size from it to turn the blocks its own requests hold into a usage figure
+            # between two scrapes (`migrate.admission`).
+            Gauge("vllm:cache_config_info", "Information of the LLM engine's KV cache.",
+                  ["block_size", "num_gpu_blocks"], registry=r,
+                  ).labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)
 
     class _Reason:
         def __init__(self, counter: Counter, model_name: str) -> None:

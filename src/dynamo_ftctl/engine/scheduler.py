@@ -35,6 +35,8 @@ __all__ = ["Engine", "EngineRequest", "RequestParams", "RequestState", "TokenEve
 
 # An aborted request (client gone, stream dropped) keeps its KV blocks this long so
 # that a migrating proxy can still export them; the pool reclaims them first when dry.
+# They lapse on a timer (`expire_retained`, from the driver while idle), not only when
+# the engine steps, and they are not load: `kv_usage` leaves them out.
 RETAIN_S = 60.0
 
 
@@ -131,6 +133,8 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
         self.retained: dict[str, EngineRequest] = {}
+        self.retain_s = RETAIN_S
+        self._retained_blocks = 0  # blocks held by `retained`
         self.corrupt_logits = False
         self.asleep = 0  # sleep level, 0 = awake
         self._inbox: deque[EngineRequest] = deque()
@@ -193,6 +197,30 @@ class Engine:
         """Requests queued for KV blocks or a batch slot."""
         return len(self.waiting) + len(self._inbox)
 
+    @property
+    def kv_usage(self) -> float:
+        """vLLM's `kv_cache_usage_perc` (0..1): the share of the pool live requests hold.
+
+        Retained blocks are left out: only an export may still read them, and the
+        pool takes them back as soon as a live request needs room (`_reserve`), as
+        vLLM counts its evictable prefix-cache blocks free. Counted, they made an
+        idle engine look full to the proxy, which then sent it nothing to step on,
+        so they never lapsed either (issue 22).
+        """
+        return (self.allocator.used - self._retained_blocks) / self.allocator.num_blocks
+
+    def next_expiry(self) -> float | None:
+        """When the first retained request lapses (`time.monotonic()`), None without one."""
+        return min((r.retained_until for r in self.retained.values()), default=None)
+
+    def expire_retained(self, now: float | None = None) -> int:
+        """Free the blocks of retained requests whose time is up; how many lapsed."""
+        now = time.monotonic() if now is None else now
+        lapsed = [rid for rid, r in self.retained.items() if r.retained_until < now]
+        for request_id in lapsed:
+            self._drop_retained(request_id)
+        return len(lapsed)
+
     # -- the step -------------------------------------------------------------
 
     def _drain_inbox(self) -> list[TokenEvent]:
@@ -214,10 +242,7 @@ class Engine:
             if live is not None:
                 self._finish(live, "abort", retain=retain)
                 events.append(TokenEvent(request_id, None, "abort", "request aborted"))
-        now = time.monotonic()
-        for request_id, request in list(self.retained.items()):
-            if request.retained_until < now:
-                self._drop_retained(request_id)
+        self.expire_retained()
         return events
 
     def _finish(self, request: EngineRequest, reason: str, *, retain: bool = False) -> None:
@@ -229,9 +254,10 @@ class Engine:
         request.state = RequestState.FINISHED
         self.requests.pop(request.request_id, None)
         if retain and request.block_table:
-            request.retained_until = time.monotonic() + RETAIN_S
+            request.retained_until = time.monotonic() + self.retain_s
             self._drop_retained(request.request_id)
             self.retained[request.request_id] = request
+            self._retained_blocks += len(request.block_table)
         else:
             self.allocator.release(request.block_table)
             request.block_table = []
@@ -239,6 +265,7 @@ class Engine:
     def _drop_retained(self, request_id: str) -> None:
         old = self.retained.pop(request_id, None)
         if old is not None:
+            self._retained_blocks -= len(old.block_table)
             self.allocator.release(old.block_table)
             old.block_table = []
 

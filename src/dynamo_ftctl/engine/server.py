@@ -726,7 +726,7 @@ def create_app(state: ServerState) -> Starlette:
         engine = state.engine
         state.metrics.running.set(engine.num_running)
         state.metrics.waiting.set(engine.num_waiting)
-        state.metrics.kv_usage.set(engine.allocator.usage)
+        state.metrics.kv_usage.set(engine.kv_usage)
         return Response(state.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -866,7 +866,8 @@ def build_state(settings: ServerSettings) -> ServerState:
         raise InvalidInput(msg)
     engine = Engine(settings.config, settings.seed, settings.device)
     faults = FaultState(settings.pci_bus_id)
-    metrics = EngineMetrics(settings.config.name)
+    metrics = EngineMetrics(settings.config.name, block_size=settings.config.block_size,
+                            num_blocks=settings.config.num_blocks)
     return ServerState(settings, engine, AsyncEngine(engine, faults, metrics), faults, metrics)
 
 

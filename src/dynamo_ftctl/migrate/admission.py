@@ -9,6 +9,22 @@
   `data_parallel_rank` on the metrics) make the worker busy only when every
   rank is busy. When every routable worker is busy, the request gets HTTP 503
   (or 529) with `Retry-After` and `BUSY_BODY`.
+- **Now, not at the next scrape.** Between two scrapes the KV usage moves with
+  the proxy's own requests: the blocks their prompt and output tokens fill on
+  the worker, over the pool's size from `vllm:cache_config_info` (vLLM's and
+  the sim's). Dynamo's router counts the blocks of the requests it routed the
+  same way (its active decode blocks over the worker's total blocks); a scrape
+  every second left a filling worker looking free for up to a second.
+- **No lock-in.** KV held by a rank that runs nothing and queues nothing is
+  cache, not load (Dynamo counts active decode blocks, vLLM counts evictable
+  blocks free), so such a rank is never busy for its KV usage. Without this, a
+  worker whose figure counted idle blocks (the sim's retained KV did) was busy
+  for as long as it stayed idle, and it stayed idle because it was busy: every
+  request was refused and nothing reached the worker to free them. A rank that
+  does run or queue requests finishes them without the proxy's help, so its
+  figure falls by itself; a worker whose metrics cannot be read counts only the
+  proxy's own backlog (as Dynamo counts a rank without data free). No trickle of
+  probe requests is needed, and none is sent to a worker that is really full.
 - **Degradation.** The ratio of healthy capacity (sum of routing weights over
   the number of workers) gives a level: 0 (≥ 1), 1 (≥ 0.75), 2 (≥ 0.5),
   3 (≥ 0.25), 4 (below).
@@ -69,6 +85,8 @@ SHED_AT_LEVEL: Mapping[int, frozenset[Priority]] = {
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # vLLM before 0.10
 _WAITING = "vllm:num_requests_waiting"
+_RUNNING = "vllm:num_requests_running"
+_CACHE_CONFIG = "vllm:cache_config_info"  # labels block_size and num_gpu_blocks, value 1
 _RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 
 
@@ -96,6 +114,14 @@ class RankLoad:
 
     kv_usage: float = 0.0
     waiting: int = 0
+    running: int | None = None  # None: the worker does not say
+
+    @property
+    def decode_load(self) -> float:
+        """The KV usage that is load: none while the rank runs and queues nothing."""
+        if self.running == 0 and self.waiting == 0:
+            return 0.0
+        return self.kv_usage
 
 
 @dataclass(frozen=True)
@@ -103,10 +129,13 @@ class WorkerLoad:
     """A worker's load as scraped from its `/metrics`: one entry per DP rank."""
 
     ranks: tuple[RankLoad, ...] = ()
+    pool_blocks: int = 0  # blocks in one rank's KV pool (0: the worker does not say)
+    block_size: int = 0  # tokens a block holds (0: the worker does not say)
 
 
 def parse_worker_load(text: str) -> WorkerLoad:
-    """Read KV usage and waiting requests per data-parallel rank from Prometheus text.
+    """Read KV usage, waiting and running requests per data-parallel rank from Prometheus text,
+    and the KV pool's size from `vllm:cache_config_info`.
 
     Raises ValueError for text that is not the Prometheus exposition format.
     """
@@ -114,6 +143,8 @@ def parse_worker_load(text: str) -> WorkerLoad:
 
     kv: dict[str, float] = {}
     waiting: dict[str, float] = {}
+    running: dict[str, float] = {}
+    pool_blocks = block_size = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -121,7 +152,11 @@ def parse_worker_load(text: str) -> WorkerLoad:
                 target = kv
             elif name == _WAITING:
                 target = waiting
+            elif name == _RUNNING:
+                target = running
             else:
+                if name == _CACHE_CONFIG:
+                    pool_blocks, block_size = _pool_size(sample.labels)
                 continue
             rank = next((sample.labels[k] for k in _RANK_LABELS if k in sample.labels), "0")
             value = float(sample.value)
@@ -129,22 +164,43 @@ def parse_worker_load(text: str) -> WorkerLoad:
                 target[rank] = max(target.get(rank, 0.0), value)
     ranks = sorted(set(kv) | set(waiting))
     return WorkerLoad(ranks=tuple(
-        RankLoad(kv_usage=kv.get(r, 0.0), waiting=int(waiting.get(r, 0.0))) for r in ranks
-    ))
+        RankLoad(kv_usage=kv.get(r, 0.0), waiting=int(waiting.get(r, 0.0)),
+                 running=int(running[r]) if r in running else None)
+        for r in ranks
+    ), pool_blocks=pool_blocks, block_size=block_size)
+
+
+def _pool_size(labels: Mapping[str, str]) -> tuple[int, int]:
+    """(blocks, block size) from `vllm:cache_config_info` labels; (0, 0) unless both are
+    positive integers (vLLM writes "None" before the cache is sized)."""
+    try:
+        blocks, size = int(labels.get("num_gpu_blocks", "")), int(labels.get("block_size", ""))
+    except ValueError:
+        return 0, 0
+    return (blocks, size) if blocks > 0 and size > 0 else (0, 0)
 
 
 def is_busy(load: WorkerLoad | None, thresholds: Thresholds, *, pending_prefill_tokens: int = 0,
-            mean_prompt_tokens: float = 0.0) -> bool:
+            mean_prompt_tokens: float = 0.0, kv_blocks: int = 0,
+            kv_blocks_at_scrape: int = 0) -> bool:
     """True when every rank of the worker exceeds a threshold.
 
     `pending_prefill_tokens` is the proxy's own count for the whole worker;
     it is shared by its ranks. With no scrape yet, only that count decides.
+    `kv_blocks` are the KV blocks the proxy's requests fill on the worker now,
+    `kv_blocks_at_scrape` the same when `load` was scraped: with the pool's size
+    known, a rank's KV usage is the scraped one moved by the change since (shared
+    by the ranks), and never below the proxy's own share.
     """
     ranks = load.ranks if load is not None and load.ranks else (RankLoad(),)
     per_rank_pending = pending_prefill_tokens / len(ranks)
+    pool = load.pool_blocks * len(ranks) if load is not None else 0
     for rank in ranks:
         prefill = max(per_rank_pending, rank.waiting * mean_prompt_tokens)
-        busy = (rank.kv_usage > thresholds.active_decode_blocks_threshold
+        kv = rank.decode_load
+        if pool:
+            kv = max(kv + (kv_blocks - kv_blocks_at_scrape) / pool, kv_blocks / pool)
+        busy = (kv > thresholds.active_decode_blocks_threshold
                 or prefill > thresholds.active_prefill_tokens_threshold)
         if not busy:
             return False

@@ -146,6 +146,8 @@ _MAX_EVENT_BYTES = 8 * 1024 * 1024
 # Statuses that say the worker is loaded, unavailable or lost behind a gateway, not
 # that the request is bad: worth a try elsewhere, and no sign of a query of death.
 _UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
+# Tokens per KV block until a worker's vllm:cache_config_info says (vLLM's default on GPUs).
+_DEFAULT_BLOCK_SIZE = 16
 
 
 # msgspec: ~10x json's speed on a token chunk (1 vs 14 us to encode, 2.5 vs 11 us
@@ -261,6 +263,33 @@ class Lane:
         self.pusher = pusher
 
 
+class _KvShare:
+    """The KV blocks one attempt fills on its worker, kept in the slot's `kv_blocks`.
+
+    Admission reads the worker's KV usage from that count between two scrapes.
+    Each request's tokens are rounded up to whole blocks, as the engine allocates
+    them (the sum of tokens over the block size ran up to a block per request low).
+    """
+
+    __slots__ = ("_block_size", "_blocks", "_slot", "_tokens")
+
+    def __init__(self, slot: WorkerSlot, block_size: int) -> None:
+        self._slot = slot
+        self._block_size = block_size
+        self._tokens = 0
+        self._blocks = 0
+
+    def grow(self, tokens: int) -> None:
+        self._tokens += tokens
+        blocks = -(-self._tokens // self._block_size)
+        self._slot.kv_blocks += blocks - self._blocks
+        self._blocks = blocks
+
+    def release(self) -> None:
+        self._slot.kv_blocks -= self._blocks
+        self._blocks = 0
+
+
 class _Reader:
     """One upstream answer's body turned into client chunks, piece by piece (no I/O).
 
@@ -270,13 +299,14 @@ class _Reader:
     (`MigratingProxy._attempt`) and the fast lane (`sink`) feed it in turn, in order.
     """
 
-    __slots__ = ("_decoder", "_idle_events", "_last_token", "_ledger", "_name", "_now",
+    __slots__ = ("_decoder", "_idle_events", "_kv", "_last_token", "_ledger", "_name", "_now",
                  "_stall", "_unparsed", "done", "failure")
 
     def __init__(self, name: str, ledger: StreamLedger, stall_s: float,
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], kv: _KvShare) -> None:
         self._name = name
         self._ledger = ledger
+        self._kv = kv
         self._stall = stall_s
         self._now = now
         self._decoder = SseDecoder()
@@ -295,6 +325,7 @@ class _Reader:
         ledger = self._ledger
         batch: list[dict[str, Any]] = []
         events = self._decoder.feed(piece)
+        start = ledger.generated_count
         if not events:
             self._unparsed += len(piece)
             if self._unparsed > _MAX_EVENT_BYTES:
@@ -328,6 +359,8 @@ class _Reader:
                 batch.append(chunk)
             if ledger.stopped:
                 break
+        if ledger.generated_count != start:
+            self._kv.grow(ledger.generated_count - start)
         return batch
 
     def sink(self, resp: UpstreamResponse, pusher: Pusher) -> Callable[[bytes], bool]:
@@ -440,11 +473,16 @@ class MigratingProxy:
             await self.clock.asleep(self.config.scrape_interval_s)
 
     async def scrape_once(self) -> None:
-        """Scrape every worker's /metrics (and /v1/models until known) and the daemon."""
+        """Scrape every worker's /metrics (and /v1/models until known) and the daemon.
+
+        Then every worker's busy flag is worked out again: without it, /health and
+        the gauges kept the flag of the last admission, however long ago that was.
+        """
         jobs = [self._scrape_worker(slot) for slot in self.router.slots.values()]
         if self.config.health_url:
             jobs.append(self._poll_daemon(self.config.health_url))
         await asyncio.gather(*jobs, return_exceptions=True)
+        self.refresh_busy()
         self.refresh_gauges()
 
     async def _get(self, url: str) -> bytes:
@@ -472,6 +510,7 @@ class MigratingProxy:
                         slot.max_model_len = length
         try:
             page = await self._get(f"{slot.url}/metrics")
+            slot.kv_blocks_at_scrape = slot.kv_blocks
             self.loads[slot.name] = parse_worker_load(page.decode("utf-8", "replace"))
         except Exception:  # an unscrapable worker has no load figure; health decides
             self.loads[slot.name] = None
@@ -553,16 +592,24 @@ class MigratingProxy:
     def _mean_prompt_tokens(self) -> float:
         return self._prompt_tokens_seen / self._prompts_seen if self._prompts_seen else 0.0
 
+    def _busy(self, slot: WorkerSlot, mean_prompt_tokens: float) -> bool:
+        slot.busy = is_busy(
+            self.loads.get(slot.name), self.thresholds_for(slot.model),
+            pending_prefill_tokens=slot.pending_prefill_tokens,
+            mean_prompt_tokens=mean_prompt_tokens, kv_blocks=slot.kv_blocks,
+            kv_blocks_at_scrape=slot.kv_blocks_at_scrape,
+        )
+        return slot.busy
+
     def _refresh_busy(self, model: str | None) -> list[bool]:
-        flags = []
         mean = self._mean_prompt_tokens()
-        for slot in self.router.routable(model):
-            slot.busy = is_busy(
-                self.loads.get(slot.name), self.thresholds_for(slot.model),
-                pending_prefill_tokens=slot.pending_prefill_tokens, mean_prompt_tokens=mean,
-            )
-            flags.append(slot.busy)
-        return flags
+        return [self._busy(slot, mean) for slot in self.router.routable(model)]
+
+    def refresh_busy(self) -> None:
+        """Work out every worker's busy flag from what is known now."""
+        mean = self._mean_prompt_tokens()
+        for slot in self.router.slots.values():
+            self._busy(slot, mean)
 
     def level(self) -> int:
         return degradation_level(self.router.healthy_capacity())
@@ -579,6 +626,7 @@ class MigratingProxy:
             self.metrics.CIRCUIT_BREAKER_STATE.labels(slot.name).set(
                 self.router.breaker_gauge(slot),
             )
+            self.metrics.WORKER_BUSY.labels(slot.name).set(int(slot.busy))
 
     def admit(self, model: str | None, priority_header: str | None) -> None:
         """Raise `ProxyError` (503/529 + Retry-After) when the request must be refused."""
@@ -617,6 +665,14 @@ class MigratingProxy:
         """
         stall = self.config.stall_timeout_s
         resp: AnyResponse | None = None
+        # The context the worker holds for this attempt: the prompt, and for a
+        # continuation the tokens generated before (in its prompt or its KV import).
+        load = self.loads.get(slot.name)
+        kv = _KvShare(slot, load.block_size if load is not None and load.block_size
+                      else _DEFAULT_BLOCK_SIZE)
+        kv.grow(ledger.generated_count + (
+            len(ledger.prompt_ids) if ledger.prompt_ids is not None
+            else _estimate_prompt_tokens(ledger.endpoint, ledger.body)))
         try:
             resp = await self.http.request("POST", url, body, headers,
                                            connect_timeout_s=self.config.connect_timeout_s,
@@ -634,7 +690,7 @@ class MigratingProxy:
                 msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
                       "not an event stream"
                 raise UpstreamFailure(msg)
-            reader = _Reader(slot.name, ledger, stall, self.clock.now)
+            reader = _Reader(slot.name, ledger, stall, self.clock.now, kv)
             token_out = False  # `generate` has seen a batch with this attempt's first token
             while piece := await resp.next_chunk(stall):
                 batch = reader.feed(piece)
@@ -684,6 +740,7 @@ class MigratingProxy:
                 and not isinstance(exc, Unreachable)
             raise UpstreamFailure(msg, "connection lost" if lost else None) from None
         finally:
+            kv.release()
             if resp is not None:
                 resp.close()
 
@@ -1103,6 +1160,7 @@ class MigratingProxy:
 
     def health(self) -> dict[str, Any]:
         """The proxy's own health: always fast, no upstream call."""
+        self.refresh_busy()
         return {
             "status": "ok",
             "degradation_level": self.level(),
@@ -1366,6 +1424,7 @@ def build_app(inventory: Inventory, config: ProxyConfig, *,
     async def metrics_route(_: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        proxy.refresh_busy()
         proxy.refresh_gauges()
         return Response(generate_latest(proxy.metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 

@@ -48,6 +48,11 @@ class WorkerSlot:
     model: str
     outstanding: int = 0
     pending_prefill_tokens: int = 0
+    # KV blocks the prompt and output tokens of this proxy's requests fill on the
+    # worker, and the same when its /metrics was last scraped (admission moves the
+    # scraped usage by the difference).
+    kv_blocks: int = 0
+    kv_blocks_at_scrape: int = 0
     consecutive_failures: int = 0
     breaker: BreakerState = "closed"
     opened_at: float = 0.0

@@ -175,3 +175,61 @@ def test_uniform_is_a_pure_function() -> None:
     assert draws == [uniform(7, p) for p in range(1000)]
     assert all(0.0 <= d < 1.0 for d in draws)
     assert 0.45 < sum(draws) / len(draws) < 0.55
+
+
+def test_retained_blocks_are_not_load_but_stay_exportable() -> None:
+    """A cut request's retained blocks leave kv_usage at 0, still export, and lapse in time."""
+    small = Engine(EngineConfig(num_blocks=24, max_num_seqs=8), seed=0)
+    request = small.new_request(small.tokenizer.encode("p" * 40), PARAMS["greedy"], "cut")
+    small.submit(request)
+    for _ in range(20):
+        small.step()
+    live_usage = small.kv_usage
+    assert live_usage == small.allocator.usage > 0
+    small.abort("cut", retain=True)
+    small.step()
+    assert "cut" in small.retained
+    assert small.allocator.used > 0
+    assert small.kv_usage == 0.0
+    assert len(small.export_kv("cut")) > 0  # what the retention is for
+    due = small.next_expiry()
+    assert due is not None
+    assert small.expire_retained(now=due - 1) == 0
+    assert small.expire_retained(now=due + 1) == 1
+    assert small.allocator.used == 0
+    assert small.next_expiry() is None
+
+
+def test_retained_kv_lapses_on_a_timer_with_nothing_to_step() -> None:
+    """An idle engine frees a cut stream's retained blocks once retain_s has passed."""
+    import asyncio
+
+    from dynamo_ftctl.engine.driver import AsyncEngine
+    from dynamo_ftctl.engine.faults import FaultState
+    from dynamo_ftctl.engine.metrics import EngineMetrics
+    from tests.loopback import until
+
+    small = Engine(EngineConfig(num_blocks=24, max_num_seqs=8), seed=0)
+    small.retain_s = 0.3
+
+    async def go() -> None:
+        driver = AsyncEngine(small, FaultState(), EngineMetrics("m"))
+        await driver.start()
+        try:
+            request = small.new_request(small.tokenizer.encode("p" * 40), PARAMS["greedy"])
+            tokens = 0
+            stream = driver.generate(request)
+            async for event in stream:
+                tokens += event.token is not None
+                if tokens == 5:
+                    break
+            await stream.aclose()  # the client went away: its blocks are retained
+            await until(lambda: request.request_id in small.retained)
+            assert small.allocator.used > 0
+            assert not small.has_work()
+            await until(lambda: not small.retained, 5.0)
+            assert small.allocator.used == 0
+        finally:
+            await driver.stop()
+
+    asyncio.run(asyncio.wait_for(go(), 30))

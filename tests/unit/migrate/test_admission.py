@@ -59,6 +59,49 @@ def test_unscraped_worker_is_busy_only_by_its_own_backlog() -> None:
     assert is_busy(None, Thresholds(active_prefill_tokens_threshold=10), pending_prefill_tokens=11)
 
 
+def test_parse_worker_load_reads_running_requests_and_the_pool_size() -> None:
+    """num_requests_running per rank, and blocks x block size from vllm:cache_config_info."""
+    text = VLLM_DP + (
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1024"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1024"} 1.0\n')
+    load = parse_worker_load(text)
+    assert [r.running for r in load.ranks] == [2, None]
+    assert (load.pool_blocks, load.block_size) == (1024, 16)
+    unsized = parse_worker_load('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n')
+    assert (unsized.pool_blocks, unsized.block_size) == (0, 0)
+
+
+def test_kv_of_a_rank_that_runs_nothing_is_not_load() -> None:
+    """Full KV with nothing running or waiting (retained, cached) never makes a rank busy."""
+    limits = Thresholds()
+    idle = WorkerLoad(ranks=(RankLoad(kv_usage=0.99, waiting=0, running=0),))
+    assert not is_busy(idle, limits)
+    working = WorkerLoad(ranks=(RankLoad(kv_usage=0.99, waiting=0, running=1),))
+    assert is_busy(working, limits)
+    queueing = WorkerLoad(ranks=(RankLoad(kv_usage=0.99, waiting=2, running=0),))
+    assert is_busy(queueing, limits)
+    silent = WorkerLoad(ranks=(RankLoad(kv_usage=0.99, waiting=0),))  # no running metric
+    assert is_busy(silent, limits)
+
+
+def test_own_requests_move_the_scraped_kv_usage_until_the_next_scrape() -> None:
+    """With the pool's size, the proxy's own blocks since the scrape count at once, both ways."""
+    limits = Thresholds(active_decode_blocks_threshold=0.85)
+    load = WorkerLoad(ranks=(RankLoad(kv_usage=0.5, waiting=0, running=3),), pool_blocks=1000)
+    assert not is_busy(load, limits, kv_blocks=300, kv_blocks_at_scrape=300)
+    assert is_busy(load, limits, kv_blocks=660, kv_blocks_at_scrape=300)
+    assert not is_busy(load, limits, kv_blocks=0, kv_blocks_at_scrape=300)
+    # The proxy's own share alone, with the scraped worker idle.
+    idle = WorkerLoad(ranks=(RankLoad(kv_usage=0.0, waiting=0, running=0),), pool_blocks=1000)
+    assert is_busy(idle, limits, kv_blocks=900, kv_blocks_at_scrape=900)
+    # Two data-parallel ranks share the proxy's tokens; an unsized pool ignores them.
+    two = WorkerLoad(ranks=(RankLoad(running=1), RankLoad(running=1)), pool_blocks=1000)
+    assert not is_busy(two, limits, kv_blocks=1600)
+    assert is_busy(two, limits, kv_blocks=1800)
+    assert not is_busy(WorkerLoad(ranks=(RankLoad(running=1),)), limits, kv_blocks=10**6)
+
+
 def test_garbage_metrics_text_is_an_error() -> None:
     """Text that is not Prometheus exposition raises ValueError (the scraper drops it)."""
     with pytest.raises(ValueError, match=r".+"):

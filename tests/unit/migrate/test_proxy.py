@@ -56,6 +56,7 @@ class FakeWorker:
     poison: str | None = None
     poison_answer: str = "http500"
     gate: asyncio.Event | None = None  # set: the first token may go
+    load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -211,8 +212,7 @@ class FakeWorker:
         self.metrics_calls += 1
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status)
-        return web.Response(text="vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
-                                 f"process_start_time_seconds {self.start_time}\n")
+        return web.Response(text=f"{self.load_text}process_start_time_seconds {self.start_time}\n")
 
 
 @pytest.fixture
@@ -988,4 +988,79 @@ def test_what_a_worker_lacks_is_not_scraped_again(run: Callable[..., Any]) -> No
                 await c.proxy.scrape_once()
             assert c.workers[0].metrics_calls == asked
             assert c.proxy.router.slots["w0"].max_model_len == 4096
+    run(go())
+
+
+FULL_AND_IDLE = ("vllm:kv_cache_usage_perc 0.97\nvllm:num_requests_waiting 0\n"
+                 "vllm:num_requests_running 0\n")
+FULL_AND_RUNNING = ("vllm:kv_cache_usage_perc 0.97\nvllm:num_requests_waiting 0\n"
+                    "vllm:num_requests_running 2\n")
+
+
+def test_worker_whose_metrics_say_full_but_runs_nothing_is_not_busy(
+        run: Callable[..., Any]) -> None:
+    """KV 0.97 forever with nothing running or waiting: requests are admitted, not shed."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(load_text=FULL_AND_IDLE)]) as c:
+            for _ in range(3):
+                assert (await c.client.post("/v1/completions", json=BODY)).status_code == 200
+            c.workers[0].load_text = FULL_AND_RUNNING
+            await c.proxy.scrape_once()
+            assert (await c.client.post("/v1/completions", json=BODY)).status_code == 503
+    run(go())
+
+
+def test_busy_flag_and_gauge_follow_the_scrapes_without_traffic(run: Callable[..., Any]) -> None:
+    """/health and ftctl_worker_busy change with the worker's metrics, no request needed."""
+    async def go() -> None:
+        async with Cluster([FakeWorker()]) as c:
+            async def busy() -> tuple[bool, str]:
+                health = (await c.client.get("/health")).json()
+                text = (await c.client.get("/metrics")).text
+                return health["workers"]["w0"]["busy"], text
+
+            assert (await busy())[0] is False
+            c.workers[0].load_text = FULL_AND_RUNNING
+            flags: list[bool] = []
+
+            async def check() -> bool:
+                flag, text = await busy()
+                flags.append(flag and 'ftctl_worker_busy{worker="w0"} 1.0' in text)
+                return flags[-1]
+
+            for _ in range(200):  # scrapes every 0.05 s: bounded wait, no request sent
+                if await check():
+                    break
+                await asyncio.sleep(0.01)
+            assert flags[-1]
+            assert c.workers[0].requests == []
+            c.workers[0].load_text = FULL_AND_IDLE
+            await until(lambda: not c.proxy.router.slots["w0"].busy)  # only a scrape sets it
+            assert 'ftctl_worker_busy{worker="w0"} 0.0' in (await c.client.get("/metrics")).text
+    run(go())
+
+
+def test_own_kv_count_grows_with_a_request_and_is_zero_once_it_ends(
+        run: Callable[..., Any]) -> None:
+    """The proxy's KV blocks on a worker: prompt + output while a request runs there, 0
+    after it ends, whether it finished, moved to another worker, or its client left."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker()]) as c:
+            c.proxy.router.slots["w1"].outstanding = 5  # w0 first: it breaks after 7 tokens
+            resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
+            c.proxy.router.slots["w1"].outstanding = 0
+            assert resp.headers[MIGRATED_HEADER] == "1"
+            assert [s.kv_blocks for s in c.proxy.router.slots.values()] == [0, 0]
+        # Blocks of one token: the count is the tokens.
+        slow = FakeWorker(mode="stall", fail_after=3, load_text=FakeWorker.load_text + (
+            'vllm:cache_config_info{block_size="1",num_gpu_blocks="100000"} 1\n'))
+        async with Cluster([slow], front="lean", stall_timeout_s=20) as c:
+            slot = c.proxy.router.slots["w0"]
+            async with c.client.stream("POST", "/v1/completions",
+                                       json={**BODY, "stream": True}) as resp:
+                async for _ in resp.aiter_bytes():
+                    break
+                # "hello world": 3 tokens by the proxy's estimate, then 3 generated.
+                await until(lambda: slot.kv_blocks == 6)
+            await until(lambda: slot.kv_blocks == 0)  # the client hung up
     run(go())
