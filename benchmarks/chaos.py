@@ -13,6 +13,7 @@ Usage: python benchmarks/chaos.py [--only N[,N...]] [--json]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -265,6 +266,70 @@ def attack_forged_reports(tmp: Path) -> Row:
                f" {probes_per_s:.1f} probes/s ({before:.0f} before)", ok)
 
 
+def cut_stream(url: str, after_tokens: int) -> None:
+    """Stream a long completion through `url` and hang up after `after_tokens` tokens."""
+    body = {"model": MODEL, "prompt": list(range(65, 97)), "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            seen += line.startswith("data: {")
+            if seen >= after_tokens:
+                return  # leaving the block closes the connection: the client is gone
+
+
+def gauge(url: str, name: str) -> float:
+    """One unlabelled gauge of a worker's /metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def attack_admission(tmp: Path) -> Row:
+    """5. Retained KV of gone clients over the busy threshold, then an idle engine; and the
+    time from a worker's saturation to the proxy's first 503 under a 3x overload."""
+    import admission  # benchmarks/admission.py: the saturation-to-shed measurement
+
+    with sims(1, "--model-config", "ftctl-sim-tiny-small-cache") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url:
+        worker = workers[0]
+        admin = {"Authorization": f"Bearer {SIM_TOKEN}"}
+        httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 20},
+                   headers=admin, timeout=5).raise_for_status()
+        # Two clients leave after 135 tokens: ~2 x 11 of the pool's 24 blocks retained.
+        cutters = [threading.Thread(target=cut_stream, args=(url, 135)) for _ in range(2)]
+        for thread in cutters:
+            thread.start()
+        for thread in cutters:
+            thread.join(60)
+        wait_until(lambda: gauge(worker.url, "vllm:num_requests_running") == 0, 20,
+                   "the worker to drop the cut streams")
+        httpx.post(f"{worker.url}/admin/fault", json={"kind": "clear"}, headers=admin,
+                   timeout=5).raise_for_status()
+        time.sleep(0.5)  # let the proxy scrape the idle, retaining worker a few times
+        statuses: list[int] = []
+        start = time.monotonic()
+
+        def admitted() -> bool:
+            statuses.append(httpx.post(f"{url}/v1/completions", json=completion("hi", 1),
+                                       timeout=30).status_code)
+            return statuses[-1] == 200
+
+        wait_until(admitted, 20, "a request admitted")
+        admitted_s = time.monotonic() - start
+    args = argparse.Namespace(capacity_s=3.0, scrape_interval_s=None, overload=3.0,
+                              seconds=3.0, poll_ms=5.0)
+    run = asyncio.run(admission.one_run(tmp, admission.WORKLOADS["kv"], args, None))
+    delay = run.delay_ms
+    ok = statuses[0] == 200 and delay is not None and delay <= 100
+    shed = "never" if delay is None else f"{delay:.0f} ms"
+    return Row("retained KV over the threshold, idle engine; 3x overload",
+               "next request 200 at once; first 503 <= 100 ms after saturation",
+               f"statuses {statuses[:5]} ({admitted_s:.2f} s); first 503 {shed} after"
+               f" saturation ({run.shed} shed, {run.served} served)", ok)
+
+
 def lock_holder(path: Path, marker: Path) -> subprocess.Popen[bytes]:
     """`ftctl lock acquire --path PATH -- CMD`, CMD noting a SIGTERM in `marker`."""
     script = f'trap "echo TERM >> {marker}; exit 143" TERM; while :; do sleep 0.02; done'
@@ -432,8 +497,9 @@ def attack_caps(tmp: Path) -> Row:
           and flood["200"] + flood["503"] + flood["closed"] + flood["reset"] == 200
           and 60 <= flood["200"] < 64 and flood["503"] > 0 and after == 200 and held_mib < 200)
     return Row("deep JSON / NaN / h2c / 200 conns / 30x14 MiB bodies",
-               "400 / 400 / HTTP/1.1 200 / 200 up to the cap of 64, then 503 or"
-               " closed, none hang / RSS bounded by the 32 MiB cap / still serves",
+               "400 / 400 / HTTP/1.1 200 / 200 up to the cap of 64, then 503 (16 refusals"
+               " at a time), past that closed or reset, none hang / RSS bounded by the"
+               " 32 MiB cap / still serves",
                f"{deep} / {nan} / {h2c} / {flood} / +{held_mib:.0f} MiB; after: {after}", ok)
 
 
@@ -534,6 +600,7 @@ ATTACKS: dict[int, Callable[[Path], Row]] = {
     2: attack_forged_reports,
     3: attack_yaml_bomb,
     4: attack_out_targets,
+    5: attack_admission,
     6: attack_lock_file,
     7: attack_sleep,
     8: attack_caps,
