@@ -121,29 +121,37 @@ def write_inventory(folder: Path, workers: list[SimWorker], **proxy: Any) -> Pat
 
 
 @contextlib.contextmanager
-def proxy(inventory: Path, log: Path) -> Iterator[str]:
-    """`ftctl proxy` over `inventory`; yields its URL once it serves."""
-    env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_TOKEN, "CHAOS_SIM_TOKEN": SIM_TOKEN}
+def serving(argv: list[str], env: dict[str, str], log: Path, pattern: str,
+            deadline_s: float) -> Iterator[str]:
+    """`ftctl ARGV`, its stderr in `log`; yields the URL `pattern` finds there once it serves."""
     with log.open("wb") as sink:
-        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
-                                stdout=subprocess.DEVNULL, stderr=sink, env=env)
+        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", *argv], stdout=subprocess.DEVNULL,
+                                stderr=sink, env={**os.environ, **env})
     try:
         found: list[str] = []
 
-        def serving() -> bool:
-            match = re.search(r"serving \d+ workers on (http://\S+)",
-                              log.read_text(errors="replace"))
+        def up() -> bool:
+            match = re.search(pattern, log.read_text(errors="replace"))
             if match:
                 found.append(match.group(1))
             if proc.poll() is not None:
-                msg = f"proxy exited: {log.read_text(errors='replace')[-500:]}"
+                msg = f"ftctl {argv[-1]} exited: {log.read_text(errors='replace')[-500:]}"
                 raise RuntimeError(msg)
             return bool(found)
 
-        wait_until(serving, 30, "the proxy")
+        wait_until(up, deadline_s, f"ftctl {' '.join(argv[2:])}")
         yield found[0]
     finally:
         stop(proc)
+
+
+@contextlib.contextmanager
+def proxy(inventory: Path, log: Path) -> Iterator[str]:
+    """`ftctl proxy` over `inventory`; yields its URL once it serves."""
+    with serving(["-i", str(inventory), "proxy"],
+                 {"FTCTL_ADMIN_TOKEN": PROXY_TOKEN, "CHAOS_SIM_TOKEN": SIM_TOKEN}, log,
+                 r"serving \d+ workers on (http://\S+)", 30) as url:
+        yield url
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -196,27 +204,10 @@ def daemon(tmp: Path, workers: list[SimWorker]) -> Iterator[str]:
     }
     path = tmp / "daemon.json"
     path.write_text(json.dumps(inventory))
-    log = tmp / "daemon.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(path), "canary", "--watch",
-                                 "--listen", "127.0.0.1:0"], stdout=subprocess.DEVNULL,
-                                stderr=sink, env={**os.environ, "FTCTL_DAEMON_TOKEN": DAEMON_TOKEN})
-    try:
-        found: list[str] = []
-
-        def listening() -> bool:
-            match = re.search(r"(http://127\.0\.0\.1:\d+)", log.read_text(errors="replace"))
-            if match:
-                found.append(match.group(1))
-            if proc.poll() is not None:
-                msg = f"daemon exited: {log.read_text(errors='replace')[-500:]}"
-                raise RuntimeError(msg)
-            return bool(found)
-
-        wait_until(listening, 60, "the canary daemon")
-        yield found[0]
-    finally:
-        stop(proc)
+    with serving(["-i", str(path), "canary", "--watch", "--listen", "127.0.0.1:0"],
+                 {"FTCTL_DAEMON_TOKEN": DAEMON_TOKEN}, tmp / "daemon.log",
+                 r"(http://127\.0\.0\.1:\d+)", 60) as url:
+        yield url
 
 
 def daemon_view(client: httpx.Client) -> dict[str, dict[str, Any]]:
