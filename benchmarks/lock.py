@@ -120,7 +120,7 @@ def handoff(trials: int, workdir: Path) -> None:
     p99 = pct(samples["ftctl FlockLock"], 0.99)
     print(f"ftctl/flock(1) p50 ratio {ratio:.2f}; ftctl p99 {p99:.3f} ms "
           f"(goal <= 2 ms: {'met' if p99 <= 2 else 'NOT met'}; the 50 ms polling loop it "
-          "replaces: ~25 ms mean, 50 ms worst, DESIGN.md)")
+          "replaces: ~25 ms mean, 50 ms worst, docs/design.md, The failover lock)")
 
 
 def soak(cycles: int, workdir: Path, time_limit_s: float = 600.0) -> None:

@@ -1,4 +1,4 @@
-"""Every Prometheus metric ftctl exports, defined once (names fixed by DESIGN.md).
+"""Every Prometheus metric ftctl exports, defined once (docs/design.md, "Metrics").
 
 Alert rules in deploy/prometheus/alerts.yml use only these names; a test keeps
 the two in step. Import this module only in processes that serve `/metrics`

@@ -67,7 +67,7 @@ class BreakerState(StrEnum):
         return {"closed": 0, "open": 1, "half_open": 2}[self.value]
 
 
-# DESIGN.md: SUSPICIOUS routes at half weight; UNHEALTHY and worse get nothing.
+# docs/design.md "Health states": SUSPICIOUS routes at half weight; UNHEALTHY and worse get nothing.
 STATE_WEIGHTS: dict[HealthState, float] = {
     HealthState.HEALTHY: 1.0, HealthState.SUSPICIOUS: 0.5, HealthState.UNHEALTHY: 0.0,
     HealthState.DRAINING: 0.0, HealthState.DEAD: 0.0,

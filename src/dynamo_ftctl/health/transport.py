@@ -7,7 +7,7 @@ Two implementations share one contract (`HttpReply` or a `TransportError`):
   httpx costs ~60 ms to import and `http.client` ~18 ms (it imports
   `email.parser` and `ssl`); one POST needs no connection pool.
 - `AiohttpTransport`: one shared `aiohttp.ClientSession` for the daemon's
-  fan-out to many workers (DESIGN.md: httpx slows down as its pool grows).
+  fan-out to many workers (docs/design.md "HTTP clients": httpx slows down as its pool grows).
 
 Both stop at `max_bytes` and at an overall deadline, so a 10 MB body or an SSE
 stream that never ends costs at most the timeout. A timeout before any response

@@ -108,7 +108,7 @@ class Link:
     description: str = ""
 
 
-# Per-direction figures (DESIGN.md): the often-quoted NVLink 4 "900 GB/s" counts
+# Per-direction figures (docs/design.md "Cost model"): the often-quoted NVLink 4 "900 GB/s" counts
 # both directions. Setup latencies are assumptions: `ftctl migrate calibrate`
 # measures the real one.
 LINKS: dict[str, Link] = {

@@ -51,7 +51,7 @@ query of death. Retries of requests with no output yet are capped by
 
 A broken generation goes on elsewhere by re-prefill (prompt + generated ids,
 `method="reprefill"`), by text continuation for servers without token ids
-(`method="text"`, beyond DESIGN.md's kv|reprefill|retry), or by KV transfer
+(`method="text"`, docs/design.md "Continuation"), or by KV transfer
 (`method="kv"`): with a calibration (`ftctl migrate calibrate`) whose cost
 model says a transfer is faster, the failed worker's KV is exported
 (`migrate.transfer.export_request`, the same call as `ftctl migrate request`)

@@ -32,7 +32,8 @@ __all__ = ["BreakerState", "Router", "WorkerSlot", "parse_daemon_weights"]
 BreakerState = Literal["closed", "open", "half_open"]
 _BREAKER_GAUGE = {"closed": 0, "open": 1, "half_open": 2}
 
-# Weights of the canary daemon's states (DESIGN.md: SUSPICIOUS routes at half weight).
+# Weights of the canary daemon's states (docs/design.md "Health states": SUSPICIOUS
+# routes at half weight).
 _STATE_WEIGHTS = {
     "healthy": 1.0, "suspicious": 0.5, "unhealthy": 0.0, "draining": 0.0, "dead": 0.0,
 }

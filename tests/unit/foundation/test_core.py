@@ -25,7 +25,7 @@ from dynamo_ftctl.output import emit, plain_table, to_jsonable, write_atomic
 
 
 def test_exit_codes_match_the_design() -> None:
-    """Each error class carries the exit code DESIGN.md assigns it."""
+    """Each error class carries the exit code docs/design.md assigns it."""
     assert [c.exit_code for c in (FtctlError, CheckFailed, InvalidInput, Unreachable, LockTimeout, Interrupted)] == [1, 1, 2, 3, 4, 130]
     assert InventoryError("x").exit_code == ExitCode.USAGE
 
