@@ -8,6 +8,9 @@ values, subcommands) without running it.
 
 from __future__ import annotations
 
+import re
+import shlex
+import string
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +82,16 @@ def ftctl_invocations() -> list[tuple[str, list[str]]]:
             if command[:1] == ["ftctl"]:
                 found.append((f"{where}:{probe}", command[1:]))
     return found
+
+
+def entrypoint_invocation() -> list[str]:
+    """argv after `ftctl` of examples/entrypoint.sh's `exec ftctl ...`, with the script's
+    defaults (`: "${NAME:=value}"`) substituted for its variables."""
+    script = (ROOT / "examples" / "entrypoint.sh").read_text()
+    defaults = dict(re.findall(r'^: "\$\{(\w+):=([^}]*)\}"$', script, flags=re.MULTILINE))
+    line = script[script.index("exec ftctl "):].replace("\\\n", " ").splitlines()[0]
+    argv = shlex.split(string.Template(line).substitute(defaults))
+    return argv[2:]
 
 
 def parse_ftctl(args: list[str]) -> str:
@@ -169,6 +182,14 @@ def test_every_ftctl_command_line_parses() -> None:
     assert len(invocations) >= 4  # the proxy, the daemon and the two canary exec probes
     paths = {parse_ftctl(args) for _, args in invocations}
     assert paths == {"ftctl proxy", "ftctl canary"}
+
+
+def test_the_failover_entrypoint_parses() -> None:
+    """examples/entrypoint.sh (failover-pod.yaml's command) runs a valid `ftctl failover run`."""
+    args = entrypoint_invocation()
+    assert args[:2] == ["failover", "run"]
+    assert args[args.index("--") + 1:][:2] == ["vllm", "serve"]
+    assert parse_ftctl(args) == "ftctl failover run"
 
 
 @pytest.mark.parametrize("args", [
