@@ -218,7 +218,7 @@ def daemon_view(client: httpx.Client) -> dict[str, dict[str, Any]]:
 def probes_of(client: httpx.Client, worker: str) -> float:
     """How many canary probes the daemon has made of `worker` (its duration histogram)."""
     name = re.escape(worker)
-    pattern = re.compile(rf'^dynamo_health_check_duration_seconds_count\{{[^}}]*worker="{name}"'
+    pattern = re.compile(rf'^ftctl_canary_probe_duration_seconds_count\{{[^}}]*worker="{name}"'
                          r"[^}]*\} (\S+)$", re.MULTILINE)
     return sum(float(m.group(1)) for m in pattern.finditer(client.get("/metrics").text))
 

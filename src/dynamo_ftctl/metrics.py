@@ -1,8 +1,17 @@
-"""Every Prometheus metric ftctl exports, defined once (docs/design.md, "Metrics").
+"""Every Prometheus metric ftctl exports, defined once (listed in docs/metrics.md;
+docs/design.md, "Metrics").
+
+ftctl's own series are named `ftctl_*`, so that on a Prometheus shared with
+Dynamo they neither collide with Dynamo's `dynamo_*` series nor pass for them.
+The one exception mirrors a Dynamo series on purpose, with Dynamo's exact name
+and labels (`dynamo_frontend_model_migration_total{model, migration_type}`, from
+ai-dynamo/dynamo lib/runtime/src/metrics/prometheus_names.rs), so that Dynamo's
+dashboards count the proxy's migrations too.
 
 Alert rules in deploy/prometheus/alerts.yml use only these names; a test keeps
-the two in step. Import this module only in processes that serve `/metrics`
-(daemon, proxy, lock holder): prometheus_client is not loaded at start-up.
+the two in step, and docs/metrics.md lists the same set. Import this module only
+in processes that serve `/metrics` (daemon, proxy, lock holder): prometheus_client
+is not loaded at start-up.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 __all__ = [
     "CIRCUIT_BREAKER_STATE",
     "DEGRADATION_LEVEL",
+    "DYNAMO_MIGRATION_TOTAL",
     "FAULTS_INJECTED",
     "HEALTH_CHECK_DURATION",
     "LOCK_ACQUIRE_SECONDS",
@@ -36,36 +46,46 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 HEALTH_CHECK_DURATION = Histogram(
-    "dynamo_health_check_duration_seconds", "Wall time of one canary probe of a worker.",
+    "ftctl_canary_probe_duration_seconds", "Wall time of one canary probe of a worker.",
     ["worker"], buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
 WORKER_STATUS = Gauge(
-    "dynamo_worker_status", "1 for the state a worker is in, 0 for the others.",
+    "ftctl_worker_state", "1 for the state a worker is in, 0 for the others.",
     ["worker", "state"], registry=REGISTRY,
 )
 CIRCUIT_BREAKER_STATE = Gauge(
-    "dynamo_circuit_breaker_state", "Per-worker breaker: 0 closed, 1 open, 2 half-open.",
+    "ftctl_circuit_breaker_state", "Per-worker breaker: 0 closed, 1 open, 2 half-open.",
     ["worker"], registry=REGISTRY,
 )
 MIGRATION_TOTAL = Counter(
-    "dynamo_migration_total", "Requests continued on another worker after a failure.",
+    "ftctl_migrations_total", "Requests continued on another worker after a failure.",
     ["source_group", "target_group", "method"], registry=REGISTRY,
 )
+# Dynamo's frontend counter, mirrored with its exact name and labels: `migration_type`
+# is "new_request" (a failure before any token: `method="retry"`) or "ongoing_request"
+# (a stream cut after tokens). Counted, as Dynamo does, when the proxy decides to go on
+# elsewhere, not once the new stream answers.
+DYNAMO_MIGRATION_TOTAL = Counter(
+    "dynamo_frontend_model_migration_total",
+    "Total number of request migrations due to worker unavailability",
+    ["model", "migration_type"], registry=REGISTRY,
+)
 MIGRATION_DURATION = Histogram(
-    "dynamo_migration_duration_seconds",
+    "ftctl_migration_duration_seconds",
     "Time from a detected stream failure to the first token from the new worker.",
     buckets=_LATENCY_BUCKETS, registry=REGISTRY,
 )
 DEGRADATION_LEVEL = Gauge(
-    "dynamo_degradation_level", "0 (full capacity) to 4 (below a quarter healthy).",
+    "ftctl_proxy_degradation_level", "0 (full capacity) to 4 (below a quarter healthy).",
     registry=REGISTRY,
 )
 TASKS_REJECTED = Counter(
-    "dynamo_tasks_rejected_total", "Requests refused by admission control.",
+    "ftctl_proxy_rejected_requests_total", "Requests refused by admission control.",
     ["reason", "priority"], registry=REGISTRY,
 )
 QUEUED_REQUESTS = Gauge(
-    "dynamo_queued_requests", "Requests waiting in the proxy for a worker.", registry=REGISTRY,
+    "ftctl_proxy_queued_requests", "Requests in the proxy with no first token yet.",
+    registry=REGISTRY,
 )
 QUERY_OF_DEATH = Counter(
     "ftctl_proxy_query_of_death_total",
@@ -99,14 +119,15 @@ XID_EVENTS = Counter(
 )
 
 METRIC_NAMES: frozenset[str] = frozenset({
-    "dynamo_health_check_duration_seconds",
-    "dynamo_worker_status",
-    "dynamo_circuit_breaker_state",
-    "dynamo_migration_total",
-    "dynamo_migration_duration_seconds",
-    "dynamo_degradation_level",
-    "dynamo_tasks_rejected_total",
-    "dynamo_queued_requests",
+    "ftctl_canary_probe_duration_seconds",
+    "ftctl_worker_state",
+    "ftctl_circuit_breaker_state",
+    "ftctl_migrations_total",
+    "dynamo_frontend_model_migration_total",
+    "ftctl_migration_duration_seconds",
+    "ftctl_proxy_degradation_level",
+    "ftctl_proxy_rejected_requests_total",
+    "ftctl_proxy_queued_requests",
     "ftctl_proxy_query_of_death_total",
     "ftctl_proxy_retry_budget_exhausted_total",
     "ftctl_worker_busy",

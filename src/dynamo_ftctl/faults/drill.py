@@ -577,7 +577,7 @@ async def _poll_states(run: _Run, started: asyncio.Event, stop: asyncio.Event) -
 
 
 def _proxy_migrations(url: str) -> float | None:
-    """The proxy's `dynamo_migration_total`, summed over labels (None: no proxy answer).
+    """The proxy's `ftctl_migrations_total`, summed over labels (None: no proxy answer).
 
     Streams learn of their migration only in a trailing SSE comment, which the load
     generator does not read, so the drill counts migrations where they happen.
@@ -591,7 +591,7 @@ def _proxy_migrations(url: str) -> float | None:
         return None
     total = 0.0
     for family in text_string_to_metric_families(text):
-        if family.name == "dynamo_migration":
+        if family.name == "ftctl_migrations":
             total += sum(s.value for s in family.samples if s.name.endswith("_total"))
     return total
 

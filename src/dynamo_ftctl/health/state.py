@@ -63,7 +63,7 @@ class BreakerState(StrEnum):
 
     @property
     def gauge(self) -> int:
-        """`dynamo_circuit_breaker_state` value."""
+        """`ftctl_circuit_breaker_state` value."""
         return {"closed": 0, "open": 1, "half_open": 2}[self.value]
 
 

@@ -228,7 +228,7 @@ def parse_priority(value: str | None) -> Priority:
 
 @dataclass(frozen=True)
 class Decision:
-    """Admit, or refuse with a reason (a label of `dynamo_tasks_rejected_total`)."""
+    """Admit, or refuse with a reason (a label of `ftctl_proxy_rejected_requests_total`)."""
 
     admitted: bool
     reason: str = ""

@@ -880,6 +880,11 @@ class MigratingProxy:
                         return
                     if method == "retry" and not self._retry_allowed():
                         raise self._retry_refused(reason, yielded) from None
+                    # Dynamo's mirror counts the decision to go on (its frontend counts
+                    # before re-issuing); ftctl_migrations_total counts the stream going on.
+                    self.metrics.DYNAMO_MIGRATION_TOTAL.labels(
+                        model or "", "new_request" if method == "retry"
+                        else "ongoing_request").inc()
                     export_s = self._kv_export_budget(ledger) if method == "reprefill" else 0
                     if export_s:
                         kv_payload = await self._export_kv(slot, ledger, export_s)

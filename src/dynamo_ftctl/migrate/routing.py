@@ -234,6 +234,6 @@ class Router:
             slot.daemon_weight = weights.get(name)
 
     def breaker_gauge(self, slot: WorkerSlot) -> int:
-        """0 closed, 1 open, 2 half-open (for `dynamo_circuit_breaker_state`)."""
+        """0 closed, 1 open, 2 half-open (for `ftctl_circuit_breaker_state`)."""
         self.weight(slot)
         return _BREAKER_GAUGE[slot.breaker]

@@ -120,9 +120,9 @@ def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> N
     assert states(url)["w1"] == "healthy"
     wait_for(lambda: marker.exists() and "w2 unhealthy" in marker.read_text(), 10, "the action")
     metrics = httpx.get(f"{url}/metrics", timeout=5).text
-    assert 'dynamo_worker_status{state="unhealthy",worker="w2"} 1.0' in metrics
-    assert 'dynamo_circuit_breaker_state{worker="w2"} 1.0' in metrics
-    assert "dynamo_health_check_duration_seconds_bucket" in metrics
+    assert 'ftctl_worker_state{state="unhealthy",worker="w2"} 1.0' in metrics
+    assert 'ftctl_circuit_breaker_state{worker="w2"} 1.0' in metrics
+    assert "ftctl_canary_probe_duration_seconds_bucket" in metrics
     assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0

@@ -273,7 +273,7 @@ def test_hundred_streams_with_a_worker_failing_at_a_random_token_are_identical(
     # About 90% start on a worker that breaks; all of those must have been migrated.
     assert migrated >= 70, migrated
     metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
-    assert 'dynamo_migration_total{method="reprefill"' in metrics
+    assert 'ftctl_migrations_total{method="reprefill"' in metrics
 
 
 def test_lone_surrogate_prompts_are_400s_and_leave_every_breaker_closed(
@@ -365,7 +365,7 @@ def through_a_stall(proxy: ProxyProcess, worker: SimWorker, send: Callable[[], A
     wait_until(lambda: hung(worker), 10, "the worker to hang")
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(send)
-        wait_until(lambda: gauge(proxy.url, "dynamo_queued_requests") >= 1, 10,
+        wait_until(lambda: gauge(proxy.url, "ftctl_proxy_queued_requests") >= 1, 10,
                    "the proxy to take the request")
         time.sleep(stall_s)  # the worker's stall: what the proxy must report
         set_fault(worker, {"kind": "clear"})
@@ -484,7 +484,7 @@ def test_priority_shedding_order_under_each_degradation_level(
         4: {"premium": 200, "standard": 503, "best_effort": 503},
     }
     metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
-    assert 'dynamo_tasks_rejected_total{priority="best_effort",reason="degradation_level_1"}' \
+    assert 'ftctl_proxy_rejected_requests_total{priority="best_effort",reason="degradation_level_1"}' \
         in metrics
 
 
@@ -591,7 +591,7 @@ def test_garbage_from_a_worker_is_a_failure_never_output(
             assert got.error is None
             assert (got.ids, got.text) == expected
     metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
-    assert 'dynamo_migration_total{method="retry",source_group="bad",target_group="good"}' \
+    assert 'ftctl_migrations_total{method="retry",source_group="bad",target_group="good"}' \
         in metrics
 
 
@@ -663,10 +663,10 @@ def calibration_file(path: Path, setup_s: float) -> Path:
 
 
 def migration_count(proxy: ProxyProcess, method: str) -> float:
-    """dynamo_migration_total summed over groups for one method."""
+    """ftctl_migrations_total summed over groups for one method."""
     total = 0.0
     for line in httpx.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("dynamo_migration_total{") and f'method="{method}"' in line:
+        if line.startswith("ftctl_migrations_total{") and f'method="{method}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

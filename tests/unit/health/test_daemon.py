@@ -40,7 +40,7 @@ def daemon_for(prefix: str, count: int, fake: AsyncFakeWorkers, clock: FakeClock
 
 
 def status(worker: str, state: str) -> float | None:
-    return REGISTRY.get_sample_value("dynamo_worker_status", {"worker": worker, "state": state})
+    return REGISTRY.get_sample_value("ftctl_worker_state", {"worker": worker, "state": state})
 
 
 def test_a_round_probes_everyone_and_confirms_failures_at_once() -> None:
@@ -56,9 +56,9 @@ def test_a_round_probes_everyone_and_confirms_failures_at_once() -> None:
     assert fake.calls.count("http://ra1") == 3 * len(SET.prompts)  # threshold probes
     assert status("ra1", "unhealthy") == 1.0
     assert status("ra1", "healthy") == 0.0
-    assert REGISTRY.get_sample_value("dynamo_circuit_breaker_state", {"worker": "ra1"}) == 1.0
+    assert REGISTRY.get_sample_value("ftctl_circuit_breaker_state", {"worker": "ra1"}) == 1.0
     assert REGISTRY.get_sample_value(
-        "dynamo_health_check_duration_seconds_count", {"worker": "ra0"}) == 1.0
+        "ftctl_canary_probe_duration_seconds_count", {"worker": "ra0"}) == 1.0
 
 
 def test_open_breaker_waits_then_one_trial_recovers() -> None:
@@ -178,7 +178,7 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
             ok = await client.post("/report", json={"worker": "rg0", "ok": False})
             assert ok.json()["states"] == {"rg0": "suspicious"}
             metrics = (await client.get("/metrics")).text
-            assert 'dynamo_worker_status{state="unhealthy",worker="rg1"} 1.0' in metrics
+            assert 'ftctl_worker_state{state="unhealthy",worker="rg1"} 1.0' in metrics
             assert (await client.get("/health")).json()["status"] == "ok"
         await daemon.settle()
 

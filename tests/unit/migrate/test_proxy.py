@@ -363,11 +363,11 @@ def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut
 
 
 def migrations(method: str) -> float:
-    """dynamo_migration_total from w0 to w1 by `method` (the registry is per process)."""
+    """ftctl_migrations_total from w0 to w1 by `method` (the registry is per process)."""
     from dynamo_ftctl import metrics
 
     return metrics.REGISTRY.get_sample_value(
-        "dynamo_migration_total", {"source_group": "w0", "target_group": "w1",
+        "ftctl_migrations_total", {"source_group": "w0", "target_group": "w1",
                                    "method": method}) or 0.0
 
 
@@ -635,12 +635,42 @@ def test_metrics_and_health_are_served(run: Callable[..., Any], front: str) -> N
             c.proxy.router.slots["w1"].outstanding = 5
             await c.stream("/v1/completions", BODY)
             text = (await c.client.get("/metrics")).text
-            assert 'dynamo_migration_total{method="reprefill",source_group="w0",' \
+            assert 'ftctl_migrations_total{method="reprefill",source_group="w0",' \
                    'target_group="w1"}' in text
             health = (await c.client.get("/health")).json()
             assert set(health["workers"]) == {"w0", "w1"}
             models = (await c.client.get("/v1/models")).json()
             assert models["data"][0]["max_model_len"] == 4096
+    run(go())
+
+
+def dynamo_migrations(migration_type: str) -> float:
+    """The Dynamo mirror `dynamo_frontend_model_migration_total` for MODEL."""
+    from dynamo_ftctl import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "dynamo_frontend_model_migration_total",
+        {"model": MODEL, "migration_type": migration_type}) or 0.0
+
+
+@FRONTS
+def test_migrations_are_mirrored_under_dynamos_name(run: Callable[..., Any], front: str) -> None:
+    """A cut stream counts once as Dynamo's ongoing_request, a failure before any token as
+    new_request, with Dynamo's labels (model, migration_type)."""
+    async def go() -> None:
+        ongoing, new = dynamo_migrations("ongoing_request"), dynamo_migrations("new_request")
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()], front=front) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            await c.stream("/v1/completions", BODY)
+            assert dynamo_migrations("ongoing_request") == ongoing + 1
+            assert dynamo_migrations("new_request") == new
+        async with Cluster([FakeWorker(mode="html502"), FakeWorker()], front=front) as c:
+            c.proxy.router.slots["w1"].outstanding = 5
+            await c.stream("/v1/completions", BODY)
+            assert dynamo_migrations("new_request") == new + 1
+            text = (await c.client.get("/metrics")).text
+            assert f'dynamo_frontend_model_migration_total{{migration_type="new_request",' \
+                   f'model="{MODEL}"}}' in text
     run(go())
 
 
@@ -815,7 +845,7 @@ def test_canary_daemon_weights_route_and_failures_are_reported(
                 assert reports[0]["authorization"] == f"Bearer {token}"
                 text = (await c.client.get("/metrics")).text
                 count = next(line for line in text.splitlines()
-                             if line.startswith("dynamo_migration_duration_seconds_count"))
+                             if line.startswith("ftctl_migration_duration_seconds_count"))
                 assert float(count.rsplit(" ", 1)[1]) >= 1
     run(go())
 
@@ -878,7 +908,7 @@ def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
         from dynamo_ftctl import metrics
 
         return metrics.REGISTRY.get_sample_value(
-            "dynamo_migration_total", {"source_group": "w0", "target_group": "w1",
+            "ftctl_migrations_total", {"source_group": "w0", "target_group": "w1",
                                        "method": method}) or 0.0
 
     async def go() -> None:
