@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
-from click.shell_completion import BashComplete, FishComplete, ShellComplete, ZshComplete
+from click.shell_completion import (
+    BashComplete,
+    CompletionItem,
+    FishComplete,
+    ShellComplete,
+    ZshComplete,
+    _resolve_context,
+    _resolve_incomplete,
+)
 
 from dynamo_ftctl.cli._common import global_options
 from dynamo_ftctl.cli._light import inventory_path
@@ -35,9 +43,36 @@ __all__ = ["COMPLETE_VAR", "answer_completion", "complete_fault", "complete_work
 # The variable click derives from the program name; the scripts set it.
 COMPLETE_VAR = "_FTCTL_COMPLETE"
 
-_SHELLS: dict[str, type[ShellComplete]] = {
-    "bash": BashComplete, "zsh": ZshComplete, "fish": FishComplete,
-}
+class _PathsAsFiles(ShellComplete):
+    """click's answer, except that a path parameter asks the shell to complete files.
+
+    typer's path type answers nothing, since typer's own scripts fall back to file names
+    whenever the answer is empty; click's scripts complete files only when told `file`.
+    """
+
+    def get_completions(self, args: list[str], incomplete: str) -> list[CompletionItem]:
+        ctx = _resolve_context(self.cli, self.ctx_args, self.prog_name, args)
+        obj, incomplete = _resolve_incomplete(ctx, args, incomplete)
+        items = obj.shell_complete(ctx, incomplete)
+        if not items and isinstance(obj, click.Parameter) and isinstance(obj.type, click.Path):
+            kind = "dir" if obj.type.dir_okay and not obj.type.file_okay else "file"
+            return [CompletionItem(incomplete, type=kind)]
+        return items
+
+
+class _Bash(_PathsAsFiles, BashComplete):
+    pass
+
+
+class _Zsh(_PathsAsFiles, ZshComplete):
+    pass
+
+
+class _Fish(_PathsAsFiles, FishComplete):
+    pass
+
+
+_SHELLS: dict[str, type[ShellComplete]] = {"bash": _Bash, "zsh": _Zsh, "fish": _Fish}
 
 
 class Shell(StrEnum):
@@ -137,8 +172,6 @@ def complete_fault(ctx: click.Context, incomplete: str) -> list[tuple[str, str]]
             for name in allowed if name.startswith(incomplete)]
 
 
-def fault_items(ctx: click.Context, incomplete: str) -> list[click.shell_completion.CompletionItem]:
+def fault_items(ctx: click.Context, incomplete: str) -> list[CompletionItem]:
     """`complete_fault` as click's completion items (for a group's own completion)."""
-    from click.shell_completion import CompletionItem
-
     return [CompletionItem(name, help=help_) for name, help_ in complete_fault(ctx, incomplete)]

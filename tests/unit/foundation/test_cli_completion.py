@@ -122,6 +122,15 @@ def test_commands_and_options_complete(tmp_path: Path) -> None:
     assert "--debug" not in options
 
 
+@pytest.mark.parametrize("line", ["ftctl -i exa", "ftctl canary -i exa",
+                                  "ftctl lock owner --path exa", "ftctl inventory check exa"])
+def test_path_parameters_ask_the_shell_for_file_names(line: str, tmp_path: Path) -> None:
+    """-i (before or after), --path, FILE: the answer is `file`, so the shell lists files."""
+    proc = complete(line, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["file,exa"]
+
+
 def test_completing_stays_light(inventory: Path, tmp_path: Path) -> None:
     """Completing inject's workers imports none of the heavy libraries."""
     proc = complete(f"ftctl -i {inventory} inject kill --worker ", cwd=tmp_path,
