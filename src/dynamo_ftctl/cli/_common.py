@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
+import click
 import msgspec
 import typer
 
-from dynamo_ftctl.cli._light import inventory_path
+from dynamo_ftctl.cli._light import inventory_path, load_chosen_inventory
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
@@ -37,7 +38,7 @@ JsonFlag = Annotated[
 ]
 
 
-def global_options(ctx: typer.Context) -> GlobalOptions:
+def global_options(ctx: click.Context) -> GlobalOptions:
     """The root options, whichever context level asks."""
     root = ctx.find_root()
     obj = root.obj
@@ -56,9 +57,8 @@ def resolve_inventory_path(ctx: typer.Context, explicit: Path | None = None) -> 
 
 def load_inventory_for(ctx: typer.Context, explicit: Path | None = None) -> Inventory:
     """Load and validate the inventory the user pointed at (errors exit 2)."""
-    from dynamo_ftctl.inventory import load_inventory
-
-    return load_inventory(resolve_inventory_path(ctx, explicit))
+    chosen = explicit if explicit is not None else global_options(ctx).inventory
+    return load_chosen_inventory(chosen)
 
 
 def finish(ctx: typer.Context, result: Any, *, json_flag: bool = False, code: int = 0) -> None:

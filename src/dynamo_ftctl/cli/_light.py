@@ -19,7 +19,8 @@ from dynamo_ftctl.errors import ExitCode, FtctlError
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
 
-__all__ = ["DEFAULT_INVENTORY", "guarded", "inventory_path", "optional_inventory"]
+__all__ = ["DEFAULT_INVENTORY", "guarded", "inventory_path", "load_chosen_inventory",
+           "optional_inventory"]
 
 DEFAULT_INVENTORY = Path("ftctl.yaml")
 
@@ -43,6 +44,20 @@ def optional_inventory(chosen: Path | None, *, required: bool) -> Inventory | No
     named = chosen is not None or bool(os.environ.get("FTCTL_INVENTORY"))
     if not (required or named or path.exists()):
         return None
+    return load_chosen_inventory(chosen)
+
+
+def load_chosen_inventory(chosen: Path | None) -> Inventory:
+    """The inventory at `inventory_path(chosen)`, validated. When none was named and
+    ./ftctl.yaml does not exist, the error says how to name one (exit 2)."""
+    path = inventory_path(chosen)
+    named = chosen is not None or bool(os.environ.get("FTCTL_INVENTORY"))
+    if not named and not path.exists():
+        from dynamo_ftctl.errors import InventoryError
+
+        msg = ("no such file, and no inventory named: give -i PATH (before or after the "
+               "command) or set FTCTL_INVENTORY=PATH")
+        raise InventoryError(msg, path=path)
     from dynamo_ftctl.inventory import load_inventory
 
     return load_inventory(path)

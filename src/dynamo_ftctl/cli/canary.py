@@ -10,6 +10,7 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
 from dynamo_ftctl.cli._light import optional_inventory
+from dynamo_ftctl.cli.completion import complete_worker
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
@@ -56,7 +57,7 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
     worker: Annotated[
         list[str] | None,
         typer.Option("--worker", "-w", help="Inventory worker to probe (repeatable).",
-                     show_default=False),
+                     show_default=False, autocompletion=complete_worker),
     ] = None,
     all_workers: Annotated[bool, typer.Option("--all", help="Probe every worker.")] = False,
     url: Annotated[
@@ -138,7 +139,7 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
     worker: Annotated[
         str | None,
         typer.Option("--worker", "-w", help="Inventory worker known to be good.",
-                     show_default=False),
+                     show_default=False, autocompletion=complete_worker),
     ] = None,
     url: Annotated[
         str | None, typer.Option("--url", help="Or a base URL (needs --model).",

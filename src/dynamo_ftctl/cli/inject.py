@@ -12,18 +12,27 @@ from typing import Annotated
 
 import click
 import typer
+from click.shell_completion import CompletionItem
 from typer.core import TyperGroup
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
+from dynamo_ftctl.cli.completion import complete_worker, fault_items
 
 
 class _FaultGroup(TyperGroup):
     """Dispatch `ftctl inject FAULT ...` to the hidden `fault` command."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and not args[0].startswith("-") and args[0] not in self.commands:
-            args = ["fault", *args]
-        return super().parse_args(ctx, args)
+    def resolve_command(self, ctx: click.Context, args: list[str],
+                        ) -> tuple[str | None, click.Command | None, list[str]]:
+        # After the group's own options (`inject -i inv.yaml kill`), the first word that
+        # is not a subcommand is a fault: the `fault` command takes it as its argument.
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            return "fault", self.commands["fault"], args
+        return super().resolve_command(ctx, args)
+
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[CompletionItem]:
+        # `ftctl inject <TAB>`: the first word is a fault as often as a subcommand.
+        return [*fault_items(ctx, incomplete), *super().shell_complete(ctx, incomplete)]
 
 
 app = typer.Typer(
@@ -79,7 +88,8 @@ def inject_root(
 def fault_command(  # noqa: PLR0917 - typer passes every option positionally
     ctx: typer.Context,
     fault: Annotated[str, typer.Argument(help="Fault name (ftctl inject --list).")],
-    worker: Annotated[str, typer.Option("--worker", "-w", help="Inventory worker name.")],
+    worker: Annotated[str, typer.Option("--worker", "-w", help="Inventory worker name.",
+                                        autocompletion=complete_worker)],
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the steps; do nothing.")]
     = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Confirm a destructive fault.")]

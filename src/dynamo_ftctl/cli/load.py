@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
+from dynamo_ftctl.cli.completion import complete_worker_list
 from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     url: Annotated[list[str] | None, typer.Option(
         "--url", help="Target base URL (repeat or comma-separate for several).")] = None,
     workers: Annotated[str | None, typer.Option(
-        "--workers", help="Inventory workers to target, comma-separated (with -i).")] = None,
+        "--workers", help="Inventory workers to target, comma-separated (with -i).",
+        autocompletion=complete_worker_list)] = None,
     inventory: Annotated[Path | None, typer.Option(
         "--inventory", "-i", help="Inventory for --workers (default: the root -i).")] = None,
     rate: Annotated[float | None, typer.Option(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
 import click
+import msgspec
 import typer
 import typer.core
 from typer.core import TyperGroup
@@ -26,6 +27,7 @@ from typer.core import TyperGroup
 from dynamo_ftctl import __version__
 from dynamo_ftctl.cli._common import GlobalOptions
 from dynamo_ftctl.cli._light import guarded
+from dynamo_ftctl.cli.completion import COMPLETE_VAR, answer_completion
 from dynamo_ftctl.errors import ExitCode
 
 __all__ = ["COMMANDS", "app", "main"]
@@ -38,6 +40,7 @@ typer.core.HAS_RICH = False
 # name -> (module under dynamo_ftctl.cli, one-line help). Keep sorted by name.
 COMMANDS: dict[str, tuple[str, str]] = {
     "canary": ("canary", "Canary probes with known answers (exit 0/1/3), health daemon, record."),
+    "completion": ("completion", "Print the shell completion script for bash, zsh or fish."),
     "drill": ("drill", "Run a chaos drill: hypothesis, load + fault timeline, rollbacks, report."),
     "failover": ("failover", "Run an engine as a shadow: sleep, wait for the lock, wake, serve."),
     "gpu": ("gpu", "GPU status, Xid/ECC watchers (NVML or kernel log), fleet MTBF math."),
@@ -54,6 +57,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 _COMPLETION_PARAMS = frozenset({"install_completion", "show_completion"})
+
+# The root options every command also takes after its own name (as kubectl and gh do):
+# root parameter name -> field of GlobalOptions. --version and --help stay where they are.
+_GLOBAL_PARAMS = {"inventory": "inventory", "json_": "json", "debug": "debug"}
 
 
 class LazyGroup(TyperGroup):
@@ -77,8 +84,6 @@ class LazyGroup(TyperGroup):
         spec = COMMANDS.get(cmd_name)
         if spec is None:
             return super().get_command(ctx, cmd_name)
-        if ctx.resilient_parsing and os.environ.get("_FTCTL_COMPLETE_LIGHT"):
-            return None
         module = importlib.import_module(f"dynamo_ftctl.cli.{spec[0]}")
         command = typer.main.get_command(module.app)
         # Completion is installed once, from the root; drop typer's per-app copies.
@@ -87,6 +92,7 @@ class LazyGroup(TyperGroup):
         if not command.help:
             command.help = spec[1]
         command.short_help = spec[1]
+        _inherit_global_options(command, [p for p in self.params if p.name in _GLOBAL_PARAMS])
         return command
 
     def format_commands(self, ctx: click.Context,  # noqa: ARG002 (click's signature)
@@ -98,6 +104,39 @@ class LazyGroup(TyperGroup):
                 formatter.write_dl(rows)
 
 
+def _inherit_global_options(command: click.Command, root_params: list[click.Parameter]) -> None:
+    """Give `command` and every command under it the root's global options, hidden.
+
+    Click parses them where they appear, so `--` and option values keep their meaning
+    (`ftctl lock acquire -- cmd -i x` passes `-i x` to cmd, as does a command that stops
+    at its first argument). A command that defines a spelling itself keeps its own (its
+    `--json` and `-i` mean the same as the root's); the others are added.
+    """
+    taken = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    for root_param in root_params:
+        free = [opt for opt in root_param.opts if opt not in taken]
+        if not free or not isinstance(root_param, click.Option):
+            continue
+        command.params.append(click.Option(
+            [str(root_param.name), *free], type=None if root_param.is_flag else root_param.type,
+            is_flag=root_param.is_flag, hidden=True, expose_value=False,
+            callback=_record_global, help=root_param.help))
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _inherit_global_options(sub, root_params)
+
+
+def _record_global(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """A global option given after a subcommand: it overrides the one before it."""
+    if value is None or value is False:
+        return
+    if isinstance(value, str):  # click's path type gives text; typer converts only its own
+        value = Path(value)
+    root = ctx.find_root()
+    current = root.obj if isinstance(root.obj, GlobalOptions) else GlobalOptions()
+    root.obj = msgspec.structs.replace(current, **{_GLOBAL_PARAMS[str(param.name)]: value})
+
+
 app = typer.Typer(
     cls=LazyGroup,
     name="ftctl",
@@ -106,9 +145,14 @@ app = typer.Typer(
         "locks, a migrating proxy, KV transfer, fault injection, chaos drills and load.\n\n"
         "Exit codes: 0 ok/healthy, 1 check failed, 2 bad usage or input, "
         "3 unreachable or timed out, 4 lock not acquired in time, 5 lock lost while held, "
-        "130 interrupted."
+        "130 interrupted.\n\n"
+        "-i/--inventory, --json and --debug may also follow any subcommand "
+        "(`ftctl canary --worker w3 -i inv.yaml`); after `--` nothing is an option.\n\n"
+        "Shell completion (commands, options, worker and fault names from the inventory): "
+        "ftctl completion bash|zsh|fish."
     ),
     rich_markup_mode=None,
+    add_completion=False,
     pretty_exceptions_enable=False,
     no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -148,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code (errors become codes in `guarded`)."""
     args = sys.argv[1:] if argv is None else argv
     command = typer.main.get_command(app)
+    instruction = os.environ.get(COMPLETE_VAR)
+    if instruction:
+        return answer_completion(command, instruction)
 
     def run() -> int:
         interrupted = LazyGroup.interrupted
@@ -163,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
         return rc if isinstance(rc, int) else 0
 
-    return guarded(run, debug="--debug" in args)
+    # Before any `--`: what follows belongs to a command ftctl runs.
+    options = args[: args.index("--")] if "--" in args else args
+    return guarded(run, debug="--debug" in options)
 
 
 if __name__ == "__main__":

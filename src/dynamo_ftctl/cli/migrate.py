@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, load_inventory_for
+from dynamo_ftctl.cli.completion import complete_worker
 
 app = typer.Typer(
     help=(
@@ -68,9 +69,11 @@ def plan(  # noqa: PLR0917 - typer passes every option positionally
 @app.command()
 def calibrate(  # noqa: PLR0917 - typer passes every option positionally
     ctx: typer.Context,
-    worker: Annotated[str, typer.Option(help="Worker whose prefill rate is measured.")],
+    worker: Annotated[str, typer.Option(help="Worker whose prefill rate is measured.",
+                                        autocompletion=complete_worker)],
     to: Annotated[str | None, typer.Option(
         "--to", help="Peer worker for KV export/import bandwidth (default: the same worker).",
+        autocompletion=complete_worker,
     )] = None,
     lengths: Annotated[str, typer.Option(
         help="Prompt lengths to time, tokens, comma-separated.")] = "16,64,128,256,384,512",
@@ -99,8 +102,10 @@ def calibrate(  # noqa: PLR0917 - typer passes every option positionally
 def request(  # noqa: PLR0917 - typer passes every option positionally
     ctx: typer.Context,
     request_id: Annotated[str, typer.Option("--request-id", help="The in-flight request.")],
-    source: Annotated[str, typer.Option("--from", help="Worker that holds the request.")],
-    target: Annotated[str, typer.Option("--to", help="Worker to move it to.")],
+    source: Annotated[str, typer.Option("--from", help="Worker that holds the request.",
+                                        autocompletion=complete_worker)],
+    target: Annotated[str, typer.Option("--to", help="Worker to move it to.",
+                                        autocompletion=complete_worker)],
     method: Annotated[str, typer.Option(
         help="auto, kv or reprefill (kv falls back to reprefill on a target without a KV "
              "import API, and says so).")] = "auto",

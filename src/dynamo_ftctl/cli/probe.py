@@ -25,13 +25,16 @@ __all__ = ["FAST_FLAGS", "FAST_OPTIONS", "ROOT_FLAGS", "ROOT_OPTIONS", "fast_can
            "parse_one_shot", "probe_once"]
 
 # The one-shot spellings the fast path accepts: option -> keyword of probe_once.
-# Root options (before `canary`) and the command's own (after it).
+# Root options (before `canary`, or after it as in the full CLI) and the command's own
+# (after it).
 ROOT_OPTIONS = {"--inventory": "inventory", "-i": "inventory"}
 ROOT_FLAGS = {"--json": "as_json", "--debug": "debug"}
 FAST_OPTIONS = {"--worker": "workers", "-w": "workers", "--url": "url", "--set": "set_path",
                 "--timeout": "timeout_s", "--state-file": "state_file"}
 FAST_FLAGS = {"--all": "all_workers", "--no-state": "no_state", "--json": "as_json"}
 _PATHS = {"inventory", "set_path", "state_file"}
+_AFTER_OPTIONS = {**ROOT_OPTIONS, **FAST_OPTIONS}
+_AFTER_FLAGS = {**ROOT_FLAGS, **FAST_FLAGS}
 
 
 def probe_once(*, inventory: Path | None = None, workers: Sequence[str] = (),
@@ -63,7 +66,7 @@ def parse_one_shot(args: Sequence[str]) -> dict[str, Any] | None:
         arg = args[i]
         i += 1
         if options is ROOT_OPTIONS and arg == "canary":
-            options, flags = FAST_OPTIONS, FAST_FLAGS
+            options, flags = _AFTER_OPTIONS, _AFTER_FLAGS
             continue
         if arg in flags:
             found[flags[arg]] = True

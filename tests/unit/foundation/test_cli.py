@@ -129,16 +129,6 @@ def test_usage_error_exit_2() -> None:
     assert ftctl("no-such-command").returncode == 2
 
 
-def test_show_completion() -> None:
-    """Shell completion is available from the root command."""
-    # With shellingham installed typer detects the shell from the process tree, which
-    # depends on how the tests were started; typer's test switch makes it take the name.
-    proc = ftctl("--show-completion", "bash",
-                 env={"SHELL": "/bin/bash", "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"})
-    assert proc.returncode == 0, proc.stderr
-    assert "complete" in proc.stdout
-
-
 def test_man_pages_are_current() -> None:
     """man/ matches what `make man` generates from the CLI now."""
     from dynamo_ftctl.cli.manpage import render_pages

@@ -69,8 +69,6 @@ def test_every_other_canary_option_goes_to_the_full_cli() -> None:
     ["canary", "--watch"],
     ["inventory", "check"],
     ["--bogus", "canary", "--all"],
-    ["canary", "--all", "--debug"],           # --debug belongs before `canary`
-    ["canary", "-i", INVENTORY, "--all"],      # so does -i
     ["canary", "--url"],                       # a value is missing
     ["canary", "--url", "--json"],
     ["canary", "--timeout", "0", "--all"],     # out of the option's range: typer says so
@@ -102,6 +100,27 @@ def test_one_shot_spellings_parse_to_probe_once_keywords() -> None:
     }
 
 
+def test_root_options_after_canary_parse_as_the_full_cli_takes_them() -> None:
+    """-i and --debug after `canary` (as the full CLI accepts them); the last -i wins."""
+    assert parse_one_shot(["-i", "a.yaml", "canary", "--worker", "w3", "-i", "b.yaml",
+                           "--debug"]) == {
+        "workers": ["w3"], "inventory": Path("b.yaml"), "debug": True, "use_state": True,
+    }
+
+
+def test_root_options_are_on_the_canary_command_the_root_builds() -> None:
+    """The full CLI's `canary` takes the root's -i/--inventory and --debug (hidden) too."""
+    command = typer.main.get_command(root_app)
+    with click.Context(command) as ctx:
+        canary = command.get_command(ctx, "canary")
+    assert canary is not None
+    full = {name: p for p in canary.params if isinstance(p, click.Option) for name in p.opts}
+    for name in ROOT_OPTIONS:
+        assert not full[name].is_flag, name
+    for name in ROOT_FLAGS:
+        assert full[name].is_flag, name
+
+
 def _run(*args: str, fast: bool, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_COLOR": "1", "FTCTL_INVENTORY": ""}
     env.pop("FTCTL_NO_FAST_PATH", None)
@@ -117,6 +136,8 @@ def _run(*args: str, fast: bool, cwd: Path) -> subprocess.CompletedProcess[str]:
     ["canary", "--url", "http://127.0.0.1:9", "--set", "missing.yaml"],  # no set file: 2
     ["-i", INVENTORY, "canary", "-w", "nope"],                        # unknown worker: 2
     ["-i", "missing.yaml", "canary", "--all"],                        # no inventory: 2
+    ["canary", "-w", "nope", "-i", INVENTORY],                        # -i after: 2
+    ["canary", "--all"],                      # none named, no ./ftctl.yaml: 2 with the hint
     ["canary", "--url", "http://127.0.0.1:9", "--set", SET, "--no-state"],  # refused: 3
     ["--json", "canary", "--url", "http://127.0.0.1:9", "--set", SET, "--no-state"],
     ["canary", "--url", "http://127.0.0.1:9", "--set", SET, "--no-state", "--json"],
