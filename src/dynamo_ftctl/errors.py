@@ -9,6 +9,7 @@ and the exit code the class carries.
     ├── WriteFailed (1)          an output file could not be written (names the path)
     ├── InvalidInput (2)         bad flags, inventory, scenario, canary set
     │   ├── InventoryError (2)   carries file, line and key path
+    │   ├── MissingExtra (2)     the command needs an optional extra: names what to install
     │   └── OutputRefused (2)    an output path names a device, FIFO, socket, directory
     │                            or a symbolic link out of its directory
     ├── Unreachable (3)          target refused, timed out or is missing
@@ -23,6 +24,7 @@ from enum import IntEnum
 from pathlib import Path
 
 __all__ = [
+    "EXTRA_OF_MODULE",
     "CheckFailed",
     "ExitCode",
     "FtctlError",
@@ -31,9 +33,11 @@ __all__ = [
     "InventoryError",
     "LeaseLost",
     "LockTimeout",
+    "MissingExtra",
     "OutputRefused",
     "Unreachable",
     "WriteFailed",
+    "require_extra",
 ]
 
 
@@ -96,6 +100,51 @@ class InventoryError(InvalidInput):
         if key:
             where += f"{key}: "
         super().__init__(f"{where}{message}")
+
+
+# The optional extras (pyproject.toml) by the top-level module that needs them. The base
+# install runs every command that needs neither torch nor a GPU.
+EXTRA_OF_MODULE: dict[str, str] = {
+    "torch": "sim",
+    "tokenizers": "sim",
+    "numpy": "sim",
+    "pynvml": "gpu",
+    "matplotlib": "plot",
+}
+
+
+class MissingExtra(InvalidInput):
+    """A command needs a module of an optional extra that is not installed (exit 2):
+    one line saying which extra to install, rather than a traceback."""
+
+    def __init__(self, module: str, extra: str) -> None:
+        self.module = module
+        self.extra = extra
+        super().__init__(
+            f"this command needs {module}, from the {extra} extra: "
+            f"pip install 'dynamo-ftctl[{extra}]'")
+
+    @classmethod
+    def from_import_error(cls, exc: ImportError) -> MissingExtra | None:
+        """The `MissingExtra` for a failed import of an extra's module, else None
+        (a missing base module is a broken install: its traceback stays)."""
+        if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+            return None
+        module = exc.name.partition(".")[0]
+        extra = EXTRA_OF_MODULE.get(module)
+        return cls(module, extra) if extra is not None else None
+
+
+def require_extra(module: str) -> None:
+    """Raise `MissingExtra` unless `module` (a key of EXTRA_OF_MODULE) can be imported.
+
+    For work that would fail later in a child process (a sim worker) or after a long
+    set-up: finds the module without importing it.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(module, EXTRA_OF_MODULE[module])
 
 
 class OutputRefused(InvalidInput):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dynamo_ftctl.errors import ExitCode, FtctlError
+from dynamo_ftctl.errors import ExitCode, FtctlError, MissingExtra
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
@@ -69,6 +69,13 @@ def guarded(call: Callable[[], int], *, debug: bool) -> int:
         return call()
     except FtctlError as exc:
         return _report(exc, debug=debug)
+    except ModuleNotFoundError as exc:
+        # torch, numpy, pynvml, matplotlib load inside the functions that need them, so
+        # a base install meets them only here: name the extra to install (exit 2).
+        missing = MissingExtra.from_import_error(exc)
+        if missing is None:
+            raise
+        return _report(missing, debug=debug)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return int(ExitCode.INTERRUPTED)

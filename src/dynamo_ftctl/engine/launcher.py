@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from dynamo_ftctl import procfs
-from dynamo_ftctl.errors import InvalidInput, Unreachable
+from dynamo_ftctl.errors import InvalidInput, Unreachable, require_extra
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory, Worker
@@ -152,6 +152,9 @@ def _spawn(
     host: str, pid_file: Path | None, log_path: Path | None, admin_token: str | None,
     admin_token_env: str, env: Mapping[str, str] | None,
 ) -> SimWorker:
+    # The worker runs in this interpreter: without torch it would only fail there, with
+    # exit 3 ("did not come up") where the fix is an install (exit 2).
+    require_extra("torch")
     own_log = log_path is None
     if log_path is None:
         handle, raw = tempfile.mkstemp(prefix=f"ftctl-sim-{name}-", suffix=".log")

@@ -920,7 +920,7 @@ def serve(settings: ServerSettings, *, on_ready: Callable[[str], None] | None = 
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     logging.getLogger("uvicorn.error").addFilter(_QuietDrops())
     install_log_redaction()
-    # uvloop and httptools when installed (the `sim` extra): per streamed token, h11's
+    # uvloop and httptools when installed (base dependencies): per streamed token, h11's
     # pure-Python framing and the default loop's transport cost more than the SSE
     # encoding itself (benchmarks/sim.py).
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",

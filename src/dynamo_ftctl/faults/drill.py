@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import FtctlError, Unreachable
+from dynamo_ftctl.errors import FtctlError, Unreachable, require_extra
 from dynamo_ftctl.faults.scenario import (
     METRIC_KINDS,
     Probe,
@@ -857,6 +857,11 @@ def run_drill(
 
     path = Path(path)
     scenario, inventory = load_scenario(path)
+    if local and any(w.launch is not None and w.launch.sim is not None
+                     for w in inventory.workers):
+        # Before the report folder exists: a missing torch is an install to do (exit 2),
+        # not a failed drill (exit 1).
+        require_extra("torch")
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(clock.wall()))
     out = out_dir or Path("reports") / "drills" / f"{path.stem}-{stamp}"
     make_output_dir(out)

@@ -220,7 +220,7 @@ def _steady_gc() -> Iterator[None]:
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when installed (the `sim` extra), else asyncio's default."""
+    """uvloop's loop when installed (a base dependency, not on Windows), else asyncio's."""
     try:
         import uvloop
     except ImportError:

@@ -1479,7 +1479,7 @@ def front_door(app: ProxyApp) -> Handler:
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when installed (the `sim` extra): ~2x the default loop's request rate."""
+    """uvloop's loop when installed (base, not on Windows): ~2x the default loop's request rate."""
     try:
         import uvloop
     except ImportError:

@@ -1,0 +1,379 @@
+"""The wheel as users install it: built once, installed into a bare venv per extra set,
+and each command run from the installed `ftctl`, so a dependency left undeclared fails here.
+
+- base (`pip install dynamo-ftctl`): `--help` of every command, and a loopback job for each
+  command that needs neither torch nor a GPU (`lock`, `xid`, `gpu kmsg`, `load`, `proxy`,
+  `canary --watch`); torch's commands answer with the install hint, exit 2; the man pages
+  lie under <venv>/share/man/man1.
+- [gpu]: NVML's module imports; `gpu status` fails in one line where no GPU is.
+- [sim]: the reference engine serves a completion; the KV copier runs on numpy's path.
+
+The venvs see none of this checkout: PYTHONPATH is dropped and the commands run in a
+temporary directory. Under xdist the wheel and each venv are built once per run (a lock in
+the run's shared temporary directory). The torch of [sim] comes from pip's cache or
+find-links, pinned by constraints.txt (`make test`'s own rule).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+# What the build reads: the wheel is built from a copy, so the build hook's kernel never
+# lands in this checkout while other tests load it.
+BUILD_INPUTS = ("pyproject.toml", "hatch_build.py", "README.md", "src", "man")
+EXTRA_MODULES = ("torch", "tokenizers", "numpy", "pynvml", "matplotlib")
+INSTALL_TIMEOUT_S = 300  # [sim]: 36 s measured on a busy 2-core VM (torch from find-links)
+COMMAND_TIMEOUT_S = 60
+# Variables that would let an installed ftctl see this checkout or this user's files.
+HIDDEN_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "FTCTL_INVENTORY", "MANPATH",
+              "VIRTUAL_ENV")
+
+# Run inside a venv: `--help` of every command and subcommand, in one process; prints
+# {"ftctl lock acquire": exit code, ...}.
+HELP_OF_EVERY_COMMAND = """
+import contextlib, io, json, click, typer
+from dynamo_ftctl.cli.main import app, main
+
+def walk(command, path):
+    yield path
+    if isinstance(command, click.Group):
+        ctx = click.Context(command)
+        for name in command.list_commands(ctx):
+            yield from walk(command.get_command(ctx, name), [*path, name])
+
+codes = {}
+for path in walk(typer.main.get_command(app), []):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        rc = main([*path, "--help"])
+    codes[" ".join(["ftctl", *path])] = rc if "Usage:" in out.getvalue() else "no usage"
+print(json.dumps(codes))
+"""
+
+
+def _clean_env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in HIDDEN_ENV}
+    env.update(XDG_STATE_HOME=str(home / "state"), PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """`make(dir)` once per test run, shared by every xdist worker; the dir."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    target = root / name
+    with (root / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (target / ".done").exists():
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            make(target)
+            (target / ".done").touch()
+    return target
+
+
+def _run(argv: list[str], *, cwd: Path, env: dict[str, str],
+         timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _checked(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> None:
+    done = _run(argv, cwd=cwd, env=env, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(argv)}: exit {done.returncode}\n{done.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel of this checkout, built by pip from a copy of its sources."""
+
+    def build(out: Path) -> None:
+        tree = out / "tree"
+        tree.mkdir()
+        for name in BUILD_INPUTS:
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns(
+                    "__pycache__", "*.so", "*.tmp"))
+            else:
+                shutil.copy2(source, tree / name)
+        # No build isolation: hatchling is in the dev extra, so the build needs no index.
+        _checked([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                  "--quiet", "--wheel-dir", str(out), str(tree)],
+                 cwd=out, env=_clean_env(out), timeout=300)
+
+    out = _once(tmp_path_factory, "wheel", build)
+    (found,) = out.glob("dynamo_ftctl-*.whl")
+    return found
+
+
+def _venv(factory: pytest.TempPathFactory, wheel: Path, extras: str) -> Path:
+    """A bare venv (no system site-packages) with the wheel and `extras` installed."""
+
+    def create(venv: Path) -> None:
+        env = _clean_env(venv)
+        _checked([sys.executable, "-m", "venv", str(venv)], cwd=venv, env=env, timeout=120)
+        spec = f"{wheel}[{extras}]" if extras else str(wheel)
+        # --no-compile: byte-compiling torch's ~10k files took ~4 of the ~5 minutes.
+        _checked([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                  "--no-compile", "--disable-pip-version-check",
+                  "-c", str(ROOT / "constraints.txt"), spec],
+                 cwd=venv, env=env, timeout=INSTALL_TIMEOUT_S)
+
+    return _once(factory, f"venv-{extras or 'base'}", create)
+
+
+@pytest.fixture(scope="session")
+def base_venv(tmp_path_factory: pytest.TempPathFactory, wheel: Path) -> Path:
+    """`pip install dynamo-ftctl`: the base install."""
+    return _venv(tmp_path_factory, wheel, "")
+
+
+@pytest.fixture
+def in_venv(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run a venv's command in an empty directory with a clean environment."""
+
+    def run(venv: Path, *argv: str, timeout: float = COMMAND_TIMEOUT_S,
+            **env: str) -> subprocess.CompletedProcess[str]:
+        return _run([str(venv / "bin" / argv[0]), *argv[1:]], cwd=tmp_path,
+                    env=_clean_env(tmp_path, **env), timeout=timeout)
+
+    return run
+
+
+class Served:
+    """A long-running command of a venv: its URL, read from the line it prints when ready."""
+
+    def __init__(self, venv: Path, argv: list[str], cwd: Path, ready: str) -> None:
+        self.log = cwd / f"{argv[0]}-{os.getpid()}-{time.monotonic_ns()}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([str(venv / "bin" / argv[0]), *argv[1:]], cwd=cwd,
+                                         env=_clean_env(cwd), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        self.url = self._await(re.compile(ready, re.MULTILINE))
+
+    def _await(self, pattern: re.Pattern[str]) -> str:
+        deadline = time.monotonic() + COMMAND_TIMEOUT_S
+        while time.monotonic() < deadline:
+            found = pattern.search(self.log.read_text())
+            if found:
+                return found.group(1)
+            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.output}"
+            time.sleep(0.05)  # polling the log for the ready line, under a deadline
+        pytest.fail(f"not ready in {COMMAND_TIMEOUT_S} s: {self.output}")
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def stop(self) -> int:
+        """SIGTERM, as a supervisor stops it; its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[[Path, list[str], str], Served]]:
+    """Start venv commands that serve; each is killed at teardown if still running."""
+    started: list[Served] = []
+
+    def start(venv: Path, argv: list[str], ready: str) -> Served:
+        served = Served(venv, argv, tmp_path, ready)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        if served.proc.poll() is None:
+            served.proc.kill()
+            served.proc.wait()
+
+
+def _get(url: str, body: dict[str, object] | None = None) -> tuple[int, str]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=COMMAND_TIMEOUT_S) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _inventory(directory: Path) -> Path:
+    """One worker nobody serves (port 9, discard), the proxy and the daemon on free ports."""
+    shutil.copy2(ROOT / "canaries" / "ftctl-sim-tiny.yaml", directory / "canaries.yaml")
+    path = directory / "inv.yaml"
+    path.write_text(
+        "cluster: smoke\n"
+        "workers:\n"
+        "  - {name: w1, url: 'http://127.0.0.1:9', model: ftctl-sim-tiny, node: localhost}\n"
+        "canary: {set: canaries.yaml, listen: '127.0.0.1:0'}\n"
+        "proxy: {listen: '127.0.0.1:0'}\n")
+    return path
+
+
+# --- base --------------------------------------------------------------------------------
+
+
+def test_base_install_is_the_wheel_without_any_extra(base_venv: Path, in_venv) -> None:
+    """The base venv imports ftctl from itself and has none of the extras' modules."""
+    probe = ("import importlib.util, json, dynamo_ftctl; print(json.dumps([dynamo_ftctl.__file__,"
+             f" [m for m in {EXTRA_MODULES!r} if importlib.util.find_spec(m)]]))")
+    done = in_venv(base_venv, "python", "-c", probe)
+    assert done.returncode == 0, done.stderr
+    where, present = json.loads(done.stdout)
+    assert where.startswith(str(base_venv))
+    assert present == []
+
+
+def test_base_install_answers_help_of_every_command(base_venv: Path, in_venv) -> None:
+    """`--help` of each command and subcommand prints usage and exits 0."""
+    done = in_venv(base_venv, "python", "-c", HELP_OF_EVERY_COMMAND)
+    assert done.returncode == 0, done.stderr
+    codes = json.loads(done.stdout)
+    assert len(codes) > 30  # the walk reached the subcommands, not only the groups
+    assert {path: rc for path, rc in codes.items() if rc != 0} == {}
+
+
+def test_base_install_runs_lock_xid_and_gpu_kmsg(base_venv: Path, in_venv,
+                                                 tmp_path: Path) -> None:
+    """lock runs a command holding the lock; xid explains 48; gpu kmsg finds a logged Xid."""
+    lock = in_venv(base_venv, "ftctl", "lock", "acquire", "--path", str(tmp_path / "f.lock"),
+                   "--timeout", "5", "--", "true")
+    assert lock.returncode == 0, lock.stderr
+    xid = in_venv(base_venv, "ftctl", "xid", "48")
+    assert xid.returncode == 0, xid.stderr
+    assert "Double Bit ECC" in xid.stdout
+    (tmp_path / "kern.log").write_text(
+        "Nov 25 10:00:00 h kernel: NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, name=python, DBE\n")
+    kmsg = in_venv(base_venv, "ftctl", "gpu", "kmsg", "--source", str(tmp_path / "kern.log"),
+                   "--pci-map", "0000:3b:00=0", "--json")
+    assert kmsg.returncode == 1, kmsg.stderr  # 1: an actionable Xid was found
+    assert json.loads(kmsg.stdout.splitlines()[0])["xid"] == 48
+
+
+def test_base_install_load_runs_against_the_loopback_target(base_venv: Path, in_venv,
+                                                             serve) -> None:
+    """`ftctl load` completes every request against the packaged loopback target."""
+    target = serve(base_venv, ["python", "-m", "dynamo_ftctl.loadgen.target", "--port", "0"],
+                   r"listening on (127\.0\.0\.1:\d+)")
+    done = in_venv(base_venv, "ftctl", "load", "--url", f"http://{target.url}", "--users", "1",
+                   "--requests", "5", "--max-tokens", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["completed"], report["failed"]) == (5, 0)
+
+
+def test_base_install_serves_the_proxy(base_venv: Path, serve, tmp_path: Path) -> None:
+    """`ftctl proxy` (Starlette, uvicorn's loop) starts, answers /health, stops on SIGTERM."""
+    inventory = _inventory(tmp_path)
+    proxy = serve(base_venv, ["ftctl", "-i", str(inventory), "proxy"],
+                  r"serving 1 workers on (http://\S+)")
+    status, _ = _get(f"{proxy.url}/health")
+    assert status in (200, 503)  # it answers; no worker is up, so not necessarily healthy
+    assert proxy.stop() == 0, proxy.output
+    assert "Traceback" not in proxy.output
+
+
+def test_base_install_serves_the_canary_daemon(base_venv: Path, serve, tmp_path: Path) -> None:
+    """`ftctl canary --watch` (uvicorn) probes, answers /health, stops on SIGTERM."""
+    inventory = _inventory(tmp_path)
+    daemon = serve(base_venv, ["ftctl", "-i", str(inventory), "canary", "--watch"],
+                   r"serving (http://\S+)")
+    status, body = _get(f"{daemon.url}/health")
+    assert status == 200, body
+    assert json.loads(body)["status"] == "ok"
+    assert daemon.stop() == 0, daemon.output
+    assert "Traceback" not in daemon.output
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "serve", "--port", "0"],
+    ["kv", "bench", "--blocks", "16"],
+])
+def test_base_install_names_the_sim_extra(base_venv: Path, in_venv, argv: list[str]) -> None:
+    """A torch command in the base install: one line with the install hint, exit 2."""
+    done = in_venv(base_venv, "ftctl", *argv)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'dynamo-ftctl[sim]'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_base_install_ships_the_man_pages(base_venv: Path, tmp_path: Path) -> None:
+    """Every page of man/ is installed under <venv>/share/man/man1, where `man` finds it."""
+    pages = sorted(p.name for p in (ROOT / "man").glob("*.1"))
+    installed = base_venv / "share" / "man" / "man1"
+    assert sorted(p.name for p in installed.glob("*.1")) == pages
+    for page in pages:
+        assert (installed / page).read_bytes() == (ROOT / "man" / page).read_bytes()
+    if shutil.which("man") is None:
+        pytest.skip("man is not installed (make debs installs man-db)")
+    # man-db looks for ../share/man beside each PATH entry: the venv's bin is enough.
+    env = _clean_env(tmp_path, PATH=f"{base_venv / 'bin'}:{os.environ.get('PATH', '')}")
+    found = _run(["man", "-w", "ftctl"], cwd=tmp_path, env=env)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == str(installed / "ftctl.1")
+
+
+# --- [gpu] -------------------------------------------------------------------------------
+
+
+def test_gpu_install_imports_nvml(tmp_path_factory: pytest.TempPathFactory, wheel: Path,
+                                  in_venv) -> None:
+    """[gpu] brings pynvml; `gpu status` answers (exit 3 in one line where no GPU is)."""
+    venv = _venv(tmp_path_factory, wheel, "gpu")
+    done = in_venv(venv, "python", "-c", "import pynvml")
+    assert done.returncode == 0, done.stderr
+    status = in_venv(venv, "ftctl", "gpu", "status")
+    assert status.returncode in (0, 1, 3), status.stderr
+    assert "Traceback" not in status.stderr
+    if status.returncode == 3:
+        assert len(status.stderr.strip().splitlines()) == 1, status.stderr
+
+
+# --- [sim] -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT_S + 120)
+def test_sim_install_serves_a_completion_and_copies_kv(
+    tmp_path_factory: pytest.TempPathFactory, wheel: Path, in_venv, serve,
+) -> None:
+    """[sim]: the reference engine (torch, BPE tokenizer) completes; the KV copier runs."""
+    venv = _venv(tmp_path_factory, wheel, "sim")
+    engine = serve(venv, ["ftctl", "sim", "serve", "--port", "0"], r"^(http://\S+)$")
+    status, body = _get(f"{engine.url}/v1/completions",
+                        {"model": "ftctl-sim-tiny", "prompt": "hello", "max_tokens": 4})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"]
+    # uvicorn re-raises the signal once it has shut down gracefully (uvicorn/server.py)
+    assert engine.stop() in (0, -signal.SIGTERM), engine.output
+    assert "Traceback" not in engine.output
+    # random ids with the torch kernel: the id checks run on numpy's view (kv/copy.py)
+    bench = in_venv(venv, "ftctl", "kv", "bench", "--blocks", "64", "--sweep-kib", "",
+                    "--patterns", "random", "--repeats", "1", "--kernel", "torch", "--json",
+                    timeout=120)
+    assert bench.returncode == 0, bench.stderr
