@@ -256,11 +256,12 @@ class ProgressLine:
 
 
 @contextlib.contextmanager
-def progress(description: str, *, total: float | None = None,
+def progress(description: str, *, total: float | None = None, counted: bool = True,
              quiet: bool = False) -> Iterator[ProgressLine]:
-    """Show `description`, a bar (or a pulse while `total` is None) and the elapsed time
-    on stderr while the block runs, on a terminal only: piped, or `quiet` (`--json`),
-    nothing is drawn. The line is cleared at the end; the result prints after it."""
+    """Show `description`, a bar with done/total (a pulse while `total` is None; neither
+    for work that is not `counted`) and the elapsed time on stderr while the block runs,
+    on a terminal only: piped, or `quiet` (`--json`), nothing is drawn. The line is
+    cleared at the end; the result prints after it."""
     if quiet or not sys.stderr.isatty():
         yield ProgressLine(None, None, quiet=quiet)
         return
@@ -273,9 +274,9 @@ def progress(description: str, *, total: float | None = None,
         TimeElapsedColumn,
     )
 
-    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                   MofNCompleteColumn(), TimeElapsedColumn(), console=stderr_console(),
-                   transient=True)
+    steps = (BarColumn(), MofNCompleteColumn()) if counted else ()
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), *steps,
+                   TimeElapsedColumn(), console=stderr_console(), transient=True)
     with bar:
         task = bar.add_task(one_line(redact_text(description)), total=total)
         yield ProgressLine(bar, task, quiet=quiet)

@@ -39,7 +39,8 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
 
     # Each step of the drill is a log line (on stderr, piped too: a log of what was done);
     # on a terminal the live line below them shows the latest and the time so far.
-    with progress(f"drill {scenario.name}: starting", quiet=json_mode(ctx, json_)) as status:
+    with progress(f"drill {scenario.name}: starting", counted=False,
+                  quiet=json_mode(ctx, json_)) as status:
 
         def log(line: str) -> None:
             status.print(f"drill: {line}")

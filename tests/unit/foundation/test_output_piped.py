@@ -67,3 +67,20 @@ def test_kv_bench_piped_has_no_progress_and_no_box() -> None:
     assert as_json.returncode == 0, as_json.stderr
     assert as_json.stderr == ""
     assert as_json.stdout.lstrip().startswith("{")
+
+
+def test_progress_off_a_terminal_draws_nothing_and_logs_plain_lines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Off a terminal `progress` draws nothing; its log lines are plain, none with --json."""
+    from dynamo_ftctl.output import progress
+
+    with progress("working") as line:
+        line.update(1, 3, note="step one")
+        line.print("did step one")
+    with progress("working", quiet=True) as line:
+        line.update(2, 3)
+        line.print("not shown")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "did step one\n"
