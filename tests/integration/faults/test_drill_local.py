@@ -62,7 +62,7 @@ def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> Non
     assert doc["requests"]["migrated"] >= cut["witness"]
     md = (tmp_path / "report.md").read_text()
     assert f"streams cut mid-generation: {cut['streams']}, continued intact: " in md.lower()
-    assert elapsed < 120, f"the demo drill took {elapsed:.0f} s"
+    assert elapsed < 150, f"the demo drill took {elapsed:.0f} s"  # ~25 s on an idle 2-core VM
     assert doc["requests"]["tokens_lost"] == 0
     assert doc["requests"]["tokens_duplicated"] == 0
     assert doc["timeline"][0]["label"] == "kill w2"

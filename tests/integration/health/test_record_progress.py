@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import pty
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 import yaml
+
+from tests.terminal import run_on_a_terminal
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -36,44 +35,11 @@ def _args(inventory: Path, out: Path) -> list[str]:
             "-w", "w1", "-o", str(out), "--repeats", "8", "--max-tokens", "64"]
 
 
-def _run_on_a_terminal(args: list[str], deadline_s: float) -> tuple[int, str]:
-    """Run `args` with stdout and stderr on a pseudo-terminal; its exit code and output."""
-    main, child = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "COLUMNS")}
-    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=child, stderr=child,
-                            cwd=ROOT, env={**env, "TERM": "xterm-256color",
-                                           "FTCTL_NO_CACHE": "1"})
-    os.close(child)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + deadline_s
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([main], [], [], 0.5)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                data = os.read(main, 65536)
-            except OSError:  # EIO: the child side closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        os.close(main)
-    return code, b"".join(chunks).decode(errors="replace")
-
-
 def test_record_on_a_terminal_shows_progress(sim_worker: SimWorker, tmp_path: Path) -> None:
     """On a terminal: the live line (spinner, text, n/total) appears on stderr, then the result."""
     out = tmp_path / "set.yaml"
-    code, seen = _run_on_a_terminal(_args(_inventory(sim_worker, tmp_path / "inv.yaml"), out),
-                                    deadline_s=120)
+    code, seen = run_on_a_terminal(_args(_inventory(sim_worker, tmp_path / "inv.yaml"), out),
+                                   cwd=ROOT, deadline_s=120)
     assert code == 0, seen
     assert "recording the canary set" in seen, seen
     assert SPINNER & set(seen), seen

@@ -84,3 +84,22 @@ def test_progress_off_a_terminal_draws_nothing_and_logs_plain_lines(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "did step one\n"
+
+
+def test_inventory_show_on_a_narrow_terminal_folds_urls(tmp_path: Path) -> None:
+    """On a 70-column terminal the URL cell folds onto more lines; no part of it is cut."""
+    import re
+
+    from tests.terminal import run_on_a_terminal
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text(yaml.safe_dump({"cluster": "wide", "workers": [
+        {"name": "w1", "url": LONG_URL, "model": "m"}]}))
+    code, seen = run_on_a_terminal(
+        [sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "inventory", "show"],
+        cwd=ROOT, deadline_s=60, columns=70)
+    assert code == 0, seen
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", seen)
+    assert "…" not in text
+    rows = [line.split("│") for line in text.splitlines() if line.startswith("│")]
+    assert "".join(row[2].strip() for row in rows) == LONG_URL, text
