@@ -4,7 +4,10 @@ Library calls return frozen result objects; the CLI hands them to `emit`.
 With `--json`, stdout carries exactly one JSON document (or JSON lines for
 streams, via `emit_line`) and nothing else; logs and errors go to stderr.
 A result renders for people through `__rich__` when it has one, else as a
-key/value table of its JSON form.
+key/value table of its JSON form. Off a terminal, tables have no box and no
+width limit (nothing is cut: a URL stays whole for grep and copy); on one,
+a cell too wide folds onto the next line, never into an ellipsis.
+Long work shows `progress` on stderr, on a terminal only.
 
 Every renderer here masks secrets in URLs (`redact`): `user:password@` and
 token query parameters print as `***`, in tables, text, JSON, errors and
@@ -21,7 +24,7 @@ import math
 import os
 import stat
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,7 @@ from dynamo_ftctl.redact import redact_text
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import Progress, TaskID
     from rich.table import Table
 
 __all__ = [
@@ -40,6 +44,7 @@ __all__ = [
     "error",
     "kv_table",
     "make_output_dir",
+    "progress",
     "redact_doc",
     "stderr_console",
     "stdout_console",
@@ -81,13 +86,19 @@ def to_jsonable(value: Any) -> Any:
     return str(value)
 
 
+# Off a terminal a table is as wide as its widest row: no width to fit, nothing cut.
+_UNBOUNDED_WIDTH = 100_000
+
+
 def _console(stream: Any) -> Console:
     from rich.console import Console
 
-    # Off a terminal (logs, pipes, CI) text lines keep their length: rich's 80-column
-    # default would cut "tokens lost 0, duplicated 0" in two. Tables still fit the width.
+    # Off a terminal (logs, pipes, CI) lines keep their length: rich's 80-column
+    # default would cut "tokens lost 0, duplicated 0" in two and a URL in a table
+    # to "http://127.0.0.1:181…".
     on_terminal = bool(getattr(stream, "isatty", lambda: False)())
-    return Console(file=stream, highlight=False, soft_wrap=not on_terminal)
+    return Console(file=stream, highlight=False, soft_wrap=not on_terminal,
+                   width=None if on_terminal else _UNBOUNDED_WIDTH)
 
 
 def stdout_console() -> Console:
@@ -164,13 +175,19 @@ def _cell(value: Any) -> str:
     return redact_text(str(value))
 
 
+def _default_box() -> Any:
+    from rich import box
+
+    return box.HEAVY_HEAD  # rich's own default for Table
+
+
 def kv_table(title: str | None, data: Mapping[str, Any]) -> Table:
     """A two-column key/value table."""
     from rich.table import Table
 
     out = Table(title=title, show_header=False, box=None, pad_edge=False)
     out.add_column(style="bold")
-    out.add_column()
+    out.add_column(overflow="fold")
     for key, value in data.items():
         out.add_row(str(key), _cell(value))
     return out
@@ -180,15 +197,89 @@ def table(
     title: str | None, columns: Sequence[str], rows: Iterable[Sequence[Any]],
     *, styles: Mapping[str, str] | None = None,
 ) -> Table:
-    """A table with a header row; `styles` maps column names to rich styles."""
+    """A table with a header row; `styles` maps column names to rich styles.
+
+    Boxed on a terminal (stdout), plain aligned columns elsewhere: box-drawing
+    characters in a pipe only get in grep's and awk's way.
+    """
     from rich.table import Table
 
-    out = Table(title=title)
+    boxed = sys.stdout.isatty()
+    out = Table(title=title, box=_default_box() if boxed else None, show_edge=boxed,
+                pad_edge=boxed)
     for name in columns:
-        out.add_column(name, style=(styles or {}).get(name))
+        out.add_column(name, style=(styles or {}).get(name), overflow="fold")
     for row in rows:
         out.add_row(*(_cell(v) for v in row))
     return out
+
+
+class ProgressLine:
+    """The progress of one long job: a live line on stderr when it is a terminal, else silent.
+
+    `print` writes a log line: above the live line on a terminal, as a plain line
+    on stderr otherwise (unless quiet: `--json` runs say nothing on stderr but errors).
+    """
+
+    def __init__(self, bar: Progress | None, task: TaskID | None, *, quiet: bool) -> None:
+        self._bar = bar
+        self._task = task
+        self._quiet = quiet
+
+    def update(self, completed: float, total: float | None = None,
+               note: str | None = None) -> None:
+        """`completed` of `total` steps done (total None: unknown); `note` replaces the text."""
+        if self._bar is None or self._task is None:
+            return
+        fields: dict[str, Any] = {"completed": completed}
+        if total is not None:
+            fields["total"] = total
+        if note is not None:
+            fields["description"] = one_line(redact_text(note))
+        self._bar.update(self._task, **fields)
+
+    def note(self, text: str) -> None:
+        """Replace the live line's text (nothing off a terminal)."""
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=one_line(redact_text(text)))
+
+    def print(self, line: str) -> None:
+        """One log line on stderr, above the live line where there is one."""
+        if self._quiet:
+            return
+        line = one_line(redact_text(line))
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def progress(description: str, *, total: float | None = None, counted: bool = True,
+             quiet: bool = False) -> Iterator[ProgressLine]:
+    """Show `description`, a bar with done/total (a pulse while `total` is None; neither
+    for work that is not `counted`) and the elapsed time on stderr while the block runs,
+    on a terminal only: piped, or `quiet` (`--json`), nothing is drawn. The line is
+    cleared at the end; the result prints after it."""
+    if quiet or not sys.stderr.isatty():
+        yield ProgressLine(None, None, quiet=quiet)
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    steps = (BarColumn(), MofNCompleteColumn()) if counted else ()
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), *steps,
+                   TimeElapsedColumn(), console=stderr_console(), transient=True)
+    with bar:
+        task = bar.add_task(one_line(redact_text(description)), total=total)
+        yield ProgressLine(bar, task, quiet=quiet)
 
 
 def one_line(message: str) -> str:

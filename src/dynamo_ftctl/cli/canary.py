@@ -176,6 +176,7 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
     Example: ftctl -i examples/local.yaml canary record -w w1 -o canaries/ftctl-sim-tiny.yaml
     """
     from dynamo_ftctl.health.run import record_set
+    from dynamo_ftctl.output import progress
 
     prompts = []
     for item in prompt or ():
@@ -185,12 +186,18 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
             raise typer.BadParameter(msg, param_hint="--prompt")
         prompts.append((name, text))
     inventory = _inventory(ctx, required=url is None)
-    def warming(deadline_s: float) -> None:
-        sys.stderr.write(f"waiting up to {deadline_s:g} s for the worker to warm up "
-                         "(first request)...\n")
-        sys.stderr.flush()
+    with progress("recording the canary set", quiet=json_mode(ctx, json_)) as line:
 
-    result = record_set(inventory, worker=worker, url=url, model=model, out=out,
-                        repeats=repeats, max_tokens=max_tokens, prompts=prompts or None,
-                        warmup_timeout_s=warmup_timeout, on_warmup=warming)
+        def warming(deadline_s: float) -> None:
+            line.print(f"waiting up to {deadline_s:g} s for the worker to warm up "
+                       "(first request)...")
+            line.note("warm-up request")
+
+        def asked(done: int, total: int) -> None:
+            line.update(done, total, note="recording the canary set")
+
+        result = record_set(inventory, worker=worker, url=url, model=model, out=out,
+                            repeats=repeats, max_tokens=max_tokens, prompts=prompts or None,
+                            warmup_timeout_s=warmup_timeout, on_warmup=warming,
+                            on_progress=asked)
     finish(ctx, result, json_flag=json_)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -36,13 +35,16 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
 ) -> None:
     """Run one drill scenario; writes report.json, report.md and timeline.png."""
     from dynamo_ftctl.faults.drill import run_drill
+    from dynamo_ftctl.output import progress
 
-    quiet = json_mode(ctx, json_)
+    # Each step of the drill is a log line (on stderr, piped too: a log of what was done);
+    # on a terminal the live line below them shows the latest and the time so far.
+    with progress(f"drill {scenario.name}: starting", counted=False,
+                  quiet=json_mode(ctx, json_)) as status:
 
-    def log(line: str) -> None:
-        if not quiet:
-            sys.stderr.write(f"drill: {line}\n")
-            sys.stderr.flush()
+        def log(line: str) -> None:
+            status.print(f"drill: {line}")
+            status.note(f"drill {scenario.name}: {line}")
 
-    report = run_drill(scenario, local=local, out_dir=out, log=log, plot=not no_plot)
+        report = run_drill(scenario, local=local, out_dir=out, log=log, plot=not no_plot)
     finish(ctx, report, json_flag=json_, code=0 if report.passed else 1)

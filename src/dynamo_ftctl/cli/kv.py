@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from dynamo_ftctl.cli._common import JsonFlag, finish
+from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode
 
 app = typer.Typer(
     help=(
@@ -77,13 +77,16 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
     Example: ftctl kv bench --blocks 1000,10000,100000 --repeats 5
     """
     from dynamo_ftctl.kv.bench import run_kv_bench
+    from dynamo_ftctl.output import progress
 
-    result = run_kv_bench(
-        device=device, layers=layers, blocks=_ints(blocks, "--blocks"), block_size=block_size,
-        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, layout=layout,
-        chunk_bytes=chunk_kib * 1024,
-        sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
-        sweep_blocks=sweep_blocks, repeats=repeats, threads=threads, kernel=kernel, cache=cache,
-        patterns=[p for p in patterns.replace(" ", "").split(",") if p],
-    )
+    with progress("measuring KV copies", quiet=json_mode(ctx, json_)) as line:
+        result = run_kv_bench(
+            device=device, layers=layers, blocks=_ints(blocks, "--blocks"),
+            block_size=block_size, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+            layout=layout, chunk_bytes=chunk_kib * 1024,
+            sweep_chunks=[k * 1024 for k in _ints(sweep_kib, "--sweep-kib")],
+            sweep_blocks=sweep_blocks, repeats=repeats, threads=threads, kernel=kernel,
+            cache=cache, patterns=[p for p in patterns.replace(" ", "").split(",") if p],
+            on_progress=line.update,
+        )
     finish(ctx, result, json_flag=json_)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from dynamo_ftctl.cli._common import JsonFlag, finish, load_inventory_for
+from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
 from dynamo_ftctl.cli.completion import complete_worker
 
 app = typer.Typer(
@@ -89,12 +89,14 @@ def calibrate(  # noqa: PLR0917 - typer passes every option positionally
     Example: ftctl -i examples/local.yaml migrate calibrate --worker w1 --to w2
     """
     from dynamo_ftctl.migrate.calibrate import calibrate_workers, parse_lengths
+    from dynamo_ftctl.output import progress
 
     inventory = load_inventory_for(ctx)
-    result = calibrate_workers(
-        inventory, worker=worker, peer=to, lengths=parse_lengths(lengths), repeats=repeats,
-        output=output, timeout_s=timeout,
-    )
+    with progress(f"calibrating {worker}", quiet=json_mode(ctx, json_)) as line:
+        result = calibrate_workers(
+            inventory, worker=worker, peer=to, lengths=parse_lengths(lengths), repeats=repeats,
+            output=output, timeout_s=timeout, on_progress=line.update,
+        )
     finish(ctx, result, json_flag=json_)
 
 

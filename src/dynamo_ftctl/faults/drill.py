@@ -11,7 +11,8 @@ records apply) and probes, while a poller records each worker's state.
 Rollbacks run in a `finally`: even on Ctrl-C or a failed step.
 
 The report (`DrillReport`) counts requests sent, failed and migrated, tokens
-lost or duplicated, TTFT before and after the first fault, and every probe;
+lost or duplicated, the streams the faults cut mid-generation and how many of them
+continued intact (`cut_streams`), TTFT before and after the first fault, and every probe;
 `faults/drill_report.py` writes it as JSON, Markdown and a PNG timeline.
 """
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.loadgen.record import RequestRecord
     from dynamo_ftctl.loadgen.runner import LoadReport
 
-__all__ = ["ProbeOutcome", "TimelineEvent", "run_drill"]
+__all__ = ["ProbeOutcome", "TimelineEvent", "cut_streams", "run_drill"]
 
 _POLL_S = 0.2  # worker-state sampling period for the timeline
 
@@ -462,6 +463,23 @@ def _add_witness_counts(counts: dict[str, Any], run: _Run) -> None:
     counts["completed"] += seen["streams"] - seen["failed"]
     counts["streams_cut"] = seen["cut"]
     counts["ids_mismatched"] = seen["ids_mismatched"]
+
+
+def cut_streams(runs: list[tuple[LoadProfile, LoadReport]],
+                witness: dict[str, Any] | None) -> dict[str, int]:
+    """Streams the proxy moved mid-generation, and how many of them continued intact.
+
+    A witness stream is intact when its token ids equal the fault-free run's; a load
+    stream (no ids) when it completed with exactly its `max_tokens` tokens.
+    """
+    moved = [(r, profile.max_tokens) for profile, report in runs
+             for r in report.records if not r.warmup and r.migrated]
+    complete = sum(1 for r, n in moved if r.ok and r.output_tokens == n)
+    w_cut = (witness["cut"] + witness["cut_failed"]) if witness else 0
+    w_intact = witness["cut_intact"] if witness else 0
+    return {"streams": w_cut + len(moved), "continued_intact": w_intact + complete,
+            "witness": w_cut, "witness_token_identical": w_intact,
+            "load": len(moved), "load_complete": complete}
 
 
 def _metric_probe(probe: Probe, counts: dict[str, Any], ttft_p99: float | None) -> ProbeOutcome:
@@ -926,6 +944,7 @@ def run_drill(
         counts = loads_counts(runs)
         if run.witnesses is not None:
             _add_witness_counts(counts, run)
+        counts["cut"] = cut_streams(runs, counts.get("witness"))
         if run.proxy_migrations is not None:
             counts["migrated"] = max(counts["migrated"], run.proxy_migrations)
         for probe in scenario.hypothesis.probes:

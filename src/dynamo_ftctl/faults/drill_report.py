@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "REPORT_FILES",
     "DrillReport",
+    "cut_line",
     "plot_timeline",
     "render_markdown",
     "witness_line",
@@ -66,7 +67,8 @@ class DrillReport:
             "kind": "ftctl-drill-report", "scenario": self.scenario, "title": self.title,
             "passed": self.passed, "local": self.local, "error": self.error,
             "started_at": self.started_at, "elapsed_s": self.elapsed_s,
-            "requests": self.counts, "latency": self.latency,
+            "requests": self.counts, "cut_streams": self.counts.get("cut"),
+            "latency": self.latency,
             "probes": to_jsonable(self.probes), "timeline": to_jsonable(self.events),
             "rollbacks": list(self.rollbacks), "worker_downtime_s": self.downtime(),
             "drained_after_s": self.detections,
@@ -91,6 +93,8 @@ class DrillReport:
                  f"in {self.elapsed_s:.1f} s"]
         if self.error:
             lines.append(f"  error: {self.error}")
+        if c.get("cut"):
+            lines.append("  " + cut_line(c["cut"]))
         if c:
             lines.append(f"  requests: sent {c['sent']}, failed {c['failed']}, migrated "
                          f"{c['migrated']}, rejected {c['rejected']}; tokens lost "
@@ -127,6 +131,19 @@ class DrillReport:
                     overflow="ignore")
 
 
+def cut_line(cut: dict[str, int]) -> str:
+    """One sentence on the streams the faults cut mid-generation and how they ended."""
+    parts = []
+    if cut["witness"]:
+        parts.append(f"{cut['witness_token_identical']} of {cut['witness']} witness streams "
+                     "token-identical to an uninterrupted run")
+    if cut["load"]:
+        parts.append(f"{cut['load_complete']} of {cut['load']} load streams complete with "
+                     "every token")
+    return (f"streams cut mid-generation: {cut['streams']}, continued intact: "
+            f"{cut['continued_intact']}" + (f" ({'; '.join(parts)})" if parts else ""))
+
+
 def witness_line(w: dict[str, Any]) -> str:
     """One sentence on the witness streams: how many were cut and continued intact."""
     line = (f"witness: {w['streams']} greedy streams, {w['failed']} failed, {w['cut']} cut "
@@ -149,6 +166,8 @@ def render_markdown(report: DrillReport) -> str:
            f"{' (local)' if report.local else ''}, {report.elapsed_s:.1f} s", ""]
     if report.error:
         out += [f"Error: `{report.error}`", ""]
+    if c.get("cut"):
+        out += [f"**{cut_line(c['cut']).capitalize()}.**", ""]
     if c:
         out += ["| requests sent | failed | migrated | rejected | tokens lost | "
                 "tokens duplicated |", "|---|---|---|---|---|---|",

@@ -122,10 +122,13 @@ class Witness(_Model):
     """
 
     at_s: float = Field(0.0, ge=0, description="When the streams start (before the fault).")
-    streams: int = Field(4, ge=1, le=64)
+    streams: int = Field(4, ge=1, le=256)
     prompt_tokens: int = Field(16, ge=1, le=4096)
     max_tokens: int = Field(256, ge=1, le=32_768, description="Long enough to span the fault.")
     timeout_s: float = Field(120.0, gt=0)
+    reference_concurrency: int = Field(
+        1, ge=1, le=256, description="Fault-free runs at once (1: one at a time; more only "
+        "where the engine's greedy output does not depend on its batch, as ftctl sim's).")
 
 
 class TimelineEntry(_Model):

@@ -109,25 +109,32 @@ async def run_witnesses(witness: Witness, url: str, model: str) -> list[WitnessS
 
 async def compare_witnesses(witness: Witness, streams: list[WitnessStream],
                             worker_url: str) -> None:
-    """Run each request once more, one at a time, straight from `worker_url` (no proxy,
-    no fault): the reference its ids must equal."""
+    """Run each request once more straight from `worker_url` (no proxy, no fault),
+    `witness.reference_concurrency` at a time: the reference its ids must equal."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for stream in streams:
+    slots = asyncio.Semaphore(witness.reference_concurrency)
+
+    async def reference(stream: WitnessStream) -> None:
+        async with slots:
             fault_free = WitnessStream(stream.index, stream.body)
             await _stream(session, worker_url, fault_free)
             stream.reference = fault_free.ids if fault_free.ok else None
 
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(reference(s) for s in streams))
+
 
 def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, Any]:
-    """Streams sent, failed, cut (migrated), cut and intact, and ids that differ."""
+    """Streams sent, failed, cut (migrated) and completed, cut and intact, cut and failed,
+    and ids that differ."""
     done = [s for s in streams if s.ok]
     cut = [s for s in done if s.migrated]
     return {
         "streams": len(streams), "failed": len(streams) - len(done),
         "cut": len(cut), "cut_intact": sum(1 for s in cut if s.intact),
+        "cut_failed": sum(1 for s in streams if s.migrated and not s.ok),
         "ids_mismatched": sum(1 for s in done if not s.intact),
         "no_reference": sum(1 for s in done if s.reference is None),
         "tokens_lost": sum(max(0, max_tokens - len(s.ids)) for s in done),

@@ -75,11 +75,13 @@ def record_canary_set(
     endpoint: str = "completions", transport: SyncTransport | None = None,
     warmup_timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S,
     on_warmup: Callable[[float], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> CanarySet:
     """Send every prompt `repeats` times and return the set of their agreed answers.
 
     First one warm-up request (the first prompt) may take up to `warmup_timeout_s`
     (0: no warm-up); `on_warmup(warmup_timeout_s)` is called before it is sent.
+    `on_progress(done, total)` follows the recording requests (warm-up excluded).
     """
     transport = transport or Http1Transport()
     draft = CanarySet.model_validate({
@@ -106,10 +108,21 @@ def record_canary_set(
             msg = f"{exc} (while waiting {warmup_timeout_s:g} s for its warm-up request)"
             raise Unreachable(msg) from None
     recorded = []
+    total = len(draft.prompts) * repeats
+    asked = 0
+
+    def ask_counted(prompt: CanaryPrompt) -> Answer:
+        nonlocal asked
+        answer = ask(prompt, timeout_s)
+        asked += 1
+        if on_progress is not None:
+            on_progress(asked, total)
+        return answer
+
     for prompt in draft.prompts:
         # Ask for logprobs while recording: the range is part of the golden answer.
         asking = prompt.model_copy(update={"expected_top_logprob_range": (-1.0, 0.0)})
-        answers = [ask(asking, timeout_s) for _ in range(repeats)]
+        answers = [ask_counted(asking) for _ in range(repeats)]
         first = answers[0]
         for index, other in enumerate(answers[1:], start=2):
             if (other.token_ids, other.text) != (first.token_ids, first.text):

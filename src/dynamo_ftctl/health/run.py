@@ -126,10 +126,12 @@ def record_set(
     model: str | None = None, out: Path | None = None, repeats: int = 3, max_tokens: int = 8,
     prompts: Sequence[tuple[str, str]] | None = None, timeout_s: float | None = None,
     warmup_timeout_s: float | None = None, on_warmup: Callable[[float], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> RecordResult:
     """`ftctl canary record`: capture a golden set from a good worker and write it.
 
-    A warm-up request with its own deadline comes first (`record_canary_set`).
+    A warm-up request with its own deadline comes first (`record_canary_set`);
+    `on_progress(done, total)` follows the recording requests.
     """
     from dynamo_ftctl.health.canaryset import dump_canary_set
     from dynamo_ftctl.health.record import (
@@ -157,7 +159,7 @@ def record_set(
                                  warmup_timeout_s=(DEFAULT_WARMUP_TIMEOUT_S
                                                    if warmup_timeout_s is None
                                                    else warmup_timeout_s),
-                                 on_warmup=on_warmup)
+                                 on_warmup=on_warmup, on_progress=on_progress)
     dump_canary_set(recorded, path)
     return RecordResult(path, served, recorded.recorded_from or target.url,
                         len(recorded.prompts), repeats, recorded)

@@ -237,6 +237,7 @@ def run_kv_bench(
     clock: Clock = SYSTEM_CLOCK,
     cpu_clock: Callable[[], float] = time.process_time,
     evict: Callable[[], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> KVBenchResult:
     """Measure the copier against a contiguous copy for each id pattern and block count,
     then sweep chunk sizes on the `random` pattern (with torch's kernels, whatever
@@ -250,6 +251,7 @@ def run_kv_bench(
     (the native row-copy kernel when it was built at install), "native" (InvalidInput
     when it was not) or "torch". `cache` "cold" runs `evict` (default: a read of twice
     the last-level cache) before every timed run of the copier and the baseline.
+    `on_progress(done, total)` follows the measurements.
     """
     try:
         import torch
@@ -300,15 +302,25 @@ def run_kv_bench(
         "repeats": repeats, "clock": clock, "cpu_clock": cpu_clock, "native": native,
         "evict": (evict or _cache_evictor()) if cache == "cold" else None,
     }
+    total = (len(patterns) * len(blocks) + len(sweep_chunks)) * len(routes)
+    measured = 0
+
+    def counted(row: BenchRow) -> BenchRow:
+        nonlocal measured
+        measured += 1
+        if on_progress is not None:
+            on_progress(measured, total)
+        return row
+
     rows = tuple(
-        _measure(route=route, pattern=pattern, blocks=n, chunk_bytes=chunk_bytes, seed=i,
-                 **common)
+        counted(_measure(route=route, pattern=pattern, blocks=n, chunk_bytes=chunk_bytes,
+                         seed=i, **common))
         for pattern in patterns for i, n in enumerate(blocks) for route in routes
     )
     # The staging chunk matters to torch's two-pass random copy only: the sweep measures it.
     sweep = tuple(
-        _measure(route=route, pattern="random", blocks=sweep_blocks, chunk_bytes=size, seed=99,
-                 **{**common, "native": False})
+        counted(_measure(route=route, pattern="random", blocks=sweep_blocks, chunk_bytes=size,
+                         seed=99, **{**common, "native": False}))
         for size in sweep_chunks for route in routes
     )
     return KVBenchResult(device=device, threads=torch.get_num_threads(), repeats=repeats,

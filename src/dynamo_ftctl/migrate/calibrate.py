@@ -24,7 +24,7 @@ import itertools
 import json
 import statistics
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -400,8 +400,12 @@ async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> di
 async def calibrate(
     client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *,
     lengths: Sequence[int], repeats: int = 3, clock: Clock = SYSTEM_CLOCK,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Calibration:
-    """Measure prefill at `lengths` and KV moves worker → peer; fit both models."""
+    """Measure prefill at `lengths` and KV moves worker → peer; fit both models.
+
+    `on_progress(done, total)` follows the timed prefill + KV move pairs.
+    """
     model, max_len = await _served_model(client, worker)
     usable = [n for n in lengths if n < max_len - 2]
     if len(usable) < 3:
@@ -413,7 +417,8 @@ async def calibrate(
     await time_kv_move(client, worker, peer, model=model, length=usable[0],
                        max_model_len=max_len, repeats=1, clock=clock)
     prefill_samples, move_samples = [], []
-    for n in usable:
+    total = len(usable) * repeats
+    for step, n in enumerate(usable):
         # One prefill then one KV move per repeat, so that drift in machine load hits
         # both curves alike.
         prefills, moves = [], []
@@ -421,6 +426,8 @@ async def calibrate(
             prefills.append(await time_prefill(client, worker, model, n, clock=clock, salt=r))
             moves.append(await time_kv_move(client, worker, peer, model=model, length=n,
                                             max_model_len=max_len, repeats=1, clock=clock))
+            if on_progress is not None:
+                on_progress(step * repeats + r + 1, total)
         prefill_samples.append(Sample(tokens=n, seconds=statistics.median(prefills)))
         move_samples.append(Sample(
             tokens=round(statistics.median(m[2].tokens for m in moves)),
@@ -477,6 +484,7 @@ class CalibrationResult:
 def calibrate_workers(
     inventory: Inventory, *, worker: str, peer: str | None, lengths: Sequence[int],
     repeats: int, output: Path, timeout_s: float = 60.0,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate inventory workers and save the file (the CLI's entry)."""
     import httpx
@@ -490,7 +498,8 @@ def calibrate_workers(
 
     async def run() -> Calibration:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
-            return await calibrate(client, src, dst, lengths=lengths, repeats=repeats)
+            return await calibrate(client, src, dst, lengths=lengths, repeats=repeats,
+                                   on_progress=on_progress)
 
     calibration = asyncio.run(run())
     save_calibration(calibration, output)

@@ -124,15 +124,19 @@ def test_unknown_request_is_refused(pair: tuple[Any, Any]) -> None:
 
 
 def test_calibrate_fits_a_model_that_round_trips(sim_worker_factory: Any, tmp_path: Path) -> None:
-    """Calibration measures both rates on live workers and saves a file that loads back."""
+    """Calibration measures both rates on live workers, saves a file that loads back, and
+    reports each timed length as it goes (the CLI's progress line)."""
     a, b = sim_worker_factory(name="a"), sim_worker_factory(name="b")
+    steps: list[tuple[int, int]] = []
 
     async def run() -> Calibration:
         async with httpx.AsyncClient(timeout=60) as client:
             return await calibrate(client, endpoint(a, "a"), endpoint(b, "b"),
-                                   lengths=(16, 128, 384, 768), repeats=1)
+                                   lengths=(16, 128, 384, 768), repeats=1,
+                                   on_progress=lambda done, total: steps.append((done, total)))
 
     cal = asyncio.run(run())
+    assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert (cal.layers, cal.kv_heads, cal.head_dim, cal.dtype_bytes) == (2, 2, 32, 4)
     assert cal.prefill.per_token_s + cal.prefill.per_token2_s > 0
     assert [s.tokens for s in cal.prefill_samples] == [16, 128, 384, 768]

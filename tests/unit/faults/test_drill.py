@@ -234,3 +234,27 @@ def test_markdown_shows_per_priority_counts(tmp_path: Path) -> None:
     counts = {**report.counts, "by_priority": {"best_effort": tier}}
     md = render_markdown(DrillReport(**{**report.__dict__, "counts": counts}))
     assert "| best_effort | 10 | 6 | 4 | 4 | 4 | 0.400 |" in md
+
+
+def test_cut_streams_count_moved_streams_and_those_that_continued_intact(tmp_path: Path) -> None:
+    """Moved load streams are intact only with all their tokens; witnesses only with the
+    fault-free run's ids; the summary, report.md and report.json say both numbers."""
+    from dynamo_ftctl.faults.drill import cut_streams
+    from dynamo_ftctl.faults.scenario import LoadProfile
+
+    records = [_record(0, 48, migrated=1), _record(1, 40, migrated=1), _record(2, 48),
+               _record(3, 0, outcome="broken_stream", migrated=1)]
+    witness = {"cut": 21, "cut_intact": 20, "cut_failed": 1}
+    cut = cut_streams([(LoadProfile(max_tokens=48), _Report(records))],  # type: ignore[list-item]
+                      witness)
+    assert cut == {"streams": 25, "continued_intact": 21, "witness": 22,
+                   "witness_token_identical": 20, "load": 3, "load_complete": 1}
+    base = _report(tmp_path)
+    report = write_report(DrillReport(**{**base.__dict__, "counts": {**base.counts, "cut": cut}}),
+                          plot=False)
+    line = ("streams cut mid-generation: 25, continued intact: 21 (20 of 22 witness streams "
+            "token-identical to an uninterrupted run; 1 of 3 load streams complete with every "
+            "token)")
+    assert f"  {line}" in report.summary_lines()
+    assert line.capitalize() in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["cut_streams"] == cut

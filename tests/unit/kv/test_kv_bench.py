@@ -122,3 +122,13 @@ def test_cli_cache_mode_reaches_the_result() -> None:
                                  "--patterns", "gather", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["cache"] == "cold"
+
+
+def test_progress_counts_every_measurement_sweep_included() -> None:
+    """`on_progress` is called once per measured row, out of rows + sweep points."""
+    steps: list[tuple[int, int]] = []
+    result = run_kv_bench(blocks=(16, 24), patterns=("random",), sweep_chunks=(8192,),
+                          sweep_blocks=16, repeats=1,
+                          on_progress=lambda done, total: steps.append((done, total)))
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert len(result.rows) + len(result.sweep) == 3
