@@ -41,6 +41,10 @@ DAEMON_TOKEN = "chaos-daemon-token"
 
 import httpx  # noqa: E402
 
+sys.path.insert(0, str(ROOT))  # the proxy tests' helpers, as benchmarks/vllm.py does
+from tests.integration.proxy.test_proxy_admission import cut_stream  # noqa: E402
+from tests.integration.proxy.test_proxy_sim import gauge  # noqa: E402
+
 from dynamo_ftctl.engine.launcher import SimWorker, start_worker  # noqa: E402
 
 
@@ -257,26 +261,6 @@ def attack_forged_reports(tmp: Path) -> Row:
                f" {probes_per_s:.1f} probes/s ({before:.0f} before)", ok)
 
 
-def cut_stream(url: str, after_tokens: int) -> None:
-    """Stream a long completion through `url` and hang up after `after_tokens` tokens."""
-    body = {"model": MODEL, "prompt": list(range(65, 97)), "max_tokens": 200,
-            "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
-        seen = 0
-        for line in resp.iter_lines():
-            seen += line.startswith("data: {")
-            if seen >= after_tokens:
-                return  # leaving the block closes the connection: the client is gone
-
-
-def gauge(url: str, name: str) -> float:
-    """One unlabelled gauge of a worker's /metrics."""
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def attack_admission(tmp: Path) -> Row:
     """5. Retained KV of gone clients over the busy threshold, then an idle engine; and the
     time from a worker's saturation to the proxy's first 503 under a 3x overload."""
@@ -289,7 +273,8 @@ def attack_admission(tmp: Path) -> Row:
         httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 20},
                    headers=admin, timeout=5).raise_for_status()
         # Two clients leave after 135 tokens: ~2 x 11 of the pool's 24 blocks retained.
-        cutters = [threading.Thread(target=cut_stream, args=(url, 135)) for _ in range(2)]
+        cutters = [threading.Thread(target=cut_stream, args=(url, f"chaos-cut-{i}", 135))
+                   for i in range(2)]
         for thread in cutters:
             thread.start()
         for thread in cutters:
