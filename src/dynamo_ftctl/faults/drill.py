@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["ProbeOutcome", "TimelineEvent", "cut_streams", "run_drill"]
 
 _POLL_S = 0.2  # worker-state sampling period for the timeline
+_WITNESS_WAIT_S = 60.0  # the most a `witness_tokens` fault waits for the streams
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class _Run:
     log: Callable[[str], None] = lambda _: None
     local: bool = False  # a local drill writes Xid lines to its own kmsg.log
     witnesses: list[WitnessStream] | None = None
+    live_witnesses: list[WitnessStream] | None = None  # while they stream
 
 
 def _free_port() -> int:
@@ -550,6 +552,9 @@ async def _timeline(run: _Run, started: asyncio.Event,
                                             "ok" if outcome.passed else "failed"))
             continue
         label = f"{entry.fault} {entry.worker}"
+        if entry.witness_tokens is not None:
+            await _await_witness_tokens(run, entry.witness_tokens, label)
+            t = run.clock.now() - run.t0
         markers.append((t, label))
         run.injected_at.append((label, entry.worker or "", run.clock.wall()))
         # Thread: an injection with a duration waits, and the load must go on meanwhile.
@@ -633,15 +638,32 @@ def _load_config(run: _Run, load: LoadProfile) -> LoadConfig:
 
 async def _witness(run: _Run, started: asyncio.Event) -> list[WitnessStream]:
     """The witness streams through the proxy, from `witness.at_s` into the load."""
-    from dynamo_ftctl.faults.witness import run_witnesses
+    from dynamo_ftctl.faults.witness import new_witnesses, run_witnesses
 
     witness = run.scenario.method.witness
     assert witness is not None
+    streams = new_witnesses(witness, run.inventory.workers[0].model)
     await started.wait()
     assert run.t0 is not None
     await run.clock.asleep(run.t0 + witness.at_s - run.clock.now())
     run.log(f"t={run.clock.now() - run.t0:.2f}s {witness.streams} witness streams")
-    return await run_witnesses(witness, run.target_url, run.inventory.workers[0].model)
+    run.live_witnesses = streams
+    await run_witnesses(witness, run.target_url, streams)
+    return streams
+
+
+async def _await_witness_tokens(run: _Run, tokens: int, label: str) -> None:
+    """Wait until every witness stream has `tokens` token ids (or ended), at most
+    `_WITNESS_WAIT_S`: a fault timed by the clock alone can land before a slow engine
+    has started the streams it is meant to cut (CI: none of six was cut once)."""
+    deadline = run.clock.now() + _WITNESS_WAIT_S
+    while run.clock.now() < deadline:
+        streams = run.live_witnesses
+        if streams and all(len(s.ids) >= tokens or s.finished or s.error for s in streams):
+            return
+        await run.clock.asleep(0.01)
+    run.log(f"{label}: the witness streams did not all reach {tokens} tokens within "
+            f"{_WITNESS_WAIT_S:g} s; injecting anyway")
 
 
 def _healthy_worker(run: _Run) -> str | None:

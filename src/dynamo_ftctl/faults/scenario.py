@@ -142,6 +142,10 @@ class TimelineEntry(_Model):
     jitter_ms: float = Field(0.0, ge=0)
     after_tokens: int = Field(20, ge=0)
     rate_kbps: float = Field(64.0, gt=0)
+    witness_tokens: int | None = Field(
+        None, ge=1, description="After `at_s`, also wait (at most 60 s) until every "
+        "witness stream has this many tokens: the fault lands mid-stream however slow "
+        "the engine.")
     probe: Probe | None = None
 
     @model_validator(mode="after")
@@ -204,6 +208,10 @@ class Scenario(_Model):
             if probe.kind == "shed":
                 raise KeyedValueError(("hypothesis", "probes", index, "kind"),
                                       "a shed probe runs in the method's timeline only")
+        for index, entry in enumerate(self.method.timeline):
+            if entry.witness_tokens is not None and self.method.witness is None:
+                raise KeyedValueError(("method", "timeline", index, "witness_tokens"),
+                                      "witness_tokens needs method.witness")
         return self
 
 

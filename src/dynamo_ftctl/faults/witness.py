@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from dynamo_ftctl.faults.scenario import Witness
 
-__all__ = ["WitnessStream", "compare_witnesses", "run_witnesses"]
+__all__ = ["WitnessStream", "compare_witnesses", "new_witnesses", "run_witnesses"]
 
 _MIGRATED = b": x-ftctl-migrated:"
 
@@ -96,15 +96,18 @@ def _take(line: bytes, out: WitnessStream) -> None:
             out.finished = True
 
 
-async def run_witnesses(witness: Witness, url: str, model: str) -> list[WitnessStream]:
-    """Send every witness stream to `url` at once; what each got."""
+def new_witnesses(witness: Witness, model: str) -> list[WitnessStream]:
+    """The witness streams, not sent yet (`run_witnesses` fills them in as they go)."""
+    return [WitnessStream(i, witness_body(witness, model, i)) for i in range(witness.streams)]
+
+
+async def run_witnesses(witness: Witness, url: str, streams: list[WitnessStream]) -> None:
+    """Send every witness stream to `url` at once; each records what it got as it goes."""
     import aiohttp
 
-    streams = [WitnessStream(i, witness_body(witness, model, i)) for i in range(witness.streams)]
     timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(_stream(session, url, s) for s in streams))
-    return streams
 
 
 async def compare_witnesses(witness: Witness, streams: list[WitnessStream],

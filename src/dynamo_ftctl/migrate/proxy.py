@@ -191,12 +191,15 @@ class UpstreamFailure(Exception):
     `way` names how when the request itself may be the cause ("HTTP 500", "error
     event", "connection lost"): the same way on two workers is a query of death.
     None when the failure says nothing about the request (a refused connection, a
-    timeout, garbage, a load status).
+    timeout, garbage, a load status). `gone`: the worker went away (refused or dropped
+    the connection) rather than answered; retrying such a request moves load and does
+    not multiply it, so the retry budget does not cap it.
     """
 
-    def __init__(self, message: str, way: str | None = None) -> None:
+    def __init__(self, message: str, way: str | None = None, *, gone: bool = False) -> None:
         super().__init__(message)
         self.way = way
+        self.gone = gone
 
 
 @dataclass(frozen=True)
@@ -738,7 +741,8 @@ class MigratingProxy:
             # connection never made, a timeout or garbage says nothing of the request.
             lost = isinstance(exc, ConnectError | ConnectionBroken) \
                 and not isinstance(exc, Unreachable)
-            raise UpstreamFailure(msg, "connection lost" if lost else None) from None
+            raise UpstreamFailure(msg, "connection lost" if lost else None,
+                                  gone=isinstance(exc, ConnectError | ConnectionBroken)) from None
         finally:
             kv.release()
             if resp is not None:
@@ -766,6 +770,7 @@ class MigratingProxy:
         kv_payload = b""  # a KV export to import on the next worker (method "kv")
         suspect: _Suspect | None = None  # a failure charged once another worker tells whose
         retrying = False  # this attempt holds a place in the retry budget
+        budgeted = False  # the next attempt is a retry the budget caps
         self._queued += 1
         self._in_flight += 1
         queued = True
@@ -790,7 +795,7 @@ class MigratingProxy:
                 ledger.start_attempt(slot.name)
                 self.router.start(slot, prompt_estimate)
                 pending = prompt_estimate
-                if method == "retry":
+                if method == "retry" and budgeted:
                     retrying = True
                     self._retries_in_flight += 1
                 if method == "kv":
@@ -878,7 +883,11 @@ class MigratingProxy:
                     if not body:
                         yield [ledger.finish_chunk("length")]
                         return
-                    if method == "retry" and not self._retry_allowed():
+                    # A worker that went away did no work a retry repeats: the load
+                    # moves (issue 22's drill: a SIGKILLed vLLM's queued requests got
+                    # 503 past the budget). Answered failures and timeouts are capped.
+                    budgeted = method == "retry" and not exc.gone
+                    if budgeted and not self._retry_allowed():
                         raise self._retry_refused(reason, yielded) from None
                     # Dynamo's mirror counts the decision to go on (its frontend counts
                     # before re-issuing); ftctl_migrations_total counts the stream going on.

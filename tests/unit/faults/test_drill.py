@@ -73,6 +73,8 @@ def test_good_scenario_loads(tmp_path: Path) -> None:
     ("fault: kill, worker: w1", "fault: kil, worker: w1", "s.yaml:8: method.timeline[0].fault"),
     ("{at_s: 1, fault: kill, worker: w1}", "{at_s: 1}", "s.yaml:8: method.timeline[0].fault"),
     ("title: t", "title: t\ntitel: x", "s.yaml:2: titel"),
+    ("worker: w1}", "worker: w1, witness_tokens: 4}",
+     "s.yaml:8: method.timeline[0].witness_tokens: witness_tokens needs method.witness"),
     ("{name: up, kind: workers_healthy}", "{name: e, kind: error_rate}",
      "s.yaml:5: hypothesis.probes[0].max: a error_rate probe needs a tolerance"),
 ])

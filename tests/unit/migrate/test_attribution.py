@@ -184,6 +184,26 @@ def test_without_a_retry_budget_a_failed_request_is_not_retried(run: Callable[..
     run(go())
 
 
+def test_a_worker_that_went_away_is_retried_whatever_the_budget(
+        run: Callable[..., Any]) -> None:
+    """A worker that drops the connection before answering did no work a retry repeats:
+    the load moves, it does not multiply, so a budget of 0 still lets the request go on
+    (a SIGKILLed vLLM's queued requests got 503 past the budget in CI) and the worker is
+    charged once the other one serves it."""
+    async def go() -> None:
+        before = counted("ftctl_proxy_retry_budget_exhausted_total")
+        workers = [FakeWorker(poison="POISON", poison_answer="reset"), FakeWorker()]
+        budget = {"budget_percent": 0, "min_retry_concurrency": 0}
+        async with Cluster(workers, retry_budget=budget) as c:
+            c.proxy.router.slots["w1"].outstanding = 1  # it starts on w0
+            resp = await c.client.post("/v1/completions", json=POISON)
+            assert resp.status_code == 200, resp.text
+            assert len(workers[1].requests) == 1
+            assert charged(c) == {"w0": 1, "w1": 0}
+        assert counted("ftctl_proxy_retry_budget_exhausted_total") == before
+    run(go())
+
+
 @pytest.mark.parametrize(("percent", "status"), [(0.0, 503), (100.0, 200)])
 def test_retries_in_flight_are_capped_by_the_budget(run: Callable[..., Any], percent: float,
                                                     status: int) -> None:
