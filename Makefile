@@ -82,6 +82,7 @@ demo: venv
 lint: dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src
+	$(BIN)/lint-imports --no-cache
 
 unit: dev
 	$(BIN)/pytest -q -n auto tests/unit

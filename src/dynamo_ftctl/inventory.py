@@ -117,7 +117,7 @@ def _check_host_port(value: str) -> str:
 
 
 def _check_fault(value: str) -> str:
-    from dynamo_ftctl.faults.catalog import fault_names, is_known_fault
+    from dynamo_ftctl.faultnames import fault_names, is_known_fault
 
     if not is_known_fault(value):
         close = _close_matches(value, fault_names(), n=1)

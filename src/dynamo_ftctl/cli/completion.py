@@ -166,7 +166,7 @@ def complete_fault(ctx: click.Context, incomplete: str) -> list[tuple[str, str]]
         return []
     allowed = sorted({fault for w in inventory.workers if not w.protected
                       for fault in w.faults})
-    from dynamo_ftctl.faults.catalog import FAULTS
+    from dynamo_ftctl.faultnames import FAULTS
 
     return [(name, FAULTS[name].summary if name in FAULTS else "NVIDIA Xid " + name[3:])
             for name in allowed if name.startswith(incomplete)]

@@ -120,11 +120,13 @@ def request(  # noqa: PLR0917 - typer passes every option positionally
 
     Example: ftctl -i examples/local.yaml migrate request --request-id r1 --from w1 --to w2
     """
+    from dynamo_ftctl.migrate.calibrate import load_calibration
     from dynamo_ftctl.migrate.transfer import migrate_request_sync
 
     inventory = load_inventory_for(ctx)
     result = migrate_request_sync(
         inventory, request_id=request_id, source=source, target=target, method=method,
-        calibration=calibration, timeout_s=timeout,
+        calibration=load_calibration(calibration) if calibration is not None else None,
+        timeout_s=timeout,
     )
     finish(ctx, result, json_flag=json_)

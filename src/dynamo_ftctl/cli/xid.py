@@ -42,7 +42,7 @@ def xid(
     Example: ftctl xid 79 --json
     """
     from dynamo_ftctl.errors import InvalidInput
-    from dynamo_ftctl.faults.xid import XID_CATALOG, lookup_xid
+    from dynamo_ftctl.xid import XID_CATALOG, lookup_xid
 
     machine = json_mode(ctx, json_)
     if list_:

@@ -92,7 +92,7 @@ def parse_fault(body: Any) -> FaultSpec:
         raise InvalidInput(msg)
     xid = int(_number(body, "xid", 94 if kind == "contained" else 48, 1))
     if kind in ("crash", "contained"):
-        from dynamo_ftctl.faults.xid import lookup_xid
+        from dynamo_ftctl.xid import lookup_xid
 
         lookup_xid(xid)
     if kind == "slow" and "delay_ms" not in body:
@@ -205,7 +205,7 @@ class FaultState:
 
 def xid_crash_lines(xid: int, pci_bus_id: str) -> list[str]:
     """The kernel-style Xid line and the CUDA error an engine prints before dying."""
-    from dynamo_ftctl.faults.xid import lookup_xid
+    from dynamo_ftctl.xid import lookup_xid
 
     info = lookup_xid(xid)
     name = Path(sys.executable).name or "python3"

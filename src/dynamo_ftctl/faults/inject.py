@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.documents import load_json_file
 from dynamo_ftctl.errors import FtctlError, InvalidInput, InventoryError
+from dynamo_ftctl.faultnames import FAULTS, fault_names, is_known_fault
 from dynamo_ftctl.faults.audit import (
     AuditRecord,
     append_audit,
@@ -33,7 +34,6 @@ from dynamo_ftctl.faults.audit import (
     who_am_i,
     write_record,
 )
-from dynamo_ftctl.faults.catalog import FAULTS, fault_names, is_known_fault
 from dynamo_ftctl.faults.injectors import DCGM_XID_FIELD, Injectors, Step, xid_kmsg_line
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class FaultListing:
 
 def list_faults() -> FaultListing:
     """Every fault name with its effect; Xid faults follow the Xid catalog."""
-    from dynamo_ftctl.faults.xid import XID_CATALOG
+    from dynamo_ftctl.xid import XID_CATALOG
 
     rows: list[dict[str, Any]] = [
         {"name": s.name, "destructive": s.destructive, "summary": s.summary}
@@ -396,7 +396,7 @@ def _plan_net(fault: str, t: _Target) -> tuple[str, list[Step], list[Step]]:
 
 
 def _plan_xid(fault: str, xid: int, t: _Target) -> tuple[str, list[Step], list[Step]]:
-    from dynamo_ftctl.faults.xid import lookup_xid
+    from dynamo_ftctl.xid import lookup_xid
 
     info = lookup_xid(xid)
     logs: list[Step] = []
@@ -448,7 +448,7 @@ def _need_xid_log(fault: str, t: _Target, sig: str, plain: str) -> None:
 def _fault_is_destructive(fault: str) -> bool:
     if fault in FAULTS:
         return FAULTS[fault].destructive
-    from dynamo_ftctl.faults.xid import lookup_xid
+    from dynamo_ftctl.xid import lookup_xid
 
     return lookup_xid(int(fault[3:])).effect != "log"
 

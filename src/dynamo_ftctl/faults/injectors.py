@@ -92,7 +92,7 @@ class Step:
 
 def xid_kmsg_line(xid: int, pci_bus_id: str, pid: int | str, process: str) -> str:
     """The kernel's Xid line, as the NVIDIA driver prints it (`pid='N/A'` when unknown)."""
-    from dynamo_ftctl.faults.xid import lookup_xid
+    from dynamo_ftctl.xid import lookup_xid
 
     meaning = lookup_xid(xid).meaning
     return f"NVRM: Xid (PCI:{pci_bus_id}): {xid}, pid={pid}, name={process}, {meaning}"

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from dynamo_ftctl.faults.xid import XID_CATALOG, XidAction, action_for_message
+from dynamo_ftctl.xid import XID_CATALOG, XidAction, action_for_message
 
 __all__ = [
     "EventKind",

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from dynamo_ftctl.clock import Clock
 from dynamo_ftctl.errors import Unreachable
-from dynamo_ftctl.faults.xid import XidAction
 from dynamo_ftctl.gpu.events import EventKind, GpuEvent, WorkerMap, xid_event
 from dynamo_ftctl.gpu.nvml import GpuSnapshot, NvmlBackend, normalize_pci_bus_id
 from dynamo_ftctl.gpu.status import PROBLEM_THROTTLE, decode_throttle
+from dynamo_ftctl.xid import XidAction
 
 __all__ = ["GpuWatcher", "diff_snapshots"]
 

@@ -32,7 +32,6 @@ import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
@@ -440,7 +439,7 @@ def migrate_request_sync(
     source: str,
     target: str,
     method: str = "auto",
-    calibration: Path | None = None,
+    calibration: Calibration | None = None,
     timeout_s: float = 60.0,
 ) -> MigrationResult:
     """`migrate_request` for inventory workers, with its own HTTP client (the CLI's entry)."""
@@ -448,9 +447,7 @@ def migrate_request_sync(
 
     import httpx
 
-    from dynamo_ftctl.migrate.calibrate import load_calibration
-
-    cal = load_calibration(calibration) if calibration is not None else None
+    cal = calibration
     src, dst = endpoint_for(inventory, source), endpoint_for(inventory, target)
 
     async def run() -> MigrationResult:

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import pytest
 
-from dynamo_ftctl.faults.xid import XID_CATALOG
+from dynamo_ftctl.xid import XID_CATALOG
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.faults.xid import XidAction
 from dynamo_ftctl.gpu.events import WorkerMap
 from dynamo_ftctl.gpu.kmsg import (
     KmsgParser,
@@ -21,6 +20,7 @@ from dynamo_ftctl.gpu.kmsg import (
     pci_map_from_procfs,
 )
 from dynamo_ftctl.gpu.nvml import normalize_pci_bus_id
+from dynamo_ftctl.xid import XidAction
 
 # (line, xid, normalized bus id, pid, process): written from the documented formats.
 CORPUS = [

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import Unreachable
-from dynamo_ftctl.faults.xid import XidAction
 from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap
 from dynamo_ftctl.gpu.fake import FakeGpu, FakeNvml, ScriptStep
 from dynamo_ftctl.gpu.watch import GpuWatcher
+from dynamo_ftctl.xid import XidAction
 
 
 class _W:

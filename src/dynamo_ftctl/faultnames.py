@@ -1,7 +1,7 @@
 """The names of every fault ftctl can inject, and which are destructive.
 
 The inventory's per-worker `faults` allowlist is checked against this catalog;
-`xid<N>` is a fault for every N in the Xid catalog (`faults/xid.py`).
+`xid<N>` is a fault for every N in the Xid catalog (`xid.py`).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ def is_known_fault(name: str) -> bool:
     match = _XID_FAULT.match(name)
     if match is None:
         return False
-    from dynamo_ftctl.faults.xid import XID_CATALOG
+    from dynamo_ftctl.xid import XID_CATALOG
 
     return int(match.group(1)) in XID_CATALOG
 
 
 def fault_names() -> list[str]:
     """Every fault name, the Xid faults included, for help texts and errors."""
-    from dynamo_ftctl.faults.xid import XID_CATALOG
+    from dynamo_ftctl.xid import XID_CATALOG
 
     return [*FAULTS, *(f"xid{code}" for code in sorted(XID_CATALOG))]

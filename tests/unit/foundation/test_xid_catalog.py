@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from dynamo_ftctl.errors import ExitCode, InvalidInput
-from dynamo_ftctl.faults.xid import (
+from dynamo_ftctl.xid import (
     XID_CATALOG,
     XidAction,
     XidInfo,
