@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from dynamo_ftctl.faults.drill import run_drill
+from dynamo_ftctl.drill import run_drill
 
 DRILLS = Path(__file__).resolve().parents[1] / "drills"
 

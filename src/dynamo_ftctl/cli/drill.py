@@ -34,7 +34,7 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
     json_: JsonFlag = False,
 ) -> None:
     """Run one drill scenario; writes report.json, report.md and timeline.png."""
-    from dynamo_ftctl.faults.drill import run_drill
+    from dynamo_ftctl.drill import run_drill
     from dynamo_ftctl.output import progress
 
     # Each step of the drill is a log line (on stderr, piped too: a log of what was done);

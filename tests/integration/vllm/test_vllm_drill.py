@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dynamo_ftctl.faults.drill import run_drill
+from dynamo_ftctl.drill import run_drill
 from tests.integration.vllm.server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -161,8 +161,8 @@ def test_the_canary_daemons_worker_list_masks_secrets() -> None:
 
 def test_drill_reports_mask_secrets(tmp_path: Path) -> None:
     """report.json, report.md and the summary name a failing URL masked."""
-    from dynamo_ftctl.faults.drill import ProbeOutcome, TimelineEvent
-    from dynamo_ftctl.faults.drill_report import DrillReport, write_report
+    from dynamo_ftctl.drill import ProbeOutcome, TimelineEvent
+    from dynamo_ftctl.drill.report import DrillReport, write_report
 
     report = DrillReport(
         scenario="drills/x.yaml", title="x", local=False, passed=False, started_at=0.0,

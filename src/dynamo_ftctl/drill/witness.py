@@ -17,12 +17,19 @@ import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import aiohttp
+from dynamo_ftctl.http1 import Client, HttpError
 
+if TYPE_CHECKING:
     from dynamo_ftctl.faults.scenario import Witness
 
-__all__ = ["WitnessStream", "compare_witnesses", "new_witnesses", "run_witnesses"]
+__all__ = [
+    "WitnessStream",
+    "compare_witnesses",
+    "new_witnesses",
+    "run_witnesses",
+    "witness_body",
+    "witness_counts",
+]
 
 _MIGRATED = b": x-ftctl-migrated:"
 
@@ -60,23 +67,26 @@ def witness_body(witness: Witness, model: str, index: int) -> dict[str, Any]:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, out: WitnessStream) -> None:
-    import aiohttp
-
+async def _stream(client: Client, url: str, out: WitnessStream, timeout_s: float) -> None:
+    """POST the stream's request to `url` and read its SSE events into `out` as they come."""
+    body = json.dumps(out.body).encode()
     try:
-        async with session.post(f"{url}/v1/completions", json=out.body) as response:
-            if response.status != 200:
-                out.error = f"HTTP {response.status}"
-                return
-            out.migrated = bool(response.headers.get("x-ftctl-migrated"))
-            buffer = b""
-            async for chunk in response.content.iter_any():
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    _take(line.rstrip(b"\r"), out)
-            _take(buffer, out)
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        async with asyncio.timeout(timeout_s):
+            response = await client.request("POST", f"{url}/v1/completions", body,
+                                            {"content-type": "application/json"})
+            async with response:
+                if response.status != 200:
+                    out.error = f"HTTP {response.status}"
+                    return
+                out.migrated = bool(response.header("x-ftctl-migrated"))
+                buffer = b""
+                while chunk := await response.next_chunk():
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        _take(line.rstrip(b"\r"), out)
+                _take(buffer, out)
+    except (HttpError, TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
@@ -103,30 +113,30 @@ def new_witnesses(witness: Witness, model: str) -> list[WitnessStream]:
 
 async def run_witnesses(witness: Witness, url: str, streams: list[WitnessStream]) -> None:
     """Send every witness stream to `url` at once; each records what it got as it goes."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(_stream(session, url, s) for s in streams))
+    client = Client()
+    try:
+        await asyncio.gather(*(_stream(client, url, s, witness.timeout_s) for s in streams))
+    finally:
+        await client.close()
 
 
 async def compare_witnesses(witness: Witness, streams: list[WitnessStream],
                             worker_url: str) -> None:
     """Run each request once more straight from `worker_url` (no proxy, no fault),
     `witness.reference_concurrency` at a time: the reference its ids must equal."""
-    import aiohttp
-
-    timeout = aiohttp.ClientTimeout(total=witness.timeout_s)
     slots = asyncio.Semaphore(witness.reference_concurrency)
+    client = Client()
 
     async def reference(stream: WitnessStream) -> None:
         async with slots:
             fault_free = WitnessStream(stream.index, stream.body)
-            await _stream(session, worker_url, fault_free)
+            await _stream(client, worker_url, fault_free, witness.timeout_s)
             stream.reference = fault_free.ids if fault_free.ok else None
 
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    try:
         await asyncio.gather(*(reference(s) for s in streams))
+    finally:
+        await client.close()
 
 
 def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, Any]:

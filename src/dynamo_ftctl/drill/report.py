@@ -21,7 +21,7 @@ from dynamo_ftctl.redact import redact_text
 if TYPE_CHECKING:
     from rich.console import RenderableType
 
-    from dynamo_ftctl.faults.drill import ProbeOutcome, TimelineEvent
+    from dynamo_ftctl.drill.state import ProbeOutcome, TimelineEvent
 
 __all__ = [
     "REPORT_FILES",
