@@ -1,18 +1,16 @@
 """`ftctl gpu`: GPU status, NVML and kernel-log Xid watchers, fleet failure math.
 
-Thin glue: parse options, build the library objects of `dynamo_ftctl.gpu`,
-render. NVML (pynvml), httpx and prometheus_client load only in the commands
-that use them. `FTCTL_FAKE_NVML=spec.json` swaps NVML for the scripted fake
-(`gpu/fake.py`), for demos and tests on hosts without GPUs.
+Thin glue: parse options, call one function of `dynamo_ftctl.gpu` (the watchers:
+`gpu.daemon`), render, exit. NVML (pynvml), httpx and prometheus_client load only
+in the commands that use them. `FTCTL_FAKE_NVML=spec.json` swaps NVML for the
+scripted fake (`gpu/fake.py`), for demos and tests on hosts without GPUs.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -21,9 +19,8 @@ from dynamo_ftctl.cli._common import JsonFlag, finish, global_options, json_mode
 from dynamo_ftctl.cli._light import optional_inventory
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.clock import Clock
-    from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap
-    from dynamo_ftctl.gpu.nvml import NvmlBackend
+    from dynamo_ftctl.gpu.daemon import FeedOptions
+    from dynamo_ftctl.gpu.events import GpuEvent
 
 app = typer.Typer(
     help=(
@@ -36,8 +33,6 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-
-FAKE_ENV = "FTCTL_FAKE_NVML"
 
 NodeOpt = Annotated[
     str | None,
@@ -67,95 +62,46 @@ MetricsHostOpt = Annotated[
 ]
 
 
-def _backend(clock: Clock) -> NvmlBackend:
-    """The scripted fake when $FTCTL_FAKE_NVML names a spec, else the real NVML."""
-    spec = os.environ.get(FAKE_ENV)
-    if spec:
-        from dynamo_ftctl.gpu.fake import load_fake_nvml
-
-        return load_fake_nvml(Path(spec), clock=clock)
-    from dynamo_ftctl.gpu.nvml import open_nvml
-
-    return open_nvml()
-
-
-def _workers(ctx: typer.Context) -> WorkerMap:
-    """Workers from the inventory when one is given or ./ftctl.yaml exists; else none."""
+def _options(ctx: typer.Context, *, node: str | None, report: str | None, count: int | None,
+             metrics_port: int | None, metrics_host: str) -> FeedOptions:
+    """The options both watchers share, with the daemon token the inventory names."""
+    from dynamo_ftctl.auth import DAEMON_TOKEN_ENV, token_from_env
+    from dynamo_ftctl.gpu.daemon import FeedOptions
     from dynamo_ftctl.gpu.events import WorkerMap
 
+    # Workers from the inventory when one is given or ./ftctl.yaml exists; else none.
     inventory = optional_inventory(global_options(ctx).inventory, required=False)
-    return WorkerMap() if inventory is None else WorkerMap(inventory)
+    token_env = inventory.canary.token_env if inventory is not None else DAEMON_TOKEN_ENV
+    return FeedOptions(
+        node=node or socket.gethostname(),
+        workers=WorkerMap() if inventory is None else WorkerMap(inventory), report_url=report,
+        token=token_from_env(token_env) if report else None, token_env=token_env,
+        count=count, metrics_port=metrics_port, metrics_host=metrics_host,
+    )
 
 
-def _node(node: str | None, workers: WorkerMap) -> str:
-    chosen = node or socket.gethostname()
-    if workers.nodes and chosen not in workers.nodes:
-        from dynamo_ftctl.output import warn
-
-        warn(
-            f"node {chosen!r} is not in the inventory (nodes: {', '.join(sorted(workers.nodes))})"
-            "; events will name no workers (use --node)"
-        )
-    return chosen
-
-
-def _serve_metrics(port: int | None, host: str) -> None:
-    if port is None:
-        return
-    from prometheus_client import start_http_server
-
-    from dynamo_ftctl.metrics import REGISTRY
-
-    start_http_server(port, addr=host, registry=REGISTRY)
-
-
-def _stream(
-    ctx: typer.Context, events: Iterator[GpuEvent], *, json_flag: bool, report: str | None,
-    count: int | None,
-) -> int:
-    """Print, count and report events; the number of actionable ones."""
+def _printer(ctx: typer.Context, json_flag: bool) -> Callable[[GpuEvent], None]:
+    """One line per event (JSON with --json), flushed at once."""
     import json
 
-    from dynamo_ftctl.gpu.events import count_xid
-
     machine = json_mode(ctx, json_flag)
-    reporter = None
-    if report:
-        from dynamo_ftctl.auth import DAEMON_TOKEN_ENV, token_from_env
-        from dynamo_ftctl.gpu.report import CanaryReporter
-        from dynamo_ftctl.output import warn
 
-        inventory = optional_inventory(global_options(ctx).inventory, required=False)
-        token_env = inventory.canary.token_env if inventory is not None else DAEMON_TOKEN_ENV
-        token = token_from_env(token_env)
-        if token is None:
-            warn(f"${token_env} is not set: the canary daemon will refuse these reports")
-        reporter = CanaryReporter(report, token=token)
-    seen = actionable = 0
-    try:
-        for event in events:
-            count_xid(event)
-            # One JSON line per event, flushed at once. `to_json()` is JSON-native already,
-            # so this skips output.emit_line's generic conversion: on a 1M-line log scan
-            # that conversion was a third of the run time (benchmarks/xid.py).
-            text = json.dumps(event.to_json(), separators=(",", ":")) if machine else (
-                event.describe())
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-            if reporter is not None:
-                reporter.report(event)
-            seen += 1
-            actionable += event.actionable
-            if count is not None and seen >= count:
-                break
-    finally:
-        # Close the generator chain now (stops journalctl, closes files), not at GC.
-        close = getattr(events, "close", None)
-        if callable(close):
-            close()
-        if reporter is not None:
-            reporter.close()
-    return actionable
+    def show(event: GpuEvent) -> None:
+        # `to_json()` is JSON-native already, so this skips output.emit_line's generic
+        # conversion: on a 1M-line log scan that conversion was a third of the run time
+        # (benchmarks/xid.py).
+        text = json.dumps(event.to_json(), separators=(",", ":")) if machine else (
+            event.describe())
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    return show
+
+
+def _warn(message: str) -> None:
+    from dynamo_ftctl.output import warn
+
+    warn(message)
 
 
 @app.command()
@@ -165,10 +111,10 @@ def status(ctx: typer.Context, json_: JsonFlag = False) -> None:
 
     Example: ftctl gpu status --json
     """
-    from dynamo_ftctl.clock import SYSTEM_CLOCK
+    from dynamo_ftctl.gpu.daemon import open_backend
     from dynamo_ftctl.gpu.status import read_status
 
-    nvml = _backend(SYSTEM_CLOCK)
+    nvml = open_backend()
     try:
         report = read_status(nvml)
     finally:
@@ -202,46 +148,13 @@ def watch(
 
     Example: ftctl -i cluster.yaml gpu watch --node node-a --report http://127.0.0.1:9400 --json
     """
-    from dynamo_ftctl.clock import SYSTEM_CLOCK
-    from dynamo_ftctl.gpu.watch import GpuWatcher
+    from dynamo_ftctl.gpu.daemon import watch_nvml
 
-    workers = _workers(ctx)
-    chosen = _node(node, workers)
-    nvml = _backend(SYSTEM_CLOCK)
-    try:
-        _serve_metrics(metrics_port, metrics_host)
-        watcher = GpuWatcher(
-            nvml, node=chosen, clock=SYSTEM_CLOCK, workers=workers, poll_interval_s=interval,
-        )
-        deadline = None if duration is None else SYSTEM_CLOCK.now() + duration
-
-        def stop() -> bool:
-            return deadline is not None and SYSTEM_CLOCK.now() >= deadline
-
-        actionable = _stream(
-            ctx, watcher.run(stop), json_flag=json_, report=report, count=count,
-        )
-    finally:
-        nvml.close()
-    raise typer.Exit(1 if actionable else 0)
-
-
-def _pci_map(explicit: str | None, clock: Clock) -> dict[str, int]:
-    from dynamo_ftctl.errors import Unreachable
-    from dynamo_ftctl.gpu.kmsg import parse_pci_map, pci_map_from_nvml, pci_map_from_procfs
-
-    if explicit:
-        return parse_pci_map(explicit)
-    try:
-        nvml = _backend(clock)
-    except Unreachable:
-        return pci_map_from_procfs()
-    try:
-        return pci_map_from_nvml(nvml)
-    except Unreachable:
-        return pci_map_from_procfs()
-    finally:
-        nvml.close()
+    options = _options(ctx, node=node, report=report, count=count, metrics_port=metrics_port,
+                       metrics_host=metrics_host)
+    summary = watch_nvml(options, interval_s=interval, duration_s=duration,
+                         on_event=_printer(ctx, json_), on_warning=_warn)
+    raise typer.Exit(1 if summary.actionable else 0)
 
 
 @app.command()
@@ -279,28 +192,18 @@ def kmsg(
 
     Example: ftctl gpu kmsg --source /var/log/kern.log --json
     """
-    from dynamo_ftctl.clock import SYSTEM_CLOCK
-    from dynamo_ftctl.gpu.kmsg import KmsgWatcher, source_lines
-    from dynamo_ftctl.output import warn
+    from dynamo_ftctl.gpu.daemon import watch_kernel_log
 
-    workers = _workers(ctx)
-    chosen = _node(node, workers)
-    mapping = _pci_map(pci_map, SYSTEM_CLOCK)
-    if not mapping and workers.nodes:
-        warn("no PCI bus id → GPU map (no NVML, no /proc/driver/nvidia, no --pci-map): "
-             "an Xid names every worker of the node")
-    _serve_metrics(metrics_port, metrics_host)
-    watcher = KmsgWatcher(node=chosen, clock=SYSTEM_CLOCK, pci_map=mapping, workers=workers)
-    lines = source_lines(source, follow=follow, clock=SYSTEM_CLOCK, poll_s=poll_interval)
-    actionable = _stream(
-        ctx, watcher.events(lines), json_flag=json_, report=report, count=count,
-    )
-    parser = watcher.parser
+    options = _options(ctx, node=node, report=report, count=count, metrics_port=metrics_port,
+                       metrics_host=metrics_host)
+    summary = watch_kernel_log(options, source=source, follow=follow, pci_map=pci_map,
+                               poll_s=poll_interval, on_event=_printer(ctx, json_),
+                               on_warning=_warn)
     sys.stderr.write(
-        f"{parser.lines} lines read, {parser.xids} Xid events ({actionable} actionable), "
-        f"{parser.malformed} malformed lines skipped\n"
+        f"{summary.lines} lines read, {summary.xids} Xid events ({summary.actionable} "
+        f"actionable), {summary.malformed} malformed lines skipped\n"
     )
-    raise typer.Exit(1 if actionable else 0)
+    raise typer.Exit(1 if summary.actionable else 0)
 
 
 @app.command()

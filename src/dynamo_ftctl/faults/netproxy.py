@@ -36,8 +36,8 @@ from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, check_bearer
 from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from aiohttp import web
-    from aiohttp.typedefs import Handler
+    from dynamo_ftctl.httpapp import Router
+    from dynamo_ftctl.httpserver import Handler, Reply, Request, Server, Stream
 
 __all__ = [
     "TOXIC_KINDS", "ControlServer", "NetProxy", "NetProxyInfo", "Toxic", "parse_toxic",
@@ -321,7 +321,8 @@ class NetProxy:
 
 
 class ControlServer:
-    """The HTTP/JSON control API of one `NetProxy` (aiohttp, loopback by default)."""
+    """The HTTP/JSON control API of one `NetProxy` (the package's HTTP server, loopback
+    by default)."""
 
     def __init__(self, proxy: NetProxy, *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, token_env: str = NETPROXY_TOKEN_ENV) -> None:
@@ -330,80 +331,74 @@ class ControlServer:
         self.port = port
         self.token = token  # None: POST and DELETE are refused (403)
         self.token_env = token_env  # only named in the 403's message
-        self._runner: web.AppRunner | None = None
+        self._server: Server | None = None
 
     @property
     def url(self) -> str:
         """Base URL of the control API."""
         return f"http://{self.host}:{self.port}"
 
-    def app(self) -> web.Application:
-        """The aiohttp application (routes only; no state outside the proxy)."""
-        from aiohttp import web
+    def app(self) -> Router:
+        """The routes (no state outside the proxy); POST and DELETE need the token."""
+        from dynamo_ftctl.httpapp import Router, json_reply, request_json, request_params
 
         unset = f"toxics disabled: no control token (set ${self.token_env})"
 
-        @web.middleware
-        async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.method in ("GET", "HEAD"):
+        def authorized(handler: Handler) -> Handler:
+            async def checked(request: Request) -> Reply | Stream:
+                header = request.header(b"authorization")
+                denied = check_bearer(None if header is None else header.decode("latin-1"),
+                                      self.token, unset=unset)
+                if denied is not None:
+                    return json_reply({"error": denied.message}, denied.status, denied.headers)
                 return await handler(request)
-            denied = check_bearer(request.headers.get("Authorization"), self.token, unset=unset)
-            if denied is not None:
-                return web.json_response({"error": denied.message}, status=denied.status,
-                                         headers=denied.headers)
-            return await handler(request)
+            return checked
 
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "listen": self.proxy.port,
-                                      "upstream": f"{self.proxy.upstream_host}:"
-                                                  f"{self.proxy.upstream_port}"})
+        async def health(_: Request) -> Reply:
+            return json_reply({"status": "ok", "listen": self.proxy.port,
+                               "upstream": f"{self.proxy.upstream_host}:"
+                                           f"{self.proxy.upstream_port}"})
 
-        async def list_toxics(_: web.Request) -> web.Response:
-            return web.json_response({"toxics": [t.to_json() for t in self.proxy.toxics()]})
+        async def list_toxics(_: Request) -> Reply:
+            return json_reply({"toxics": [t.to_json() for t in self.proxy.toxics()]})
 
-        async def add(request: web.Request) -> web.Response:
+        async def add(request: Request) -> Reply:
             try:
-                body = await request.json()
-                toxic = self.proxy.add_toxic(parse_toxic(body))
+                toxic = self.proxy.add_toxic(parse_toxic(request_json(request)))
             except (InvalidInput, ValueError) as exc:
-                return web.json_response({"error": str(exc)}, status=400)
-            return web.json_response(toxic.to_json(), status=201)
+                return json_reply({"error": str(exc)}, 400)
+            return json_reply(toxic.to_json(), 201)
 
-        async def remove(request: web.Request) -> web.Response:
-            name = request.match_info["name"]
+        async def remove(request: Request) -> Reply:
+            name = request_params(request)["name"]
             if not self.proxy.remove_toxic(name):
-                return web.json_response({"error": f"no toxic named {name!r}"}, status=404)
-            return web.json_response({"removed": name})
+                return json_reply({"error": f"no toxic named {name!r}"}, 404)
+            return json_reply({"removed": name})
 
-        async def clear(_: web.Request) -> web.Response:
-            return web.json_response({"removed": self.proxy.clear()})
+        async def clear(_: Request) -> Reply:
+            return json_reply({"removed": self.proxy.clear()})
 
-        app = web.Application(middlewares=[authorize])
-        app.router.add_get("/health", health)
-        app.router.add_get("/toxics", list_toxics)
-        app.router.add_post("/toxics", add)
-        app.router.add_delete("/toxics", clear)
-        app.router.add_delete("/toxics/{name}", remove)
-        return app
+        router = Router()
+        router.get("/health", health)
+        router.get("/toxics", list_toxics)
+        router.post("/toxics", authorized(add))
+        router.delete("/toxics", authorized(clear))
+        router.delete("/toxics/{name}", authorized(remove))
+        return router
 
     async def start(self) -> ControlServer:
         """Serve the control API; `port` holds the bound port afterwards."""
-        from aiohttp import web
+        from dynamo_ftctl.httpserver import start_server
 
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            self.port = server.sockets[0].getsockname()[1]
+        self._server = await start_server(self.app(), self.host, self.port)
+        self.port = int(self._server.address.rsplit(":", 1)[1])
         return self
 
     async def stop(self) -> None:
         """Stop serving the control API."""
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.shutdown(1.0)
+            self._server = None
 
 
 def split_host_port(text: str, *, what: str) -> tuple[str, int]:

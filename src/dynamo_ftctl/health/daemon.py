@@ -21,8 +21,10 @@ clock and a fake transport:
 `/report` needs the bearer token in `$canary.token_env` (FTCTL_DAEMON_TOKEN;
 403 while it is unset, 401 without it, `dynamo_ftctl.auth`) and takes at most
 `report_burst` reports at once and `report_rate_per_s` a second from one client
-address (429 with Retry-After beyond). `run_daemon` runs both under uvicorn
-until SIGINT/SIGTERM.
+address (429 with Retry-After beyond). The API is a `httpapp.Router` on the
+package's one HTTP server (`serve_api`), whose limits cover it: a head over
+64 KiB is 431, a request not read whole within its timeout 408. `run_daemon`
+runs the daemon and its API until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -54,9 +55,9 @@ from dynamo_ftctl.health.transport import AiohttpTransport, AsyncTransport
 from dynamo_ftctl.redact import install_log_redaction, redact_url
 
 if TYPE_CHECKING:
-    from starlette.applications import Starlette
-
     from dynamo_ftctl.health.canaryset import CanarySet
+    from dynamo_ftctl.httpapp import Router
+    from dynamo_ftctl.httpserver import Reply, Request, Server
     from dynamo_ftctl.inventory import CanaryConfig, Inventory
 
 __all__ = [
@@ -67,6 +68,8 @@ __all__ = [
     "WatchedWorker",
     "create_app",
     "run_daemon",
+    "serve_api",
+    "split_listen",
     "watched_workers",
 ]
 
@@ -75,6 +78,8 @@ __all__ = [
 # made the daemon probe one worker ~95 times a second (issue 22). A failed probe still
 # confirms itself at once (the fast path to UNHEALTHY, at most failure_threshold probes).
 REPORT_PROBE_GAP_S = 1.0
+# Answers in flight get this long at SIGTERM (uvicorn's graceful shutdown was 2 s too).
+_SHUTDOWN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -402,81 +407,91 @@ class HealthDaemon:
 
 # ---------------------------------------------------------------------- HTTP API
 
+# A report is one small JSON object; a bigger body is refused before it is parsed.
+_MAX_REPORT_BYTES = 65536
 
-def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Starlette:
-    """The daemon's HTTP API (starlette); `POST /report` needs `token` (None: refused)."""
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response
-    from starlette.routing import Route
+
+def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
+    """The daemon's HTTP API as routes of the one server; `POST /report` needs `token`
+    (None: refused)."""
+    from dynamo_ftctl.httpapp import Router, json_reply, text_reply
 
     config = daemon.config
     limiter = RateLimiter(config.report_rate_per_s, config.report_burst, daemon.clock)
     unset = f"reports disabled: ${config.token_env} is not set on the canary daemon"
 
-    async def workers(_: Request) -> Response:
-        return JSONResponse(daemon.snapshot())
+    async def workers(_: Request) -> Reply:
+        return json_reply(daemon.snapshot())
 
-    async def report(request: Request) -> Response:
-        denied = check_bearer(request.headers.get("authorization"), token, unset=unset)
+    async def report(request: Request) -> Reply:
+        authorization = request.header(b"authorization")
+        denied = check_bearer(None if authorization is None else authorization.decode("latin-1"),
+                              token, unset=unset)
         if denied is not None:
-            return JSONResponse({"error": denied.message}, status_code=denied.status,
-                                headers=denied.headers)
+            return json_reply({"error": denied.message}, denied.status, denied.headers)
         # Limited after the token check: unauthenticated floods must not use up the
         # budget of a real reporter sharing the address (every local client is 127.0.0.1).
-        wait_s = limiter.take(request.client.host if request.client else "")
+        wait_s = limiter.take(request.client[0] if request.client else "")
         if wait_s:
-            return JSONResponse(
+            return json_reply(
                 {"error": f"more than {config.report_burst} reports at once or "
                           f"{config.report_rate_per_s:g}/s from this address"},
-                status_code=429, headers={"Retry-After": limiter.retry_after(wait_s)})
-        raw = await request.body()
-        if len(raw) > 65536:
-            return JSONResponse({"error": "report body over 64 KiB"}, status_code=413)
+                429, {"Retry-After": limiter.retry_after(wait_s)})
+        if len(request.body) > _MAX_REPORT_BYTES:
+            return json_reply({"error": "report body over 64 KiB"}, 413)
         try:
-            body = json.loads(raw)
+            body = json.loads(request.body)
         except ValueError:
-            return JSONResponse({"error": "body is not JSON"}, status_code=400)
+            return json_reply({"error": "body is not JSON"}, 400)
         if not isinstance(body, dict):
-            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
+            return json_reply({"error": "body must be a JSON object"}, 400)
         try:
             outcome = daemon.report(body)
         except InvalidInput as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        return JSONResponse(outcome.to_json())
+            return json_reply({"error": str(exc)}, 400)
+        return json_reply(outcome.to_json())
 
-    async def metrics(_: Request) -> Response:
+    async def metrics(_: Request) -> Reply:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         from dynamo_ftctl.metrics import REGISTRY
 
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return text_reply(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
 
-    async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok", "workers": daemon.counts(),
-                             "rounds": daemon.rounds, "probes": daemon.probes})
+    async def health(_: Request) -> Reply:
+        return json_reply({"status": "ok", "workers": daemon.counts(),
+                           "rounds": daemon.rounds, "probes": daemon.probes})
 
-    return Starlette(routes=[
-        Route("/workers", workers, methods=["GET"]),
-        Route("/report", report, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    router = Router()
+    router.get("/workers", workers)
+    router.post("/report", report)
+    router.get("/metrics", metrics)
+    router.get("/health", health)
+    return router
 
 
-def _bind(listen: str) -> socket.socket:
+def split_listen(listen: str) -> tuple[str, int]:
+    """`HOST:PORT` (an IPv6 host in brackets or not) -> (host, port); `InvalidInput` else."""
     host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if not host or not port.isdigit():
+        msg = f"cannot listen on {listen}: expected HOST:PORT"
+        raise InvalidInput(msg)
+    return host.strip("[]"), int(port)
+
+
+async def serve_api(daemon: HealthDaemon, listen: str, *, token: str | None,
+                    **server_options: Any) -> Server:
+    """Serve `create_app(daemon)` on `listen` (the one server's limits and timeouts;
+    `server_options` go to `httpserver.start_server`). `InvalidInput` if it cannot bind."""
+    from dynamo_ftctl.httpserver import start_server
+
+    host, port = split_listen(listen)
     try:
-        sock.bind((host, int(port)))
+        return await start_server(create_app(daemon, token=token), host, port,
+                                  **server_options)
     except OSError as exc:
-        sock.close()
         msg = f"cannot listen on {listen}: {exc.strerror or exc}"
         raise InvalidInput(msg) from None
-    sock.listen(1024)
-    return sock
 
 
 def run_daemon(
@@ -487,13 +502,9 @@ def run_daemon(
     on_ready: Callable[[str], None] | None = None, live: bool = False,
 ) -> DaemonSummary:
     """Run the daemon and its HTTP API until SIGINT/SIGTERM (blocking)."""
-    import uvicorn
-
     install_log_redaction()
-
-    sock = _bind(listen or config.listen)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    listen = listen or config.listen
+    split_listen(listen)  # a malformed address fails before anything opens
     log_file = None
     if config.transition_log:
         path = inventory.resolve(config.transition_log)
@@ -501,7 +512,6 @@ def run_daemon(
             path.parent.mkdir(parents=True, exist_ok=True)
             log_file = path.open("a", buffering=1, encoding="utf-8")
         except OSError as exc:
-            sock.close()
             msg = f"{path}: cannot open the transition log: {exc.strerror or exc}"
             raise InvalidInput(msg) from None
 
@@ -516,19 +526,16 @@ def run_daemon(
     async def main() -> DaemonSummary:
         daemon = HealthDaemon(watched_workers(inventory), canary_set, config,
                               baselines=baselines, on_transition=transition, on_action=on_action)
-        server = uvicorn.Server(uvicorn.Config(
-            create_app(daemon, token=token_from_env(config.token_env)), log_level="warning",
-            access_log=False, lifespan="off",
-            loop="asyncio", http="h11", ws="none", timeout_graceful_shutdown=2,
-        ))
-        server.config.load()
-        server.lifespan = server.config.lifespan_class(server.config)
+        try:
+            server = await serve_api(daemon, listen, token=token_from_env(config.token_env))
+        except InvalidInput:
+            await daemon.aclose()
+            raise
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await server.startup(sockets=[sock])
-        serving = asyncio.ensure_future(server.main_loop())
+        url = server.address  # known while it listens, not after the shutdown
         if on_ready is not None:
             on_ready(url)
         saver = _every_interval(daemon, store)
@@ -538,9 +545,7 @@ def run_daemon(
             else:
                 await daemon.run(stop, on_round=saver)
         finally:
-            server.should_exit = True
-            await serving
-            await server.shutdown(sockets=[sock])
+            await server.shutdown(_SHUTDOWN_S)
             await daemon.aclose()
             if store is not None:
                 store.merge(daemon.baselines)
@@ -550,7 +555,6 @@ def run_daemon(
     try:
         return asyncio.run(main())
     finally:
-        sock.close()
         if log_file is not None:
             log_file.close()
 

@@ -25,16 +25,15 @@ import asyncio
 import contextlib
 import ctypes
 import enum
-import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import ADMIN_TOKEN_ENV, bearer_headers, token_from_env
@@ -44,6 +43,9 @@ from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
 
 if TYPE_CHECKING:
     import httpx
+
+    from dynamo_ftctl.httpapp import BackgroundServer, Router
+    from dynamo_ftctl.httpserver import Reply, Request
 
 __all__ = [
     "STANDBY_MODES", "EngineState", "FailoverConfig", "HealthServer", "StateChange",
@@ -109,63 +111,86 @@ class HealthServer:
     """The health port: 503 in INIT and STOPPED, 200 otherwise, JSON state; `/metrics`.
 
     `/active` answers 200 only in ACTIVE: a readiness probe that routes traffic
-    to the engine holding the lock.
+    to the engine holding the lock. `/`, `/health` and any other one-segment path
+    answer the state. Served by the package's HTTP server from a thread of its own
+    (`httpapp.BackgroundServer`): the supervisor's loop never waits on a client.
     """
 
     def __init__(self, host: str, port: int, snapshot: Callable[[], StateChange],
                  *, metrics: bool = True) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?", 1)[0] == "/metrics" and outer.metrics:
-                    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-                    from dynamo_ftctl.metrics import REGISTRY
-
-                    self._reply(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
-                    return
-                state = snapshot()
-                if self.path.split("?", 1)[0] == "/active":  # readiness: route to the holder
-                    ok = state.state is EngineState.ACTIVE
-                else:
-                    ok = state.state not in (EngineState.INIT, EngineState.STOPPED)
-                from dynamo_ftctl.output import to_jsonable
-
-                body = json.dumps(to_jsonable(state)).encode()
-                self._reply(200 if ok else 503, body, "application/json")
-
-            def _reply(self, code: int, body: bytes, content_type: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # stdlib's signature
-                pass
-
         self.metrics = metrics
+        self._host = host
+        self._port = port
+        self._snapshot = snapshot
+        self._server: BackgroundServer | None = None
+        # Bind once now, so a busy or bad address fails before the engine starts; the
+        # server binds again in start(), after the fork (run_failover forks with one thread).
+        self._check_bind()
+
+    def _refused(self, exc: OSError) -> InvalidInput:
+        msg = (f"--health-port {self._port}: cannot listen on {self._host}:{self._port}: "
+               f"{exc.strerror or exc}")
+        return InvalidInput(msg)
+
+    def _check_bind(self) -> None:
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, address = infos[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
         except OSError as exc:
-            msg = f"--health-port {port}: cannot listen on {host}:{port}: {exc.strerror}"
-            raise InvalidInput(msg) from exc
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="ftctl-failover-health", daemon=True)
+            raise self._refused(exc) from exc
+
+    def app(self) -> Router:
+        """The routes: the state (200 or 503), `/active`, `/metrics`."""
+        from dynamo_ftctl.httpapp import Router, json_reply, text_reply
+        from dynamo_ftctl.output import to_jsonable
+
+        def state_reply(ok: Callable[[EngineState], bool]) -> Reply:
+            change = self._snapshot()
+            return json_reply(to_jsonable(change), 200 if ok(change.state) else 503)
+
+        async def state(_: Request) -> Reply:
+            return state_reply(lambda s: s not in (EngineState.INIT, EngineState.STOPPED))
+
+        async def active(_: Request) -> Reply:  # readiness: route to the holder
+            return state_reply(lambda s: s is EngineState.ACTIVE)
+
+        async def metrics(_: Request) -> Reply:
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            from dynamo_ftctl.metrics import REGISTRY
+
+            return text_reply(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+
+        router = Router()
+        router.get("/", state)
+        router.get("/{path}", state)
+        router.get("/active", active)
+        if self.metrics:
+            router.get("/metrics", metrics)
+        return router
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        """The bound port once started (the configured one before)."""
+        return self._port if self._server is None else self._server.port
 
     def start(self) -> None:
-        self._thread.start()
+        """Listen and serve from a thread; `InvalidInput` if the address cannot be bound."""
+        from dynamo_ftctl.httpapp import BackgroundServer
+
+        server = BackgroundServer(self.app(), self._host, self._port)
+        try:
+            server.start()
+        except OSError as exc:
+            raise self._refused(exc) from exc
+        self._server = server
 
     def stop(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.stop()
 
 
 def _check_argv(argv: Sequence[str]) -> None:
@@ -491,9 +516,13 @@ def run_failover(
         server.stop()
         raise
     run = _Run(config, lock, engine, on_state, clock, engine_env=engine_env)
-    run.health_port = server.port
     holder["run"] = run
-    server.start()
+    try:
+        server.start()
+    except BaseException:
+        _stop_engine(engine)
+        raise
+    run.health_port = server.port
 
     async def main() -> int:
         loop = asyncio.get_running_loop()

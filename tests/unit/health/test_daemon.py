@@ -16,6 +16,7 @@ from dynamo_ftctl.health.daemon import REPORT_PROBE_GAP_S, HealthDaemon, Watched
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
 from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.httpserver import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.migrate.routing import parse_daemon_weights
@@ -164,9 +165,7 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
 
     async def go() -> None:
         await daemon.probe_round()
-        transport = httpx.ASGITransport(app=create_app(daemon, token=TOKEN))
-        async with httpx.AsyncClient(transport=transport, base_url="http://d",
-                                     headers=AUTH) as client:
+        async with api(daemon, headers=AUTH) as client:
             doc = (await client.get("/workers")).json()
             assert parse_daemon_weights(doc) == {"rg0": 1.0, "rg1": 0.0}
             assert doc["workers"][1]["last"]["kind"] == "token_mismatch"
@@ -214,10 +213,24 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
 
 
 def api(daemon: HealthDaemon, *, token: str | None = TOKEN,
-        client: tuple[str, int] = ("10.0.0.1", 40000)) -> httpx.AsyncClient:
-    """An HTTP client for the daemon's API, coming from `client`'s address."""
-    transport = httpx.ASGITransport(app=create_app(daemon, token=token), client=client)
-    return httpx.AsyncClient(transport=transport, base_url="http://d")
+        client: tuple[str, int] = ("10.0.0.1", 40000),
+        headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    """An HTTP client for the daemon's routes, coming from `client`'s address (no socket:
+    the router is called with the `httpserver.Request` the server would have parsed)."""
+    router = create_app(daemon, token=token)
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        parsed = Request(method=request.method, path=request.url.path,
+                         query=request.url.query.decode(),
+                         headers=[(k.lower(), v) for k, v in request.headers.raw],
+                         body=await request.aread(), client=client)
+        reply = await router(parsed)
+        assert isinstance(reply, Reply)
+        return httpx.Response(reply.status, content=reply.body,
+                              headers={"content-type": reply.content_type, **reply.headers})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://d",
+                             headers=headers)
 
 
 FORGED = {"worker": "ta0", "ok": False, "reason": "forged"}
