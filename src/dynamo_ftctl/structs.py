@@ -50,7 +50,7 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
 
 
 class KeyedValueError(ValueError):
-    """A validation error raised by a model validator about one key below the model."""
+    """A check in a struct's `__post_init__` failed on one key below that struct (`loc`)."""
 
     def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
         super().__init__(message)
@@ -119,7 +119,7 @@ _T = TypeVar("_T", bound=msgspec.Struct)
 
 
 class StrictStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A frozen struct that refuses unknown keys (base of every file format on the fast path).
+    """A frozen struct that refuses unknown keys: the base of every file format.
 
     Checks that types cannot express run in `__post_init__`: `_checked` names
     fields and their string checks; subclasses add cross-field rules there.
