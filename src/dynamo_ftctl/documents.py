@@ -17,11 +17,17 @@ errors (`InventoryError`, exit 2, naming the file and line):
 
 JSON has no aliases: its bounds are the size and Python's own recursion limit,
 which ends up as the same one-line error.
+
+A YAML document is parsed once into its data and the line of every key path
+(`Located`), so that a validation error anywhere below names its line; parsed
+documents are remembered by content (`yamlcache`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +37,14 @@ __all__ = [
     "MAX_ALIAS_NODES",
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
+    "Located",
     "check_yaml_bounds",
     "decode_text",
+    "format_key_path",
     "load_json_file",
+    "load_yaml_document",
     "parse_json",
+    "parse_yaml",
     "read_document",
 ]
 
@@ -223,3 +233,161 @@ def load_json_file(path: Path, *, limit: int = MAX_DOCUMENT_BYTES,
                    what: str = "JSON text") -> Any:
     """The JSON document in `path`, read within `limit` bytes (see `read_document`)."""
     return parse_json(read_document(path, limit=limit, what=what), path)
+
+
+# ---------------------------------------------------------------------------
+# YAML with the line of every key
+
+
+def format_key_path(loc: Sequence[str | int]) -> str:
+    """`("workers", 2, "url")` -> `workers[2].url`; odd keys quoted: `workers[2]['a b']`."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part or not part.isprintable() or any(c in part for c in " .[]'\""):
+            out += f"[{part!r}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+class Located:
+    """A YAML document plus the line of every key path in it."""
+
+    def __init__(self, data: Any, lines: dict[tuple[str | int, ...], int]) -> None:
+        self.data = data
+        self.lines = lines
+
+    def line_of(self, loc: Sequence[str | int]) -> int | None:
+        """The line of the deepest existing prefix of `loc`."""
+        parts = tuple(loc)
+        while parts:
+            if parts in self.lines:
+                return self.lines[parts]
+            parts = parts[:-1]
+        return self.lines.get(())
+
+
+def _walk_lines(
+    node: Any, loc: tuple[str | int, ...], lines: dict[tuple[str | int, ...], int],
+    seen: set[int], path: Path,
+) -> None:
+    import yaml
+
+    # Aliases reuse one node object: visiting each once keeps "billion laughs" linear.
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        keys: set[str] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+            line = key_node.start_mark.line + 1
+            if key in keys:
+                msg = f"duplicate key {key!r}"
+                raise InventoryError(msg, path=path, line=line, key=format_key_path((*loc, key)))
+            keys.add(key)
+            lines[(*loc, key)] = line
+            _walk_lines(value_node, (*loc, key), lines, seen, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            lines[(*loc, index)] = item.start_mark.line + 1
+            _walk_lines(item, (*loc, index), lines, seen, path)
+
+
+_LOADER: Any = None
+
+
+def _loader() -> Any:
+    """PyYAML's safe loader (libyaml when present) with YAML 1.2 booleans, no timestamps.
+
+    YAML 1.1 reads `on`, `off`, `yes`, `no`, `y`, `n` as booleans, which turns
+    `canary.actions[].on` into `True` and a worker called `no` into `False`;
+    here only true/false (any case) are booleans, as in YAML 1.2. Nor does a
+    date-like value become a datetime (`2020-13-45` failed inside PyYAML): it
+    stays a string, as in YAML 1.2's core schema.
+    """
+    global _LOADER  # noqa: PLW0603 - built once per process, on first use
+    if _LOADER is None:
+        import yaml
+
+        base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        bool_tag = "tag:yaml.org,2002:bool"
+        dropped = {bool_tag, "tag:yaml.org,2002:timestamp"}
+        resolvers = {
+            first: [(tag, regexp) for tag, regexp in entries if tag not in dropped]
+            for first, entries in base.yaml_implicit_resolvers.items()
+        }
+        _LOADER = type("FtctlLoader", (base,), {"yaml_implicit_resolvers": resolvers})
+        _LOADER.add_implicit_resolver(
+            bool_tag, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"),
+        )
+    return _LOADER
+
+
+def parse_yaml(text: str, path: Path) -> Located:
+    """Parse `text` (named `path` in errors), through the content-addressed cache."""
+    from dynamo_ftctl import yamlcache
+
+    cached = yamlcache.lookup(text)
+    if cached is not None:
+        return Located(*cached)
+    located = _parse_yaml_text(text, path)
+    yamlcache.store(text, located.data, located.lines)
+    return located
+
+
+def _parse_yaml_text(text: str, path: Path) -> Located:
+    import yaml
+
+    try:
+        # Bounds first, on events alone: an alias bomb is refused before PyYAML composes
+        # it, before `_walk_lines`, validation or the cache see its expansion.
+        check_yaml_bounds(text, path)
+        loader = _loader()(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return Located(None, {})
+            lines: dict[tuple[str | int, ...], int] = {(): node.start_mark.line + 1}
+            _walk_lines(node, (), lines, set(), path)
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        problem = exc.problem or exc.context or "invalid YAML"
+        msg = f"YAML syntax error: {problem}"
+        raise InventoryError(msg, path=path, line=line) from None
+    except yaml.YAMLError as exc:
+        msg = f"YAML error: {exc}".splitlines()[0]
+        raise InventoryError(msg, path=path) from None
+    except RecursionError:
+        msg = "YAML nested too deeply"
+        raise InventoryError(msg, path=path) from None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        # A constructor PyYAML did not guard; the bounds check leaves few (tags, dates).
+        msg = f"YAML value ftctl cannot read: {exc}"
+        raise InventoryError(msg, path=path) from None
+    return Located(data, lines)
+
+
+def load_yaml_document(path: Path, *, what: str = "a mapping") -> tuple[Any, Located]:
+    """Read a YAML file within `documents`' bounds (1 MiB, 64 levels, aliases repeating
+    at most 10,000 nodes) and return (data, line map).
+
+    Every YAML file format goes through here (see `structs.load_struct`), so all
+    give the same one-line errors. The document must be a mapping.
+    """
+    located = parse_yaml(read_document(path), path)
+    if located.data is None:
+        msg = f"empty document, expected {what}"
+        raise InventoryError(msg, path=path, line=1)
+    if not isinstance(located.data, dict):
+        kind = type(located.data).__name__
+        kind = {"list": "a list", "str": "a string", "int": "a number"}.get(kind, kind)
+        msg = f"expected {what} at the top level, got {kind}"
+        raise InventoryError(msg, path=path, line=located.lines.get((), 1))
+    return located.data, located

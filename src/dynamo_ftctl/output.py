@@ -56,7 +56,7 @@ __all__ = [
 
 
 def to_jsonable(value: Any) -> Any:
-    """Convert results (dataclasses, msgspec structs, pydantic models, enums, paths) to JSON."""
+    """Convert results (dataclasses, msgspec structs, enums, paths) to JSON."""
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
@@ -66,8 +66,6 @@ def to_jsonable(value: Any) -> Any:
         return to_jsonable(value.value)
     if isinstance(value, PurePath):
         return str(value)
-    if hasattr(value, "model_dump"):
-        return to_jsonable(value.model_dump(mode="json", by_alias=True))
     if hasattr(value, "to_json"):
         return to_jsonable(value.to_json())
     if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
@@ -76,7 +74,10 @@ def to_jsonable(value: Any) -> Any:
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     struct_fields = getattr(type(value), "__struct_fields__", None)  # a msgspec.Struct
     if struct_fields is not None:
-        return {name: to_jsonable(getattr(value, name)) for name in struct_fields}
+        # The file's key names (`model_config`, not the attribute `model_config_name`).
+        keys = type(value).__struct_encode_fields__
+        return {key: to_jsonable(getattr(value, name))
+                for key, name in zip(keys, struct_fields, strict=True)}
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, bytes | bytearray):

@@ -7,55 +7,56 @@ without loading the model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from msgspec import Meta
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, InventoryError
+from dynamo_ftctl.structs import KeyedValueError, StrictStruct, convert_struct, doc, to_data
 
 __all__ = ["DEFAULT_MODEL", "PRESETS", "EngineConfig", "resolve_engine_config"]
 
 DEFAULT_MODEL = "ftctl-sim-tiny"
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(StrictStruct, frozen=True, kw_only=True):
     """Model shape, cache and scheduler limits of one engine."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(DEFAULT_MODEL, min_length=1, description="Served model id.")
-    tokenizer: Literal["bpe", "byte"] = Field(
-        "bpe", description="bpe: the shipped byte-level BPE (re-tokenized text gives other ids, "
-        "as on real engines); byte: one id per byte (exact round trips).")
-    vocab_size: int | None = Field(
-        None, ge=8, description="Embedding rows (default: the tokenizer's vocabulary).")
-    d_model: int = Field(128, ge=8, description="Hidden size.")
-    n_layers: int = Field(2, ge=1, le=64)
-    n_heads: int = Field(4, ge=1)
-    n_kv_heads: int = Field(2, ge=1, description="Grouped-query attention: KV heads.")
-    head_dim: int = Field(32, ge=2, description="Even: RoPE rotates pairs.")
-    ffn_dim: int = Field(256, ge=8, description="SwiGLU hidden size.")
-    max_model_len: int = Field(2048, ge=16, description="Prompt + output limit in tokens.")
-    rope_theta: float = Field(10000.0, gt=0)
+    name: Annotated[str, doc("Served model id.", min_length=1)] = DEFAULT_MODEL
+    tokenizer: Annotated[
+        Literal["bpe", "byte"],
+        doc("bpe: the shipped byte-level BPE (re-tokenized text gives other ids, as on real "
+            "engines); byte: one id per byte (exact round trips)."),
+    ] = "bpe"
+    vocab_size: Annotated[
+        int, doc("Embedding rows (default: the tokenizer's vocabulary).", ge=8),
+    ] | None = None
+    d_model: Annotated[int, doc("Hidden size.", ge=8)] = 128
+    n_layers: Annotated[int, Meta(ge=1, le=64)] = 2
+    n_heads: Annotated[int, Meta(ge=1)] = 4
+    n_kv_heads: Annotated[int, doc("Grouped-query attention: KV heads.", ge=1)] = 2
+    head_dim: Annotated[int, doc("Even: RoPE rotates pairs.", ge=2)] = 32
+    ffn_dim: Annotated[int, doc("SwiGLU hidden size.", ge=8)] = 256
+    max_model_len: Annotated[int, doc("Prompt + output limit in tokens.", ge=16)] = 2048
+    rope_theta: Annotated[float, Meta(gt=0)] = 10000.0
     # Random weights give nearly flat logits; a scale makes the distribution peaked
     # like a trained model's, so greedy decoding has clear winners.
-    logit_scale: float = Field(3.0, gt=0)
-    ascii_bias: float = Field(4.0, ge=0, description="Logit bonus of printable ASCII tokens.")
-    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
-    num_blocks: int = Field(1024, ge=1, description="KV blocks in the fixed pool.")
-    max_num_seqs: int = Field(64, ge=1, description="Most requests decoding at once.")
-    max_batched_tokens: int = Field(2048, ge=16, description="Prefill token budget per step.")
+    logit_scale: Annotated[float, Meta(gt=0)] = 3.0
+    ascii_bias: Annotated[float, doc("Logit bonus of printable ASCII tokens.", ge=0)] = 4.0
+    block_size: Annotated[int, doc("Tokens per KV block.", ge=1)] = 16
+    num_blocks: Annotated[int, doc("KV blocks in the fixed pool.", ge=1)] = 1024
+    max_num_seqs: Annotated[int, doc("Most requests decoding at once.", ge=1)] = 64
+    max_batched_tokens: Annotated[int, doc("Prefill token budget per step.", ge=16)] = 2048
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
 
-    @model_validator(mode="after")
-    def _check_shape(self) -> EngineConfig:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_heads % self.n_kv_heads:
             msg = f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            raise ValueError(msg)
+            raise KeyedValueError(("n_heads",), msg)
         if self.head_dim % 2:
             msg = f"head_dim ({self.head_dim}) must be even (RoPE rotates pairs)"
-            raise ValueError(msg)
-        return self
+            raise KeyedValueError(("head_dim",), msg)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -77,30 +78,20 @@ def resolve_engine_config(name_or_path: str, **overrides: object) -> EngineConfi
     Errors are `InvalidInput` naming the file, line and key.
     """
     if name_or_path in PRESETS:
-        base = PRESETS[name_or_path]
-        data = base.model_dump()
+        data = to_data(PRESETS[name_or_path])
     else:
         path = Path(name_or_path)
         if not path.suffix and not path.exists():
             known = ", ".join(PRESETS)
             msg = f"unknown model config {name_or_path!r} (presets: {known}; or a YAML file)"
             raise InvalidInput(msg)
-        from dynamo_ftctl.inventory import (
-            load_yaml_document,
-            validation_error_to_inventory_error,
-        )
+        from dynamo_ftctl.structs import load_struct
 
-        data, located = load_yaml_document(path, what="an engine config mapping")
-        try:
-            EngineConfig.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error_to_inventory_error(exc, EngineConfig, located, path) from None
-        data = dict(data)
+        data = to_data(load_struct(path, EngineConfig, what="an engine config mapping"))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        key = ".".join(str(p) for p in first["loc"])
-        msg = f"engine config: {key}: {first['msg']}"
+        return convert_struct(data, EngineConfig)
+    except InventoryError as exc:
+        where = f"{exc.key}: " if exc.key else ""
+        msg = f"engine config: {where}{exc.reason}"
         raise InvalidInput(msg) from None

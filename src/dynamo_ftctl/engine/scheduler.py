@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dynamo_ftctl import structs
 from dynamo_ftctl.engine.cache import BlockAllocator, blocks_for
 from dynamo_ftctl.engine.config import EngineConfig
 from dynamo_ftctl.engine.model import AttentionPlan, KVPool, PrefillSpan, TinyTransformer
@@ -118,7 +119,7 @@ class Engine:
         vocab = self.tokenizer.vocab_size
         if config.vocab_size is None:
             # The model's vocabulary follows its tokenizer unless a config pins it.
-            config = config.model_copy(update={"vocab_size": vocab})
+            config = structs.replace(config, vocab_size=vocab)
         elif config.vocab_size < vocab:
             msg = (f"engine config: vocab_size {config.vocab_size} is smaller than the "
                    f"{config.tokenizer} tokenizer's {vocab} ids")

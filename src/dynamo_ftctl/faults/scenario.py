@@ -1,29 +1,31 @@
-"""Chaos-drill scenarios: the YAML a drill runs, as frozen pydantic models.
+"""Chaos-drill scenarios: the YAML a drill runs, as frozen msgspec structs.
 
 A scenario names its inventory, a steady-state hypothesis (probes with
 tolerances), a method (a load profile and a timeline of faults and probes at
-offsets) and rollbacks. `load_scenario` validates it with the inventory's
-one-line `file:line: key: message` errors, and checks every timeline entry
+offsets) and rollbacks. `load_scenario` reads it through `structs.load_struct`
+(one-line `file:line: key: message` errors, as every file format), and checks every timeline entry
 against the inventory: the worker exists, the fault is in its allowlist, the
 worker is not protected.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from msgspec import Meta
 
+from dynamo_ftctl.documents import format_key_path, load_yaml_document
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.inventory import (
-    FaultName,
-    Inventory,
+from dynamo_ftctl.inventory import Inventory, load_inventory
+from dynamo_ftctl.structs import (
     KeyedValueError,
-    Name,
-    load_inventory,
-    load_yaml_document,
-    validation_error_to_inventory_error,
+    StrictStruct,
+    check_fault,
+    check_name,
+    convert_struct,
+    doc,
 )
 
 __all__ = [
@@ -47,13 +49,10 @@ METRIC_KINDS: tuple[str, ...] = (
     "error_rate", "failed", "ttft_p99_ms", "tokens_lost", "tokens_duplicated", "rejected_min",
     "drained_s", "admitted_error_rate", "ids_mismatched", "streams_cut_min",
 )
+Priority = Literal["premium", "standard", "best_effort"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Probe(_Model):
+class Probe(StrictStruct, frozen=True, kw_only=True):
     """One check of the steady state, with its tolerance.
 
     State probes (`workers_healthy`, `canary`) run before and after the method;
@@ -72,107 +71,110 @@ class Probe(_Model):
     header and exactly the busy body (Dynamo's "All workers are busy").
     """
 
-    name: str = Field(min_length=1)
+    name: Annotated[str, Meta(min_length=1)]
     kind: StateProbeKind | MetricProbeKind
-    workers: tuple[Name, ...] = Field((), description="Workers to probe (default: all).")
-    within_s: float = Field(10.0, gt=0, le=600, description="State probes: time to pass.")
-    max: float | None = Field(None, ge=0, description="Metric probes: the tolerance.")
+    workers: Annotated[tuple[str, ...], doc("Workers to probe (default: all).")] = ()
+    within_s: Annotated[float, doc("State probes: time to pass.", gt=0, le=600)] = 10.0
+    max: Annotated[float, doc("Metric probes: the tolerance.", ge=0)] | None = None
     expect: Literal["healthy", "unhealthy"] = "healthy"
-    priority: Literal["premium", "standard", "best_effort"] | None = Field(
-        None, description="Metric probes: judge only this priority's load; shed: its header.")
+    priority: Annotated[
+        Priority | None, doc("Metric probes: judge only this priority's load; shed: its header."),
+    ] = None
+    _checked = (("workers", check_name),)
 
-    @model_validator(mode="after")
-    def _tolerance(self) -> Probe:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind in METRIC_KINDS and self.max is None:
             raise KeyedValueError(("max",), f"a {self.kind} probe needs a tolerance 'max'")
         if self.kind == "shed" and self.priority is None:
             raise KeyedValueError(("priority",), "a shed probe needs the priority to send")
-        return self
 
 
-class Hypothesis(_Model):
+class Hypothesis(StrictStruct, frozen=True, kw_only=True):
     """The steady state: what must hold before and after the method."""
 
-    probes: tuple[Probe, ...] = Field(min_length=1)
+    probes: Annotated[tuple[Probe, ...], Meta(min_length=1)]
 
 
-class LoadProfile(_Model):
+class LoadProfile(StrictStruct, frozen=True, kw_only=True):
     """Open-loop load from the load generator while the timeline runs.
 
     `priority` sends `x-ftctl-priority` on every request (the proxy's tiers).
     """
 
-    rate: float = Field(8.0, gt=0, le=10_000, description="Requests per second (Poisson).")
-    duration_s: float = Field(15.0, gt=0, le=3600)
-    prompt_tokens: int = Field(16, ge=1, le=32_768)
-    max_tokens: int = Field(48, ge=1, le=32_768)
+    rate: Annotated[float, doc("Requests per second (Poisson).", gt=0, le=10_000)] = 8.0
+    duration_s: Annotated[float, Meta(gt=0, le=3600)] = 15.0
+    prompt_tokens: Annotated[int, Meta(ge=1, le=32_768)] = 16
+    max_tokens: Annotated[int, Meta(ge=1, le=32_768)] = 48
     stream: bool = True
-    via: Literal["proxy", "workers"] = Field("proxy", description="Send through the proxy.")
-    timeout_s: float = Field(30.0, gt=0)
-    priority: Literal["premium", "standard", "best_effort"] | None = None
-    concurrency: int | None = Field(None, ge=1)
+    via: Annotated[Literal["proxy", "workers"], doc("Send through the proxy.")] = "proxy"
+    timeout_s: Annotated[float, Meta(gt=0)] = 30.0
+    priority: Priority | None = None
+    concurrency: Annotated[int, Meta(ge=1)] | None = None
     seed: int = 0
 
 
-class Witness(_Model):
+class Witness(StrictStruct, frozen=True, kw_only=True):
     """Greedy streams with token ids sent through the proxy at `at_s`, across the faults.
 
     After the method each request runs again straight from a healthy worker; every
     stream's ids must equal that fault-free run (`faults/witness.py`).
     """
 
-    at_s: float = Field(0.0, ge=0, description="When the streams start (before the fault).")
-    streams: int = Field(4, ge=1, le=256)
-    prompt_tokens: int = Field(16, ge=1, le=4096)
-    max_tokens: int = Field(256, ge=1, le=32_768, description="Long enough to span the fault.")
-    timeout_s: float = Field(120.0, gt=0)
-    reference_concurrency: int = Field(
-        1, ge=1, le=256, description="Fault-free runs at once (1: one at a time; more only "
-        "where the engine's greedy output does not depend on its batch, as ftctl sim's).")
+    at_s: Annotated[float, doc("When the streams start (before the fault).", ge=0)] = 0.0
+    streams: Annotated[int, Meta(ge=1, le=256)] = 4
+    prompt_tokens: Annotated[int, Meta(ge=1, le=4096)] = 16
+    max_tokens: Annotated[int, doc("Long enough to span the fault.", ge=1, le=32_768)] = 256
+    timeout_s: Annotated[float, Meta(gt=0)] = 120.0
+    reference_concurrency: Annotated[
+        int, doc("Fault-free runs at once (1: one at a time; more only where the engine's "
+                 "greedy output does not depend on its batch, as ftctl sim's).", ge=1, le=256),
+    ] = 1
 
 
-class TimelineEntry(_Model):
+class TimelineEntry(StrictStruct, frozen=True, kw_only=True):
     """At `at_s` into the method: inject `fault` into `worker`, or run a `probe`."""
 
-    at_s: float = Field(ge=0)
-    fault: FaultName | None = None
-    worker: Name | None = None
-    duration_s: float | None = Field(None, gt=0, description="Revert after this long.")
-    delay_ms: float = Field(50.0, ge=0)
-    jitter_ms: float = Field(0.0, ge=0)
-    after_tokens: int = Field(20, ge=0)
-    rate_kbps: float = Field(64.0, gt=0)
-    witness_tokens: int | None = Field(
-        None, ge=1, description="After `at_s`, also wait (at most 60 s) until every "
-        "witness stream has this many tokens: the fault lands mid-stream however slow "
-        "the engine.")
+    at_s: Annotated[float, Meta(ge=0)]
+    fault: str | None = None
+    worker: str | None = None
+    duration_s: Annotated[float, doc("Revert after this long.", gt=0)] | None = None
+    delay_ms: Annotated[float, Meta(ge=0)] = 50.0
+    jitter_ms: Annotated[float, Meta(ge=0)] = 0.0
+    after_tokens: Annotated[int, Meta(ge=0)] = 20
+    rate_kbps: Annotated[float, Meta(gt=0)] = 64.0
+    witness_tokens: Annotated[
+        int, doc("After `at_s`, also wait (at most 60 s) until every witness stream has this "
+                 "many tokens: the fault lands mid-stream however slow the engine.", ge=1),
+    ] | None = None
     probe: Probe | None = None
+    _checked = (("fault", check_fault), ("worker", check_name))
 
-    @model_validator(mode="after")
-    def _one_thing(self) -> TimelineEntry:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if (self.fault is None) == (self.probe is None):
             raise KeyedValueError(("fault",), "give either a fault (with a worker) or a probe")
         if self.fault is not None and self.worker is None:
             raise KeyedValueError(("worker",), "a fault needs the worker to inject it into")
-        return self
 
 
-class Method(_Model):
+class Method(StrictStruct, frozen=True, kw_only=True):
     """What the drill does: a load profile (or several at once) and a timeline."""
 
     load: LoadProfile | None = None
-    loads: tuple[LoadProfile, ...] = Field(
-        (), description="Load profiles run at the same time (each its own priority).")
-    timeline: tuple[TimelineEntry, ...] = Field(min_length=1)
-    settle_s: float = Field(1.0, ge=0, le=600, description="Wait after the last entry.")
-    witness: Witness | None = Field(
-        None, description="Greedy token-id streams checked against a fault-free run.")
+    loads: Annotated[
+        tuple[LoadProfile, ...], doc("Load profiles run at the same time (each its own priority)."),
+    ] = ()
+    timeline: Annotated[tuple[TimelineEntry, ...], Meta(min_length=1)]
+    settle_s: Annotated[float, doc("Wait after the last entry.", ge=0, le=600)] = 1.0
+    witness: Annotated[
+        Witness | None, doc("Greedy token-id streams checked against a fault-free run."),
+    ] = None
 
-    @model_validator(mode="after")
-    def _one_load_key(self) -> Method:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.load is not None and self.loads:
             raise KeyedValueError(("loads",), "give 'load' or 'loads', not both")
-        return self
 
     @property
     def profiles(self) -> tuple[LoadProfile, ...]:
@@ -180,27 +182,27 @@ class Method(_Model):
         return (self.load,) if self.load is not None else self.loads
 
 
-class Rollback(_Model):
+class Rollback(StrictStruct, frozen=True, kw_only=True):
     """Undo the method: revert every fault still in force; restart dead local workers."""
 
     action: Literal["revert_faults", "restart_workers"]
 
 
-class Scenario(_Model):
+class Scenario(StrictStruct, frozen=True, kw_only=True):
     """One chaos drill."""
 
-    title: str = Field(min_length=1)
+    title: Annotated[str, Meta(min_length=1)]
     description: str = ""
-    inventory: str = Field(description="Inventory YAML, relative to the scenario file.")
-    timeout_s: float = Field(300.0, gt=0, le=7200, description="Bound on the whole drill.")
+    inventory: Annotated[str, doc("Inventory YAML, relative to the scenario file.")]
+    timeout_s: Annotated[float, doc("Bound on the whole drill.", gt=0, le=7200)] = 300.0
     hypothesis: Hypothesis
     method: Method
     rollbacks: tuple[Rollback, ...] = (
         Rollback(action="revert_faults"), Rollback(action="restart_workers"),
     )
 
-    @model_validator(mode="after")
-    def _shed_in_timeline(self) -> Scenario:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         for index, probe in enumerate(self.hypothesis.probes):
             if probe.kind in ("ids_mismatched", "streams_cut_min") and self.method.witness is None:
                 raise KeyedValueError(("hypothesis", "probes", index, "kind"),
@@ -212,18 +214,16 @@ class Scenario(_Model):
             if entry.witness_tokens is not None and self.method.witness is None:
                 raise KeyedValueError(("method", "timeline", index, "witness_tokens"),
                                       "witness_tokens needs method.witness")
-        return self
 
 
-def _check_against_inventory(scenario: Scenario, inventory: Inventory, path: Path,
-                             line_of: object) -> None:
+def _check_against_inventory(
+    scenario: Scenario, inventory: Inventory, path: Path,
+    line_of: Callable[[tuple[str | int, ...]], int | None],
+) -> None:
     names = {w.name for w in inventory.workers}
 
     def fail(loc: tuple[str | int, ...], message: str) -> InventoryError:
-        from dynamo_ftctl.inventory import format_key_path
-
-        line = line_of(loc) if callable(line_of) else None
-        return InventoryError(message, path=path, line=line, key=format_key_path(loc))
+        return InventoryError(message, path=path, line=line_of(loc), key=format_key_path(loc))
 
     for index, probe in enumerate(scenario.hypothesis.probes):
         for worker in probe.workers:
@@ -247,11 +247,9 @@ def _check_against_inventory(scenario: Scenario, inventory: Inventory, path: Pat
 def load_scenario(path: Path | str) -> tuple[Scenario, Inventory]:
     """Read and validate a scenario and its inventory; errors name file, line and key."""
     path = Path(path)
+    # Not `load_struct`: the checks against the inventory need the scenario's line map.
     _, located = load_yaml_document(path, what="a drill scenario mapping")
-    try:
-        scenario = Scenario.model_validate(located.data)
-    except ValidationError as exc:
-        raise validation_error_to_inventory_error(exc, Scenario, located, path) from None
+    scenario = convert_struct(located.data, Scenario, located, path)
     inventory_path = Path(scenario.inventory)
     if not inventory_path.is_absolute():
         inventory_path = path.parent / inventory_path

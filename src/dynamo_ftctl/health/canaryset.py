@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.inventory import StrictStruct, convert_struct, load_yaml_document
+from dynamo_ftctl.structs import StrictStruct, load_struct, to_data
 
 __all__ = ["CanaryPrompt", "CanarySet", "dump_canary_set", "ensure_loaded", "load_canary_set"]
 
@@ -100,9 +100,7 @@ class CanarySet(StrictStruct, frozen=True, kw_only=True):
 
 def load_canary_set(path: Path | str) -> CanarySet:
     """Read and validate a canary set; errors are `file:line: key: message` (exit 2)."""
-    path = Path(path)
-    _, located = load_yaml_document(path, what="a canary set mapping with 'model' and 'prompts'")
-    return convert_struct(located.data, CanarySet, located, path)
+    return load_struct(path, CanarySet, what="a canary set mapping with 'model' and 'prompts'")
 
 
 def dump_canary_set(canary_set: CanarySet, path: Path) -> None:
@@ -111,7 +109,7 @@ def dump_canary_set(canary_set: CanarySet, path: Path) -> None:
 
     from dynamo_ftctl.output import write_atomic
 
-    doc = canary_set.model_dump(mode="json", exclude_none=True)
+    doc = to_data(canary_set, exclude_none=True)
     header = (
         "# Canary set: golden answers at temperature 0 (`ftctl canary record`).\n"
         "# Token ids are the worker's; logprob ranges may be widened by hand.\n"

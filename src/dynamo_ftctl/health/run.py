@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from dynamo_ftctl import structs
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.baseline import BaselineStore
 from dynamo_ftctl.health.canaryset import CanarySet, ensure_loaded
@@ -39,7 +40,7 @@ def canary_config(inventory: Inventory | None, *, timeout_s: float | None = None
         update["timeout_s"] = timeout_s
     if max_retries is not None:
         update["max_retries"] = max_retries
-    return config.model_copy(update=update) if update else config
+    return structs.replace(config, **update) if update else config
 
 
 def resolve_set(inventory: Inventory | None, explicit: Path | None) -> tuple[Path, CanarySet]:
@@ -114,7 +115,7 @@ class RecordResult(msgspec.Struct, frozen=True):
     def to_json(self) -> dict[str, Any]:
         return {"file": str(self.file), "model": self.model, "recorded_from": self.recorded_from,
                 "prompts": self.prompts, "repeats": self.repeats,
-                "set": self.set.model_dump(mode="json", exclude_none=True)}
+                "set": structs.to_data(self.set, exclude_none=True)}
 
     def __rich__(self) -> str:
         return (f"recorded {self.prompts} prompts for {self.model} from {self.recorded_from} "

@@ -12,14 +12,12 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from dynamo_ftctl.documents import parse_json, read_document
+from dynamo_ftctl.documents import Located, parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.inventory import format_key_path
 from dynamo_ftctl.loadgen.config import Length, Workload
+from dynamo_ftctl.structs import StrictStruct, convert_struct, doc
 
 __all__ = ["PRIORITY_HEADER", "PromptItem", "RequestFactory", "RequestSpec", "load_prompts"]
 
@@ -29,15 +27,13 @@ _ALPHABET = string.ascii_lowercase + "     "  # about one space per six letters
 _MAX_FILE_BYTES = 256 * 1024 * 1024
 
 
-class PromptItem(BaseModel):
+class PromptItem(StrictStruct, frozen=True, kw_only=True):
     """One line of a prompt file or trace."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prompt: str | None = Field(None, description="Completion prompt text.")
-    messages: tuple[dict[str, Any], ...] | None = Field(None, description="Chat messages.")
-    max_tokens: int | None = Field(None, ge=1, description="Output tokens for this request.")
-    timestamp: float | None = Field(None, ge=0, description="Send time in a trace (seconds).")
+    prompt: Annotated[str | None, doc("Completion prompt text.")] = None
+    messages: Annotated[tuple[dict[str, Any], ...] | None, doc("Chat messages.")] = None
+    max_tokens: Annotated[int, doc("Output tokens for this request.", ge=1)] | None = None
+    timestamp: Annotated[float, doc("Send time in a trace (seconds).", ge=0)] | None = None
 
 
 def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
@@ -48,12 +44,8 @@ def load_prompts(path: Path, *, trace: bool) -> tuple[PromptItem, ...]:
         if not line.strip():
             continue
         raw = parse_json(line, path, line=number)
-        try:
-            item = PromptItem.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            key = format_key_path(first["loc"]) or None  # a key "\n" is shown quoted
-            raise InventoryError(first["msg"], path=path, line=number, key=key) from None
+        # Every key of a line is on that line: the line map holds the root alone.
+        item = convert_struct(raw, PromptItem, Located(raw, {(): number}), path)
         if (item.prompt is None) == (item.messages is None):
             raise InventoryError("give exactly one of prompt or messages", path=path,
                                  line=number, key="prompt")

@@ -3,8 +3,8 @@
 `--path` / `$FAILOVER_LOCK_PATH` / `lock.path`; `--endpoint`, `--key`, `--ttl`
 / `lock.etcd`; `--engine-id` / `$ENGINE_ID` (0 may be primary, >= 1 shadow);
 `--watch-interval` / `$FTCTL_LOCK_WATCH_INTERVAL` (flock only, default 0.5 s).
-The inventory (and pydantic with it) is read only when a flag or variable is
-missing, so `ftctl lock status --path P` stays fast in probes.
+The inventory (PyYAML and msgspec with it) is read only when a flag or variable
+is missing, so `ftctl lock status --path P` stays fast in probes.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ __all__ = ["LockSettings", "engine_id_from_env", "open_lock", "resolve_lock_sett
 PATH_ENV = "FAILOVER_LOCK_PATH"
 ENGINE_ID_ENV = "ENGINE_ID"
 WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
-# The same defaults as inventory.EtcdConfig, without importing pydantic.
+# The same defaults as inventory.EtcdConfig, without reading the inventory.
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:2379",)
 DEFAULT_KEY = "/ftctl/locks/failover"
 DEFAULT_TTL_S = 5.0

@@ -27,9 +27,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from msgspec import Meta
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import FtctlError, InvalidInput
@@ -47,6 +47,7 @@ from dynamo_ftctl.migrate.cost import (
     plan_migration,
     plan_table,
 )
+from dynamo_ftctl.structs import StrictStruct, doc, load_struct, to_data
 
 if TYPE_CHECKING:
     import httpx
@@ -70,49 +71,45 @@ __all__ = [
 ]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PrefillFit(_Model):
+class PrefillFit(StrictStruct, frozen=True, kw_only=True):
     """Prefill seconds = fixed_s + n·per_token_s + n²·per_token2_s."""
 
-    fixed_s: float = Field(ge=0, description="Seconds independent of the prompt length.")
-    per_token_s: float = Field(ge=0, description="Seconds per prompt token (linear term).")
-    per_token2_s: float = Field(0.0, ge=0, description="Seconds per squared token (attention).")
+    fixed_s: Annotated[float, doc("Seconds independent of the prompt length.", ge=0)]
+    per_token_s: Annotated[float, doc("Seconds per prompt token (linear term).", ge=0)]
+    per_token2_s: Annotated[float, doc("Seconds per squared token (attention).", ge=0)] = 0.0
 
 
-class TransferFit(_Model):
+class TransferFit(StrictStruct, frozen=True, kw_only=True):
     """KV move seconds = setup_s + n·kv_bytes_per_token / bandwidth_bytes_per_s."""
 
-    setup_s: float = Field(ge=0, description="Fixed cost of one export + import.")
-    bandwidth_bytes_per_s: float = Field(gt=0, description="Effective export/import bandwidth.")
+    setup_s: Annotated[float, doc("Fixed cost of one export + import.", ge=0)]
+    bandwidth_bytes_per_s: Annotated[float, doc("Effective export/import bandwidth.", gt=0)]
 
 
-class Sample(_Model):
+class Sample(StrictStruct, frozen=True, kw_only=True):
     """One measured point: context tokens and median seconds."""
 
-    tokens: int = Field(ge=0)
-    seconds: float = Field(ge=0)
+    tokens: Annotated[int, Meta(ge=0)]
+    seconds: Annotated[float, Meta(ge=0)]
 
 
-class Calibration(_Model):
+class Calibration(StrictStruct, frozen=True, kw_only=True):
     """Measured rates of one worker (and its peer for KV moves)."""
 
-    version: int = Field(1, ge=1, le=1, description="File format version.")
-    worker: str = Field(min_length=1, description="Worker whose prefill was timed.")
-    peer: str = Field(min_length=1, description="Worker that imported the KV exports.")
-    model: str = Field(min_length=1, description="Served model id.")
-    layers: int = Field(ge=1, description="KV geometry from the export header.")
-    kv_heads: int = Field(ge=1)
-    head_dim: int = Field(ge=1)
-    dtype_bytes: int = Field(ge=1)
-    block_size: int = Field(ge=1)
+    version: Annotated[int, doc("File format version.", ge=1, le=1)] = 1
+    worker: Annotated[str, doc("Worker whose prefill was timed.", min_length=1)]
+    peer: Annotated[str, doc("Worker that imported the KV exports.", min_length=1)]
+    model: Annotated[str, doc("Served model id.", min_length=1)]
+    layers: Annotated[int, doc("KV geometry from the export header.", ge=1)]
+    kv_heads: Annotated[int, Meta(ge=1)]
+    head_dim: Annotated[int, Meta(ge=1)]
+    dtype_bytes: Annotated[int, Meta(ge=1)]
+    block_size: Annotated[int, Meta(ge=1)]
     prefill: PrefillFit
     transfer: TransferFit
     prefill_samples: tuple[Sample, ...] = ()
     transfer_samples: tuple[Sample, ...] = ()
-    measured_at: float = Field(0.0, ge=0, description="Unix time of the measurement.")
+    measured_at: Annotated[float, doc("Unix time of the measurement.", ge=0)] = 0.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -147,20 +144,14 @@ class Calibration(_Model):
 
 def load_calibration(path: Path) -> Calibration:
     """Read a calibration file; errors name the file, line and key (exit 2)."""
-    from dynamo_ftctl.inventory import load_yaml_document, validation_error_to_inventory_error
-
-    data, located = load_yaml_document(path, what="a calibration mapping")
-    try:
-        return Calibration.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error_to_inventory_error(exc, Calibration, located, path) from None
+    return load_struct(path, Calibration, what="a calibration mapping")
 
 
 def save_calibration(calibration: Calibration, path: Path) -> None:
     """Write a calibration file atomically (JSON)."""
     from dynamo_ftctl.output import write_atomic
 
-    write_atomic(path, json.dumps(calibration.model_dump(mode="json"), indent=2) + "\n")
+    write_atomic(path, json.dumps(to_data(calibration), indent=2) + "\n")
 
 
 # ------------------------------------------------------------------- fitting
@@ -454,7 +445,7 @@ class CalibrationResult:
     def to_json(self) -> dict[str, Any]:
         """Plain JSON."""
         return {"path": str(self.path), "crossover_tokens": list(self.crossover_tokens),
-                "calibration": self.calibration.model_dump(mode="json")}
+                "calibration": to_data(self.calibration)}
 
     def __rich__(self) -> Group:
         from rich.console import Group

@@ -15,13 +15,19 @@ from typing import Any
 import pytest
 
 from dynamo_ftctl import yamlcache
-from dynamo_ftctl.documents import MAX_ALIAS_NODES, MAX_DEPTH, check_yaml_bounds, parse_json
+from dynamo_ftctl.documents import (
+    MAX_ALIAS_NODES,
+    MAX_DEPTH,
+    check_yaml_bounds,
+    load_yaml_document,
+    parse_json,
+)
 from dynamo_ftctl.errors import InvalidInput, InventoryError
 from dynamo_ftctl.faults.audit import read_audit
 from dynamo_ftctl.faults.inject import pending_reverts
 from dynamo_ftctl.gpu.fake import load_fake_nvml
 from dynamo_ftctl.health.baseline import BaselineStore
-from dynamo_ftctl.inventory import load_yaml_document, parse_inventory
+from dynamo_ftctl.inventory import parse_inventory
 from dynamo_ftctl.loadgen.compare import load_report_json
 from dynamo_ftctl.loadgen.workload import load_prompts
 from dynamo_ftctl.lock.flock import read_owner

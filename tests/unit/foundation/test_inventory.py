@@ -8,6 +8,7 @@ import pytest
 
 from dynamo_ftctl.errors import ExitCode, InvalidInput, InventoryError
 from dynamo_ftctl.inventory import MAX_YAML_BYTES, Inventory, load_inventory, parse_inventory
+from dynamo_ftctl.structs import convert_struct, replace, to_data
 
 ROOT = Path(__file__).resolve().parents[3]
 LOCAL = ROOT / "examples" / "local.yaml"
@@ -173,13 +174,23 @@ def test_yaml_12_booleans_keep_on_and_no_as_strings(tmp_path: Path) -> None:
 
 
 def test_copy_and_dump_round_trip(tmp_path: Path) -> None:
-    """model_dump gives the file's keys back; model_copy keeps the source file."""
+    """to_data gives the file's keys back; replace keeps the source file."""
     inventory = load_inventory(write(tmp_path, VALID))
-    again = Inventory.model_validate(inventory.model_dump())
+    again = convert_struct(to_data(inventory), Inventory)
     assert again == inventory
-    moved = inventory.model_copy(update={"cluster": "other"})
+    moved = replace(inventory, cluster="other")
     assert moved.cluster == "other"
     assert moved.source == inventory.source == tmp_path / "ftctl.yaml"
+
+
+def test_pydantic_names_kept_for_unmoved_callers_match(tmp_path: Path) -> None:
+    """model_validate, model_dump and model_copy (kept until their last callers move) are
+    convert_struct, to_data and replace."""
+    inventory = load_inventory(write(tmp_path, VALID))
+    assert inventory.model_dump() == to_data(inventory)
+    assert Inventory.model_validate(inventory.model_dump()) == inventory
+    assert inventory.model_copy(update={"cluster": "x"}) == replace(inventory, cluster="x")
+    assert inventory.model_copy(update={"cluster": "x"}).source == inventory.source
 
 
 def test_parse_inventory_from_text() -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from dynamo_ftctl import yamlcache
+from dynamo_ftctl.documents import load_yaml_document
 from dynamo_ftctl.errors import InventoryError
 from dynamo_ftctl.health.canaryset import load_canary_set
-from dynamo_ftctl.inventory import load_inventory, load_yaml_document
+from dynamo_ftctl.inventory import load_inventory
 
 ROOT = Path(__file__).resolve().parents[3]
 INVENTORY = ROOT / "examples" / "local.yaml"
