@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import Unreachable
 from dynamo_ftctl.output import write_atomic
+from dynamo_ftctl.structs import replace, to_data
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -169,7 +170,7 @@ def _start_workers(inventory: Inventory, out_dir: Path, env: dict[str, str],
         recipe = worker.launch
         if recipe is not None and recipe.sim is not None:
             sim_url = f"http://127.0.0.1:{_free_port()}"
-            launch_workers.append(worker.model_copy(update={"url": sim_url, "process": None}))
+            launch_workers.append(replace(worker, url=sim_url, process=None))
             route_workers.append((worker, sim_url, "sim"))
         elif recipe is not None and recipe.command is not None:
             port = _free_port()
@@ -177,7 +178,7 @@ def _start_workers(inventory: Inventory, out_dir: Path, env: dict[str, str],
             route_workers.append((worker, f"http://127.0.0.1:{port}", "command"))
         else:
             route_workers.append((worker, worker.url, "running"))
-    launch = inventory.model_copy(update={"workers": tuple(launch_workers)})
+    launch = replace(inventory, workers=tuple(launch_workers))
     stack.launch_inventory = launch
     stack.commands = start_command_workers(commands, log_dir=out_dir,
                                            environ={**os.environ, **env})
@@ -208,9 +209,9 @@ def _route(worker: Worker, direct_url: str, how: str, env: dict[str, str],
         stack.netproxies.append(proxy)
         stack.controls.append(control)
         url = f"http://127.0.0.1:{proxy.port}"
-        inject = inject.model_copy(update={"netproxy": control.url})
-    data = worker.model_dump(by_alias=True, exclude_none=True, mode="json")
-    data.update({"url": url, "inject": inject.model_dump(mode="json", exclude_none=True)})
+        inject = replace(inject, netproxy=control.url)
+    data = to_data(worker, exclude_none=True)
+    data.update({"url": url, "inject": to_data(inject, exclude_none=True)})
     if how == "running":
         # Probed directly (the admin URL), not through the fault proxy in front of it.
         data.setdefault("admin", {}).setdefault("url", worker.admin_url)
@@ -218,8 +219,8 @@ def _route(worker: Worker, direct_url: str, how: str, env: dict[str, str],
     data.pop("process", None)
     if how == "command":
         data["process"] = {"pid": stack.commands[worker.name].pid, "group": True}
-    admin = (worker.admin.model_copy(update={"url": direct_url}) if worker.admin else None)
-    data["admin"] = (admin.model_dump(mode="json", exclude_none=True) if admin
+    admin = (replace(worker.admin, url=direct_url) if worker.admin else None)
+    data["admin"] = (to_data(admin, exclude_none=True) if admin
                      else {"url": direct_url})
     return data
 
@@ -237,7 +238,7 @@ def start_local(inventory: Inventory, out_dir: Path, env: dict[str, str],
 
     routed = [_route(worker, url, how, env, stack)
               for worker, url, how in _start_workers(inventory, out_dir, env, stack)]
-    doc = inventory.model_dump(by_alias=True, exclude_none=True, mode="json")
+    doc = to_data(inventory, exclude_none=True)
     doc["workers"] = routed
     proxy_port = _free_port()
     doc["proxy"]["listen"] = f"127.0.0.1:{proxy_port}"

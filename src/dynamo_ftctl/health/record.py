@@ -29,6 +29,7 @@ from dynamo_ftctl.errors import CheckFailed, Unreachable
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
 from dynamo_ftctl.health.judge import Answer, BadResponse, build_request, parse_answer
 from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
+from dynamo_ftctl.structs import convert_struct, replace
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.probe import ProbeTarget
@@ -84,11 +85,11 @@ def record_canary_set(
     `on_progress(done, total)` follows the recording requests (warm-up excluded).
     """
     transport = transport or Http1Transport()
-    draft = CanarySet.model_validate({
+    draft = convert_struct({
         "model": model, "endpoint": endpoint,
         "prompts": [{"name": n, "prompt": p, "max_tokens": max_tokens, "expected_text": ""}
                     for n, p in prompts],
-    })
+    }, CanarySet)
 
     def ask(prompt: CanaryPrompt, deadline_s: float) -> Answer:
         nonlocal draft
@@ -96,7 +97,7 @@ def record_canary_set(
             return _ask(target, draft, prompt, transport, deadline_s)
         except _TokenIdsRefused:
             # Learnt once (the warm-up, or the first prompt): ask for text only from now on.
-            draft = draft.model_copy(update={"return_token_ids": False})
+            draft = replace(draft, return_token_ids=False)
             return _ask(target, draft, prompt, transport, deadline_s)
 
     if warmup_timeout_s > 0 and draft.prompts:
@@ -121,7 +122,7 @@ def record_canary_set(
 
     for prompt in draft.prompts:
         # Ask for logprobs while recording: the range is part of the golden answer.
-        asking = prompt.model_copy(update={"expected_top_logprob_range": (-1.0, 0.0)})
+        asking = replace(prompt, expected_top_logprob_range=(-1.0, 0.0))
         answers = [ask_counted(asking) for _ in range(repeats)]
         first = answers[0]
         for index, other in enumerate(answers[1:], start=2):

@@ -9,15 +9,16 @@ from dataclasses import dataclass, field
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.canaryset import CanarySet
 from dynamo_ftctl.health.transport import HttpReply, TransportError
+from dynamo_ftctl.structs import convert_struct
 
-SET = CanarySet.model_validate({
+SET = convert_struct({
     "model": "m",
     "prompts": [
         {"name": "a", "prompt": "one", "max_tokens": 3, "expected_token_ids": [1, 2, 3],
          "expected_top_logprob_range": [-1.0, -0.5]},
         {"name": "b", "prompt": "two", "max_tokens": 3, "expected_token_ids": [4, 5, 6]},
     ],
-})
+}, CanarySet)
 GOLDEN = {"one": [1, 2, 3], "two": [4, 5, 6]}
 
 

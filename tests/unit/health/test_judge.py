@@ -15,6 +15,7 @@ from dynamo_ftctl.health.judge import (
     parse_answer,
 )
 from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.structs import replace
 
 PROMPT = CanaryPrompt(name="p", prompt="hi", max_tokens=4, expected_token_ids=(5, 6, 7, 8),
                       expected_text="abcd", expected_top_logprob_range=(-1.0, -0.5))
@@ -120,6 +121,6 @@ def test_streamed_answer_is_understood() -> None:
 
 def test_ids_expected_but_absent_and_no_text_is_bad_response() -> None:
     """A set with only ids against a server without ids cannot judge: bad_response."""
-    prompt = PROMPT.model_copy(update={"expected_text": None})
+    prompt = replace(PROMPT, expected_text=None)
     verdict = judge_answer(prompt, Answer(None, "abcd", -0.7))
     assert verdict.kind == "bad_response"
