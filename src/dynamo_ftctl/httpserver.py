@@ -88,6 +88,7 @@ DEFAULT_IDLE_TIMEOUT_S = 60.0
 DEFAULT_REQUEST_TIMEOUT_S = 30.0
 # Request line and headers together: as much as common servers allow (nginx: 4 x 8 KiB).
 _MAX_HEAD = 64 * 1024
+_BACKLOG = 2048
 # The client socket's write buffer above which a `Stream` is no longer pulled.
 _WRITE_HIGH_WATER = 64 * 1024
 
@@ -643,8 +644,10 @@ class Server:
 
     async def listen(self, host: str, port: int) -> None:
         """Bind and listen on `host:port` (port 0: a free one, see `address`)."""
+        # A backlog as uvicorn's (2048): a burst of connects (a load test's opening, a
+        # proxy's pool refilling) waits in the kernel instead of retrying SYNs after 1 s.
         self._server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True)
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=_BACKLOG)
 
     @property
     def address(self) -> str:
