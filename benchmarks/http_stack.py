@@ -26,13 +26,11 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import select
 import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 STACKS = ("httpserver", "uvicorn")
-CONNECTIONS = 32
+CONNECTIONS = 32  # as http_clients.py, whose clients this script runs
 BODY = b'{"model":"m","prompt":"hello","max_tokens":16}'
 STREAM_BODY = b'{"model":"m","prompt":"hello","max_tokens":64,"stream":true}'
 SLOWLORIS = 50
@@ -185,71 +183,33 @@ def _cpu_s(pid: int) -> float:
 
 # -- throughput
 
-def _wrk(url: str, seconds: float, body: bytes) -> tuple[int, int]:
-    """(requests answered, non-2xx) by wrk in a closed loop."""
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "post.lua"
-        script.write_text('wrk.method = "POST"\n'
-                          f"wrk.body = '{body.decode()}'\n"
-                          'wrk.headers["Content-Type"] = "application/json"\n')
-        out = subprocess.run(
-            [*_pin(1), "wrk", "-t1", f"-c{CONNECTIONS}", f"-d{max(1, round(seconds))}s",
-             "-s", str(script), url + "/v1/completions"],
-            capture_output=True, text=True, check=True, timeout=seconds + 30).stdout
-    done = re.search(r"(\d+) requests in", out)
-    if not done:
-        msg = f"unexpected wrk output:\n{out}"
-        raise RuntimeError(msg)
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return int(done.group(1)), int(bad.group(1)) if bad else 0
+def _client_rate(url: str, seconds: float, body: bytes) -> float:
+    """Requests/s of `http_clients.py`'s closed loop on CPU 1: wrk, else ftctl's http1."""
+    from http_clients import bench_http1, bench_wrk  # this folder, on sys.path as a script's
 
-
-def _http1(url: str, seconds: float, body: bytes) -> tuple[int, int]:
-    """(requests answered, failed) by the load generator's http1 client, on CPU 1."""
+    if shutil.which("wrk"):
+        return bench_wrk(url, seconds, body)
     import asyncio
-
-    from dynamo_ftctl.loadgen.http1 import Http1Sender
-
-    async def run() -> tuple[int, int]:
-        sender = Http1Sender(timeout_s=30, now=time.monotonic)
-        done = failed = 0
-        deadline = time.monotonic() + seconds
-
-        async def user() -> None:
-            nonlocal done, failed
-            while time.monotonic() < deadline:
-                ex = await sender.exchange("POST", url + "/v1/completions", body,
-                                           {"content-type": "application/json"})
-                done += 1
-                failed += ex.outcome != "ok"
-
-        try:
-            await asyncio.gather(*(user() for _ in range(CONNECTIONS)))
-        finally:
-            sender.close()
-        return done, failed
 
     mask = os.sched_getaffinity(0)
     if (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {1})
     try:
-        return asyncio.run(run())
+        return asyncio.run(bench_http1(url, seconds, body))
     finally:
         os.sched_setaffinity(0, mask)
 
 
 def throughput(stack: str, seconds: float, *, stream: bool) -> float:
     """Requests answered per CPU-second of the server."""
-    client = _wrk if shutil.which("wrk") else _http1
+    body = STREAM_BODY if stream else BODY
     with server(stack) as (url, pid):
-        client(url, 0.5, STREAM_BODY if stream else BODY)  # warm the connections and caches
+        _client_rate(url, 1, body)  # warm the connections and caches
         before = _cpu_s(pid)
-        done, bad = client(url, seconds, STREAM_BODY if stream else BODY)
+        rate = _client_rate(url, seconds, body)
         cpu = _cpu_s(pid) - before
-    if bad:
-        msg = f"{stack}: {bad} of {done} requests failed"
-        raise RuntimeError(msg)
-    return done / cpu if cpu > 0 else float("nan")
+    # wrk and the closed loop run `seconds` (wrk: rounded to whole seconds).
+    return rate * max(1, round(seconds)) / cpu if cpu > 0 else float("nan")
 
 
 # -- hostile input

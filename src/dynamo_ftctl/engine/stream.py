@@ -51,8 +51,8 @@ class Step:
 
 
 async def step_batches(state: ServerState, request: EngineRequest, options: Options,
-                        start: Callable[[], object], arrival: float,
-                        ) -> AsyncIterator[list[Step]]:
+                       start: Callable[[], object], arrival: float,
+                       ) -> AsyncIterator[list[Step]]:
     """Token steps of a request, detokenized, stop strings applied, faults enforced.
 
     Each batch holds the tokens that were waiting when the stream woke up (one in
@@ -221,7 +221,7 @@ async def sse(state: ServerState, job: Job) -> AsyncGenerator[bytes, None]:
     """The body of a stream: one write per batch of steps, the end in the last write."""
     options = job.options
     writer = ChunkWriter(job.request.request_id, state.engine.config.name, int(time.time()),
-                          chat=job.chat, token_ids=options.return_token_ids)
+                         chat=job.chat, token_ids=options.return_token_ids)
     count = 0
     offset = 0
     ttft_ms: float | None = None
