@@ -65,6 +65,9 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     lenient_fields: Annotated[bool, typer.Option(
         "--lenient-fields", help="Ignore unknown request fields (default: 400 naming the "
         "field, as vLLM's strict validation does).")] = False,
+    request_timeout_s: Annotated[float, typer.Option(
+        "--request-timeout-s", min=0.1, help="A request not received whole within this "
+        "many seconds of its first byte is answered 408 (slow or stalled clients).")] = 30.0,
 ) -> None:
     """Serve the engine; prints its URL on stdout once it answers requests.
 
@@ -83,7 +86,7 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
         admin_token=os.environ.get(admin_token_env) or None,
         faults=tuple(parse_fault_flag(f) for f in fault or ()), pci_bus_id=pci_bus_id,
         pid_file=pid_file, threads=threads or None, warmup_s=warmup_s,
-        lenient_fields=lenient_fields,
+        lenient_fields=lenient_fields, request_timeout_s=request_timeout_s,
     )
 
     def ready(url: str) -> None:

@@ -9,7 +9,11 @@ that KV caches, token ids, logprobs and faults are real:
 - `cache`      paged KV cache: fixed block pool, per-request block tables
 - `sampling`   greedy / temperature, top-k, top-p keyed by (seed, position)
 - `scheduler`  continuous batching: one batched forward per step
-- `server`     the starlette app: OpenAI API, health, metrics, sleep, KV, faults
+- `state`      a server's settings, engine, driver and faults
+- `validation` OpenAI request checks (vLLM's strict fields, un-encodable text)
+- `stream`     a generation's answer: token steps, SSE chunks, whole bodies
+- `routes`     OpenAI API, health, metrics, sleep, KV, faults on `httpapp.Router`
+- `server`     serve the routes on `httpserver` until a signal
 - `launcher`   start one worker or a whole local cluster as processes
 
 This package's `__init__` imports nothing: torch loads only where it is used.

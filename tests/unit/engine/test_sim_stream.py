@@ -1,4 +1,5 @@
-"""The sim's lean streaming path: templated chunks equal the JSON encoder's, EventStream."""
+"""The sim's lean streaming path: templated chunks equal the JSON encoder's; an SSE body on
+the server goes out chunk by chunk and is closed when its client leaves."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_ftctl.engine.server import SERVER_TTFT_FIELD, _ChunkWriter, _Step
+from dynamo_ftctl.engine.stream import SERVER_TTFT_FIELD, ChunkWriter, Step
+from dynamo_ftctl.httpserver import Request, Stream, start_server
 from dynamo_ftctl.openai import format_sse
+from tests.loopback import until
 
 # Any text the detokenizer may hand over, lone surrogates (undecodable bytes) included.
 texts = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
@@ -25,8 +28,8 @@ def test_template_chunk_is_byte_identical_to_the_json_encoder(
         rid: str, text: str, token_id: int, chat: bool, ids: bool, finish: str | None,
         ttft: float | None) -> None:
     """A templated token chunk is exactly what format_sse writes for the same dict."""
-    writer = _ChunkWriter(rid, "ftctl-sim-tiny", 1700000000, chat=chat, token_ids=ids)
-    step = _Step(token_id, text, -0.5, (), finish)
+    writer = ChunkWriter(rid, "ftctl-sim-tiny", 1700000000, chat=chat, token_ids=ids)
+    step = Step(token_id, text, -0.5, (), finish)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:
         choice["delta"] = {"content": text}
@@ -42,40 +45,38 @@ def test_template_chunk_is_byte_identical_to_the_json_encoder(
     assert json.loads(got[6:])["choices"][0]["finish_reason"] == finish
 
 
-def _run_stream(body: AsyncGenerator[bytes, None], *, leave_after: int | None
-                ) -> tuple[list[dict[str, Any]], bool]:
-    """Drive an EventStream with an in-memory ASGI peer; (messages sent, body closed)."""
-    from dynamo_ftctl.engine.stream import EventStream
-
-    sent: list[dict[str, Any]] = []
-    closed = False
+async def _serve_stream(body: AsyncGenerator[bytes, None], *, leave_after: int | None
+                        ) -> tuple[bytes, bool]:
+    """Serve `body` as the sim serves a stream; read it raw (all of it, or until
+    `leave_after` chunks, then hang up); (bytes read, body closed)."""
+    closed = asyncio.Event()
 
     async def tracked() -> AsyncGenerator[bytes, None]:
-        nonlocal closed
         try:
             async for chunk in body:
                 yield chunk
         finally:
-            closed = True
+            closed.set()
 
-    async def main() -> None:
-        left = asyncio.Event()
+    async def handler(_: Request) -> Stream:
+        return Stream(tracked(), headers={"X-Request-Id": "r1", "Cache-Control": "no-cache"})
 
-        async def receive() -> dict[str, Any]:
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-            bodies = sum(1 for m in sent if m["type"] == "http.response.body")
-            if leave_after is not None and bodies >= leave_after:
-                left.set()
-
-        response = EventStream(tracked(), headers={"X-Request-Id": "r1"})
-        await asyncio.wait_for(response({"type": "http"}, receive, send), timeout=10)
-
-    asyncio.run(main())
-    return sent, closed
+    server = await start_server(handler, "127.0.0.1", 0)
+    try:
+        port = int(server.address.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        got = b""
+        while leave_after is None or got.count(b"data: ") < leave_after:
+            piece = await reader.read(65536)
+            got += piece
+            if not piece or got.endswith(b"0\r\n\r\n"):
+                break
+        writer.close()
+        await until(closed.is_set)
+        return got, closed.is_set()
+    finally:
+        await server.shutdown(1.0)
 
 
 async def _endless() -> AsyncGenerator[bytes, None]:
@@ -89,22 +90,22 @@ async def _three() -> AsyncGenerator[bytes, None]:
         yield b"data: %d\n\n" % i
 
 
-def test_event_stream_sends_headers_chunks_and_end() -> None:
+def test_stream_sends_headers_chunks_and_end() -> None:
     """Headers (SSE type, request id), every chunk in order, then the end of the body."""
-    sent, closed = _run_stream(_three(), leave_after=None)
-    assert sent[0]["type"] == "http.response.start"
-    headers = dict(sent[0]["headers"])
-    assert headers[b"content-type"].startswith(b"text/event-stream")
-    assert headers[b"x-request-id"] == b"r1"
-    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
-    assert sent[-1]["more_body"] is False
+    got, closed = asyncio.run(asyncio.wait_for(_serve_stream(_three(), leave_after=None), 10))
+    head, _, chunked = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"content-type: text/event-stream; charset=utf-8\r\n" in head
+    assert b"X-Request-Id: r1\r\n" in head
+    assert head.endswith(b"\r\ntransfer-encoding: chunked")
+    assert chunked == b"".join(b"%x\r\n%s\r\n" % (len(c), c)
+                               for c in (b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n")) \
+        + b"0\r\n\r\n"
     assert closed
 
 
 def test_a_client_that_leaves_closes_the_body_without_an_error() -> None:
-    """http.disconnect mid-stream stops an endless body at once and returns quietly."""
-    sent, closed = _run_stream(_endless(), leave_after=5)
+    """A hang-up mid-stream stops an endless body at once (its `finally` runs)."""
+    got, closed = asyncio.run(asyncio.wait_for(_serve_stream(_endless(), leave_after=5), 10))
     assert closed
-    bodies = [m for m in sent if m["type"] == "http.response.body"]
-    assert 5 <= len(bodies) <= 7  # stops within a chunk or two of the disconnect
-    assert all(m["more_body"] for m in bodies)
+    assert got.count(b"data: ") >= 5

@@ -61,6 +61,28 @@ def test_routes_by_method_and_path() -> None:
     asyncio.run(go())
 
 
+def test_a_path_tail_takes_the_rest_of_the_path() -> None:
+    """`{name:path}` as the last segment captures the rest, slashes included; the shorter
+    pattern and a fixed segment that differs do not match."""
+    async def kv(request: Request) -> Reply:
+        return text_reply(request_params(request)["request_id"])
+
+    router = Router()
+    router.get("/admin/kv/{request_id:path}", kv)
+    router.get("/toxics/{name}", _toxic)
+
+    async def go() -> None:
+        for path, body in [("/admin/kv/r1", b"r1"), ("/admin/kv/a/b%2Fc", b"a/b%2Fc")]:
+            got = await router(_request("GET", path))
+            assert isinstance(got, Reply)
+            assert (got.status, got.body) == (200, body)
+        for path in ["/admin/kv", "/admin/kv/", "/admin/xv/r1", "/toxics/a/b"]:
+            got = await router(_request("GET", path))
+            assert isinstance(got, Reply)
+            assert got.status == 404, path
+    asyncio.run(go())
+
+
 def test_request_json_refuses_nan_and_deep_nesting() -> None:
     assert request_json(_request("POST", "/", b'{"a": 1}')) == {"a": 1}
     with pytest.raises(ValueError, match=r"NaN|JSON"):
