@@ -34,9 +34,9 @@ def endpoint(worker: Any, name: str) -> Endpoint:
     return Endpoint(name=name, url=worker.url, admin_url=worker.url, token=worker.admin_token)
 
 
-def slow_down(worker: Any) -> None:
+def slow_down(worker: Any, delay_ms: float = 20) -> None:
     """Make decoding slow enough that the request is still running when it is moved."""
-    r = httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 20},
+    r = httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": delay_ms},
                    headers={"Authorization": f"Bearer {worker.admin_token}"}, timeout=10)
     assert r.status_code == 200, r.text
 
@@ -156,6 +156,10 @@ def test_cli_request_and_bad_calibration_exit_codes(pair: tuple[Any, Any], tmp_p
         f"  - {{name: b, url: '{b.url}', model: ftctl-sim-tiny}}\n"
     )
     env = {**os.environ, "FTCTL_ADMIN_TOKEN": a.admin_token}
+    # The CLI's interpreter starts while the request runs: at 20 ms a token the request
+    # ended first on a loaded host (404 "no running or retained request"); 48 tokens at
+    # 250 ms outlast any start-up.
+    slow_down(a, delay_ms=250)
 
     async def start() -> tuple[httpx.AsyncClient, asyncio.Task[None]]:
         client = httpx.AsyncClient(timeout=60)
