@@ -25,12 +25,12 @@ from dynamo_ftctl.loadgen.record import (
 )
 from dynamo_ftctl.loadgen.workload import RequestSpec
 from dynamo_ftctl.openai import (
-    SseEvent,
     extract_finish_reason,
     extract_text,
     extract_usage,
     parse_error_body,
 )
+from dynamo_ftctl.sse import SseDecoder, SseEvent
 
 if TYPE_CHECKING:
     import aiohttp
@@ -254,20 +254,19 @@ _MIGRATED_COMMENT = b": " + MIGRATED_HEADER.encode() + b":"
 
 
 class SseStream:
-    """An SSE body split on bytes as it arrives and folded into a `_StreamState`.
+    """An SSE body cut into raw events by `dynamo_ftctl.sse.SseDecoder.blocks` as it
+    arrives, and folded into a `_StreamState`.
 
-    Events are cut at blank lines with `bytes.split` (CRLF and CR line ends are
-    turned into LF first; after a chunk ending in CR, an LF opening the next is
-    dropped as that CRLF's);
-    an event of one `data: ` line, nearly all of them, costs one slice before its
-    JSON is decoded. Comments are read for the proxy's `: x-ftctl-migrated: N`.
+    An event of one `data: ` line, nearly all of them, costs one slice before its
+    JSON is decoded (no `SseEvent`, no str). Comments are read for the proxy's
+    `: x-ftctl-migrated: N`.
     """
 
-    __slots__ = ("_buf", "_skip_lf", "migrated", "over", "stamps", "state")
+    __slots__ = ("_blocks", "_decoder", "migrated", "over", "stamps", "state")
 
     def __init__(self, stamps: list[float]) -> None:
-        self._buf = b""
-        self._skip_lf = False  # the last chunk ended in CR: an LF first is its CRLF's
+        self._decoder = SseDecoder()
+        self._blocks = self._decoder.blocks  # bound once: called per read of every stream
         self.stamps = stamps
         self.state = _StreamState()
         self.migrated = 0
@@ -277,17 +276,7 @@ class SseStream:
         """Add bytes that arrived at `stamp`; True once the stream is over."""
         if self.over:
             return True
-        if self._skip_lf:
-            self._skip_lf = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            self._skip_lf = buf.endswith(b"\r")
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events = buf.split(b"\n\n")
-        self._buf = events.pop()
-        for event in events:
+        for event in self._blocks(chunk):
             if self._event(event, stamp):
                 self.over = True
                 return True
@@ -295,8 +284,7 @@ class SseStream:
 
     def end(self, stamp: float) -> tuple[str, str | None, int | None, float | None]:
         """The body ended: dispatch a last event that lacked its blank line; the verdict."""
-        rest = self._buf.strip(b"\n")
-        self._buf = b""
+        rest = self._decoder.rest()
         if rest and not self.over:
             self.over = self._event(rest, stamp)
         return self.state.verdict()
