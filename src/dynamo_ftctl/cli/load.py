@@ -143,7 +143,7 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     client: Annotated[str, typer.Option(
         "--client",
         help="HTTP client: http1 (asyncio + httptools, ~3x aiohttp's requests per core), "
-             "aiohttp, or auto (http1 for http:// targets when httptools is installed).")
+             "aiohttp, or auto (http1, for http:// and https://, when httptools is installed).")
     ] = "auto",
     json_: JsonFlag = False,
 ) -> None:

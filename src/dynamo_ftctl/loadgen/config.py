@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 Arrival = Literal["constant", "poisson", "gamma"]
-# `http1`: asyncio protocols + httptools (the default when httptools is installed
-# and every target is plain http); `aiohttp`: the fallback, and for https.
+# `http1`: asyncio protocols + httptools (the default when httptools is installed,
+# http and https alike); `aiohttp`: the fallback without httptools.
 Client = Literal["auto", "http1", "aiohttp"]
 # Busy-wait (yielding to the event loop) this long before each planned send, after
 # sleeping on a timer until then; see `LoadConfig.spin_s`. Measured here (uvloop,

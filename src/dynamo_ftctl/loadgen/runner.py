@@ -389,7 +389,6 @@ def _use_http1(config: LoadConfig) -> bool:
     """Whether the run takes the httptools client (see `LoadConfig.client`)."""
     if config.client == "aiohttp":
         return False
-    plain = all(t.startswith("http://") for t in config.targets)
     try:
         import httptools  # noqa: F401
     except ImportError:
@@ -397,10 +396,7 @@ def _use_http1(config: LoadConfig) -> bool:
             msg = "client: http1 needs the httptools package (pip install httptools)"
             raise InvalidInput(msg) from None
         return False
-    if config.client == "http1" and not plain:
-        msg = "client: http1 speaks plain http only; use aiohttp for https targets"
-        raise InvalidInput(msg)
-    return plain
+    return True  # http:// and https:// alike (`dynamo_ftctl.http1` speaks TLS)
 
 
 async def _default_sender(config: LoadConfig, clock: Clock, model: str | None,
@@ -408,7 +404,7 @@ async def _default_sender(config: LoadConfig, clock: Clock, model: str | None,
     """The run's client, how to close it, and the model (asked of the first target)."""
     models_url = config.targets[0].rstrip("/") + "/v1/models"
     if _use_http1(config):
-        from dynamo_ftctl.loadgen.http1 import Http1Sender
+        from dynamo_ftctl.loadgen.sender import Http1Sender
 
         fast = Http1Sender(timeout_s=config.timeout_s, now=clock.now)
 
