@@ -149,7 +149,7 @@ class Connection(asyncio.Protocol):
     def abandon(self) -> None:
         """Give up on the answer in flight: hang up (the connection leaves the pool)."""
         self.exchange = None
-        self.close()
+        self.abort()
 
     def pause(self) -> None:
         """Stop reading the socket (the reader is behind)."""
@@ -169,3 +169,10 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def abort(self) -> None:
+        """Hang up now: nothing flushed, and over TLS no close_notify exchange that would
+        keep the socket open after its event loop ends (a leak asyncio warns about)."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()

@@ -159,7 +159,7 @@ class Pool:
     def close(self) -> None:
         """Hang up on every connection."""
         for conn in list(self._all):
-            conn.close()
+            conn.abort()
         self._all.clear()
         self._idle.clear()
 
