@@ -5,8 +5,9 @@
    trivial loopback target (`dynamo_ftctl.loadgen.target`, pinned to CPU 0; the
    generator runs on CPU 1): non-streaming requests/s, and streamed tokens/s (64
    tokens per request), for each client (`--clients`: http1, the one client since
-   the aiohttp fallback went; compare with an older checkout run the same way). `wrk` (C, closed loop, 32 connections) on
-   the same server in the same run is the ceiling. (First, 0.: the generator's CPU
+   the aiohttp fallback went; compare with an older checkout run the same way).
+   `wrk` (C, closed loop, 32 connections) on the same server in the same run is the
+   ceiling. (First, 0.: the generator's CPU
    per request in a closed loop, which others on the machine disturb less.) The
    machine is shared: each trial waits (at most 30 s) for a moment when other
    processes use at most 15% of the CPUs (from /proc), and one during which they
