@@ -12,7 +12,7 @@ split on bytes (`client.SseStream`).
 
 Compared with aiohttp on this machine (benchmarks/http_clients.py,
 benchmarks/load.py): about 3x the requests per core, and TTFT stamps closer to
-the server's own. Error classes match `AiohttpSender`'s: `connect` (refused,
+the server's own. Error classes: `connect` (refused,
 reset or closed before the response began), `timeout` (the whole exchange,
 connect included, past `timeout_s`), `broken_stream` (cut after the headers,
 or unparseable after them), `4xx_*`/`5xx_*`, `other` (a 2xx body that is not
