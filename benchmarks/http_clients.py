@@ -5,7 +5,7 @@ to CPU 0 and every client to CPU 1, so client CPU is the limit. Each client
 runs a closed loop of 32 keep-alive connections for a few seconds against
 `POST /v1/completions` (non-streaming, 16 tokens; with --stream, 64 streamed
 tokens, read to the end). `wrk` (C) is the ceiling. `ftctl http1` is the load
-generator's default client (`loadgen.http1`: asyncio protocols + httptools);
+generator's default client (`loadgen.sender`: asyncio protocols + httptools);
 both it and aiohttp also run on uvloop, as `ftctl load` runs them.
 HTTP/2 for httpx needs the `h2` package and a server that offers h2c; neither
 is installed here, so only HTTP/1.1 pools are compared.
@@ -86,7 +86,7 @@ async def bench_aiohttp(url: str, seconds: float, body: bytes) -> float:
 
 
 async def bench_http1(url: str, seconds: float, body: bytes) -> float:
-    from dynamo_ftctl.loadgen.http1 import Http1Sender
+    from dynamo_ftctl.loadgen.sender import Http1Sender
 
     sender = Http1Sender(timeout_s=30, now=time.monotonic)
     target = url + "/v1/completions"

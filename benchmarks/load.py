@@ -4,9 +4,10 @@
    <= 1 ms (and every request answered) in 2 of 3 trials of a rate, against the
    trivial loopback target (`dynamo_ftctl.loadgen.target`, pinned to CPU 0; the
    generator runs on CPU 1): non-streaming requests/s, and streamed tokens/s (64
-   tokens per request), for each client (`--clients`: the default http1 and the
-   aiohttp fallback, in the same run). `wrk` (C, closed loop, 32 connections) on
-   the same server in the same run is the ceiling. (First, 0.: the generator's CPU
+   tokens per request), for each client (`--clients`: http1, the one client since
+   the aiohttp fallback went; compare with an older checkout run the same way).
+   `wrk` (C, closed loop, 32 connections) on the same server in the same run is the
+   ceiling. (First, 0.: the generator's CPU
    per request in a closed loop, which others on the machine disturb less.) The
    machine is shared: each trial waits (at most 30 s) for a moment when other
    processes use at most 15% of the CPUs (from /proc), and one during which they
@@ -18,7 +19,7 @@
    generator keeps it per request), and on the loopback target (request read ->
    first token written, from its `/stats`), for each client.
 
-Run: .venv/bin/python benchmarks/load.py [--seconds 3] [--clients http1,aiohttp]
+Run: .venv/bin/python benchmarks/load.py [--seconds 3] [--clients http1]
      [--at 3000,4000 --at-stream 800]  (vote at those rates instead of bisecting)
 """
 
@@ -290,8 +291,8 @@ def vote_at(args: argparse.Namespace, clients: list[Client]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--clients", default="http1,aiohttp",
-                        help="comma-separated clients to measure (http1, aiohttp)")
+    parser.add_argument("--clients", default="http1",
+                        help="comma-separated clients to measure (http1)")
     parser.add_argument("--spin-us", type=int, default=round(SPIN["s"] * 1e6),
                         help="the trials' --spin-us")
     parser.add_argument("--at", default="", metavar="R1,R2",

@@ -142,8 +142,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
              "25%; 5000 -> 0.4 ms, 66%).")] = 1000,
     client: Annotated[str, typer.Option(
         "--client",
-        help="HTTP client: http1 (asyncio + httptools, ~3x aiohttp's requests per core), "
-             "aiohttp, or auto (http1 for http:// targets when httptools is installed).")
+        help="HTTP client: http1 (asyncio + httptools, ~3x aiohttp's requests per core; "
+             "http:// and https://) or auto (the same).")
     ] = "auto",
     json_: JsonFlag = False,
 ) -> None:

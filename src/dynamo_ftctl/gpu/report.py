@@ -6,17 +6,20 @@ with the daemon's bearer token (`Authorization: Bearer`, see `dynamo_ftctl.auth`
 Only actionable events (catalog action other than IGNORE) that name workers
 are sent. A daemon that is down must not stop the watcher: failures are
 counted and logged on stderr, never raised.
+
+Sent through the blocking client of the canary probe
+(`health.transport.Http1Transport`, the seam tests replace): one POST now and
+then needs no pool, and it keeps httpx out of `ftctl gpu watch`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from typing import Any
 
 from dynamo_ftctl.auth import bearer_headers
 from dynamo_ftctl.gpu.events import GpuEvent
-
-if TYPE_CHECKING:
-    import httpx
+from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
 
 __all__ = ["CanaryReporter", "report_url"]
 
@@ -31,17 +34,13 @@ class CanaryReporter:
     """Posts actionable GPU events to a canary daemon."""
 
     def __init__(
-        self, url: str, *, token: str | None = None, client: httpx.Client | None = None,
+        self, url: str, *, token: str | None = None, transport: SyncTransport | None = None,
         timeout_s: float = 2.0,
     ) -> None:
         self.url = report_url(url)
         self._headers = bearer_headers(token)
-        self._own_client = client is None
-        if client is None:
-            import httpx
-
-            client = httpx.Client(timeout=timeout_s)
-        self._client = client
+        self._transport = transport if transport is not None else Http1Transport()
+        self._timeout_s = timeout_s
         self.sent = 0
         self.failures = 0
 
@@ -57,29 +56,27 @@ class CanaryReporter:
 
     def report(self, event: GpuEvent) -> int:
         """Send the event for each affected worker; the number accepted by the daemon."""
-        import httpx
-
         from dynamo_ftctl.output import warn
 
         accepted = 0
         for body in self.bodies(event):
             try:
-                response = self._client.post(self.url, json=body, headers=self._headers)
-            except httpx.HTTPError as exc:
+                reply = self._transport.post_json(self.url, json.dumps(body).encode(),
+                                                  timeout_s=self._timeout_s,
+                                                  headers=self._headers)
+            except TransportError as exc:
                 self.failures += 1
-                warn(f"cannot report {body['worker']} to {self.url}: {exc}")
+                warn(f"cannot report {body['worker']} to {self.url}: {exc.message}")
                 continue
-            if response.status_code >= 400:
+            if reply.status >= 400:
                 self.failures += 1
-                warn(
-                    f"{self.url} refused the report for {body['worker']}: "
-                    f"HTTP {response.status_code} {response.text[:200]}"
-                )
+                text = reply.body[:200].decode("utf-8", errors="replace")
+                warn(f"{self.url} refused the report for {body['worker']}: "
+                     f"HTTP {reply.status} {text}")
                 continue
             accepted += 1
             self.sent += 1
         return accepted
 
     def close(self) -> None:
-        if self._own_client:
-            self._client.close()
+        """Nothing held between reports (one connection per POST); kept for callers."""

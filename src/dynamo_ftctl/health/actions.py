@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import aiohttp
-
     from dynamo_ftctl.health.state import Transition
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import TransitionAction
 
 __all__ = ["ActionOutcome", "actions_for", "run_action"]
@@ -53,9 +53,12 @@ def _describe(action: TransitionAction) -> str:
 
 
 async def run_action(
-    action: TransitionAction, transition: Transition, *, session: aiohttp.ClientSession,
+    action: TransitionAction, transition: Transition, *, session: Client,
 ) -> ActionOutcome:
-    """Run one action for one transition; never raises."""
+    """Run one action for one transition; never raises.
+
+    `session`: the daemon transport's `http1.Client` (its `session`), for HTTP actions.
+    """
     name = _describe(action)
 
     def outcome(ok: bool, detail: str) -> ActionOutcome:
@@ -70,25 +73,25 @@ async def run_action(
 
 
 async def _post(action: TransitionAction, transition: Transition,
-                session: aiohttp.ClientSession) -> tuple[bool, str]:
-    import aiohttp
-
-    headers = {}
+                session: Client) -> tuple[bool, str]:
+    headers = {"Content-Type": "application/json"}
     if action.token_env:
         token = os.environ.get(action.token_env)
         if not token:
             return False, f"${action.token_env} is not set"
         headers["Authorization"] = f"Bearer {token}"
     assert action.http is not None
+    from dynamo_ftctl.http1 import HttpError  # the daemon's: a one-shot probe never acts
+
+    body = json.dumps(transition.to_json()).encode()
     try:
-        async with session.post(action.http, json=transition.to_json(), headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=action.timeout_s)) as resp:
-            await resp.read()
-            return 200 <= resp.status < 300, f"HTTP {resp.status}"
+        status, _ = await session.fetch("POST", action.http, body, headers,
+                                        timeout_s=action.timeout_s)
     except TimeoutError:
         return False, f"no answer within {action.timeout_s:g} s"
-    except aiohttp.ClientError as exc:
+    except HttpError as exc:
         return False, f"{exc.__class__.__name__}: {exc}"
+    return 200 <= status < 300, f"HTTP {status}"
 
 
 async def _command(action: TransitionAction, transition: Transition) -> tuple[bool, str]:

@@ -6,8 +6,10 @@ Two implementations share one contract (`HttpReply` or a `TransportError`):
   one-shot probe. A probe has 150 ms for everything, interpreter included:
   httpx costs ~60 ms to import and `http.client` ~18 ms (it imports
   `email.parser` and `ssl`); one POST needs no connection pool.
-- `AiohttpTransport`: one shared `aiohttp.ClientSession` for the daemon's
-  fan-out to many workers (docs/design.md "HTTP clients": httpx slows down as its pool grows).
+- `ClientTransport` (also `AiohttpTransport`, its old name): one shared
+  `dynamo_ftctl.http1.Client` for the daemon's fan-out to many workers (the
+  package's one async client; imported on first use, so the probe never loads
+  asyncio).
 
 Both stop at `max_bytes` and at an overall deadline, so a 10 MB body or an SSE
 stream that never ends costs at most the timeout. A timeout before any response
@@ -27,12 +29,13 @@ import msgspec
 if TYPE_CHECKING:
     import _socket
 
-    import aiohttp
+    from dynamo_ftctl.http1 import Client
 
 __all__ = [
     "MAX_BODY_BYTES",
     "AiohttpTransport",
     "AsyncTransport",
+    "ClientTransport",
     "FailureKind",
     "Http1Transport",
     "HttpReply",
@@ -250,47 +253,44 @@ def _read(sock: Any, reply: _Reply, deadline: float) -> int:
     return int(parser.get_status_code())
 
 
-class AiohttpTransport:
-    """One shared `aiohttp.ClientSession` (the daemon); call `close` when done."""
+class ClientTransport:
+    """One shared `dynamo_ftctl.http1.Client` (the daemon's fan-out); `close` when done.
+
+    The pool has no connection cap: the daemon bounds the probes in flight with its
+    own semaphore, so `concurrency` only sizes nothing (kept for its callers).
+    """
 
     def __init__(self, *, concurrency: int = 256, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._concurrency = concurrency
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        import aiohttp
-
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0,
-                                             ttl_dns_cache=300, enable_cleanup_closed=False)
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-        return self._session
+        self.concurrency = concurrency
+        self._client: Client | None = None
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        """The shared session (transition actions use it too)."""
-        return self._client()
+    def session(self) -> Client:
+        """The shared client (transition actions use it too)."""
+        if self._client is None:
+            from dynamo_ftctl.http1 import Client
+
+            self._client = Client(user_agent="ftctl-canary")
+        return self._client
 
     async def close(self) -> None:
-        """Close the session and its connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Hang up on every connection."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     async def post_json(self, url: str, body: bytes, *, timeout_s: float,
                         headers: Mapping[str, str] | None = None) -> HttpReply:
         import asyncio  # the async transport only: the one-shot probe never imports it
 
-        import aiohttp
+        from dynamo_ftctl.http1 import ConnectionBroken, ProtocolError, Unreachable
 
-        session = self._client()
         state: dict[str, object] = {"headers": False, "received": 0, "type": ""}
-        all_headers = {"Content-Type": "application/json", "Accept": "application/json",
-                       **(headers or {})}
+        all_headers = {"Content-Type": "application/json", **(headers or {})}
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._exchange(session, url, body, all_headers, state)
+                return await self._exchange(url, body, all_headers, state)
         except TransportError:
             raise
         except TimeoutError:
@@ -299,29 +299,34 @@ class AiohttpTransport:
                 raise _endless(received, timeout_s, str(state["type"])) from None
             what = "response body" if state["headers"] else "response"
             raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
-        except aiohttp.ClientConnectorError as exc:
+        except Unreachable as exc:  # refused, unreachable, TLS refused: never sent
             authority = urlsplit(url).netloc.rpartition("@")[2]
-            raise TransportError("refused", f"cannot connect to {authority}: "
-                                            f"{exc.strerror or exc}") from None
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
-                aiohttp.ClientOSError) as exc:
-            raise TransportError("reset", f"connection lost: {exc.__class__.__name__}") from None
-        except aiohttp.ClientResponseError as exc:
-            raise TransportError("protocol", f"not an HTTP response ({exc.message})") from None
-        except aiohttp.ClientError as exc:
-            raise TransportError("protocol", f"HTTP client error: {exc.__class__.__name__}") \
+            cause = exc.__cause__
+            detail = getattr(cause, "strerror", None) or cause or exc
+            raise TransportError("refused", f"cannot connect to {authority}: {detail}") \
                 from None
+        except ProtocolError as exc:
+            raise TransportError("protocol", f"not an HTTP response ({exc})") from None
+        except (ConnectionBroken, OSError) as exc:  # closed or reset, before or after the head
+            where = "mid-body" if state["headers"] else "before answering"
+            raise TransportError("reset", f"connection lost {where}: {exc}") from None
 
-    async def _exchange(self, session: aiohttp.ClientSession, url: str, body: bytes,
-                        headers: Mapping[str, str], state: dict[str, object]) -> HttpReply:
-        async with session.post(url, data=body, headers=headers) as response:
+    async def _exchange(self, url: str, body: bytes, headers: dict[str, str],
+                        state: dict[str, object]) -> HttpReply:
+        response = await self.session.request("POST", url, body, headers)
+        async with response:
             state["headers"] = True
-            content_type = response.headers.get("Content-Type", "")
+            content_type = response.header("content-type") or ""
             state["type"] = content_type
             received = bytearray()
-            async for chunk in response.content.iter_any():
+            while chunk := await response.next_chunk():
                 received += chunk
                 state["received"] = len(received)
                 if len(received) > self.max_bytes:
                     raise _too_large(len(received), self.max_bytes)
+            assert response.status is not None  # set once the headers are in
             return HttpReply(response.status, bytes(received), content_type)
+
+
+# The name the daemon knows it by (it was an aiohttp session until the one client).
+AiohttpTransport = ClientTransport

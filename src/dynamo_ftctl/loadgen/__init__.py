@@ -4,7 +4,7 @@ The public face: build a `LoadConfig` (targets, `Schedule`, `Workload`, bounds,
 `Slo`) and call `run_load` (or `run_load_async` inside an event loop) for a
 `LoadReport`; `sweep_rate` finds the highest rate meeting an SLO;
 `write_report` saves CSV/JSONL/PNG; `compare_reports` diffs two saved runs.
-Submodules load httptools (or aiohttp) and matplotlib only when a run or a plot
+Submodules load httptools and matplotlib only when a run or a plot
 needs them.
 """
 

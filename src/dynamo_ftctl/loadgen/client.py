@@ -1,45 +1,35 @@
-"""What both HTTP clients of the load generator share, and the aiohttp one.
+"""What the load generator reads from an answer, apart from the wire.
 
-The default client is `http1.Http1Sender` (asyncio protocol + httptools);
-`AiohttpSender` serves https targets and machines without httptools. Both
-split SSE bodies with `SseStream`, fold events with `_StreamState` (field
-extraction agrees with `dynamo_ftctl.openai`'s helpers, proven by a property
-test) and build records with `make_record`.
+`sender.Http1Sender` (over `dynamo_ftctl.http1`) cuts SSE bodies with
+`SseStream` (on the one SSE decoder, `dynamo_ftctl.sse`), folds events with
+`_StreamState` (field extraction agrees with `dynamo_ftctl.openai`'s helpers,
+proven by a property test) and builds records with `make_record`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from dynamo_ftctl.loadgen.record import (
     MIGRATED_HEADER,
     RequestRecord,
-    http_error_class,
-    retry_after_s,
 )
 from dynamo_ftctl.loadgen.workload import RequestSpec
 from dynamo_ftctl.openai import (
-    SseEvent,
     extract_finish_reason,
     extract_text,
     extract_usage,
     parse_error_body,
 )
-
-if TYPE_CHECKING:
-    import aiohttp
+from dynamo_ftctl.sse import SseDecoder, SseEvent
 
 __all__ = [
     "SERVER_TTFT_FIELD",
-    "AiohttpSender",
     "SseStream",
-    "classify_exception",
     "make_record",
     "migrated_hops",
     "parse_body",
@@ -60,78 +50,6 @@ def loads(data: str | bytes) -> Any:
         return _msgspec_decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError):
         return json.loads(data)
-
-
-def classify_exception(exc: BaseException, *, got_headers: bool) -> str:
-    """The error class of a client exception (connect, timeout, broken_stream, other)."""
-    import aiohttp
-
-    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
-                  | aiohttp.ClientOSError | ConnectionError):
-        return "broken_stream" if got_headers else "connect"
-    return "other"
-
-
-class AiohttpSender:
-    """Sends `RequestSpec`s over one shared aiohttp session; returns `RequestRecord`s."""
-
-    def __init__(self, session: aiohttp.ClientSession, *, timeout_s: float,
-                 now: Callable[[], float]) -> None:
-        import aiohttp
-
-        self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._now = now
-
-    async def send(self, spec: RequestSpec, planned: float, *, warmup: bool,
-                   t0: float) -> RequestRecord:
-        """Send `spec` now; `planned` is its planned offset from `t0`, the run's start."""
-        now = self._now
-        sent = now() - t0
-        status: int | None = None
-        stamps: list[float] = []
-        usage_tokens: int | None = None
-        server_ttft: float | None = None
-        retry_after: float | None = None
-        migrated = 0
-        got_headers = False
-        outcome = "ok"
-        error: str | None = None
-        try:
-            async with self._session.post(spec.url, data=spec.body, headers=spec.headers,
-                                          timeout=self._timeout) as resp:
-                got_headers = True
-                status = resp.status
-                migrated = migrated_hops(resp.headers.get(MIGRATED_HEADER))
-                if status >= 400:
-                    await resp.read()
-                    outcome = http_error_class(status)
-                    error = f"HTTP {status}"
-                    retry_after = retry_after_s(status, resp.headers.get("retry-after"))
-                elif "text/event-stream" in resp.headers.get("content-type", ""):
-                    sse = SseStream(stamps)
-                    async for chunk in resp.content.iter_any():
-                        if sse.feed(chunk, now()):
-                            break
-                    outcome, error, usage_tokens, server_ttft = sse.end(now())
-                    migrated = max(migrated, sse.migrated)
-                else:
-                    raw = await resp.read()
-                    stamps.append(now())
-                    usage_tokens, error = parse_body(raw)
-                    if error is not None:
-                        outcome = "other"
-        except Exception as exc:  # every failure is a measured outcome, never a crash
-            outcome = classify_exception(exc, got_headers=got_headers)
-            error = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
-        return make_record(spec, planned, t0=t0, sent=sent, done=now(), stamps=stamps,
-                           status=status, outcome=outcome, error=error,
-                           usage_tokens=usage_tokens, server_ttft=server_ttft,
-                           migrated=migrated, warmup=warmup, retry_after=retry_after)
 
 
 def migrated_hops(value: str | bytes | None) -> int:
@@ -254,20 +172,19 @@ _MIGRATED_COMMENT = b": " + MIGRATED_HEADER.encode() + b":"
 
 
 class SseStream:
-    """An SSE body split on bytes as it arrives and folded into a `_StreamState`.
+    """An SSE body cut into raw events by `dynamo_ftctl.sse.SseDecoder.blocks` as it
+    arrives, and folded into a `_StreamState`.
 
-    Events are cut at blank lines with `bytes.split` (CRLF and CR line ends are
-    turned into LF first; after a chunk ending in CR, an LF opening the next is
-    dropped as that CRLF's);
-    an event of one `data: ` line, nearly all of them, costs one slice before its
-    JSON is decoded. Comments are read for the proxy's `: x-ftctl-migrated: N`.
+    An event of one `data: ` line, nearly all of them, costs one slice before its
+    JSON is decoded (no `SseEvent`, no str). Comments are read for the proxy's
+    `: x-ftctl-migrated: N`.
     """
 
-    __slots__ = ("_buf", "_skip_lf", "migrated", "over", "stamps", "state")
+    __slots__ = ("_blocks", "_decoder", "migrated", "over", "stamps", "state")
 
     def __init__(self, stamps: list[float]) -> None:
-        self._buf = b""
-        self._skip_lf = False  # the last chunk ended in CR: an LF first is its CRLF's
+        self._decoder = SseDecoder()
+        self._blocks = self._decoder.blocks  # bound once: called per read of every stream
         self.stamps = stamps
         self.state = _StreamState()
         self.migrated = 0
@@ -277,17 +194,7 @@ class SseStream:
         """Add bytes that arrived at `stamp`; True once the stream is over."""
         if self.over:
             return True
-        if self._skip_lf:
-            self._skip_lf = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-        buf = self._buf + chunk if self._buf else chunk
-        if b"\r" in buf:
-            self._skip_lf = buf.endswith(b"\r")
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        events = buf.split(b"\n\n")
-        self._buf = events.pop()
-        for event in events:
+        for event in self._blocks(chunk):
             if self._event(event, stamp):
                 self.over = True
                 return True
@@ -295,8 +202,7 @@ class SseStream:
 
     def end(self, stamp: float) -> tuple[str, str | None, int | None, float | None]:
         """The body ended: dispatch a last event that lacked its blank line; the verdict."""
-        rest = self._buf.strip(b"\n")
-        self._buf = b""
+        rest = self._decoder.rest()
         if rest and not self.over:
             self.over = self._event(rest, stamp)
         return self.state.verdict()

@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 Arrival = Literal["constant", "poisson", "gamma"]
-# `http1`: asyncio protocols + httptools (the default when httptools is installed
-# and every target is plain http); `aiohttp`: the fallback, and for https.
+# `http1` (= `auto`): `dynamo_ftctl.http1`, the package's one client, for http and
+# https alike. `aiohttp` names the client it replaced: refused with a message saying so.
 Client = Literal["auto", "http1", "aiohttp"]
 # Busy-wait (yielding to the event loop) this long before each planned send, after
 # sleeping on a timer until then; see `LoadConfig.spin_s`. Measured here (uvloop,
@@ -254,8 +254,12 @@ class LoadConfig:
         if not 0 <= self.spin_s <= 1:
             msg = "spin: must be between 0 and 1 s"
             raise InvalidInput(msg)
-        if self.client not in ("auto", "http1", "aiohttp"):
-            msg = f"client: {self.client!r} is not auto, http1 or aiohttp"
+        if self.client == "aiohttp":
+            msg = ("client: the aiohttp client was removed; http1 (the default) serves "
+                   "http:// and https:// targets")
+            raise InvalidInput(msg)
+        if self.client not in ("auto", "http1"):
+            msg = f"client: {self.client!r} is not auto or http1"
             raise InvalidInput(msg)
         if self.abort_error_rate is not None and not 0 < self.abort_error_rate <= 1:
             msg = "abort_error_rate: must be in (0, 1]"

@@ -192,7 +192,7 @@ _GC_GEN0 = 20_000
 def _steady_gc() -> Iterator[None]:
     """Keep the cyclic GC out of the send schedule while a run goes on.
 
-    Everything alive before the run (modules, aiohttp, pydantic: hundreds of
+    Everything alive before the run (modules, pydantic: hundreds of
     thousands of objects) is frozen out of the collector, so the full collection
     that would otherwise fall in the middle of a run (100-160 ms measured here,
     a whole p99 of schedule lag) has only the run's own objects to scan, and
@@ -385,56 +385,20 @@ def _first_model(status: int | None, body: bytes) -> str | None:
     return None
 
 
-def _use_http1(config: LoadConfig) -> bool:
-    """Whether the run takes the httptools client (see `LoadConfig.client`)."""
-    if config.client == "aiohttp":
-        return False
-    plain = all(t.startswith("http://") for t in config.targets)
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        if config.client == "http1":
-            msg = "client: http1 needs the httptools package (pip install httptools)"
-            raise InvalidInput(msg) from None
-        return False
-    if config.client == "http1" and not plain:
-        msg = "client: http1 speaks plain http only; use aiohttp for https targets"
-        raise InvalidInput(msg)
-    return plain
-
-
 async def _default_sender(config: LoadConfig, clock: Clock, model: str | None,
                           ) -> tuple[Sender, Callable[[], Awaitable[None]], str | None]:
     """The run's client, how to close it, and the model (asked of the first target)."""
-    models_url = config.targets[0].rstrip("/") + "/v1/models"
-    if _use_http1(config):
-        from dynamo_ftctl.loadgen.http1 import Http1Sender
+    from dynamo_ftctl.loadgen.sender import Http1Sender
 
-        fast = Http1Sender(timeout_s=config.timeout_s, now=clock.now)
+    sender = Http1Sender(timeout_s=config.timeout_s, now=clock.now)
 
-        async def close_fast() -> None:
-            fast.close()
+    async def close() -> None:
+        sender.close()
 
-        if model is None:
-            model = _first_model(*await fast.get(models_url, timeout_s=5.0))
-        return fast, close_fast, model
-
-    import aiohttp
-
-    from dynamo_ftctl.loadgen.client import AiohttpSender
-
-    limit = config.schedule.concurrency or config.schedule.users or 0
-    session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=None),
-        auto_decompress=False,
-    )
     if model is None:
-        try:
-            async with session.get(models_url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                model = _first_model(resp.status, await resp.read())
-        except (aiohttp.ClientError, TimeoutError):
-            model = None
-    return AiohttpSender(session, timeout_s=config.timeout_s, now=clock.now), session.close, model
+        models_url = config.targets[0].rstrip("/") + "/v1/models"
+        model = _first_model(*await sender.get(models_url, timeout_s=5.0))
+    return sender, close, model
 
 
 def _plan(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[float]:

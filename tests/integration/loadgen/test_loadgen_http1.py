@@ -13,8 +13,8 @@ import pytest
 from tests.loopback import Handler, Server
 
 from dynamo_ftctl.loadgen.config import Length, Workload
-from dynamo_ftctl.loadgen.http1 import Http1Sender
 from dynamo_ftctl.loadgen.record import RequestRecord
+from dynamo_ftctl.loadgen.sender import Http1Sender
 from dynamo_ftctl.loadgen.workload import RequestFactory
 
 pytestmark = pytest.mark.integration

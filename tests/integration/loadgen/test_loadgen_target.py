@@ -100,12 +100,11 @@ def test_error_classes_are_counted(start_target):
     assert all(r.output_tokens == 8 and len(r.itl) == 7 for r in ok)
 
 
-@pytest.mark.parametrize("client", ["http1", "aiohttp"])
-def test_both_clients_read_migrations_and_retry_after(start_target, client):
-    """Each client counts a header migration and a trailing-comment one (`ftctl proxy` after
+def test_the_client_reads_migrations_and_retry_after(start_target):
+    """The client counts a header migration and a trailing-comment one (`ftctl proxy` after
     a mid-stream move) as migrated, and keeps Retry-After of shed answers only."""
     url = start_target("--script", "ok,migrated,migrated-late,503,429,529,500")
-    report = run_load(LoadConfig(targets=(url,), schedule=Schedule(users=2), client=client,
+    report = run_load(LoadConfig(targets=(url,), schedule=Schedule(users=2), client="http1",
                                  workload=Workload(stream=True, max_tokens=Length.fixed(4)),
                                  requests=14))
     s = report.summary

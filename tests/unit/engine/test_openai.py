@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamo_ftctl.openai import (
@@ -194,24 +194,3 @@ def test_request_bodies() -> None:
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 3)
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    text=st.lists(st.sampled_from([b"a", b"b", b"\r", b"\n", b":", b" "]), max_size=80).map(b"".join),
-    cuts=st.lists(st.integers(0, 80), max_size=4),
-)
-def test_sse_line_splitting_is_chunking_independent(text: bytes, cuts: list[int]) -> None:
-    """Lines come out the same however the bytes are chunked (LF, CR and CRLF endings)."""
-    import re
-
-    from dynamo_ftctl.openai import SseDecoder
-
-    points = sorted({min(c, len(text)) for c in cuts})
-    pieces = [text[i:j] for i, j in zip([0, *points], [*points, len(text)], strict=True)]
-    decoder = SseDecoder()
-    got = [line for piece in pieces for line in decoder._lines(piece)]
-    # Reference: every line terminated by CRLF, CR or LF; a trailing CR may still be half a CRLF.
-    complete = text[:-1] if text.endswith(b"\r") else text
-    parts = re.split(rb"\r\n|\r|\n", complete)
-    expected, rest = parts[:-1], parts[-1]
-    assert got == expected
-    assert bytes(decoder._buffer) == rest + (b"\r" if text.endswith(b"\r") else b"")

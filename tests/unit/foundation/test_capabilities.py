@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dynamo_ftctl.capabilities import (
-    AiohttpFetch,
     Capabilities,
     CapabilityCache,
+    ClientFetch,
     FetchResult,
     fetch_through,
     load_metric_from_metrics,
@@ -463,9 +463,10 @@ async def _hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _
         await writer.drain()
 
 
-@pytest.mark.parametrize("client", ["aiohttp", "http1"])
+@pytest.mark.parametrize("client", ["default", "through"])
 def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
-    """Endless, huge, trickling and silent answers: either fetch stops each in time."""
+    """Endless, huge, trickling and silent answers: the default `ClientFetch` and
+    `fetch_through(http1.Client())` stop each in time."""
     from dynamo_ftctl.http1 import Client
 
     async def main() -> tuple[Capabilities, float]:
@@ -473,8 +474,8 @@ def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
             worker = Worker(name="evil", url=server.url, model="m")
             loop = asyncio.get_running_loop()
             start = loop.time()
-            if client == "aiohttp":
-                fetch: Any = await stack.enter_async_context(AiohttpFetch(max_bytes=256 * 1024))
+            if client == "default":
+                fetch: Any = await stack.enter_async_context(ClientFetch(max_bytes=256 * 1024))
             else:
                 proxy_client = Client()
                 stack.push_async_callback(proxy_client.close)
@@ -489,7 +490,7 @@ def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
     assert len([n for n in caps.notes if n.startswith(("GET /metrics", "GET /v1/models"))]) == 2
     assert any(n.startswith("GET /version") for n in caps.notes)
     assert caps.token_ids is None
-    if client == "aiohttp":  # only it hands the probe the headers
+    if client == "default":  # only it hands the probe the headers
         assert caps.server == "(evil)"
 
 

@@ -188,6 +188,6 @@ def test_user_info_never_reaches_a_host_header() -> None:
     from dynamo_ftctl.http1 import Pool
 
     key, head = Pool().head("POST", f"{SECRET_URL}/v1/completions")
-    assert key == ("127.0.0.1", 8101)
+    assert key == ("http", "127.0.0.1", 8101)
     assert b"\r\nHost: 127.0.0.1:8101\r\n" in head
     assert b"hunter2" not in head

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 
-import httpx
 import pytest
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap, xid_event
 from dynamo_ftctl.gpu.report import CanaryReporter, report_url
+from dynamo_ftctl.health.transport import HttpReply, TransportError
+
+
+class _Transport:
+    """The blocking POST seam, answered by `handler(url, body, headers)`."""
+
+    def __init__(self, handler: Callable[[str, dict[str, object], Mapping[str, str]],
+                                         HttpReply]) -> None:
+        self.handler = handler
+
+    def post_json(self, url: str, body: bytes, *, timeout_s: float,
+                  headers: Mapping[str, str] | None = None) -> HttpReply:
+        assert timeout_s > 0
+        return self.handler(url, json.loads(body), headers or {})
 
 
 class _W:
@@ -36,14 +50,14 @@ def test_actionable_event_is_posted_per_worker() -> None:
     """An Xid 48 posts one ok=false body per affected worker, with the daemon's token."""
     seen: list[dict[str, object]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/report"
-        assert request.headers["authorization"] == "Bearer d4emon"
-        seen.append(json.loads(request.content))
-        return httpx.Response(200, json={"accepted": True})
+    def handler(url: str, body: dict[str, object], headers: Mapping[str, str]) -> HttpReply:
+        assert url == "http://daemon:9400/report"
+        assert {k.lower(): v for k, v in headers.items()}["authorization"] == "Bearer d4emon"
+        seen.append(body)
+        return HttpReply(200, b'{"accepted": true}', "application/json")
 
-    client = httpx.Client(transport=httpx.MockTransport(handler))
-    reporter = CanaryReporter("http://daemon:9400", token="d4emon", client=client)
+    reporter = CanaryReporter("http://daemon:9400", token="d4emon",
+                              transport=_Transport(handler))
     assert reporter.report(_event(48)) == 2
     assert seen == [
         {"worker": w, "ok": False, "source": "gpu",
@@ -56,15 +70,27 @@ def test_actionable_event_is_posted_per_worker() -> None:
 
 def test_daemon_down_or_refusing_is_counted_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     """Connection errors and HTTP errors are warnings and counts; the watcher goes on."""
-    def refuse(request: httpx.Request) -> httpx.Response:
-        if json.loads(request.content)["worker"] == "w1":
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(404, text="no such worker")
+    def refuse(_url: str, body: dict[str, object], _headers: Mapping[str, str]) -> HttpReply:
+        if body["worker"] == "w1":
+            raise TransportError("refused", "connection refused by daemon:9400")
+        return HttpReply(404, b"no such worker", "text/plain")
 
-    reporter = CanaryReporter("http://daemon:9400",
-                              client=httpx.Client(transport=httpx.MockTransport(refuse)))
+    reporter = CanaryReporter("http://daemon:9400", transport=_Transport(refuse))
     assert reporter.report(_event(79)) == 0
     assert reporter.failures == 2
     err = capsys.readouterr().err
     assert "cannot report w1" in err
     assert "HTTP 404" in err
+
+
+def test_the_default_transport_counts_a_closed_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """With the real blocking client, a daemon that is not listening is one failure each."""
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    reporter = CanaryReporter(f"http://127.0.0.1:{port}", timeout_s=2.0)
+    assert reporter.report(_event(48)) == 0
+    assert reporter.failures == 2
+    assert "cannot report w1" in capsys.readouterr().err

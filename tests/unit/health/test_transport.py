@@ -1,21 +1,59 @@
-"""`Http1Transport` (the one-shot probe's HTTP client) against a scripted loopback server."""
+"""Both canary transports (the one-shot probe's blocking `Http1Transport` and the daemon's
+`ClientTransport` over http1) against a scripted loopback server: one contract."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import ssl
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from dynamo_ftctl.health.transport import Http1Transport, TransportError
+from dynamo_ftctl.health.transport import (
+    ClientTransport,
+    Http1Transport,
+    HttpReply,
+    TransportError,
+)
 
 Script = Callable[[socket.socket, bytes], None]
+
+
+class _BlockingClientTransport:
+    """`ClientTransport` (the daemon's) driven one call at a time, for the same contract."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+
+    def post_json(self, url: str, body: bytes, *, timeout_s: float,
+                  headers: Mapping[str, str] | None = None) -> HttpReply:
+        async def once() -> HttpReply:
+            transport = (ClientTransport() if self.max_bytes is None
+                         else ClientTransport(max_bytes=self.max_bytes))
+            try:
+                return await transport.post_json(url, body, timeout_s=timeout_s,
+                                                 headers=headers)
+            finally:
+                await transport.close()
+
+        return asyncio.run(once())
+
+
+def _make_http1(max_bytes: int | None = None) -> Http1Transport:
+    return Http1Transport() if max_bytes is None else Http1Transport(max_bytes=max_bytes)
+
+
+@pytest.fixture(params=["blocking", "client"])
+def make(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """Both transports: the one-shot probe's blocking one and the daemon's http1 one."""
+    return _make_http1 if request.param == "blocking" else _BlockingClientTransport
 
 
 class RawServer:
@@ -88,11 +126,12 @@ def _send(raw: bytes) -> Script:
     return lambda conn, _: conn.sendall(raw)
 
 
-def test_content_length_answer_and_request_shape(server: RawServer) -> None:
+def test_content_length_answer_and_request_shape(
+        server: RawServer, make: Callable[..., Any]) -> None:
     """A framed answer comes back whole; the request carries host, length, headers, body."""
     server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 12\r\n\r\n{\"ok\": true}")
-    reply = Http1Transport().post_json(server.url, b'{"a": 1}', timeout_s=5,
+    reply = make().post_json(server.url, b'{"a": 1}', timeout_s=5,
                                        headers={"Authorization": "Bearer t"})
     assert (reply.status, reply.content_type) == (200, "application/json")
     assert reply.body == b'{"ok": true}'
@@ -103,55 +142,56 @@ def test_content_length_answer_and_request_shape(server: RawServer) -> None:
     assert body == b'{"a": 1}'
 
 
-def test_chunked_answer_is_decoded(server: RawServer) -> None:
+def test_chunked_answer_is_decoded(server: RawServer, make: Callable[..., Any]) -> None:
     """Transfer-Encoding: chunked bodies are joined without the chunk framing."""
     server.script = _send(b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n"
                           b"Content-Type: text/plain\r\n\r\n4\r\nbusy\r\n3\r\n!!!\r\n0\r\n\r\n")
-    reply = Http1Transport().post_json(server.url, b"{}", timeout_s=5)
+    reply = make().post_json(server.url, b"{}", timeout_s=5)
     assert (reply.status, reply.body, reply.content_type) == (503, b"busy!!!", "text/plain")
 
 
-def test_unframed_body_ends_when_the_server_closes(server: RawServer) -> None:
+def test_unframed_body_ends_when_the_server_closes(
+        server: RawServer, make: Callable[..., Any]) -> None:
     """An HTTP/1.0-style body with neither length nor chunks is read until close."""
     server.script = _send(b"HTTP/1.0 502 Bad Gateway\r\nContent-Type: text/html\r\n\r\n"
                           b"<html>502</html>")
-    reply = Http1Transport().post_json(server.url, b"{}", timeout_s=5)
+    reply = make().post_json(server.url, b"{}", timeout_s=5)
     assert (reply.status, reply.body) == (502, b"<html>502</html>")
 
 
-def test_framed_body_cut_short_is_a_reset(server: RawServer) -> None:
+def test_framed_body_cut_short_is_a_reset(server: RawServer, make: Callable[..., Any]) -> None:
     """A server that closes before Content-Length bytes arrived lost the connection."""
     server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"choi")
     with pytest.raises(TransportError) as err:
-        Http1Transport().post_json(server.url, b"{}", timeout_s=5)
+        make().post_json(server.url, b"{}", timeout_s=5)
     assert err.value.kind == "reset"
     assert err.value.transient
     assert "mid-body" in err.value.message
 
 
-def test_close_before_answering_is_a_reset(server: RawServer) -> None:
+def test_close_before_answering_is_a_reset(server: RawServer, make: Callable[..., Any]) -> None:
     """A connection closed with no response at all is a (transient) reset."""
     server.script = lambda conn, _: None
     with pytest.raises(TransportError) as err:
-        Http1Transport().post_json(server.url, b"{}", timeout_s=5)
+        make().post_json(server.url, b"{}", timeout_s=5)
     assert (err.value.kind, err.value.transient) == ("reset", True)
 
 
-def test_not_http_is_a_protocol_error(server: RawServer) -> None:
+def test_not_http_is_a_protocol_error(server: RawServer, make: Callable[..., Any]) -> None:
     """Bytes that are not an HTTP response are named as such."""
     server.script = _send(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
     with pytest.raises(TransportError) as err:
-        Http1Transport().post_json(server.url, b"{}", timeout_s=5)
+        make().post_json(server.url, b"{}", timeout_s=5)
     assert err.value.kind == "protocol"
     assert "not an HTTP response" in err.value.message
 
 
-def test_oversize_body_stops_at_the_limit(server: RawServer) -> None:
+def test_oversize_body_stops_at_the_limit(server: RawServer, make: Callable[..., Any]) -> None:
     """A body over max_bytes is refused as soon as the limit is passed."""
     server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Length: 200000\r\n\r\n"
                           + b"x" * 200_000)
     with pytest.raises(TransportError) as err:
-        Http1Transport(max_bytes=10_000).post_json(server.url, b"{}", timeout_s=5)
+        make(10_000).post_json(server.url, b"{}", timeout_s=5)
     assert err.value.kind == "too_large"
     assert "10,000" in err.value.message
 
@@ -164,46 +204,47 @@ def _trickle(conn: socket.socket, _: bytes) -> None:
         time.sleep(0.02)
 
 
-def test_endless_body_is_cut_at_the_deadline(server: RawServer) -> None:
+def test_endless_body_is_cut_at_the_deadline(server: RawServer, make: Callable[..., Any]) -> None:
     """A stream still flowing at the deadline is `endless_body`, after about the timeout."""
     server.script = _trickle
     start = time.monotonic()
     with pytest.raises(TransportError) as err:
-        Http1Transport().post_json(server.url, b"{}", timeout_s=0.3)
+        make().post_json(server.url, b"{}", timeout_s=0.3)
     assert err.value.kind == "endless_body"
     assert "text/event-stream" in err.value.message
     assert time.monotonic() - start < 3
 
 
-def test_silence_is_a_timeout(server: RawServer) -> None:
+def test_silence_is_a_timeout(server: RawServer, make: Callable[..., Any]) -> None:
     """No response header within the timeout: `timeout`, unreachable, not transient."""
     done = threading.Event()
     server.script = lambda conn, _: done.wait(5)
     try:
         with pytest.raises(TransportError) as err:
-            Http1Transport().post_json(server.url, b"{}", timeout_s=0.2)
+            make().post_json(server.url, b"{}", timeout_s=0.2)
     finally:
         done.set()
     assert (err.value.kind, err.value.unreachable, err.value.transient) == (
         "timeout", True, False)
 
 
-def test_refused_port_is_refused() -> None:
+def test_refused_port_is_refused(make: Callable[..., Any]) -> None:
     """Nothing listening: `refused` with the address in the message."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(TransportError) as err:
-        Http1Transport().post_json(f"http://127.0.0.1:{port}/v1/completions", b"{}",
+        make().post_json(f"http://127.0.0.1:{port}/v1/completions", b"{}",
                                    timeout_s=2)
     assert err.value.kind == "refused"
     assert f"127.0.0.1:{port}" in err.value.message
 
 
-def test_a_name_with_several_addresses_tries_each(server: RawServer) -> None:
+def test_a_name_with_several_addresses_tries_each(
+        server: RawServer, make: Callable[..., Any]) -> None:
     """`localhost` may resolve to ::1 first, where nothing listens; 127.0.0.1 answers."""
     server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
-    reply = Http1Transport().post_json(f"http://localhost:{server.port}/v1/completions",
+    reply = make().post_json(f"http://localhost:{server.port}/v1/completions",
                                        b"{}", timeout_s=5)
     assert (reply.status, reply.body) == (200, b"{}")
 
@@ -223,24 +264,24 @@ def tls_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[RawS
         yield srv
 
 
-def test_https_answer_over_verified_tls(tls_server: RawServer) -> None:
+def test_https_answer_over_verified_tls(tls_server: RawServer, make: Callable[..., Any]) -> None:
     tls_server.script = _send(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                               b"Content-Length: 8\r\n\r\n{\"a\": 1}")
     url = f"https://127.0.0.1:{tls_server.port}/v1/completions"
-    reply = Http1Transport().post_json(url, b'{"q": 2}', timeout_s=5)
+    reply = make().post_json(url, b'{"q": 2}', timeout_s=5)
     assert (reply.status, reply.body, reply.content_type) == (200, b'{"a": 1}',
                                                               "application/json")
     assert tls_server.requests[0].endswith(b'{"q": 2}')
 
 
-def test_https_silence_is_a_timeout(tls_server: RawServer) -> None:
+def test_https_silence_is_a_timeout(tls_server: RawServer, make: Callable[..., Any]) -> None:
     """The deadline still holds once the socket is wrapped for TLS."""
     release = threading.Event()
     tls_server.script = lambda conn, _: release.wait(5)
     start = time.monotonic()
     try:
         with pytest.raises(TransportError) as err:
-            Http1Transport().post_json(f"https://127.0.0.1:{tls_server.port}/", b"{}",
+            make().post_json(f"https://127.0.0.1:{tls_server.port}/", b"{}",
                                        timeout_s=0.3)
     finally:
         release.set()

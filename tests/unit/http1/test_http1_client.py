@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
 import socket
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar, cast
 
 import pytest
@@ -15,7 +20,6 @@ from dynamo_ftctl.http1 import (
     ConnectError,
     Connection,
     ConnectionBroken,
-    HttpError,
     Pool,
     ProtocolError,
     Response,
@@ -466,9 +470,9 @@ def test_body_until_close_is_whole_and_the_client_fetches_it() -> None:
     assert run(scenario) == (503, b"no room")
 
 
-def test_https_goes_through_aiohttp_and_its_failures_are_http_errors() -> None:
-    """An https:// URL takes the aiohttp fallback; a server that does not speak TLS makes
-    it fail with an HttpError, as a plain-http failure would."""
+def test_https_to_a_server_without_tls_is_unreachable() -> None:
+    """An https:// URL to a server that does not speak TLS fails with an HttpError (the
+    handshake is refused: `Unreachable`), as a plain-http failure would."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       _n: int) -> None:
         await reader.read(1)
@@ -478,10 +482,63 @@ def test_https_goes_through_aiohttp_and_its_failures_are_http_errors() -> None:
     async def scenario(server: Server, _pool: Pool) -> None:
         client = Client()
         try:
-            with pytest.raises(HttpError):
+            with pytest.raises(Unreachable):
                 await client.request("GET", server.url.replace("http://", "https://"),
                                      connect_timeout_s=5.0, head_timeout_s=5.0)
         finally:
             await client.close()
 
     run_with(handler, scenario)
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (made by the openssl CLI)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes the test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_https_answers_come_through_the_same_pool_and_connection_is_reused(
+        tls_files: tuple[Path, Path]) -> None:
+    """Over TLS a chunked answer is read like a plain one and its connection kept alive:
+    two requests, one handshake; a client that does not trust the certificate is refused."""
+    cert, key = tls_files
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    trusting = ssl.create_default_context(cafile=str(cert))
+    connections = 0
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_request(reader)
+                writer.write(chunked_head() + chunk(b"hello ") + chunk(b"tls") + b"0\r\n\r\n")
+                await writer.drain()
+        writer.close()
+
+    async def scenario() -> list[tuple[int, bytes]]:
+        server = await asyncio.start_server(on_connect, "127.0.0.1", 0, ssl=server_tls)
+        url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        client, stranger = Client(ssl_context=trusting), Client()
+        try:
+            got = [await client.fetch("GET", url, timeout_s=10.0) for _ in range(2)]
+            with pytest.raises(Unreachable):
+                await stranger.fetch("GET", url, timeout_s=10.0)
+            return got
+        finally:
+            await client.close()
+            await stranger.close()
+            server.close()
+            await server.wait_closed()
+
+    assert run(scenario) == [(200, b"hello tls")] * 2
+    assert connections == 1  # both requests on one; the refused handshake never got here

@@ -141,13 +141,14 @@ def test_markers_are_kept_in_the_report():
 
 
 def test_spin_and_client_are_checked_and_described():
-    """A negative or over-long spin and an unknown client are refused; both are described."""
+    """A negative or over-long spin, an unknown client and the removed aiohttp one are
+    refused; both are described."""
     from dynamo_ftctl.errors import InvalidInput
     from dynamo_ftctl.loadgen.runner import describe_config
 
     base = {"targets": ("http://a",), "schedule": Schedule(rate=10), "requests": 3}
-    for bad in ({"spin_s": -0.001}, {"spin_s": 2.0}, {"client": "h3"}):
+    for bad in ({"spin_s": -0.001}, {"spin_s": 2.0}, {"client": "h3"}, {"client": "aiohttp"}):
         with pytest.raises(InvalidInput):
             LoadConfig(**base, **bad)
-    doc = describe_config(LoadConfig(**base, spin_s=0.0025, client="aiohttp"))
-    assert (doc["spin_us"], doc["client"]) == (2500, "aiohttp")
+    doc = describe_config(LoadConfig(**base, spin_s=0.0025, client="http1"))
+    assert (doc["spin_us"], doc["client"]) == (2500, "http1")

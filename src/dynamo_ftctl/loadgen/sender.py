@@ -1,8 +1,9 @@
-"""The load generator's default client: HTTP/1.1 on asyncio protocols, parsed by httptools.
+"""The load generator's sender: requests through `dynamo_ftctl.http1`, stamped as they come.
 
-The connections and their pool are `dynamo_ftctl.http1`'s (the proxy's
-upstream client too): one keep-alive connection carries one request at a
-time; a request is its head (cached per URL) plus its headers, `Content-Length`
+No client of its own: the connections, their pool, TLS and the parser are
+`dynamo_ftctl.http1`'s (the proxy's upstream client too); this module is the
+`Exchange` that stamps an answer's events. One keep-alive connection carries one
+request at a time; a request is its head (cached per URL) plus its headers, `Content-Length`
 and body, written in one call. httptools (the C parser uvicorn uses) calls back
 per header and body piece into this module's `_Exchange`; the time of each read
 is taken once, before any parsing, and is the stamp of every token in that
@@ -11,7 +12,7 @@ split on bytes (`client.SseStream`).
 
 Compared with aiohttp on this machine (benchmarks/http_clients.py,
 benchmarks/load.py): about 3x the requests per core, and TTFT stamps closer to
-the server's own. Error classes match `AiohttpSender`'s: `connect` (refused,
+the server's own. Error classes: `connect` (refused,
 reset or closed before the response began), `timeout` (the whole exchange,
 connect included, past `timeout_s`), `broken_stream` (cut after the headers,
 or unparseable after them), `4xx_*`/`5xx_*`, `other` (a 2xx body that is not
@@ -123,10 +124,9 @@ class _Exchange(Exchange):
 class Http1Sender:
     """Sends `RequestSpec`s over pooled keep-alive HTTP/1.1 connections; `RequestRecord`s back.
 
-    Plain http:// only (TLS targets take `AiohttpSender`), through
-    `dynamo_ftctl.http1.Pool`: connections are opened as requests need them (no
-    cap: an open loop must not queue in the client) and kept while the server
-    keeps them alive. `close()` hangs up on all.
+    http:// and https:// through `dynamo_ftctl.http1.Pool`: connections are
+    opened as requests need them (no cap: an open loop must not queue in the
+    client) and kept while the server keeps them alive. `close()` hangs up on all.
     """
 
     def __init__(self, *, timeout_s: float, now: Callable[[], float]) -> None:

@@ -1,78 +1,46 @@
-"""What each worker supports, found by probing it: token ids, /tokenize, /health, metrics, ...
-
-This module owns capability discovery: the probes (`probe_capabilities`), the
-frozen answer (`Capabilities`), a per-worker cache that de-duplicates concurrent
-probes and forgets a worker when it fails or restarts (`CapabilityCache`), and
-the one-shot fleet report behind `ftctl inventory show --probe`
-(`probe_inventory_sync`).
-
-Every probe goes through one injected `Fetch` callable,
-`async (method, url, body, headers, timeout_s) -> (status, body)`: the proxy
-passes its own `http1.Client`, tests pass a fake, and the CLI gets
-`AiohttpFetch`. A fetch may add a third item, the response headers, from
-which the `Server` header is read.
+"""Probing one worker: what it supports (`Capabilities`), found by asking it.
 
 It must not: raise for a missing feature (a probe that fails leaves its field
 None, "unknown"); change a worker's state (the KV probe asks for a request id
 that cannot exist and never aborts; nothing is posted to /sleep or /admin/fault;
 the generation probes ask for one greedy token); read an unbounded body or wait
 without a deadline (each probe has `timeout_s`, the worker as a whole a little
-more, and `AiohttpFetch` reads at most `MAX_PROBE_BYTES`); or know anything about
-routing: what the proxy does with an answer is the proxy's business.
+more, and `ClientFetch` reads at most `MAX_PROBE_BYTES`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
 import re
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, ClientFetch, Fetch
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
-    import aiohttp
-
-    from dynamo_ftctl.inventory import Inventory, Worker
+    from dynamo_ftctl.inventory import Worker
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "KV_USAGE_METRICS",
-    "MAX_PROBE_BYTES",
     "PROBE_PROMPT",
-    "AiohttpFetch",
     "Capabilities",
-    "CapabilityCache",
-    "CapabilityReport",
-    "Fetch",
-    "FetchResult",
     "LoadMetric",
-    "WholeBodyClient",
-    "fetch_through",
+    "admin_token_of",
     "load_metric_from_metrics",
     "probe_capabilities",
-    "probe_inventory",
-    "probe_inventory_sync",
     "start_time_from_metrics",
 ]
-
-# (status, body) or (status, body, headers): what one exchange through a `Fetch` gives.
-FetchResult = tuple[int, bytes] | tuple[int, bytes, Mapping[str, str]]
-Fetch = Callable[[str, str, bytes, Mapping[str, str] | None, float], Awaitable[FetchResult]]
 
 # Each probe is one short exchange; a worker that needs longer to say /health is
 # not one a proxy should route to yet.
 DEFAULT_TIMEOUT_S = 3.0
-# vLLM's /metrics is 50-300 KiB (histograms per model); 2 MiB leaves room and bounds
-# what a hostile worker can make us hold.
-MAX_PROBE_BYTES = 2 * 1024 * 1024
 # Past the probes' own timeout, how long the whole worker may take (a fetch that
 # ignores its timeout must not hang the probe).
 _GRACE_S = 1.0
@@ -419,7 +387,7 @@ def _identity(found: _Found) -> str | None:
     return "".join(c if c.isprintable() else "?" for c in text) or None
 
 
-def _admin_token(worker: Worker) -> str | None:
+def admin_token_of(worker: Worker) -> str | None:
     env = worker.admin.token_env if worker.admin else "FTCTL_ADMIN_TOKEN"
     return os.environ.get(env) or None
 
@@ -430,14 +398,14 @@ async def probe_capabilities(
 ) -> Capabilities:
     """Probe one worker's capabilities, every probe at once; never raises for a missing one.
 
-    `fetch` defaults to a fresh `AiohttpFetch` closed on return. `admin_token`
+    `fetch` defaults to a fresh `ClientFetch` closed on return. `admin_token`
     defaults to the variable the worker's `admin.token_env` names.
     """
     if fetch is None:
-        async with AiohttpFetch() as own:
+        async with ClientFetch() as own:
             return await probe_capabilities(worker, fetch=own, timeout_s=timeout_s,
                                             admin_token=admin_token, clock=clock)
-    token = admin_token if admin_token is not None else _admin_token(worker)
+    token = admin_token if admin_token is not None else admin_token_of(worker)
     found = _Found()
     start = clock.now()
     jobs = [
@@ -479,259 +447,3 @@ async def probe_capabilities(
     )
 
 
-class AiohttpFetch:
-    """The default `Fetch`: one aiohttp session, bodies read to at most `max_bytes`."""
-
-    def __init__(self, *, max_bytes: int = MAX_PROBE_BYTES, concurrency: int = 64) -> None:
-        # Imported here, not in the first call: its ~0.3-1 s would be spent inside that
-        # probe's deadline (an import cannot be interrupted) and time it out.
-        import aiohttp  # noqa: F401
-
-        self.max_bytes = max_bytes
-        self._concurrency = concurrency
-        self._session: aiohttp.ClientSession | None = None
-
-    async def __call__(self, method: str, url: str, body: bytes,
-                       headers: Mapping[str, str] | None, timeout_s: float) -> FetchResult:
-        """One exchange within `timeout_s`; OSError for no answer or a body over the cap."""
-        import aiohttp
-
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=16)
-            self._session = aiohttp.ClientSession(connector=connector)
-        try:
-            async with asyncio.timeout(timeout_s), self._session.request(
-                method, url, data=body or None, headers=dict(headers or {}),
-                allow_redirects=False,
-            ) as response:
-                data = bytearray()
-                async for chunk in response.content.iter_any():
-                    data += chunk
-                    if len(data) > self.max_bytes:
-                        msg = f"body over {self.max_bytes} bytes"
-                        raise OSError(msg)
-                server = response.headers.get("Server")
-                return response.status, bytes(data), ({"Server": server} if server else {})
-        except aiohttp.ClientConnectorError as exc:
-            raise OSError(f"cannot connect: {exc.os_error.strerror or exc.os_error}") from None
-        except aiohttp.ClientError as exc:
-            # aiohttp's errors are not all OSErrors; translated once, here.
-            raise OSError(str(exc) or type(exc).__name__) from None
-
-    async def aclose(self) -> None:
-        """Close the session and its connections."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def __aenter__(self) -> AiohttpFetch:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-class WholeBodyClient(Protocol):
-    """A client with `dynamo_ftctl.http1.Client.fetch`'s shape (the proxy's own)."""
-
-    async def fetch(self, method: str, url: str, body: bytes = b"",
-                    headers: dict[str, str] | None = None, *, timeout_s: float,
-                    limit: int = ...) -> tuple[int, bytes]:
-        """One whole exchange within `timeout_s`: (status, body), at most `limit` bytes."""
-        ...
-
-
-def fetch_through(client: WholeBodyClient, *, max_bytes: int = MAX_PROBE_BYTES) -> Fetch:
-    """A `Fetch` over an existing client (the proxy's `http1.Client`), reads capped."""
-
-    async def fetch(method: str, url: str, body: bytes, headers: Mapping[str, str] | None,
-                    timeout_s: float) -> FetchResult:
-        return await client.fetch(method, url, body, dict(headers or {}), timeout_s=timeout_s,
-                                  limit=max_bytes)
-
-    return fetch
-
-
-class CapabilityCache:
-    """One `Capabilities` per worker name: probed on demand, at most one probe in flight each.
-
-    Entries live until `invalidate` (a failed worker) or `note_start_time` sees a new
-    process start time (a restarted one). An unreachable answer is kept only
-    `retry_unreachable_s`, so a worker that comes back is found again.
-    """
-
-    def __init__(self, *, fetch: Fetch, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 clock: Clock = SYSTEM_CLOCK, retry_unreachable_s: float = 5.0,
-                 admin_token: Callable[[Worker], str | None] | None = None) -> None:
-        self.fetch = fetch
-        self.timeout_s = timeout_s
-        self.clock = clock
-        self.retry_unreachable_s = retry_unreachable_s
-        self._admin_token = admin_token or _admin_token
-        self._entries: dict[str, tuple[Capabilities, float]] = {}
-        self._inflight: dict[str, asyncio.Task[Capabilities]] = {}
-        # Bumped by invalidate: a probe begun before a restart must not store its answer.
-        self._generation: dict[str, int] = {}
-        self._start_times: dict[str, float] = {}
-
-    def get(self, worker: str) -> Capabilities | None:
-        """The cached answer for `worker` (a name), without probing."""
-        entry = self._entries.get(worker)
-        if entry is None:
-            return None
-        caps, stored_at = entry
-        if not caps.reachable and self.clock.now() - stored_at >= self.retry_unreachable_s:
-            return None
-        return caps
-
-    def snapshot(self) -> dict[str, Capabilities]:
-        """Every fresh cached answer, by worker name."""
-        return {name: caps for name in list(self._entries) if (caps := self.get(name))}
-
-    async def probe(self, worker: Worker, *, refresh: bool = False) -> Capabilities:
-        """The cached answer, or a probe (joined if one for this worker is in flight)."""
-        if not refresh and (cached := self.get(worker.name)) is not None:
-            return cached
-        task = self._inflight.get(worker.name)
-        if task is None:
-            task = asyncio.ensure_future(self._run(worker, self._generation.get(worker.name, 0)))
-            self._inflight[worker.name] = task
-        # shield: one impatient caller's cancellation must not cancel the others' probe.
-        return await asyncio.shield(task)
-
-    async def probe_all(self, workers: Iterable[Worker], *,
-                        refresh: bool = False) -> tuple[Capabilities, ...]:
-        """Probe several workers at once (cached answers are reused unless `refresh`)."""
-        return tuple(await asyncio.gather(*(self.probe(w, refresh=refresh) for w in workers)))
-
-    async def _run(self, worker: Worker, generation: int) -> Capabilities:
-        try:
-            caps = await probe_capabilities(worker, fetch=self.fetch, timeout_s=self.timeout_s,
-                                            admin_token=self._admin_token(worker) or "",
-                                            clock=self.clock)
-        finally:
-            if self._inflight.get(worker.name) is asyncio.current_task():
-                del self._inflight[worker.name]
-        if self._generation.get(worker.name, 0) == generation:
-            self._entries[worker.name] = (caps, self.clock.now())
-            if caps.process_start_time is not None:
-                self._start_times.setdefault(worker.name, caps.process_start_time)
-        return caps
-
-    def invalidate(self, worker: str) -> None:
-        """Forget `worker` (a name): its next `probe` asks it again."""
-        self._entries.pop(worker, None)
-        self._start_times.pop(worker, None)
-        self._generation[worker] = self._generation.get(worker, 0) + 1
-        # The in-flight probe may predate the failure: later callers start a new one.
-        self._inflight.pop(worker, None)
-
-    def note_start_time(self, worker: str, value: float) -> bool:
-        """Tell the cache `worker`'s `process_start_time_seconds`; True when it restarted.
-
-        A value other than the one known (from a probe or an earlier note)
-        invalidates the worker's entry.
-        """
-        known = self._start_times.get(worker)
-        if known is None:
-            entry = self._entries.get(worker)
-            known = entry[0].process_start_time if entry else None
-        if known is not None and known != value:
-            self.invalidate(worker)
-            self._start_times[worker] = value
-            return True
-        self._start_times[worker] = value
-        return False
-
-    async def aclose(self) -> None:
-        """Cancel the probes in flight."""
-        tasks = list(self._inflight.values())
-        self._inflight.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _mark(value: bool | None) -> str:
-    return "?" if value is None else ("yes" if value else "no")
-
-
-_HEADERS = ("worker", "token_ids", "chat_ids", "strict", "tokenize", "health", "metrics",
-            "load", "sleep", "kv_export", "max_len", "server")
-
-
-@dataclass(frozen=True)
-class CapabilityReport:
-    """`ftctl inventory show --probe`: every worker's capabilities."""
-
-    cluster: str
-    workers: tuple[Capabilities, ...]
-    wall_s: float
-
-    @property
-    def exit_code(self) -> int:
-        """0 when every worker answered, 3 (unreachable) when any did not."""
-        from dynamo_ftctl.errors import ExitCode
-
-        ok = all(c.reachable for c in self.workers)
-        return int(ExitCode.OK if ok else ExitCode.UNREACHABLE)
-
-    def rows(self) -> list[tuple[str, ...]]:
-        """One row of cells per worker, under `headers`."""
-        out = []
-        for c in self.workers:
-            if not c.reachable:
-                out.append((c.worker, *(["?"] * (len(_HEADERS) - 2)), c.error or "unreachable"))
-                continue
-            load = {"vllm": "vllm", "vllm_old": "vllm-old", "none": "none"}.get(
-                c.load_metric or "", "?")
-            out.append((
-                c.worker, _mark(c.token_ids), _mark(c.chat_token_ids), _mark(c.strict_fields),
-                _mark(c.tokenize), _mark(c.health), _mark(c.metrics), load, _mark(c.sleep),
-                _mark(c.kv_export), str(c.max_model_len) if c.max_model_len else "?",
-                c.server or "-",
-            ))
-        return out
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        """The table's column names."""
-        return _HEADERS
-
-    def _footer(self) -> str:
-        down = sum(not c.reachable for c in self.workers)
-        state = f"{down} unreachable (exit 3)" if down else "all answered"
-        return f"{len(self.workers)} workers, {state}, in {self.wall_s * 1000:.0f} ms\n"
-
-    def plain_text(self) -> str:
-        """Aligned columns for pipes and logs."""
-        from dynamo_ftctl.output import plain_table
-
-        return (f"# cluster {self.cluster}\n" + plain_table(self.headers, self.rows())
-                + self._footer())
-
-    def __rich__(self) -> Any:
-        from rich.console import Group
-
-        from dynamo_ftctl.output import table
-
-        return Group(table(f"cluster {self.cluster}: capabilities", self.headers, self.rows()),
-                     self._footer().rstrip("\n"))
-
-
-async def probe_inventory(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                          fetch: Fetch | None = None) -> CapabilityReport:
-    """Probe every worker of `inventory` at once."""
-    start = time.monotonic()
-    async with contextlib.AsyncExitStack() as stack:
-        if fetch is None:
-            fetch = await stack.enter_async_context(AiohttpFetch())
-        cache = CapabilityCache(fetch=fetch, timeout_s=timeout_s)
-        workers = await cache.probe_all(inventory.workers)
-    return CapabilityReport(inventory.cluster, workers, round(time.monotonic() - start, 4))
-
-
-def probe_inventory_sync(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         fetch: Fetch | None = None) -> CapabilityReport:
-    """`probe_inventory` for callers without an event loop (the CLI)."""
-    return asyncio.run(probe_inventory(inventory, timeout_s=timeout_s, fetch=fetch))

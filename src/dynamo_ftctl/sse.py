@@ -1,0 +1,176 @@
+"""Server-Sent Events: the one decoder and the one encoder of the package.
+
+Every SSE reader (the proxy's upstream streams, the load generator, calibration,
+KV transfer, canary judging, tests) splits bytes with `SseDecoder`, and every
+writer that builds events one at a time uses `format_sse`. The decoder has two
+faces over one splitter:
+
+- `SseDecoder.feed` / `flush`: `SseEvent`s (data, event name, last id), per the
+  WHATWG EventSource rules the package needs: lines end with LF, CRLF or CR; a
+  blank line dispatches; `:` lines are comments; `data:` lines join with LF.
+- `SseDecoder.blocks` / `rest`: the raw events, the bytes between blank lines
+  with LF line ends, for a reader that looks at its own fields (the load
+  generator reads `data:` bytes and the proxy's `: x-ftctl-migrated` comment
+  without building an event per token).
+
+The splitter normalises line ends once per read and cuts events with
+`bytes.split` (an event per streamed token: no per-byte Python loop). A CR that
+ends a read turns into LF at once; an LF that opens the next read is then that
+CRLF's and is dropped.
+
+Pure bytes in and out: no I/O, nothing heavy imported (`openai` re-exports
+these names for the callers that know them from there).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "DONE",
+    "SseDecoder",
+    "SseEvent",
+    "aiter_sse_events",
+    "format_sse",
+    "iter_sse_events",
+    "iter_sse_lines",
+]
+
+DONE = "[DONE]"
+"""The data of the last event of an OpenAI stream."""
+
+
+class SseEvent(msgspec.Struct, frozen=True):
+    """One dispatched SSE event (fields per the WHATWG EventSource spec)."""
+
+    data: str
+    event: str | None = None
+    id: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        """True for OpenAI's closing `data: [DONE]`."""
+        return self.data.strip() == DONE
+
+
+class SseDecoder:
+    """Incremental SSE decoder: feed arbitrary byte chunks, get complete events.
+
+    Use one face per decoder: `feed`/`flush` (events) or `blocks`/`rest` (raw
+    events); both share the buffer.
+    """
+
+    __slots__ = ("_buf", "_id", "_skip_lf")
+
+    def __init__(self) -> None:
+        self._buf = b""  # bytes after the last blank line, line ends already LF
+        self._skip_lf = False  # the last read ended in CR: an LF first is its CRLF's
+        self._id: str | None = None  # ids last for the whole stream (WHATWG)
+
+    def _take(self, chunk: bytes) -> bytes:
+        """The buffer plus `chunk`, line ends made LF."""
+        if self._skip_lf:
+            self._skip_lf = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        buf = self._buf + chunk if self._buf else chunk
+        if b"\r" in buf:
+            self._skip_lf = buf.endswith(b"\r")
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        return buf
+
+    def blocks(self, chunk: bytes) -> list[bytes]:
+        """Add bytes; the raw events they complete (LF line ends, no blank line)."""
+        if self._buf or self._skip_lf or b"\r" in chunk:  # else `_take` would return `chunk`
+            chunk = self._take(chunk)
+        events = chunk.split(b"\n\n")
+        self._buf = events.pop()
+        return events
+
+    def rest(self) -> bytes:
+        """End of stream: a last raw event that lacked its blank line (b"" if none)."""
+        rest = self._buf.strip(b"\n")
+        self._buf = b""
+        return rest
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """Add bytes; return the events they complete."""
+        if not self._buf and not self._skip_lf and chunk.startswith(b"data: ") \
+                and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2 \
+                and b"\r" not in chunk:
+            # What a server sends a read at a time: one whole one-line `data:` event
+            # (once per streamed token: no split, no list of one).
+            return [SseEvent(chunk[6:-2].decode("utf-8", errors="replace"), None, self._id)]
+        events: list[SseEvent] = []
+        for block in self.blocks(chunk):
+            event = self._event(block)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def flush(self) -> list[SseEvent]:
+        """End of stream: dispatch a last event that lacked its blank line."""
+        event = self._event(self.rest())
+        return [] if event is None else [event]
+
+    def _event(self, block: bytes) -> SseEvent | None:
+        if block.startswith(b"data: ") and b"\n" not in block:  # nearly every event
+            return SseEvent(block[6:].decode("utf-8", errors="replace"), None, self._id)
+        data: list[str] = []
+        name: str | None = None
+        # A blank line can only open a block (after a run of them): it dispatches nothing.
+        for line in block.split(b"\n"):
+            if not line or line.startswith(b":"):
+                continue
+            field, sep, value = line.partition(b":")
+            if sep and value.startswith(b" "):
+                value = value[1:]
+            text = value.decode("utf-8", errors="replace")
+            if field == b"data":
+                data.append(text)
+            elif field == b"event":
+                name = text
+            elif field == b"id":
+                self._id = text
+        if not data:
+            return None
+        return SseEvent("\n".join(data), name, self._id)
+
+
+def iter_sse_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """Split a byte stream into lines (LF, CRLF or CR), whatever the chunking."""
+    decoder = SseDecoder()
+    for chunk in chunks:
+        lines = decoder._take(chunk).split(b"\n")
+        decoder._buf = lines.pop()
+        yield from lines
+    if decoder._buf:
+        yield decoder._buf
+
+
+def iter_sse_events(chunks: Iterable[bytes]) -> Iterator[SseEvent]:
+    """The SSE events of a byte stream, whatever the chunking."""
+    decoder = SseDecoder()
+    for chunk in chunks:
+        yield from decoder.feed(chunk)
+    yield from decoder.flush()
+
+
+async def aiter_sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
+    """The SSE events of an async byte stream (a response read chunk by chunk)."""
+    decoder = SseDecoder()
+    async for chunk in chunks:
+        for event in decoder.feed(chunk):
+            yield event
+    for event in decoder.flush():
+        yield event
+
+
+def format_sse(payload: Mapping[str, Any] | str) -> bytes:
+    """One `data: ...` event as bytes (a dict is written as compact JSON)."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
