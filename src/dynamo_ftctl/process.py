@@ -81,6 +81,11 @@ class Child:
         raise NotImplementedError
 
     @property
+    def stdout(self) -> IO[bytes] | None:
+        """The read end of a piped stdout (None: not piped)."""
+        return None
+
+    @property
     def returncode(self) -> int | None:
         """The exit status (negative: the signal that ended it), None while it runs."""
         return self.poll()
@@ -135,7 +140,6 @@ class _PopenChild(Child):
 
     @property
     def stdout(self) -> IO[bytes] | None:
-        """The read end of a piped stdout."""
         return self.popen.stdout
 
     def poll(self) -> int | None:

@@ -34,8 +34,8 @@ def spawner() -> Iterator[Spawner]:
 
 def ready(child: Child) -> None:
     """Wait (bounded by the test's timeout) for the child's "ready" line."""
-    assert isinstance(child, Child)
-    stream = child.stdout  # type: ignore[attr-defined]
+    stream = child.stdout
+    assert stream is not None
     assert stream.readline() == b"ready\n"
     stream.close()
 
