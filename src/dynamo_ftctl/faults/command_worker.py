@@ -4,7 +4,8 @@
 starts it in a session (so a process group) of its own, waits for its health path with a
 deadline and sends one warm-up request; `CommandWorker.stop` SIGTERMs the group and
 SIGKILLs it after a deadline (`process.Child.stop`). An engine of several processes
-(vLLM: API server and engine core) is signalled, stopped and restarted as one. This module knows no engine by name.
+(vLLM: API server and engine core) is signalled, stopped and restarted as one. This
+module knows no engine by name.
 """
 
 from __future__ import annotations
