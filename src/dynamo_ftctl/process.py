@@ -35,6 +35,7 @@ from dynamo_ftctl import procfs
 
 __all__ = [
     "DEVNULL", "PIPE", "SPAWNER", "STDOUT", "Child", "FakeChild", "FakeSpawner", "Finished",
+    "ForkedChild",
     "Identity", "Sink", "Spawner", "run_async",
 ]
 
@@ -80,6 +81,12 @@ class Child:
     def _send(self, signum: int, *, group: bool) -> None:
         raise NotImplementedError
 
+    def wait_for_exit(self) -> int:
+        """Block until the process ends; its exit status."""
+        code = self.wait()
+        assert code is not None
+        return code
+
     @property
     def stdout(self) -> IO[bytes] | None:
         """The read end of a piped stdout (None: not piped)."""
@@ -123,9 +130,7 @@ class Child:
             self.signal(signal.SIGKILL)  # also members that outlive the leader
         if self.poll() is None:
             self.signal(signal.SIGKILL)
-        code = self.wait()
-        assert code is not None
-        return code
+        return self.wait_for_exit()
 
 
 class _PopenChild(Child):
@@ -164,6 +169,46 @@ class _PopenChild(Child):
             self.popen.send_signal(signum)
         else:
             raise ProcessLookupError
+
+
+class ForkedChild(Child):
+    """A child made by a bare `os.fork()` (the lock's watcher: no interpreter start on the
+    handoff path), stopped and collected like any other."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.group = False
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._code is None:
+            self._collect(os.WNOHANG)
+        return self._code
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        if timeout_s is None:
+            if self._code is None:
+                self._collect(0)
+            return self._code
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # no waitpid with a timeout: polled with a deadline
+        return self._code
+
+    def _collect(self, flags: int) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, flags)
+        except ChildProcessError:  # collected elsewhere: its status is lost
+            self._code = 0
+            return
+        if pid:
+            self._code = os.waitstatus_to_exitcode(status)
+
+    def _send(self, signum: int, *, group: bool) -> None:
+        del group
+        if self.poll() is not None:
+            raise ProcessLookupError
+        os.kill(self.pid, signum)
 
 
 @contextlib.contextmanager
