@@ -395,7 +395,8 @@ class FakeChild(Child):
 
     def __init__(self, pid: int, argv: Sequence[str], *, group: bool,
                  exits_on: Mapping[int, int] | None = None, stdout: Sink = None,
-                 stderr: Sink = None, env: Mapping[str, str] | None = None) -> None:
+                 stderr: Sink = None, env: Mapping[str, str] | None = None,
+                 journal: list[tuple[int, int]] | None = None) -> None:
         self.pid = pid
         self.argv = list(argv)
         self.group = group
@@ -408,6 +409,7 @@ class FakeChild(Child):
         self.signals: list[tuple[int, bool]] = []  # (signal, to the group)
         self.waits: list[float | None] = []
         self.code: int | None = None
+        self._journal = journal if journal is not None else []
 
     @property
     def sent(self) -> list[int]:
@@ -433,6 +435,7 @@ class FakeChild(Child):
         if self.code is not None and not group:
             raise ProcessLookupError
         self.signals.append((signum, group))
+        self._journal.append((self.pid, signum))
         if signum in self.exits_on:
             self.finish(self.exits_on[signum])
 
@@ -440,13 +443,15 @@ class FakeChild(Child):
 @dataclass
 class FakeSpawner(Spawner):
     """A `Spawner` that starts nothing: `spawned` lists the children it made (each a
-    `FakeChild` with `exits_on`), `runs` the commands `run` was asked for, answered by
-    `answer` (default: exit 0, no output); `fail` makes the next spawn raise it."""
+    `FakeChild` with `exits_on`), `signals` every (pid, signal) sent to any of them in
+    order, `runs` the commands `run` was asked for, answered by `answer` (default: exit 0,
+    no output); `fail` makes the next spawn raise it."""
 
     exits_on: Mapping[int, int] | None = None
     answer: Callable[[Sequence[str]], Finished] | None = None
     fail: OSError | None = None
     spawned: list[FakeChild] = field(default_factory=list)
+    signals: list[tuple[int, int]] = field(default_factory=list)
     runs: list[list[str]] = field(default_factory=list)
     next_pid: int = 40000
 
@@ -465,7 +470,7 @@ class FakeSpawner(Spawner):
             raise exc
         self.next_pid += 1
         child = FakeChild(self.next_pid, argv, group=group, exits_on=self.exits_on,
-                          stdout=stdout, stderr=stderr, env=env)
+                          stdout=stdout, stderr=stderr, env=env, journal=self.signals)
         self.spawned.append(child)
         return child
 
