@@ -1,8 +1,9 @@
 """The one seam for processes: start them, stop them (SIGTERM, SIGKILL by a deadline), tell
 whether one still runs.
 
-Every caller in the package starts processes through a `Spawner` (`SPAWNER`, the real
-one, or a `FakeSpawner` in unit tests), never through `subprocess` directly:
+Callers start processes through a `Spawner` (`SPAWNER`, the real one, or a
+`FakeSpawner` in unit tests, which records spawns and signals and scripts exits), not
+through `subprocess` directly:
 
 - `Spawner.spawn(argv, ...)` -> `Child`: argv, environment, working directory, a process
   group of its own or not, each stream inherited, discarded, piped or sent to a file;
@@ -15,7 +16,8 @@ one, or a `FakeSpawner` in unit tests), never through `subprocess` directly:
   same TERM-then-KILL for it.
 
 The lock's `ftctl lock acquire -- CMD` execs in place and forks its watcher: an exec is
-not a spawn, and the watcher must be a fork (no interpreter start on the handoff path).
+not a spawn, and the watcher must be a fork (no interpreter start on the handoff path);
+`ForkedChild` stops and collects such a fork like any child.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ from dynamo_ftctl import procfs
 
 __all__ = [
     "DEVNULL", "PIPE", "SPAWNER", "STDOUT", "Child", "FakeChild", "FakeSpawner", "Finished",
-    "ForkedChild",
-    "Identity", "Sink", "Spawner", "run_async",
+    "ForkedChild", "Identity", "Sink", "Spawner", "run_async",
 ]
 
 DEVNULL = subprocess.DEVNULL
