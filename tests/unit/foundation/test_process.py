@@ -194,3 +194,25 @@ def test_fake_spawner_scripts_failures_and_runs() -> None:
     assert fake.runs == [["dcgmi", "test"]]
     with pytest.raises(AssertionError, match="never ends"):
         fake.spawn(["forever"]).wait()
+
+
+def test_a_forked_child_is_stopped_and_collected() -> None:
+    """ForkedChild (the lock's watcher is a bare fork): TERM ignored, KILL at the deadline,
+    exit status collected; in a fresh interpreter (a fork from the threaded test process
+    would warn)."""
+    script = ("import os, signal, time\n"
+              "from dynamo_ftctl.process import ForkedChild\n"
+              "ready_r, ready_w = os.pipe()\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "    os.write(ready_w, b'r')\n"
+              "    time.sleep(60)\n"
+              "    os._exit(0)\n"
+              "assert os.read(ready_r, 1) == b'r'\n"
+              "child = ForkedChild(pid)\n"
+              "assert child.alive\n"
+              "began = time.monotonic()\n"
+              "print(child.stop(0.3), child.poll(), time.monotonic() - began >= 0.3)\n")
+    done = SPAWNER.run([sys.executable, "-c", script], timeout_s=60)
+    assert done.stdout.split() == ["-9", "-9", "True"], done.stderr
