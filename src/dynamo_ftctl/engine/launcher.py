@@ -5,17 +5,15 @@ This is the one process spawner of the engine (tests, drills and
 serve ...` in its own process group, writes a pid file, and prints its URL on
 stdout once it serves; the launcher waits for that line and for `/health`
 with a deadline, and names the worker that did not come up. Stopping is
-SIGTERM, then SIGKILL after a bounded wait. stderr goes to a log file (the
+SIGTERM, then SIGKILL after a bounded wait (`process.Child.stop`). stderr goes to a log file (the
 crash fault's Xid line lands there).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +27,7 @@ from urllib.parse import urlsplit
 
 from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import InvalidInput, Unreachable, require_extra
+from dynamo_ftctl.process import PIPE, SPAWNER, Child, Identity
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory, Worker
@@ -53,11 +52,11 @@ class SimWorker:
     """One running engine process: its URL, pid, pid file and stderr log."""
 
     def __init__(  # noqa: PLR0917 (built in one place, by `_spawn`)
-        self, name: str, proc: subprocess.Popen[bytes], log_path: Path,
+        self, name: str, child: Child, log_path: Path,
         pid_file: Path | None, admin_token: str | None, own_log: bool,
     ) -> None:
         self.name = name
-        self.proc = proc
+        self.child = child
         self.log_path = log_path
         self.pid_file = pid_file
         self.admin_token = admin_token
@@ -67,12 +66,12 @@ class SimWorker:
     @property
     def pid(self) -> int:
         """The engine's process id."""
-        return self.proc.pid
+        return self.child.pid
 
     @property
     def alive(self) -> bool:
         """True while the process has not exited."""
-        return self.proc.poll() is None
+        return self.child.alive
 
     def stderr_text(self) -> str:
         """Everything the engine wrote on stderr so far."""
@@ -83,21 +82,14 @@ class SimWorker:
 
     def wait_exit(self, timeout_s: float) -> int | None:
         """The exit code once the process ends within `timeout_s`, else None."""
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return None
+        return self.child.wait(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> int:
         """SIGTERM, then SIGKILL after `timeout_s`; returns the exit code."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            if self.wait_exit(timeout_s) is None:
-                self.kill()
-        code = self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        code = self.child.stop(timeout_s)
+        stdout = self.child.stdout
+        if stdout is not None:
+            stdout.close()
         if self.pid_file is not None:
             self.pid_file.unlink(missing_ok=True)
         if self._own_log:
@@ -106,9 +98,7 @@ class SimWorker:
 
     def kill(self) -> None:
         """SIGKILL the engine (a hung engine ignores SIGTERM)."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.child.kill()
 
     def __enter__(self) -> SimWorker:
         return self
@@ -117,7 +107,7 @@ class SimWorker:
         self.stop()
 
 
-def _read_line(stream: IO[bytes], proc: subprocess.Popen[bytes], deadline: float) -> str:
+def _read_line(stream: IO[bytes], proc: Child, deadline: float) -> str:
     """The first stdout line, waiting until `deadline` or the process's exit."""
     buffer = b""
     with selectors.DefaultSelector() as selector:
@@ -176,17 +166,16 @@ def _spawn(
     if admin_token is not None:
         child_env[admin_token_env] = admin_token
     token = child_env.get(admin_token_env)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                                env=child_env, start_new_session=True)
-    return SimWorker(name, proc, log_path, pid_file, token, own_log)
+    child = SPAWNER.spawn(argv, stdout=PIPE, stderr=log_path, env=child_env, group=True)
+    return SimWorker(name, child, log_path, pid_file, token, own_log)
 
 
 def _await_ready(worker: SimWorker, deadline: float) -> None:
-    assert worker.proc.stdout is not None
-    line = _read_line(worker.proc.stdout, worker.proc, deadline)
+    stdout = worker.child.stdout
+    assert stdout is not None
+    line = _read_line(stdout, worker.child, deadline)
     if not line.startswith("http"):
-        code = worker.proc.poll()
+        code = worker.child.poll()
         tail = worker.stderr_text().strip().splitlines()[-1:] or ["(no output)"]
         state = f"exited with code {code}" if code is not None else "timed out"
         msg = f"worker {worker.name} did not come up ({state}): {tail[0]}"
@@ -319,8 +308,7 @@ class LocalCluster:
         """Stop every worker (SIGTERM, SIGKILL after `timeout_s`), all at once."""
         for worker in self.workers.values():
             if worker.alive:
-                with contextlib.suppress(ProcessLookupError):
-                    worker.proc.send_signal(signal.SIGTERM)
+                worker.child.signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for worker in self.workers.values():
             if worker.wait_exit(max(deadline - time.monotonic(), 0.0)) is None:
@@ -391,7 +379,7 @@ def run_cluster(
             try:
                 while not stop.wait(0.5):
                     for worker in cluster:
-                        code = worker.proc.poll()
+                        code = worker.child.poll()
                         if code is not None and worker.name not in reported:
                             reported.add(worker.name)
                             if on_exit is not None:
@@ -421,24 +409,12 @@ def _is_sim_process(pid: int) -> bool:
     return b"dynamo_ftctl" in raw and b"serve" in raw
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # A zombie child of someone else still answers kill(0); /proc tells.
-    state = procfs.stat(pid)
-    return state is None or state[0] == "Z"
-
-
 def stop_cluster(
     inventory: Inventory, *, state_dir: Path | None = None, timeout_s: float = 5.0,
 ) -> StopResult:
     """Stop the workers that `ftctl sim cluster` started, found through their pid files."""
     state = state_dir or default_state_dir(inventory)
-    targets: dict[str, int] = {}
+    targets: dict[str, Identity] = {}
     not_running: list[str] = []
     for worker in _sim_workers(inventory):
         pid_file = _pid_file(inventory, worker, state)
@@ -447,21 +423,19 @@ def stop_cluster(
         except (OSError, ValueError):
             not_running.append(worker.name)
             continue
-        if _is_sim_process(pid):
-            targets[worker.name] = pid
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        # Known by start time from here on: neither a zombie nor a reused pid is the worker.
+        identity = Identity.of(pid) if _is_sim_process(pid) else None
+        if identity is not None:
+            targets[worker.name] = identity
+            identity.signal(signal.SIGTERM)
         else:
             not_running.append(worker.name)
             pid_file.unlink(missing_ok=True)
     deadline = time.monotonic() + timeout_s
     killed: list[str] = []
-    for name, pid in targets.items():
-        while not _gone(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling a non-child pid: there is no wait() for it
-        if not _gone(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    for name, identity in targets.items():
+        if not identity.wait_gone(deadline):
+            identity.signal(signal.SIGKILL)
             killed.append(name)
     return StopResult(inventory.cluster, tuple(n for n in targets if n not in killed),
                       tuple(killed), tuple(not_running))

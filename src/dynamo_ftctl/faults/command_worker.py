@@ -3,8 +3,9 @@
 `start_command_workers` expands each command's `{host}`, `{port}`, `{model}` and `${VAR}`,
 starts it in a session (so a process group) of its own, waits for its health path with a
 deadline and sends one warm-up request; `CommandWorker.stop` SIGTERMs the group and
-SIGKILLs it after a deadline. An engine of several processes (vLLM: API server and engine
-core) is signalled, stopped and restarted as one. This module knows no engine by name.
+SIGKILLs it after a deadline (`process.Child.stop`). An engine of several processes
+(vLLM: API server and engine core) is signalled, stopped and restarted as one. This
+module knows no engine by name.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, Unreachable
+from dynamo_ftctl.process import SPAWNER, STDOUT, Child, Spawner
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Launch, Worker
@@ -43,33 +43,28 @@ class CommandWorker:
     argv: list[str]
     env: dict[str, str]
     log: Path
-    proc: subprocess.Popen[bytes]
+    child: Child
+    spawner: Spawner = field(default=SPAWNER, repr=False)
 
     @property
     def pid(self) -> int:
         """The server's pid, which is also its process group id."""
-        return self.proc.pid
+        return self.child.pid
 
     @property
     def alive(self) -> bool:
         """True while the leader runs."""
-        return self.proc.poll() is None
+        return self.child.alive
 
     def stop(self, timeout_s: float = _STOP_S) -> None:
-        """SIGTERM the group; SIGKILL it after `timeout_s`; reap the leader."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGCONT)  # a stopped group cannot exit
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout_s)
-        _signal_group(self.proc.pid, signal.SIGKILL)  # children left behind by the leader
-        if self.proc.poll() is None:
-            self.proc.wait(timeout_s)
+        """SIGCONT and SIGTERM the group; SIGKILL it after `timeout_s` (and, in any case,
+        the children the leader left behind); reap the leader."""
+        self.child.stop(timeout_s)
 
     def restart(self) -> None:
         """Start the same command again on the same port and wait until it serves."""
         self.stop()
-        self.proc = _spawn(self.argv, self.env, self.log, append=True)
+        self.child = _spawn(self.spawner, self.argv, self.env, self.log, append=True)
         _await_ready(self, time.monotonic() + self.launch.start_timeout_s)
 
     def log_tail(self) -> str:
@@ -79,11 +74,6 @@ class CommandWorker:
         except OSError:
             return ""
         return lines[-1][:200] if lines else ""
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _expand(value: str, environ: Mapping[str, str], where: str) -> str:
@@ -116,16 +106,14 @@ def expand_command(worker: Worker, *, host: str, port: int, environ: Mapping[str
     return argv, env
 
 
-def _spawn(argv: list[str], env: dict[str, str], log: Path, *,
-           append: bool = False) -> subprocess.Popen[bytes]:
-    with log.open("ab" if append else "wb") as out:
-        try:
-            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                    start_new_session=True)
-        except OSError as exc:
-            msg = f"cannot start {argv[0]}: {exc.strerror or exc}"
-            raise InvalidInput(msg) from None
+def _spawn(spawner: Spawner, argv: list[str], env: dict[str, str], log: Path, *,
+           append: bool = False) -> Child:
+    try:
+        return spawner.spawn(argv, stdout=log, stderr=STDOUT, append=append,
+                             env={**os.environ, **env}, group=True)
+    except OSError as exc:
+        msg = f"cannot start {argv[0]}: {exc.strerror or exc}"
+        raise InvalidInput(msg) from None
 
 
 def _await_ready(worker: CommandWorker, deadline: float) -> None:
@@ -135,7 +123,7 @@ def _await_ready(worker: CommandWorker, deadline: float) -> None:
     launch = worker.launch
     with httpx.Client(timeout=5.0) as client:
         while True:
-            code = worker.proc.poll()
+            code = worker.child.poll()
             if code is not None:
                 msg = (f"worker {worker.name}: {worker.argv[0]} exited with code {code} "
                        f"before serving ({worker.log}: {worker.log_tail()})")
@@ -164,7 +152,7 @@ def _await_ready(worker: CommandWorker, deadline: float) -> None:
 
 def start_command_workers(
     workers: Sequence[tuple[Worker, str, int, str]], *, log_dir: Path,
-    environ: Mapping[str, str],
+    environ: Mapping[str, str], spawner: Spawner = SPAWNER,
 ) -> dict[str, CommandWorker]:
     """Start every (worker, host, port, where) at once; wait until each serves.
 
@@ -183,7 +171,7 @@ def start_command_workers(
             started[worker.name] = CommandWorker(
                 name=worker.name, url=f"http://{host}:{port}", model=worker.model,
                 launch=worker.launch, argv=argv, env=env, log=log,
-                proc=_spawn(argv, env, log))
+                child=_spawn(spawner, argv, env, log), spawner=spawner)
         for command_worker in started.values():
             _await_ready(command_worker,
                          time.monotonic() + command_worker.launch.start_timeout_s)

@@ -9,7 +9,8 @@ A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
             environment variable the inventory names (httpx, one shot)
     kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
             /dev/kmsg (or a file, for tests), so GPU health agents fire
-    dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid)
+    dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid), run through
+            the process seam (`process.Spawner.run`)
     net     the TCP fault proxy's control API (POST/DELETE /toxics) with the bearer
             token from the variable the inventory names (inject.netproxy_token_env)
     load    start or stop a bounded background load process (`faults/overload.py`)
@@ -25,7 +26,6 @@ import json
 import os
 import signal
 import stat
-import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput, Unreachable
+from dynamo_ftctl.process import SPAWNER, Spawner
 
 if TYPE_CHECKING:
     import httpx
@@ -98,11 +99,6 @@ def xid_kmsg_line(xid: int, pci_bus_id: str, pid: int | str, process: str) -> st
     return f"NVRM: Xid (PCI:{pci_bus_id}): {xid}, pid={pid}, name={process}, {meaning}"
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=_DCGMI_TIMEOUT_S,
-                          check=False)
-
-
 @dataclass
 class Injectors:
     """Executes steps; every side effect goes through a replaceable seam."""
@@ -110,7 +106,7 @@ class Injectors:
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
     transport: httpx.BaseTransport | None = None
     kill: Callable[[int, int], None] = os.kill
-    run_command: Callable[[list[str]], subprocess.CompletedProcess[str]] = _run
+    spawner: Spawner = SPAWNER  # dcgmi, and the overload fault's load process
 
     def execute(self, step: Step) -> str:
         """Carry out one step; returns a short outcome ("ok", "HTTP 200", …)."""
@@ -203,19 +199,20 @@ class Injectors:
         from dynamo_ftctl.faults.overload import start_overload, stop_overload
 
         if step.data["action"] == "start":
-            return start_overload(Path(step.target), [str(a) for a in step.data["argv"]])
-        return stop_overload(Path(step.target))
+            return start_overload(Path(step.target), [str(a) for a in step.data["argv"]],
+                                  spawner=self.spawner)
+        return stop_overload(Path(step.target), kill=self.kill, spawner=self.spawner)
 
     def _dcgm(self, step: Step) -> str:
         argv = [str(a) for a in step.data["argv"]]
         try:
-            done = self.run_command(argv)
+            done = self.spawner.run(argv, timeout_s=_DCGMI_TIMEOUT_S)
         except FileNotFoundError:
             msg = "dcgmi not found on PATH (install DCGM, or drop 'dcgm' from the injectors)"
             raise Unreachable(msg) from None
-        except subprocess.TimeoutExpired:
+        if done.timed_out:
             msg = f"{' '.join(argv)}: no answer within {_DCGMI_TIMEOUT_S:g} s"
-            raise Unreachable(msg) from None
+            raise Unreachable(msg)
         if done.returncode != 0:
             detail = (done.stderr or done.stdout).strip().splitlines()
             msg = f"{' '.join(argv)}: exit {done.returncode}: {detail[-1] if detail else ''}"

@@ -8,33 +8,30 @@ It writes a pid file first thing (JSON: pid, argv, started), and the revert
 record names that file: `stop_overload` (the revert step, also from
 `ftctl inject revert --all` after a crashed injector) checks that the pid is
 still this module's process (never a reused pid), SIGTERMs it, and waits with
-a deadline (SIGKILL after) until that process, known by its start time, is a
-zombie or gone.
+a deadline (SIGKILL after) until that process, known by its start time
+(`process.Identity`), is a zombie or gone.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import Unreachable
+from dynamo_ftctl.process import SPAWNER, Identity, Spawner
 
 __all__ = ["OverloadLoad", "main", "start_overload", "stop_overload"]
 
 _MODULE = "dynamo_ftctl.faults.overload"
 _START_TIMEOUT_S = 5.0
 _STOP_TIMEOUT_S = 5.0
-# Loads this process started: kept so that their end is collected (no zombie, no warning).
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 
 
 @dataclass(frozen=True)
@@ -61,66 +58,34 @@ class OverloadLoad:
         return argv
 
 
-def _identify(pid: int) -> str | None:
-    """The start time of `pid` while it is a live process running this module, else None."""
-    state = procfs.stat(pid)
-    args = procfs.cmdline(pid)
-    if state is None or args is None or state[0] == "Z" or _MODULE.encode() not in args:
-        return None
-    return state[1]
-
-
-def _alive(pid: int, started: str) -> bool:
-    """True until the process identified by (pid, start time) is a zombie or gone.
-
-    Not by its command line: that reads empty while an exiting process tears
-    down (its memory is gone, its sockets not yet closed), and such a process
-    has not ended.
-    """
-    state = procfs.stat(pid)
-    return state is not None and state[0] != "Z" and state[1] == started
-
-
-def _reap(pid: int) -> None:
-    """Collect the exit status when this process started the load (no zombie left)."""
-    child = _CHILDREN.get(pid)
-    if child is not None:
-        if child.poll() is not None:
-            del _CHILDREN[pid]
-        return
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def start_overload(pid_file: Path, argv: list[str]) -> str:
+def start_overload(pid_file: Path, argv: list[str], *, spawner: Spawner = SPAWNER) -> str:
     """Spawn the load process; its pid goes to `pid_file` before this returns."""
     from dynamo_ftctl.output import write_atomic
 
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     log = pid_file.with_suffix(".log")
-    with log.open("ab") as handle:
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=handle,
-                                    stderr=handle, start_new_session=True)
-        except OSError as exc:
-            msg = f"cannot start the load process: {exc.strerror or exc}"
-            raise Unreachable(msg) from None
-    _CHILDREN[proc.pid] = proc
-    write_atomic(pid_file, json.dumps({"pid": proc.pid, "argv": argv,
+    try:
+        # Its own session: it outlives the injector. The spawner keeps it until its
+        # end is collected (`reap` in the revert): no zombie, no warning.
+        child = spawner.spawn(argv, stdout=log, stderr=log, append=True, group=True)
+    except OSError as exc:
+        msg = f"cannot start the load process: {exc.strerror or exc}"
+        raise Unreachable(msg) from None
+    write_atomic(pid_file, json.dumps({"pid": child.pid, "argv": argv,
                                        "started": time.time()}) + "\n")
     # A load that dies at once (bad URL, import error) is a failed injection, not a fault.
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            _CHILDREN.pop(proc.pid, None)
+        code = child.poll()
+        if code is not None:
             tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-            msg = (f"the load process exited at once with code {proc.returncode}: "
+            msg = (f"the load process exited at once with code {code}: "
                    f"{tail[0] if tail else 'no output'}")
             raise Unreachable(msg)
         if _started(log):
             break
         time.sleep(0.02)  # polling the load's "sending" line with a deadline
-    return f"started load pid {proc.pid} ({log})"
+    return f"started load pid {child.pid} ({log})"
 
 
 def _started(log: Path) -> bool:
@@ -130,8 +95,12 @@ def _started(log: Path) -> bool:
         return False
 
 
-def stop_overload(pid_file: Path) -> str:
-    """Stop the load named by `pid_file` (SIGTERM, SIGKILL after 5 s); gone already is fine."""
+def stop_overload(pid_file: Path, *, kill: Callable[[int, int], None] = os.kill,
+                  spawner: Spawner = SPAWNER) -> str:
+    """Stop the load named by `pid_file` (SIGTERM, SIGKILL after 5 s); gone already is fine.
+
+    `kill` sends the signals (the injectors' seam); `spawner` collects the end of a load
+    this process started."""
     try:
         pid = int(json.loads(pid_file.read_text())["pid"])
     except FileNotFoundError:
@@ -139,23 +108,18 @@ def stop_overload(pid_file: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         msg = f"unreadable load pid file {pid_file}: {exc}"
         raise Unreachable(msg) from None
-    started = _identify(pid)
-    if started is None:
-        _reap(pid)
+    load = Identity.of(pid, marker=_MODULE.encode())
+    if load is None:
+        spawner.reap(pid)
         pid_file.unlink(missing_ok=True)
         return f"load pid {pid} had already ended"
-    for sig, wait_s in ((signal.SIGTERM, _STOP_TIMEOUT_S), (signal.SIGKILL, _STOP_TIMEOUT_S)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if not _alive(pid, started):
-                _reap(pid)
-                pid_file.unlink(missing_ok=True)
-                return f"stopped load pid {pid} ({sig.name})"
-            time.sleep(0.02)  # polling the process's end with a deadline
-    msg = f"load pid {pid} did not end after SIGKILL"
-    raise Unreachable(msg)
+    ended_by = load.stop(_STOP_TIMEOUT_S, kill=kill)
+    if ended_by is None:
+        msg = f"load pid {pid} did not end after SIGKILL"
+        raise Unreachable(msg)
+    spawner.reap(pid)
+    pid_file.unlink(missing_ok=True)
+    return f"stopped load pid {pid} ({ended_by.name})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,10 @@ skipped.
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import io
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from dynamo_ftctl.clock import Clock
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap, xid_event
 from dynamo_ftctl.gpu.nvml import NvmlBackend, normalize_pci_bus_id
+from dynamo_ftctl.process import DEVNULL, PIPE, SPAWNER
 
 __all__ = [
     "KmsgParser",
@@ -285,22 +285,18 @@ def journal_lines(*, follow: bool) -> Iterator[str]:
     if follow:
         argv += ["-f", "-n", "all"]
     try:
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            errors="replace",
-        )
+        child = SPAWNER.spawn(argv, stdout=PIPE, stderr=DEVNULL)
     except OSError as exc:
         msg = f"cannot run journalctl: {exc.strerror or exc}"
         raise Unreachable(msg) from exc
-    assert proc.stdout is not None
+    assert child.stdout is not None
+    # Text as Popen(text=True) reads it: the locale's encoding, universal newlines.
+    lines = io.TextIOWrapper(child.stdout, errors="replace")
     try:
-        yield from proc.stdout
+        yield from lines
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        proc.stdout.close()
+        child.stop(5.0)
+        lines.close()
 
 
 def source_lines(

@@ -9,12 +9,12 @@ An action never raises: its outcome is returned (and logged as a JSON line).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.process import run_async
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.state import Transition
@@ -99,21 +99,12 @@ async def _command(action: TransitionAction, transition: Transition) -> tuple[bo
     env = {**os.environ, "FTCTL_WORKER": transition.worker, "FTCTL_STATE": transition.state.value,
            "FTCTL_PREVIOUS_STATE": transition.previous.value, "FTCTL_REASON": transition.reason}
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )
+        done = await run_async(argv, env=env, timeout_s=action.timeout_s)
     except OSError as exc:
         return False, f"cannot run {argv[0]!r}: {exc.strerror or exc}"
-    try:
-        async with asyncio.timeout(action.timeout_s):
-            _, err = await proc.communicate()
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
+    if done.timed_out:
         return False, f"killed after {action.timeout_s:g} s"
-    if proc.returncode == 0:
+    if done.returncode == 0:
         return True, "exit 0"
-    last = (err or b"").decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-    return False, f"exit {proc.returncode}: {last[0][:200]}"
+    last = done.stderr.strip().splitlines()[-1:] or [""]
+    return False, f"exit {done.returncode}: {last[0][:200]}"

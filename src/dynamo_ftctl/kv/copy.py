@@ -16,7 +16,7 @@ of another, in pieces of (layer, chunk of blocks):
 Host to host, the native row-copy kernel (`kv/native.py`, C built at install)
 copies every layer in one pass for any ids, all layers in one call (a common
 copy, host caches shaped alike with int64 tensor ids, gets there with a
-handful of torch calls: `_host_copy`): a `memcpy`-sized copy per block,
+handful of torch calls: `host_copy`): a `memcpy`-sized copy per block,
 large copies stored past the cache (their source blocks read in ascending
 order) and shared among torch's intra-op threads. Without it (no compiler at
 install, `FTCTL_KV_NATIVE=0`, `native=False`), and on devices, torch's kernels
@@ -38,24 +38,40 @@ work that read it has finished. Device work is queued on dedicated streams
 `CopyHandle` to wait on. On CPU tensors the same pipeline runs with host
 operations in place of streams (`HostOps`): there is no separate toy path.
 
-Per-block CRC-32 checksums are computed on export (`export_blocks`) and
-verified on import (`import_blocks`) before a single byte is written.
+The stream seam and the handle are in `streams.py`, the views and pieces in
+`pieces.py` (both re-exported here); export and import with per-block CRC-32
+checksums (`export_blocks`, `import_blocks`) are `export.py`'s, on top of this.
 
 This module must not know about HTTP or the wire format (`kv/wire.py`).
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.kv import native as _native
 from dynamo_ftctl.kv.native import BAD_IDS, RUN_NONE
+from dynamo_ftctl.kv.pieces import (
+    Kind,
+    Piece,
+    as_rows,
+    host_copy,
+    kernel_copy,
+    kind_of,
+    same_storage,
+    unbind_leading,
+)
+from dynamo_ftctl.kv.streams import (
+    STAGING_POOL,
+    CopyHandle,
+    CudaOps,
+    Event,
+    HostOps,
+    StagingPool,
+    StreamOps,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -68,16 +84,11 @@ __all__ = [
     "CopyHandle",
     "CudaOps",
     "Event",
-    "ExportedBlocks",
     "HostOps",
-    "KVChecksumError",
     "Piece",
     "StagingPool",
     "StreamOps",
-    "block_checksums",
     "copy_blocks",
-    "export_blocks",
-    "import_blocks",
     "run_pipeline",
     "validate_block_ids",
 ]
@@ -86,247 +97,6 @@ __all__ = [
 # blocks). 1 MiB keeps the CPU staging ring inside a core's L2 cache; see
 # `ftctl kv bench` for the sweep that chose it.
 DEFAULT_CHUNK_BYTES = 1 << 20
-
-Kind = Literal["host", "device"]
-
-
-class KVChecksumError(InvalidInput):
-    """An imported block's bytes do not match the checksum computed at export."""
-
-
-# ---------------------------------------------------------------- stream seam
-
-
-class Event(Protocol):
-    """A point in a stream's work that the host or another stream can wait for."""
-
-    def synchronize(self) -> None:
-        """Block the host until the work before the event has finished."""
-        ...
-
-    def query(self) -> bool:
-        """True when the work before the event has finished."""
-        ...
-
-
-class StreamOps(Protocol):
-    """The only seam between the pipeline and a device runtime (CUDA, host, fakes)."""
-
-    def new_stream(self, device: torch.device) -> Any:
-        """A dedicated stream on `device` (None on the host)."""
-        ...
-
-    def join_current(self, stream: Any, device: torch.device) -> None:
-        """Make `stream` wait for the caller's current stream on `device`."""
-        ...
-
-    def run(self, stream: Any, work: Callable[[], None]) -> None:
-        """Queue device work (kernels) on `stream`."""
-        ...
-
-    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue `dst.copy_(src, non_blocking=True)` on `stream`."""
-        ...
-
-    def record(self, stream: Any) -> Event:
-        """An event after all work queued on `stream` so far."""
-        ...
-
-    def wait(self, stream: Any, event: Event) -> None:
-        """Make `stream` wait for `event` without blocking the host."""
-        ...
-
-    def staging(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
-    ) -> torch.Tensor:
-        """A staging buffer; `pinned` asks for page-locked host memory."""
-        ...
-
-    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the allocator that `tensor` is used on `stream` (keeps it from early reuse)."""
-        ...
-
-    def release(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Staging buffers whose work has finished: they may serve the next copy."""
-        ...
-
-
-class StagingPool:
-    """Host staging buffers kept for reuse between copies.
-
-    A fresh large host allocation page-faults on first touch (measured: 1k-block
-    CPU copies ran 5x slower with new 1 MiB slots each call) and pinned memory
-    costs a driver call, so buffers come back here when their copy is done.
-    Thread-safe; keeps at most `per_key` buffers per (shape, dtype, pinned).
-    """
-
-    def __init__(self, per_key: int = 4) -> None:
-        import threading
-
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-        self._per_key = per_key
-
-    @staticmethod
-    def _key(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> tuple[Any, ...]:
-        return (tuple(shape), dtype, pinned)
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
-        """A host buffer of this shape: a pooled one, or a new one."""
-        import torch
-
-        with self._lock:
-            free = self._free.get(self._key(shape, dtype, pinned))
-            if free:
-                return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        """Return a host buffer (only once nothing reads or writes it any more)."""
-        key = self._key(tuple(buffer.shape), buffer.dtype, buffer.is_pinned())
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            if len(free) < self._per_key and all(b is not buffer for b in free):
-                free.append(buffer)
-
-
-STAGING_POOL = StagingPool()
-
-
-class _DoneEvent:
-    """The event of host work: it has finished by the time anyone can ask."""
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-_DONE = _DoneEvent()
-
-
-class HostOps:
-    """Stream operations for CPU tensors: everything runs at once on the calling thread."""
-
-    def new_stream(self, device: torch.device) -> Any:  # noqa: ARG002 (protocol)
-        return None
-
-    def join_current(self, stream: Any, device: torch.device) -> None:  # noqa: ARG002
-        return None
-
-    def run(self, stream: Any, work: Callable[[], None]) -> None:  # noqa: ARG002 (protocol)
-        work()
-
-    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:  # noqa: ARG002
-        dst.copy_(src)
-
-    def record(self, stream: Any) -> Event:  # noqa: ARG002 (protocol)
-        return _DONE
-
-    def wait(self, stream: Any, event: Event) -> None:  # noqa: ARG002 (protocol)
-        return None
-
-    def staging(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
-    ) -> torch.Tensor:
-        del pinned, device  # no page-locking without a device to DMA to; always the host
-        return STAGING_POOL.take(shape, dtype, pinned=False)
-
-    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:  # noqa: ARG002 (protocol)
-        return None
-
-    def release(self, buffers: Sequence[torch.Tensor]) -> None:
-        for buffer in buffers:
-            STAGING_POOL.give(buffer)
-
-
-class CudaOps:
-    """Stream operations on CUDA: dedicated `torch.cuda.Stream`s, events, pinned staging."""
-
-    def new_stream(self, device: torch.device) -> Any:
-        import torch
-
-        return torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-
-    def join_current(self, stream: Any, device: torch.device) -> None:
-        import torch
-
-        # The caller's kernels may still be writing the source blocks.
-        stream.wait_stream(torch.cuda.current_stream(device))
-
-    def _context(self, stream: Any) -> AbstractContextManager[Any]:
-        import torch
-
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-    def run(self, stream: Any, work: Callable[[], None]) -> None:
-        with self._context(stream):
-            work()
-
-    def transfer(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with self._context(stream):
-            dst.copy_(src, non_blocking=True)
-
-    def record(self, stream: Any) -> Event:
-        import torch
-
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        return event
-
-    def wait(self, stream: Any, event: Event) -> None:
-        stream.wait_event(event)
-
-    def staging(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, pinned: bool,
-    ) -> torch.Tensor:
-        import torch
-
-        if device.type == "cpu":
-            return STAGING_POOL.take(shape, dtype, pinned=pinned)
-        # Device buffers come from torch's caching allocator, which already reuses them.
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def mark_used(self, tensor: torch.Tensor, stream: Any) -> None:
-        if tensor.is_cuda and stream is not None:
-            tensor.record_stream(stream)
-
-    def release(self, buffers: Sequence[torch.Tensor]) -> None:
-        for buffer in buffers:
-            if buffer.device.type == "cpu":
-                STAGING_POOL.give(buffer)
-
-
-# ------------------------------------------------------------------ the handle
-
-
-@dataclass
-class CopyHandle:
-    """A copy in flight: `wait()` blocks until every block has landed."""
-
-    blocks: int
-    bytes: int
-    pieces: int
-    events: tuple[Event, ...] = ()
-    # Staging buffers and index tensors used by queued work, kept alive until wait().
-    keep: list[Any] = field(default_factory=list, repr=False)
-    # Called once the work has finished: hands the staging buffers back to the pool.
-    release: Callable[[], None] | None = field(default=None, repr=False)
-
-    def done(self) -> bool:
-        """True when the copy has finished (never blocks)."""
-        return all(event.query() for event in self.events)
-
-    def wait(self) -> CopyHandle:
-        """Block until the copy has finished; returns self."""
-        for event in self.events:
-            event.synchronize()
-        self.keep.clear()
-        if self.release is not None:
-            release, self.release = self.release, None
-            release()
-        return self
 
 
 # ------------------------------------------------------------------ validation
@@ -417,10 +187,6 @@ def _sorted_by(
     return torch.from_numpy(k_arr[order]), torch.from_numpy(other.numpy()[order])
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def _check_caches(
     src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], block_dim: int,
 ) -> None:
@@ -442,215 +208,6 @@ def _check_caches(
                 msg = (f"{side} layer {layer}: {t.shape[block_dim]} blocks, "
                        f"layer 0 has {first.shape[block_dim]}")
                 raise InvalidInput(msg)
-
-
-# ------------------------------------------------------------ views and pieces
-
-# Widest element types first: the gather/scatter kernels move one element per
-# step, so viewing a block's bytes as 16-byte elements cuts their work 8x for fp16.
-_WIDE_DTYPES = ("complex128", "int64", "int32", "int16", "uint8")
-
-
-def _fold_level(v: torch.Tensor) -> int:
-    """How many leading dims of `v` must stay so the rest folds into one contiguous dim."""
-    if v.dim() > 1 and v.shape[0] and v[0].is_contiguous():
-        return 1  # the common case, without a failed view per dim
-    for keep in range(1, v.dim()):
-        try:
-            v.view(*v.shape[:keep], -1)
-        except RuntimeError:
-            continue
-        return keep
-    return v.dim()
-
-
-def _fold(v: torch.Tensor, keep: int) -> torch.Tensor:
-    return v.view(*v.shape[:keep], -1) if keep < v.dim() else v.unsqueeze(-1)
-
-
-def _widest(views: Sequence[torch.Tensor]) -> torch.dtype:
-    import torch
-
-    for name in _WIDE_DTYPES:
-        wide: torch.dtype = getattr(torch, name)
-        size = wide.itemsize
-        if all(
-            v.shape[-1] * v.element_size() % size == 0
-            and v.stride(-1) == 1
-            and v.storage_offset() * v.element_size() % size == 0
-            and all(st * v.element_size() % size == 0 for st in v.stride()[:-1])
-            for v in views
-        ):
-            return wide
-    return views[0].dtype  # the trailing dim is strided: keep the cache's own dtype
-
-
-def _as_rows(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], block_dim: int,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every layer with blocks on dim 0 and as many trailing bytes as possible in one dim.
-
-    Both sides get the same row shape (the coarsest fold that all of them
-    allow), viewed as the widest element type their strides permit.
-    """
-    src_v = [t.movedim(block_dim, 0) for t in src] if block_dim else list(src)
-    dst_v = [t.movedim(block_dim, 0) for t in dst] if block_dim else list(dst)
-    keep = max(_fold_level(v) for v in (*src_v, *dst_v))
-    src_r = [_fold(v, keep) for v in src_v]
-    dst_r = [_fold(v, keep) for v in dst_v]
-    wide = _widest([*src_r, *dst_r])
-    return [r.view(wide) for r in src_r], [r.view(wide) for r in dst_r]
-
-
-def _byte_rows(layers: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Blocks-first layers as 2-D views with one contiguous row per block (what the native
-    kernel copies), or None when a block's bytes are not contiguous in some layer."""
-    rows = []
-    for t in layers:
-        if not t[0].is_contiguous():
-            return None
-        rows.append(t.view(t.shape[0], -1))
-    return rows
-
-
-def _unbind_leading(caches: Sequence[torch.Tensor], block_dim: int) -> list[torch.Tensor]:
-    """Views of `caches` with every index of the dims before `block_dim` split off."""
-    out = list(caches)
-    for _ in range(block_dim):
-        out = [part for t in out for part in t.unbind(0)]
-    return out
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One unit of the pipeline: a chunk of blocks of one layer."""
-
-    src: torch.Tensor  # the layer's source rows: blocks on dim 0
-    dst: torch.Tensor  # the layer's destination rows
-    src_ids: torch.Tensor  # on the source's device
-    dst_ids: torch.Tensor  # on the destination's device
-    # Set when the ids are one ascending run starting here: that side is a plain
-    # slice, so a same-device copy needs one pass (no staging) instead of two.
-    src_start: int | None = None
-    dst_start: int | None = None
-
-    def direct(self) -> Callable[[], None] | None:
-        """The one-pass copy of this piece when one side is a run of blocks, else None."""
-        import torch
-
-        rows = self.src_ids.shape[0]
-        src, dst, s0, d0 = self.src, self.dst, self.src_start, self.dst_start
-        if d0 is None and s0 is None:
-            return None
-
-        def work() -> None:
-            if d0 is not None and s0 is not None:
-                dst[d0 : d0 + rows].copy_(src[s0 : s0 + rows])
-            elif d0 is not None:  # gather straight into the destination's run
-                torch.index_select(src, 0, self.src_ids, out=dst[d0 : d0 + rows])
-            elif s0 is not None:  # scatter straight from the source's run
-                dst.index_copy_(0, self.dst_ids, src[s0 : s0 + rows])
-
-        return work
-
-
-def _kernel_copy(
-    kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-    s_ids: torch.Tensor, d_ids: torch.Tensor,
-) -> CopyHandle | None:
-    """Host to host through the native kernel, for validated ids: one pass per layer for
-    any ids, nothing staged (None when a block's bytes are not contiguous: torch's
-    kernels then copy). The kernel orders the rows (`RowKernel.copy_blocks`)."""
-    src_rows, dst_rows = _byte_rows(src), _byte_rows(dst)
-    if src_rows is None or dst_rows is None:
-        return None
-    return _native_copy(kernel, src_rows, dst_rows, s_ids, d_ids,
-                        row_bytes=src_rows[0].shape[1] * src_rows[0].element_size())
-
-
-def _native_copy(
-    kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-    s_ids: torch.Tensor, d_ids: torch.Tensor, *, row_bytes: int,
-) -> CopyHandle | None:
-    """Rows `s_ids` of every layer of `src` (blocks-first host tensors, each block's
-    `row_bytes` contiguous, one dtype) to rows `d_ids` of `dst`, in one kernel call;
-    None when the kernel refused the ids or ran out of memory (it copied nothing)."""
-    import torch
-
-    size = src[0].dtype.itemsize
-    at = [t.data_ptr() for t in dst] + [t.data_ptr() for t in src] \
-        + [t.stride(0) * size for t in dst] + [t.stride(0) * size for t in src]
-    if kernel.copy_blocks(at, d_ids, s_ids, dst_blocks=dst[0].shape[0],
-                          src_blocks=src[0].shape[0], row_bytes=row_bytes,
-                          threads=torch.get_num_threads()):
-        return None
-    count = s_ids.shape[0]
-    return CopyHandle(blocks=count, bytes=count * row_bytes * len(src), pieces=len(src))
-
-
-def _row_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides of one contiguous block of a blocks-first cache of `shape`."""
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape[1:]):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def _host_copy(
-    kernel: RowKernel, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-    src_ids: object, dst_ids: object, *, block_dim: int,
-) -> CopyHandle | None:
-    """The common host copy with as few torch calls as it takes, or None when the copy
-    is anything but common: the general path then copies it, or names what is wrong.
-
-    Common: every layer of a side (or, blocks not first, every blocks-first view
-    per leading index) a host tensor of that side's layer 0 shape, strides and
-    dtype, both sides' blocks alike and contiguous, no layer sharing storage with
-    its counterpart, ids 1-D contiguous int64 host tensors (the kernel
-    checks their range and repeats, and the general path names a bad one).
-
-    Why: a migration copies once, from memory the caches no longer hold, where each
-    torch call costs 10-50 us of cache misses. The general path's ~40 calls cost a
-    1k-block copy of 4 KiB blocks ~300 us more than a contiguous `copy_` of the same
-    bytes (`ftctl kv bench --cache cold`)."""
-    import torch
-
-    i64 = torch.int64
-    try:
-        if not (src[0].is_cpu and dst[0].is_cpu):
-            return None  # a device copy: nothing to split or check here
-        if block_dim:
-            dim = block_dim % src[0].dim()
-            src, dst = _unbind_leading(src, dim), _unbind_leading(dst, dim)
-        s0, d0 = src[0], dst[0]
-        shape, stride, dtype = s0.shape, s0.stride(), s0.dtype
-        d_shape, d_stride = d0.shape, d0.stride()
-        row = math.prod(shape[1:])  # elements of a block; its rows must not overlap
-        if (
-            len(src) != len(dst) or shape[1:] != d_shape[1:] or row <= 0
-            or stride[0] < row or d_stride[0] < row
-            or stride[1:] != d_stride[1:] or stride[1:] != _row_strides(shape)
-            or not isinstance(src_ids, torch.Tensor) or not isinstance(dst_ids, torch.Tensor)
-            or src_ids.dtype != i64 or dst_ids.dtype != i64
-            or len(src_ids.shape) != 1 or src_ids.shape != dst_ids.shape
-            or not (src_ids.is_cpu and dst_ids.is_cpu)
-            or not (src_ids.is_contiguous() and dst_ids.is_contiguous())
-        ):
-            return None
-        for s, d in zip(src, dst, strict=True):
-            if (s.shape != shape or d.shape != d_shape or s.stride() != stride
-                    or d.stride() != d_stride or s.dtype != dtype or d.dtype != dtype
-                    or not (s.is_cpu and d.is_cpu) or _same_storage(s, d)):
-                return None
-        return _native_copy(kernel, src, dst, src_ids, dst_ids, row_bytes=row * dtype.itemsize)
-    except (RuntimeError, IndexError, TypeError):  # sparse or mkldnn layers, no layers
-        return None
-
-
-def _kind(device: torch.device) -> Kind:
-    return "host" if device.type == "cpu" else "device"
 
 
 # ----------------------------------------------------------------- the pipeline
@@ -856,7 +413,7 @@ def copy_blocks(
     kernel: RowKernel | None = None
     if native is not False:
         kernel = native if native is not True else _native.kernel()
-        if kernel is not None and (handle := _host_copy(kernel, src, dst, src_ids, dst_ids,
+        if kernel is not None and (handle := host_copy(kernel, src, dst, src_ids, dst_ids,
                                                         block_dim=block_dim)):
             return handle
     _check_caches(src, dst, block_dim)
@@ -870,7 +427,7 @@ def copy_blocks(
     if count != d_ids.shape[0]:
         msg = f"{count} source block ids but {d_ids.shape[0]} destination block ids"
         raise InvalidInput(msg)
-    if any(_same_storage(s, d) for s, d in zip(src, dst, strict=True)):
+    if any(same_storage(s, d) for s, d in zip(src, dst, strict=True)):
         both = s_ids[torch.isin(s_ids, d_ids)]
         if both.numel():
             msg = f"source and destination share a cache and both name block {int(both.min())}"
@@ -882,11 +439,11 @@ def copy_blocks(
         # Blocks not first (flash: [2, num_blocks, ...]): each index of the leading dims
         # is its own blocks-first tensor (a view), so a block's bytes stay contiguous
         # rows for the index kernels' row-at-a-time fast paths.
-        src, dst, dim = _unbind_leading(src, dim), _unbind_leading(dst, dim), 0
-    if kernel is not None and (handle := _kernel_copy(kernel, src, dst, s_ids, d_ids)) is not None:
+        src, dst, dim = unbind_leading(src, dim), unbind_leading(dst, dim), 0
+    if kernel is not None and (handle := kernel_copy(kernel, src, dst, s_ids, d_ids)) is not None:
         return handle
 
-    src_rows, dst_rows = _as_rows(src, dst, dim)
+    src_rows, dst_rows = as_rows(src, dst, dim)
     row_bytes = src_rows[0][0].numel() * src_rows[0].element_size()
     chunk = max(1, chunk_bytes // max(1, row_bytes))
     if src_device == dst_device and (s_start is not None or d_start is not None):
@@ -912,114 +469,6 @@ def copy_blocks(
             for si, di in zip(s_chunks, d_chunks, strict=True)
         ]
     return run_pipeline(
-        pieces, src_kind=_kind(src_device), dst_kind=_kind(dst_device),
+        pieces, src_kind=kind_of(src_device), dst_kind=kind_of(dst_device),
         ops=ops or _ops_for(src_device, dst_device), depth=depth, blocks=count,
-    )
-
-
-# ------------------------------------------------------------ export / import
-
-
-@dataclass(frozen=True)
-class ExportedBlocks:
-    """Blocks taken out of a cache: host tensors per layer plus a CRC-32 per block.
-
-    `data[layer]` is contiguous `[n_blocks, *block_shape]` (blocks first, whatever
-    the cache's layout), so block i of a layer is one contiguous byte range.
-    The checksum of block i chains CRC-32 over its bytes in every layer, in order.
-    """
-
-    data: tuple[torch.Tensor, ...]
-    checksums: tuple[int, ...]
-    block_dim: int = 0
-
-    @property
-    def blocks(self) -> int:
-        """How many blocks were exported."""
-        return len(self.checksums)
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes over all layers."""
-        return sum(t.numel() * t.element_size() for t in self.data)
-
-
-def block_checksums(data: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """CRC-32 per block of block-first host tensors (chained across layers)."""
-    if not data:
-        return ()
-    n = data[0].shape[0]
-    byte_rows = []
-    for layer in data:
-        if layer.device.type != "cpu" or not layer.is_contiguous() or layer.shape[0] != n:
-            msg = "checksums need contiguous host tensors with the same number of blocks"
-            raise InvalidInput(msg)
-        byte_rows.append(_byte_view(layer))
-    sums = []
-    for i in range(n):
-        crc = 0
-        for rows in byte_rows:
-            crc = zlib.crc32(rows[i], crc)
-        sums.append(crc)
-    return tuple(sums)
-
-
-def _byte_view(layer: torch.Tensor) -> Any:
-    import torch
-
-    # A zero-copy numpy view of the raw bytes (works for bf16/fp8 too).
-    return layer.reshape(layer.shape[0], -1).view(torch.uint8).numpy()
-
-
-def export_blocks(
-    caches: Sequence[torch.Tensor],
-    block_ids: Sequence[int] | torch.Tensor,
-    *,
-    block_dim: int = 0,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> ExportedBlocks:
-    """Copy `block_ids` out of `caches` into host memory and checksum every block."""
-    import torch
-
-    if not caches:
-        msg = "a cache needs at least one layer"
-        raise InvalidInput(msg)
-    dim = block_dim % caches[0].dim()
-    count = len(block_ids)
-    data = tuple(
-        torch.empty((count, *c.movedim(dim, 0).shape[1:]), dtype=c.dtype) for c in caches
-    )
-    views = [t.movedim(0, dim) for t in data]
-    copy_blocks(
-        caches, views, block_ids, torch.arange(count), block_dim=dim, chunk_bytes=chunk_bytes,
-    ).wait()
-    return ExportedBlocks(data=data, checksums=block_checksums(data), block_dim=dim)
-
-
-def import_blocks(
-    caches: Sequence[torch.Tensor],
-    block_ids: Sequence[int] | torch.Tensor,
-    exported: ExportedBlocks,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> CopyHandle:
-    """Verify every block's checksum, then copy the blocks into `block_ids` of `caches`.
-
-    Nothing is written when a checksum fails (`KVChecksumError`, exit 2).
-    """
-    if len(block_ids) != exported.blocks:
-        msg = f"{len(block_ids)} destination blocks for {exported.blocks} exported blocks"
-        raise InvalidInput(msg)
-    actual = block_checksums(exported.data)
-    for index, (want, got) in enumerate(zip(exported.checksums, actual, strict=True)):
-        if want != got:
-            msg = (f"exported block {index}: checksum mismatch "
-                   f"(expected {want:#010x}, got {got:#010x})")
-            raise KVChecksumError(msg)
-    import torch
-
-    views = [t.movedim(0, exported.block_dim) for t in exported.data]
-    return copy_blocks(
-        views, caches, torch.arange(exported.blocks), block_ids, block_dim=exported.block_dim,
-        chunk_bytes=chunk_bytes,
     )

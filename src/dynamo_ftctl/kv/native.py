@@ -63,12 +63,15 @@ RUN_NONE, BAD_IDS, NO_MEMORY = -1, -2, -3
 
 
 def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.0) -> Path:
-    """Compile `source` into the shared library `out`; raises OSError or
-    subprocess.CalledProcessError (with the compiler's output) when it cannot."""
+    """Compile `source` into the shared library `out`; raises OSError,
+    subprocess.CalledProcessError (with the compiler's output) or
+    subprocess.TimeoutExpired when it cannot."""
     import shlex
     import shutil
     import subprocess
     import sysconfig
+
+    from dynamo_ftctl.process import SPAWNER
 
     cc = shlex.split(os.environ.get("CC") or "")
     if not cc:  # the compiler Python was built with, when this machine has it; else cc
@@ -78,11 +81,14 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run(
+        done = SPAWNER.run(
             [*cc, "-O2", "-shared", "-fPIC", "-std=c11", "-pthread", "-o", str(partial),
-             str(source)],
-            check=True, capture_output=True, text=True, timeout=timeout_s,
-        )
+             str(source)], timeout_s=timeout_s)
+        if done.timed_out:
+            raise subprocess.TimeoutExpired(done.argv, timeout_s, done.stdout, done.stderr)
+        if done.returncode != 0:
+            raise subprocess.CalledProcessError(done.returncode, done.argv, done.stdout,
+                                                done.stderr)
         partial.replace(out)  # atomic: a concurrent loader never sees half a library
     finally:
         partial.unlink(missing_ok=True)

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +38,7 @@ from dynamo_ftctl.auth import ADMIN_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import CheckFailed, FtctlError, InvalidInput, LockTimeout, Unreachable
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
+from dynamo_ftctl.process import SPAWNER, Child
 
 if TYPE_CHECKING:
     import httpx
@@ -58,7 +57,6 @@ _READY_POLL_S = 0.05
 _WAKE_POLL_S = 0.01
 # How long the engine gets to exit after SIGTERM before SIGKILL.
 _TERM_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
 # How a shadow waits for the lock (see the module docstring).
 STANDBY_MODES = ("auto", "sleep", "cold")
 # What a /sleep refusal means, for the one line that reports it.
@@ -199,43 +197,30 @@ def _check_argv(argv: Sequence[str]) -> None:
         raise InvalidInput(msg)
 
 
-def _start_engine(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+def _start_engine(argv: Sequence[str], env: Mapping[str, str]) -> Child:
     _check_argv(argv)
-    # Looked up here, in the parent: the child only makes the call (no dlopen after fork,
-    # where another thread of ours may have held the loader's lock).
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def die_with_parent() -> None:
-        """In the child: SIGKILL when the wrapper's thread dies: no engine outlives its lock."""
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
     try:
-        # A cold start forks with the health thread running; die_with_parent touches no
-        # lock of ours. PDEATHSIG follows the forking thread: we fork on the main one.
+        # A cold start forks with the health thread running; the child's PDEATHSIG set-up
+        # touches no lock of ours. PDEATHSIG follows the forking thread: we fork on the
+        # main one, so no engine outlives its lock.
         # The engine's stdout goes to our stderr: with --json, stdout carries only state lines.
-        return subprocess.Popen(list(argv), stdout=sys.stderr.fileno(), env=dict(env),
-                                preexec_fn=die_with_parent)  # noqa: PLW1509
+        return SPAWNER.spawn(argv, stdout=sys.stderr.fileno(), env=env, stdin=None,
+                             die_with_parent=True)
     except OSError as exc:
         msg = f"cannot start engine {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
 
 
-def _stop_engine(engine: subprocess.Popen[bytes] | None) -> None:
-    if engine is None or engine.poll() is not None:
-        return
-    engine.terminate()
-    try:
-        engine.wait(_TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        engine.kill()
-        engine.wait()
+def _stop_engine(engine: Child | None) -> None:
+    if engine is not None and engine.alive:
+        engine.stop(_TERM_GRACE_S)
 
 
 class _Run:
     """The state machine of one wrapped engine (asyncio, one task)."""
 
     def __init__(self, config: FailoverConfig, lock: FailoverLock,
-                 engine: subprocess.Popen[bytes] | None,
+                 engine: Child | None,
                  on_state: Callable[[StateChange], None], clock: Clock, *,
                  engine_env: Mapping[str, str]) -> None:
         self.config = config
@@ -281,7 +266,7 @@ class _Run:
     def _watch_engine(self) -> asyncio.Future[int]:
         engine = self.engine
         assert engine is not None
-        return asyncio.ensure_future(asyncio.to_thread(engine.wait))
+        return asyncio.ensure_future(asyncio.to_thread(engine.wait_for_exit))
 
     async def _wait_any(self, *futures: asyncio.Future[Any], timeout: float | None = None) -> None:
         await asyncio.wait(set(futures), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)

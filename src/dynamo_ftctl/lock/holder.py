@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -31,6 +30,7 @@ from dynamo_ftctl.lock.flock import FlockLock
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
 from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, spawn_watcher
+from dynamo_ftctl.process import SPAWNER, Child, ForkedChild, Spawner
 
 __all__ = [
     "LOCK_FD_ENV", "LOCK_TOKEN_ENV", "TERM_GRACE_S", "exec_holding", "hold_for_command",
@@ -48,7 +48,7 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUS
 
 
 @contextmanager
-def _forwarding_signals(children: list[subprocess.Popen[bytes]]) -> Iterator[list[int]]:
+def _forwarding_signals(children: list[Child]) -> Iterator[list[int]]:
     """Pass FORWARDED_SIGNALS on to `children` while the block runs (main thread only).
 
     Yields the signals that arrived before any child existed: the caller sends
@@ -63,8 +63,7 @@ def _forwarding_signals(children: list[subprocess.Popen[bytes]]) -> Iterator[lis
         if not children:
             pending.append(signum)
         for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
+            child.signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:
@@ -108,14 +107,14 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:
         if watcher is not None:
-            os.kill(watcher, signal.SIGKILL)
-            os.waitpid(watcher, 0)
+            ForkedChild(watcher).kill()
         lock.release()
         msg = f"cannot run {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
 
 
-def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None) -> int:
+def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None, *,
+                spawner: Spawner = SPAWNER) -> int:
     """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
 
     A lock lost while the child runs (etcd lease, flock file deleted or replaced)
@@ -133,17 +132,18 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
     lock.set_on_lost(tell)
     lease: Lease = lock.acquire(timeout)
     env = {**os.environ, LOCK_TOKEN_ENV: str(lease.token)}
-    children: list[subprocess.Popen[bytes]] = []
+    children: list[Child] = []
     try:
         with _forwarding_signals(children) as pending:
             try:
-                child = subprocess.Popen(list(argv), env=env)
+                # Every stream inherited, stdin too: the command is the holder's foreground.
+                child = spawner.spawn(argv, env=env, stdin=None)
             except OSError as exc:
                 msg = f"cannot run {argv[0]!r}: {exc.strerror}"
                 raise InvalidInput(msg) from exc
             children.append(child)
             for signum in pending:
-                child.send_signal(signum)
+                child.signal(signum)
 
             def reap() -> None:
                 child.wait()
@@ -152,17 +152,13 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
             threading.Thread(target=reap, daemon=True).start()
             lost.wait()
         if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-            try:
-                child.wait(TERM_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            child.stop(TERM_GRACE_S)
             reason = str(why[0]) if why else f"{lock.name}: lease lost"
             msg = f"{reason}; stopped {argv[0]!r}"
             raise LeaseLost(msg)
         # A command ended by signal N exits 128+N, as a shell reports it.
-        return child.returncode if child.returncode >= 0 else 128 - child.returncode
+        code = child.wait_for_exit()
+        return code if code >= 0 else 128 - code
     finally:
         lock.release()
 

@@ -26,6 +26,7 @@ from dynamo_ftctl.openai import (
     iter_sse_events,
     parse_sse_event,
 )
+from dynamo_ftctl.process import FakeSpawner
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -226,15 +227,10 @@ def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
     worker: SimWorker, tmp_path: Path,
 ) -> None:
     """thermal: tokens slow down and dcgmi sets the HW thermal throttle reason; revert undoes both."""
-    calls: list[list[str]] = []
-
-    def dcgmi(argv: list[str]) -> subprocess.CompletedProcess[str]:
-        calls.append(argv)
-        return subprocess.CompletedProcess(argv, 0, "", "")
-
+    dcgmi = FakeSpawner()
     inv = _inventory(tmp_path, worker, injectors="[http, dcgm]", gpus="[3]")
     injectors = Injectors(environ={"FTCTL_TEST_ADMIN": worker.admin_token or ""},
-                          run_command=dcgmi)
+                          spawner=dcgmi)
     common = _common(worker, tmp_path, injectors=injectors)
     quick = {**BODY, "max_tokens": 10}
     started = time.monotonic()
@@ -245,11 +241,11 @@ def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
     hot = _stream(worker.url, quick)
     assert time.monotonic() - started >= 10 * 0.04 * 0.9
     assert hot.token_ids == clean.token_ids  # slower, not wrong
-    assert calls == [["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "64"]]
+    assert dcgmi.runs == [["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "64"]]
     assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers={
         "Authorization": f"Bearer {worker.admin_token}"}).json()["slow_delay_ms"] == 40
     revert_pending(all_=True, **common)
-    assert calls[-1] == ["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "0"]
+    assert dcgmi.runs[-1] == ["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "0"]
     started = time.monotonic()
     assert _stream(worker.url, quick).token_ids == clean.token_ids
     assert time.monotonic() - started < max(10 * 0.04 * 0.9, clean_s + 0.3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from dynamo_ftctl.faults.inject import (
 from dynamo_ftctl.faults.injectors import Injectors, Step
 from dynamo_ftctl.inventory import Inventory, parse_inventory
 from dynamo_ftctl.metrics import REGISTRY
+from dynamo_ftctl.process import FakeSpawner
 
 INVENTORY = """
 cluster: t
@@ -65,7 +66,7 @@ class Recorder:
     def __init__(self, status: int = 200) -> None:
         self.signals: list[tuple[int, int]] = []
         self.requests: list[tuple[str, str, Any, str | None]] = []
-        self.commands: list[list[str]] = []
+        self.spawner = FakeSpawner()
         self.status = status
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -78,13 +79,9 @@ class Recorder:
         def kill(pid: int, sig: int) -> None:
             self.signals.append((pid, sig))
 
-        def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-            self.commands.append(argv)
-            return subprocess.CompletedProcess(argv, 0, "", "")
-
         return Injectors(environ={"T_TOKEN": "s3cret", "FTCTL_NETPROXY_TOKEN": "n3t"},
                          transport=httpx.MockTransport(
-            self.handler), kill=kill, run_command=run)
+            self.handler), kill=kill, spawner=self.spawner)
 
 
 def _counter(fault: str, worker: str) -> float:
@@ -440,10 +437,33 @@ def test_stop_overload_waits_for_an_exiting_load_to_end(
         threading.Timer(0.3, finish).start()
 
     monkeypatch.setattr(procfs, "PROC", tmp_path / "proc")
-    monkeypatch.setattr(overload.os, "kill", fake_kill)
     pid_file = tmp_path / "load.json"
     pid_file.write_text(json.dumps({"pid": 4242}))
-    assert overload.stop_overload(pid_file) == "stopped load pid 4242 (SIGTERM)"
+    assert overload.stop_overload(pid_file, kill=fake_kill) == "stopped load pid 4242 (SIGTERM)"
     assert ended.is_set()
     assert signals == [signal.SIGTERM]
     assert not pid_file.exists()
+
+
+def test_a_load_that_cannot_start_or_dies_at_once_is_a_failed_injection(tmp_path: Path) -> None:
+    """start_overload: a spawn that fails, or a load that exits at once, is Unreachable."""
+    from dynamo_ftctl.faults.overload import start_overload
+    from dynamo_ftctl.process import FakeChild
+
+    with pytest.raises(Unreachable, match="cannot start the load process"):
+        start_overload(tmp_path / "a.json", ["load"],
+                       spawner=FakeSpawner(fail=FileNotFoundError(2, "No such file")))
+
+    class DiesAtOnce(FakeSpawner):
+        def spawn(self, argv: Sequence[str], **kwargs: Any) -> FakeChild:
+            child = super().spawn(argv, **kwargs)
+            child.finish(2)
+            (tmp_path / "b.log").write_text("error: bad URL\n")
+            return child
+
+    spawner = DiesAtOnce()
+    with pytest.raises(Unreachable, match="exited at once with code 2: error: bad URL"):
+        start_overload(tmp_path / "b.json", ["load", "--url", "x"], spawner=spawner)
+    (child,) = spawner.spawned
+    assert child.group  # its own session: the load outlives the injector
+    assert child.stdout_sink == child.stderr_sink == tmp_path / "b.log"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,27 @@ def test_missing_file_is_invalid_input(tmp_path: Path) -> None:
     """A --source file that cannot be read exits 2 with its path."""
     with pytest.raises(InvalidInput, match=r"nope\.log"):
         list(follow_file(tmp_path / "nope.log", clock=FakeClock(), follow=False))
+
+
+def test_journal_lines_reads_journalctl_and_stops_it(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--source journal`: journalctl -k's lines in order; a follow that is closed stops
+    journalctl (no process left behind)."""
+    from dynamo_ftctl.gpu.kmsg import journal_lines
+    from dynamo_ftctl.process import Identity
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "journalctl"
+    script.write_text("#!/bin/sh\necho $$ > \"$0.pid\"\nprintf 'one\\ntwo\\n'\n"
+                      "case \" $* \" in *' -f '*) exec sleep 60 ;; esac\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    assert list(journal_lines(follow=False)) == ["one\n", "two\n"]
+    follow = journal_lines(follow=True)
+    assert next(follow) == "one\n"
+    pid = int((bindir / "journalctl.pid").read_text())
+    running = Identity.of(pid)
+    assert running is not None
+    follow.close()
+    assert not running.alive

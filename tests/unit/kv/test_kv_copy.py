@@ -18,13 +18,15 @@ from dynamo_ftctl.kv import native  # noqa: E402
 from dynamo_ftctl.kv.copy import (  # noqa: E402
     CopyHandle,
     HostOps,
-    KVChecksumError,
     Piece,
-    block_checksums,
     copy_blocks,
+    run_pipeline,
+)
+from dynamo_ftctl.kv.export import (  # noqa: E402
+    KVChecksumError,
+    block_checksums,
     export_blocks,
     import_blocks,
-    run_pipeline,
 )
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.uint8]

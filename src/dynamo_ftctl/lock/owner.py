@@ -1,0 +1,200 @@
+"""The owner record of an flock lock file and its fencing token (with the token floor).
+
+The lock file holds the owner data as JSON (engine id, pid, host, acquired-at
+and the fencing token), written in place while the lock is held (a rename would
+create a new inode and with it a second lock). Tokens come from the token floor
+`P.floor` beside the lock file `P`; the rules for whose claim counts are in
+`flock.py`'s docstring. This module issues tokens and reads and writes the
+records; it never takes the lock itself (`flock.py` does, and calls it while held).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.lock.protocol import OwnerInfo
+from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
+
+__all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "write_owner"]
+
+BACKEND = "flock"
+# Owner data is ~150 bytes of JSON; anything past this is not ours.
+OWNER_MAX = 4096
+# The token floor of lock file P is P + this suffix.
+FLOOR_SUFFIX = ".floor"
+# Fencing tokens stay within a signed 64-bit integer, what storage usually keeps.
+_TOKEN_MAX = 2**63 - 1
+_log = logging.getLogger("ftctl.lock")
+
+
+def parse_owner(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (UnicodeDecodeError, ValueError, RecursionError):  # 4 KiB of "[" is too deep
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def owner_from(doc: dict[str, Any], *, lock: str, live: bool) -> OwnerInfo:
+    acquired = doc.get("acquired_at")
+    host = doc.get("host")
+    return OwnerInfo(
+        lock=lock, backend=BACKEND, live=live,
+        engine_id=_int_or_none(doc.get("engine_id")), pid=_int_or_none(doc.get("pid")),
+        host=host if isinstance(host, str) else None,
+        acquired_at=float(acquired) if isinstance(acquired, int | float) else None,
+        token=_int_or_none(doc.get("token")),
+    )
+
+
+def floor_path(lock_path: Path) -> Path:
+    """The token floor kept beside the lock file `lock_path` (`P.floor`; beside the file a
+    symbolic link points to, as `--fd` users see it through /proc)."""
+    real = Path(os.path.realpath(lock_path))
+    return real.with_name(real.name + FLOOR_SUFFIX)
+
+
+@dataclass(frozen=True)
+class _Floor:
+    """The floor's record: the last token issued, and for which lock file inode."""
+
+    token: int
+    locked: FileIdentity
+
+
+def _read_floor(data: bytes) -> _Floor | None:
+    doc = parse_owner(data)
+    token, dev, ino = (_int_or_none(doc.get(key)) for key in ("token", "dev", "ino"))
+    if token is None or dev is None or ino is None or not 0 <= token <= _TOKEN_MAX:
+        return None  # missing, empty or not ours: as if there were no floor
+    return _Floor(token, FileIdentity(dev, ino))
+
+
+def _write_in_place(fd: int, payload: bytes) -> None:
+    """Replace the file's content with `payload` (a single pwrite: the death of this
+    process cannot tear it)."""
+    os.pwrite(fd, payload, 0)
+    os.ftruncate(fd, len(payload))
+
+
+def _open_floor(floor: Path) -> int:
+    """The floor, created if missing and flocked: issuers take turns on it for microseconds."""
+    while True:
+        try:
+            fd = os.open(floor, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            msg = f"{floor}: cannot open the token floor: {exc.strerror}"
+            raise InvalidInput(msg) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        if lock_file_gone(floor, FileIdentity.of_fd(fd)) is None:
+            return fd
+        os.close(fd)  # replaced between open and flock: the new one is the floor
+
+
+def _sync_directory(path: Path) -> None:
+    """fsync `path`'s directory, so a file just created there survives a power loss."""
+    with contextlib.suppress(OSError):  # some file systems refuse fsync on a directory
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: str) -> int:
+    """The token to issue: see the module docstring for whose word counts."""
+    if floor is None:
+        token = claimed + 1
+    elif floor.locked == locked:
+        token = max(floor.token, claimed) + 1
+    else:
+        token = floor.token + 1
+        if claimed > floor.token:
+            _log.warning("%s: the lock file was replaced and claims token %d, above the "
+                         "floor's %d: ignored (not issued here); token %d",
+                         name, claimed, floor.token, token)
+    if token > _TOKEN_MAX:
+        msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
+        raise InvalidInput(msg)
+    return token
+
+
+def write_owner(data_fd: int, floor: Path | None, name: str, *, locked: FileIdentity,
+                 engine_id: int, pid: int, acquired_at: float) -> int:
+    """Issue the next token (floor first, fsynced), then write owner data in place; the token.
+
+    Must be called while holding the lock on the inode `locked`. `data_fd` reads and
+    writes the owner data (the locked descriptor unless that is write-only); `floor`
+    None: no floor (the lock file's path is not known); `name` is the lock's, for messages.
+    """
+    claimed = _int_or_none(parse_owner(os.pread(data_fd, OWNER_MAX, 0)).get("token"))
+    claimed = min(max(claimed or 0, 0), _TOKEN_MAX)
+    if floor is None:
+        token = _next_token(None, locked, claimed, name)
+    else:
+        floor_fd = _open_floor(floor)
+        try:
+            record = os.pread(floor_fd, OWNER_MAX, 0)
+            token = _next_token(_read_floor(record), locked, claimed, name)
+            # Formatted by hand: json.dumps costs several times more, on the hot path.
+            _write_in_place(floor_fd, b'{"token":%d,"dev":%d,"ino":%d}\n'
+                            % (token, locked.dev, locked.ino))
+            os.fsync(floor_fd)
+        finally:
+            os.close(floor_fd)
+        if not record:  # the floor was just created: make its name durable too
+            _sync_directory(floor)
+    _write_in_place(data_fd, json.dumps({
+        "engine_id": engine_id, "pid": pid, "host": socket.gethostname(),
+        "acquired_at": acquired_at, "token": token,
+    }, separators=(",", ":")).encode() + b"\n")
+    return token
+
+
+def read_owner(path: Path) -> OwnerInfo | None:
+    """Owner data of the lock file at `path`, probing whether its holder is alive.
+
+    The probe opens a second open file description and asks for a shared lock
+    without blocking: granted means nobody holds the lock (the data is stale),
+    refused means a live holder. Reading under that shared lock also means no
+    holder can be rewriting the data while it is read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise InvalidInput(f"{path}: cannot open lock file: {exc.strerror}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            live = True
+        else:
+            live = False
+        data = os.pread(fd, OWNER_MAX, 0)
+        if not live:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    doc = parse_owner(data)
+    if not doc and not live:
+        return None
+    return owner_from(doc, lock=str(path), live=live)
