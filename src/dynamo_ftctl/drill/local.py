@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import Unreachable
 from dynamo_ftctl.output import write_atomic
+from dynamo_ftctl.process import DEVNULL, SPAWNER, Child
 from dynamo_ftctl.structs import replace, to_data
 
 if TYPE_CHECKING:
@@ -72,8 +71,8 @@ class LocalStack:
     """What `--local` started, so that everything is stopped (`stop`), and restarted."""
 
     cluster: LocalCluster | None = None
-    proxy: subprocess.Popen[bytes] | None = None
-    daemon: subprocess.Popen[bytes] | None = None
+    proxy: Child | None = None
+    daemon: Child | None = None
     daemon_url: str | None = None
     netproxies: list[NetProxy] = field(default_factory=list)
     controls: list[Any] = field(default_factory=list)
@@ -88,14 +87,9 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop everything started: proxy and daemon (TERM, then KILL), fault proxies, workers."""
-        for proc in (self.proxy, self.daemon):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=5)
+        for child in (self.proxy, self.daemon):
+            if child is not None:
+                child.stop(5.0)
         if self.loop is not None:
             for control in self.controls:
                 with contextlib.suppress(Exception):
@@ -122,7 +116,7 @@ def local_secrets(inventory: Inventory, token: str) -> dict[str, str]:
     return env
 
 
-async def _poll_ok(url: str, deadline: float, proc: subprocess.Popen[bytes] | None) -> None:
+async def _poll_ok(url: str, deadline: float, proc: Child | None) -> None:
     from dynamo_ftctl.http1 import Client, HttpError
 
     client = Client()
@@ -142,18 +136,14 @@ async def _poll_ok(url: str, deadline: float, proc: subprocess.Popen[bytes] | No
     raise Unreachable(msg)
 
 
-def _wait_http_ok(url: str, proc: subprocess.Popen[bytes] | None = None) -> None:
+def _wait_http_ok(url: str, proc: Child | None = None) -> None:
     """Wait until `url` answers 200 (`Unreachable` when `proc` exits or time runs out)."""
     asyncio.run(_poll_ok(url, time.monotonic() + _START_S, proc))
 
 
-def _spawn_ftctl(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with log.open("wb") as handle:
-        return subprocess.Popen(
-            [sys.executable, "-m", "dynamo_ftctl", *args], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=handle, env={**os.environ, **env},
-            start_new_session=True,
-        )
+def _spawn_ftctl(args: list[str], log: Path, env: dict[str, str]) -> Child:
+    return SPAWNER.spawn([sys.executable, "-m", "dynamo_ftctl", *args],
+                         stdout=DEVNULL, stderr=log, env={**os.environ, **env}, group=True)
 
 
 def _start_workers(inventory: Inventory, out_dir: Path, env: dict[str, str],

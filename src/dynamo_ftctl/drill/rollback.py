@@ -8,7 +8,6 @@ recorded, and the next one still runs.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from typing import TYPE_CHECKING
@@ -57,8 +56,7 @@ def _restart_dead(run: DrillRun, stack: LocalStack) -> str:
     restarted = []
     for command in stack.commands.values():
         if command.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(command.pid, signal.SIGCONT)  # a SIGSTOPped group resumes
+            command.child.signal(signal.SIGCONT)  # a SIGSTOPped group resumes
             continue
         command.restart()
         run.pids[command.name] = command.pid
@@ -70,8 +68,7 @@ def _restart_dead(run: DrillRun, stack: LocalStack) -> str:
         if process is None:
             continue
         if process.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)  # a SIGSTOPped engine resumes
+            process.child.signal(signal.SIGCONT)  # a SIGSTOPped engine resumes
             continue
         process.stop(timeout_s=0)
         sim = worker.launch.sim if worker.launch else None
