@@ -134,6 +134,23 @@ class Child:
         return self.wait_for_exit()
 
 
+class OwnsChild:
+    """A process this one started and keeps as `child`: its pid and liveness by delegation
+    (the sim launcher's `SimWorker`, the drill's `CommandWorker`)."""
+
+    child: Child
+
+    @property
+    def pid(self) -> int:
+        """The process id (also its group id when it leads one)."""
+        return self.child.pid
+
+    @property
+    def alive(self) -> bool:
+        """True while the process has not ended."""
+        return self.child.alive
+
+
 class _PopenChild(Child):
     """A real child, over `subprocess.Popen`."""
 

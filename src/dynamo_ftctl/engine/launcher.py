@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import InvalidInput, Unreachable, require_extra
-from dynamo_ftctl.process import PIPE, SPAWNER, Child, Identity
+from dynamo_ftctl.process import PIPE, SPAWNER, Child, Identity, OwnsChild
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory, Worker
@@ -48,7 +48,7 @@ __all__ = [
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class SimWorker:
+class SimWorker(OwnsChild):
     """One running engine process: its URL, pid, pid file and stderr log."""
 
     def __init__(  # noqa: PLR0917 (built in one place, by `_spawn`)
@@ -62,16 +62,6 @@ class SimWorker:
         self.admin_token = admin_token
         self.url = ""
         self._own_log = own_log
-
-    @property
-    def pid(self) -> int:
-        """The engine's process id."""
-        return self.child.pid
-
-    @property
-    def alive(self) -> bool:
-        """True while the process has not exited."""
-        return self.child.alive
 
     def stderr_text(self) -> str:
         """Everything the engine wrote on stderr so far."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, Unreachable
-from dynamo_ftctl.process import SPAWNER, STDOUT, Child, Spawner
+from dynamo_ftctl.process import SPAWNER, STDOUT, Child, OwnsChild, Spawner
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Launch, Worker
@@ -33,7 +33,7 @@ _POLL_S = 0.25  # health poll interval (a condition with a deadline, not a wait)
 
 
 @dataclass
-class CommandWorker:
+class CommandWorker(OwnsChild):
     """One server started from `launch.command`, leading its own process group."""
 
     name: str
@@ -45,16 +45,6 @@ class CommandWorker:
     log: Path
     child: Child
     spawner: Spawner = field(default=SPAWNER, repr=False)
-
-    @property
-    def pid(self) -> int:
-        """The server's pid, which is also its process group id."""
-        return self.child.pid
-
-    @property
-    def alive(self) -> bool:
-        """True while the leader runs."""
-        return self.child.alive
 
     def stop(self, timeout_s: float = _STOP_S) -> None:
         """SIGCONT and SIGTERM the group; SIGKILL it after `timeout_s` (and, in any case,

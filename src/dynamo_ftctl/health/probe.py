@@ -266,18 +266,27 @@ def _probe_prompt(
     while True:
         attempts += 1
         start = clock.now()
+        outcome: HttpReply | TransportError
         try:
-            reply = transport.post_json(target.url + path, body, timeout_s=_timeout(prompt, config))
+            outcome = transport.post_json(target.url + path, body,
+                                          timeout_s=_timeout(prompt, config))
         except TransportError as exc:
-            if (wait := _retry_wait(exc.transient, attempts, config)) is None:
-                return _failed_transport(prompt, exc, attempts)
-            clock.sleep(wait)
-            continue
-        latency = clock.now() - start
-        if (wait := _retry_wait(reply.status in _RETRY_STATUSES, attempts, config)) is not None:
-            clock.sleep(wait)
-            continue
-        return _checked(prompt, reply, latency, attempts)
+            outcome = exc
+        step = _after_attempt(prompt, config, attempts, outcome, clock.now() - start)
+        if isinstance(step, PromptCheck):
+            return step
+        clock.sleep(step)
+
+
+def _after_attempt(prompt: CanaryPrompt, config: CanaryConfig, attempts: int,
+                   outcome: HttpReply | TransportError, latency: float) -> PromptCheck | float:
+    """What one attempt leads to: the prompt's check, or the seconds to wait before the
+    next attempt (a transient transport error or a retryable status, within the budget)."""
+    if isinstance(outcome, TransportError):
+        wait = _retry_wait(outcome.transient, attempts, config)
+        return _failed_transport(prompt, outcome, attempts) if wait is None else wait
+    wait = _retry_wait(outcome.status in _RETRY_STATUSES, attempts, config)
+    return _checked(prompt, outcome, latency, attempts) if wait is None else wait
 
 
 def _run_prompts_sync(
@@ -371,19 +380,16 @@ async def _aprobe_prompt(
     while True:
         attempts += 1
         start = clock.now()
+        outcome: HttpReply | TransportError
         try:
-            reply = await transport.post_json(target.url + path, body,
-                                              timeout_s=_timeout(prompt, config))
+            outcome = await transport.post_json(target.url + path, body,
+                                                timeout_s=_timeout(prompt, config))
         except TransportError as exc:
-            if (wait := _retry_wait(exc.transient, attempts, config)) is None:
-                return _failed_transport(prompt, exc, attempts)
-            await clock.asleep(wait)
-            continue
-        latency = clock.now() - start
-        if (wait := _retry_wait(reply.status in _RETRY_STATUSES, attempts, config)) is not None:
-            await clock.asleep(wait)
-            continue
-        return _checked(prompt, reply, latency, attempts)
+            outcome = exc
+        step = _after_attempt(prompt, config, attempts, outcome, clock.now() - start)
+        if isinstance(step, PromptCheck):
+            return step
+        await clock.asleep(step)
 
 
 async def aprobe_worker(

@@ -283,16 +283,24 @@ class FlockLock:
         who = f" (held by engine {holder.engine_id}, pid {holder.pid})" if holder else ""
         return LockTimeout(f"{self.name}: lock not acquired within {timeout:g} s{who}")
 
+    def _open_and_try(self, timeout: float | None) -> tuple[int, bool]:
+        """The lock file's descriptor and whether it is locked at once; `LockTimeout` when
+        it is not and there is no time to wait."""
+        fd = self._open()
+        if self._try_now(fd):
+            return fd, True
+        if timeout is not None and timeout <= 0:
+            os.close(fd)
+            raise self._timeout_error(timeout)
+        return fd, False
+
     def acquire(self, timeout: float | None = None) -> Lease:
         """Block (at most `timeout` s, None = forever) until held; `LockTimeout` otherwise."""
         self._check_free()
         started = self._clock.now()
         while True:
-            fd = self._open()
-            if not self._try_now(fd):
-                if timeout is not None and timeout <= 0:
-                    os.close(fd)
-                    raise self._timeout_error(timeout)
+            fd, held = self._open_and_try(timeout)
+            if not held:
                 waiter = _Waiter(fd)
                 waiter.start()
                 remaining = None if timeout is None else timeout - (self._clock.now() - started)
@@ -314,11 +322,8 @@ class FlockLock:
         started = self._clock.now()
         loop = asyncio.get_running_loop()
         while True:
-            fd = self._open()
-            if not self._try_now(fd):
-                if timeout is not None and timeout <= 0:
-                    os.close(fd)
-                    raise self._timeout_error(timeout)
+            fd, held = self._open_and_try(timeout)
+            if not held:
                 waiter = _Waiter(fd)
                 granted: asyncio.Future[None] = loop.create_future()
 
