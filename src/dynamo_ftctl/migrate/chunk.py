@@ -45,7 +45,6 @@ def _error_status(error: Any) -> int | None:
     return None
 
 
-
 def choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
     choices = doc.get("choices")
     if not isinstance(choices, list):
@@ -73,8 +72,6 @@ def int_list(value: Any, what: str) -> list[int]:
     ):
         raise MalformedChunk(f"{what} is not a list of integers")
     return value
-
-
 
 
 def chat_choice(choice: dict[str, Any], text: Any) -> dict[str, Any]:

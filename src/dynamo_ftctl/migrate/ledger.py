@@ -59,6 +59,7 @@ def new_request_id() -> str:
     return (f"{tag[:8]}-{tag[8:12]}-4{tag[12:15]}-{8 | (n >> 58) & 3:x}{(n >> 48) & 0x3ff:03x}"
             f"-{n & 0xffffffffffff:012x}")
 
+
 @dataclass(frozen=True)
 class Usage:
     """Token counts of the whole client request, every token counted once."""
@@ -76,7 +77,6 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.total_tokens,
         }
-
 
 
 @dataclass
@@ -107,7 +107,7 @@ class StreamLedger:
     # the first byte of the answer's body): the client's TTFT less this is the proxy's.
     upstream_ttft_s: float | None = None
     # The endpoint of the current upstream attempt: a chat continued from token ids
-    # streams from "completions" (see `continuation_request`).
+    # streams from "completions" (see `continuation.continuation_request`).
     upstream_endpoint: Endpoint = "completions"
     # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
     parsed_deltas: bool = False
@@ -137,7 +137,6 @@ class StreamLedger:
             isinstance(v, int) for v in prompt
         ):
             self.prompt_ids = list(prompt)
-
 
     # ------------------------------------------------------------------ the client's asks
 

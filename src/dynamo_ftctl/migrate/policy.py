@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.migrate.attempt import UpstreamFailure, UpstreamRefused, estimate_prompt_tokens
@@ -90,6 +90,26 @@ class _Suspect:
     way: str
 
 
+@dataclass(slots=True)
+class _Trip:
+    """One request's way through the fleet so far: what the policy decides the next step from."""
+
+    ledger: StreamLedger
+    body: dict[str, Any]  # the next upstream body (method "kv": the import's instead)
+    prompt_estimate: int
+    model: str | None = None
+    failed_workers: set[str] = field(default_factory=set)
+    failed_groups: set[str] = field(default_factory=set)
+    yielded: bool = False  # a batch went to the client
+    queued: bool = True  # no first token yet (counted in `Fleet.queued`)
+    failed_at: float | None = None  # when the last failure happened (a migration's gap)
+    source_group: str = ""
+    method: str = ""  # how the next attempt goes on: retry, reprefill, text or kv
+    kv_payload: bytes = b""  # a KV export to import on the next worker (method "kv")
+    suspect: _Suspect | None = None  # a failure charged once another worker tells whose
+    retrying: bool = False  # this attempt holds a place in the retry budget
+    budgeted: bool = False  # the next attempt is a retry the budget caps
+
 
 class MigrationPolicy:
     """One request's way through the fleet; the retry budget over all of them."""
@@ -113,158 +133,177 @@ class MigrationPolicy:
         `lane`, an attempt's chunks after its first batch may go straight to the
         client instead (see `Upstream.attempt`).
         """
-        model = ledger.body.get("model") if isinstance(ledger.body.get("model"), str) else None
-        failed_workers: set[str] = set()
-        failed_groups: set[str] = set()
-        body = first_request(ledger)
-        prompt_estimate = estimate_prompt_tokens(ledger.endpoint, ledger.body)
-        yielded = False
-        failed_at: float | None = None
-        source_group = ""
-        method = ""
-        kv_payload = b""  # a KV export to import on the next worker (method "kv")
-        suspect: _Suspect | None = None  # a failure charged once another worker tells whose
-        retrying = False  # this attempt holds a place in the retry budget
-        budgeted = False  # the next attempt is a retry the budget caps
+        model = ledger.body.get("model")
+        trip = _Trip(ledger, first_request(ledger),
+                     estimate_prompt_tokens(ledger.endpoint, ledger.body),
+                     model if isinstance(model, str) else None)
         self.fleet.queued += 1
         self._in_flight += 1
-        queued = True
         try:
             while True:
-                slot = self.fleet.router.pick(
-                    model=model, exclude_workers=failed_workers, exclude_groups=failed_groups,
-                    avoid_busy=not failed_workers, last_resort=bool(failed_workers),
-                )
-                if slot is None:
-                    what = "no other healthy worker to continue on" if failed_workers \
-                        else "no worker available"
-                    if not yielded:
-                        raise ProxyError(502 if failed_workers else 503, error_body(
-                            f"Service unavailable: {what}", type="service_unavailable",
-                            code=502 if failed_workers else 503))
-                    raise StreamAborted(f"stream broken after {ledger.generated_count} "
-                                        f"tokens and {what}")
-                if slot.max_model_len is not None:
-                    ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
-                                               slot.max_model_len)
+                slot = self._pick(trip)
                 ledger.start_attempt(slot.name)
-                self.fleet.router.start(slot, prompt_estimate)
-                pending = prompt_estimate
-                if method == "retry" and budgeted:
-                    retrying = True
+                self.fleet.router.start(slot, trip.prompt_estimate)
+                pending = trip.prompt_estimate
+                if trip.method == "retry" and trip.budgeted:
+                    trip.retrying = True
                     self._retries_in_flight += 1
-                if method == "kv":
-                    url, data, headers = self.kv.import_request(slot, kv_payload, ledger)
+                if trip.method == "kv":
+                    url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
                 else:
-                    url, data, headers = _upstream_request(slot, body, ledger)
+                    url, data, headers = _upstream_request(slot, trip.body, ledger)
                 try:
                     async for batch in self.upstream.attempt(
                             slot, url, data, headers, ledger,
                             load=self.fleet.loads.get(slot.name), lane=lane):
                         if pending:
-                            self.fleet.router.first_token(slot, pending)
+                            self._first_batch(trip, slot, pending)
                             pending = 0
-                            if queued:
-                                queued = False
-                                self.fleet.queued -= 1
-                            if failed_at is not None:
-                                # Counted once the stream goes on (a KV import that
-                                # failed and fell back to re-prefill counts as that).
-                                gap = self.clock.now() - failed_at
-                                self.metrics.MIGRATION_TOTAL.labels(
-                                    source_group, slot.group, method).inc()
-                                self.metrics.MIGRATION_DURATION.observe(gap)
-                                failed_at = None
-                        if ledger.attempt_tokens:
-                            if suspect is not None:
-                                # The request runs here: the worker it failed on is at fault.
-                                self.fleet.charge(suspect.slot, suspect.reason)
-                                suspect = None
-                            if retrying:
-                                retrying = False
-                                self._retries_in_flight -= 1
-                        yielded = True
+                        if ledger.attempt_tokens and (trip.suspect or trip.retrying):
+                            self._runs_here(trip)
+                        trip.yielded = True
                         yield batch
                     self.fleet.router.record_success(slot)
                     if ledger.prompt_ids is not None:
                         self.fleet.note_prompt(len(ledger.prompt_ids))
                     return
                 except UpstreamRefused as exc:
-                    self.fleet.router.record_success(slot)  # answered: a 4xx is not its failure
-                    if _import_failed(method, ledger, slot, exc):
-                        method, kv_payload = "reprefill", b""
-                        continue
-                    if method != "kv" and self.fleet.note_refused_ids(
-                            slot, ledger.upstream_endpoint, exc.status, exc.body):
-                        continue  # the same body again, without the field
-                    if suspect is not None:
-                        # Refused here, it failed there: the request's fault, not that worker's.
-                        log.info("%s not charged: %s refused the request it failed on "
-                                 "(HTTP %d)", suspect.slot.name, slot.name, exc.status)
-                        self.fleet.router.record_neutral(suspect.slot)
-                        suspect = None
-                    if not yielded and ledger.generated_count == 0:
-                        raise ProxyError(exc.status, self._refusal_body(exc)) from None
-                    message = exc.body.decode("utf-8", "replace")[:200]
-                    what = "continuation" if ledger.migrations else "request"
-                    raise StreamAborted(f"{what} refused by {slot.name}: "
-                                        f"HTTP {exc.status} {message}") from None
+                    self._after_refusal(trip, slot, exc)  # raises unless it goes on
                 except UpstreamFailure as exc:
-                    if _import_failed(method, ledger, slot, exc):
-                        method, kv_payload = "reprefill", b""
-                        continue
-                    reason = str(exc)
-                    log.warning("worker failed: %s (after %d tokens)", reason,
-                                ledger.generated_count)
-                    # Only a failure before the attempt's first token may be the request's:
-                    # a stream cut after it (a killed worker) is the worker's.
-                    way = exc.way if not ledger.attempt_tokens else None
-                    if way is not None and suspect is not None and suspect.way == way:
-                        first, suspect = suspect.slot, None
-                        raise self._query_of_death(ledger, first, slot, way, yielded) from None
-                    if suspect is not None:  # failed another way here: both workers' fault
-                        self.fleet.charge(suspect.slot, suspect.reason)
-                        suspect = None
-                    if way is None:
-                        self.fleet.charge(slot, reason)
-                    else:
-                        suspect = _Suspect(slot, reason, way)
-                    failed_workers.add(slot.name)
-                    failed_groups.add(slot.group)
-                    failed_at = self.clock.now()
-                    source_group = slot.group
-                    body, method = self._next_body(ledger, reason)
-                    if not body:
+                    if not await self._after_failure(trip, slot, exc):
                         yield [ledger.finish_chunk("length")]
                         return
-                    # A worker that went away did no work a retry repeats: the load
-                    # moves (issue 22's drill: a SIGKILLed vLLM's queued requests got
-                    # 503 past the budget). Answered failures and timeouts are capped.
-                    budgeted = method == "retry" and not exc.gone
-                    if budgeted and not self._retry_allowed():
-                        raise self._retry_refused(reason, yielded) from None
-                    # Dynamo's mirror counts the decision to go on (its frontend counts
-                    # before re-issuing); ftctl_migrations_total counts the stream going on.
-                    self.metrics.DYNAMO_MIGRATION_TOTAL.labels(
-                        model or "", "new_request" if method == "retry"
-                        else "ongoing_request").inc()
-                    export_s = self.kv.export_budget(ledger) if method == "reprefill" else 0
-                    if export_s:
-                        kv_payload = await self.kv.export(slot, ledger, export_s)
-                        if kv_payload:
-                            method = "kv"
                 finally:
                     self.fleet.router.finish(slot, pending)
-                    if retrying:
-                        retrying = False
+                    if trip.retrying:
+                        trip.retrying = False
                         self._retries_in_flight -= 1
         finally:
-            if queued:
+            if trip.queued:
                 self.fleet.queued -= 1
             self._in_flight -= 1
-            if suspect is not None:  # no other worker told (none left, the client left)
-                self.fleet.charge(suspect.slot, suspect.reason)
+            if trip.suspect is not None:  # no other worker told (none left, the client left)
+                self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
 
+    def _pick(self, trip: _Trip) -> WorkerSlot:
+        """The worker for the next attempt; raises when there is none left."""
+        failed = trip.failed_workers
+        slot = self.fleet.router.pick(
+            model=trip.model, exclude_workers=failed, exclude_groups=trip.failed_groups,
+            avoid_busy=not failed, last_resort=bool(failed),
+        )
+        if slot is None:
+            what = "no other healthy worker to continue on" if failed else "no worker available"
+            if not trip.yielded:
+                raise ProxyError(502 if failed else 503, error_body(
+                    f"Service unavailable: {what}", type="service_unavailable",
+                    code=502 if failed else 503))
+            raise StreamAborted(f"stream broken after {trip.ledger.generated_count} "
+                                f"tokens and {what}")
+        ledger = trip.ledger
+        if slot.max_model_len is not None:
+            ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
+                                       slot.max_model_len)
+        return slot
+
+    def _first_batch(self, trip: _Trip, slot: WorkerSlot, pending: int) -> None:
+        """The attempt's first batch: the worker's prefill is done, a migration went on."""
+        self.fleet.router.first_token(slot, pending)
+        if trip.queued:
+            trip.queued = False
+            self.fleet.queued -= 1
+        if trip.failed_at is not None:
+            # Counted once the stream goes on (a KV import that failed and fell back
+            # to re-prefill counts as that).
+            gap = self.clock.now() - trip.failed_at
+            self.metrics.MIGRATION_TOTAL.labels(trip.source_group, slot.group,
+                                                trip.method).inc()
+            self.metrics.MIGRATION_DURATION.observe(gap)
+            trip.failed_at = None
+
+    def _runs_here(self, trip: _Trip) -> None:
+        """The attempt's first token: an earlier suspect is at fault, the retry is done."""
+        if trip.suspect is not None:
+            # The request runs here: the worker it failed on is at fault.
+            self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+            trip.suspect = None
+        if trip.retrying:
+            trip.retrying = False
+            self._retries_in_flight -= 1
+
+    def _after_refusal(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamRefused) -> None:
+        """A 4xx from `slot`: try again (a KV import, token ids it refuses) or end the request."""
+        ledger = trip.ledger
+        self.fleet.router.record_success(slot)  # it answered: a 4xx is not its failure
+        if _import_failed(trip.method, ledger, slot, exc):
+            trip.method, trip.kv_payload = "reprefill", b""
+            return
+        if trip.method != "kv" and self.fleet.note_refused_ids(
+                slot, ledger.upstream_endpoint, exc.status, exc.body):
+            return  # the same body again, without the field
+        if trip.suspect is not None:
+            # Refused here, it failed there: the request's fault, not that worker's.
+            log.info("%s not charged: %s refused the request it failed on (HTTP %d)",
+                     trip.suspect.slot.name, slot.name, exc.status)
+            self.fleet.router.record_neutral(trip.suspect.slot)
+            trip.suspect = None
+        if not trip.yielded and ledger.generated_count == 0:
+            raise ProxyError(exc.status, _refusal_body(exc)) from None
+        message = exc.body.decode("utf-8", "replace")[:200]
+        what = "continuation" if ledger.migrations else "request"
+        raise StreamAborted(f"{what} refused by {slot.name}: "
+                            f"HTTP {exc.status} {message}") from None
+
+    async def _after_failure(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamFailure) -> bool:
+        """`slot` failed: charge it or suspect the request, choose how the request goes on.
+
+        False when the output is complete by length (the caller ends it cleanly);
+        raises when the request must end (query of death, retry budget, limits).
+        """
+        ledger = trip.ledger
+        if _import_failed(trip.method, ledger, slot, exc):
+            trip.method, trip.kv_payload = "reprefill", b""
+            return True
+        reason = str(exc)
+        log.warning("worker failed: %s (after %d tokens)", reason, ledger.generated_count)
+        # Only a failure before the attempt's first token may be the request's:
+        # a stream cut after it (a killed worker) is the worker's.
+        way = exc.way if not ledger.attempt_tokens else None
+        suspect = trip.suspect
+        if way is not None and suspect is not None and suspect.way == way:
+            trip.suspect = None
+            raise self._query_of_death(ledger, suspect.slot, slot, way, trip.yielded) from None
+        if suspect is not None:  # failed another way here: both workers' fault
+            self.fleet.charge(suspect.slot, suspect.reason)
+            trip.suspect = None
+        if way is None:
+            self.fleet.charge(slot, reason)
+        else:
+            trip.suspect = _Suspect(slot, reason, way)
+        trip.failed_workers.add(slot.name)
+        trip.failed_groups.add(slot.group)
+        trip.failed_at = self.clock.now()
+        trip.source_group = slot.group
+        trip.body, trip.method = self._next_body(ledger, reason)
+        if not trip.body:
+            return False
+        # A worker that went away did no work a retry repeats: the load moves (issue
+        # 22's drill: a SIGKILLed vLLM's queued requests got 503 past the budget).
+        # Answered failures and timeouts are capped.
+        trip.budgeted = trip.method == "retry" and not exc.gone
+        if trip.budgeted and not self._retry_allowed():
+            raise self._retry_refused(reason, trip.yielded) from None
+        # Dynamo's mirror counts the decision to go on (its frontend counts before
+        # re-issuing); ftctl_migrations_total counts the stream going on.
+        self.metrics.DYNAMO_MIGRATION_TOTAL.labels(
+            trip.model or "", "new_request" if trip.method == "retry"
+            else "ongoing_request").inc()
+        export_s = self.kv.export_budget(ledger) if trip.method == "reprefill" else 0
+        if export_s:
+            trip.kv_payload = await self.kv.export(slot, ledger, export_s)
+            if trip.kv_payload:
+                trip.method = "kv"
+        return True
 
     def _query_of_death(self, ledger: StreamLedger, first: WorkerSlot, second: WorkerSlot,
                         way: str, yielded: bool) -> Exception:
@@ -323,23 +362,11 @@ class MigrationPolicy:
         ledger.note_migration()
         return body, "reprefill" if ledger.exact else "text"
 
-
     @staticmethod
     def _give_up(ledger: StreamLedger, message: str) -> Exception:
         if ledger.generated_count == 0 and not ledger.migrations:
             return ProxyError(502, error_body(message, type="worker_failed", code=502))
         return StreamAborted(message)
-
-    @staticmethod
-    def _refusal_body(exc: UpstreamRefused) -> dict[str, Any]:
-        try:
-            doc = json.loads(exc.body)
-        except ValueError:
-            doc = None
-        if isinstance(doc, dict):
-            return doc
-        return error_body(exc.body.decode("utf-8", "replace")[:500],
-                          type="invalid_request_error", code=exc.status)
 
 
 def _upstream_request(slot: WorkerSlot, body: dict[str, Any],
@@ -358,3 +385,15 @@ def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,
         return False
     log.warning("KV import on %s failed (%s); re-prefilling", slot.name, exc)
     return True
+
+
+def _refusal_body(exc: UpstreamRefused) -> dict[str, Any]:
+    """The client's answer to a 4xx: the worker's JSON error, or its text in one."""
+    try:
+        doc = json.loads(exc.body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        return doc
+    return error_body(exc.body.decode("utf-8", "replace")[:500],
+                      type="invalid_request_error", code=exc.status)
