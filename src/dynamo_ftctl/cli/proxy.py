@@ -62,9 +62,6 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
 
     Example: ftctl -i examples/local.yaml proxy --listen 127.0.0.1:8000 --stall-timeout 5
     """
-    from pydantic import ValidationError
-
-    from dynamo_ftctl.errors import InvalidInput
     from dynamo_ftctl.inventory import ProxyConfig
     from dynamo_ftctl.migrate.proxy import serve
 
@@ -77,13 +74,8 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     }
     data = inventory.proxy.model_dump()
     data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        config = ProxyConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        key = ".".join(str(p) for p in first["loc"])
-        msg = f"--{key.replace('_s', '').replace('_', '-')}: {first['msg']}"
-        raise InvalidInput(msg) from None
+    # A bad value is `InventoryError` (exit 2) naming the proxy key it went to.
+    config = ProxyConfig.model_validate(data)
 
     def ready(url: str) -> None:
         sys.stderr.write(f"ftctl proxy: serving {len(inventory.workers)} workers on {url}\n")

@@ -33,7 +33,7 @@ def counted(name: str) -> float:
 
 def charged(c: Cluster) -> dict[str, int]:
     """Failures charged to each worker."""
-    return {name: slot.failures for name, slot in c.proxy.router.slots.items()}
+    return {name: slot.failures for name, slot in c.fleet.router.slots.items()}
 
 
 def test_poison_requests_leave_the_cluster_up(run: Callable[..., Any],
@@ -57,7 +57,7 @@ def test_poison_requests_leave_the_cluster_up(run: Callable[..., Any],
                     assert "two workers" in error["message"]
                 assert [len(w.requests) for w in workers] == [4, 4]
                 assert charged(c) == {"w0": 0, "w1": 0}
-                assert {s.breaker for s in c.proxy.router.slots.values()} == {"closed"}
+                assert {s.breaker for s in c.fleet.router.slots.values()} == {"closed"}
                 resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
                 assert resp.status_code == 200
                 assert resp.json()["choices"][0]["text"] == expected_text("hello world", 5, 20)
@@ -95,8 +95,8 @@ def test_two_different_failures_are_both_charged(run: Callable[..., Any]) -> Non
         workers = [FakeWorker(poison="hello", poison_answer="http500"),
                    FakeWorker(poison="hello", poison_answer="reset"), FakeWorker()]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 1
-            c.proxy.router.slots["w2"].outstanding = 2  # tried in the order w0, w1, w2
+            c.fleet.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w2"].outstanding = 2  # tried in the order w0, w1, w2
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
@@ -109,7 +109,7 @@ def test_a_failure_once_is_charged_when_another_worker_serves(run: Callable[...,
     async def go() -> None:
         workers = [FakeWorker(poison="hello"), FakeWorker()]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w1"].outstanding = 1
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             assert resp.status_code == 200
             assert charged(c) == {"w0": 1, "w1": 0}
@@ -122,8 +122,8 @@ def test_a_stream_cut_twice_goes_on_to_a_third_worker(run: Callable[..., Any]) -
     async def go() -> None:
         workers = [FakeWorker(fail_after=5), FakeWorker(fail_after=0), FakeWorker()]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 1
-            c.proxy.router.slots["w2"].outstanding = 2
+            c.fleet.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w2"].outstanding = 2
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
@@ -139,7 +139,7 @@ def test_a_4xx_error_event_is_the_clients(run: Callable[..., Any], stream: bool)
     async def go() -> None:
         workers = [FakeWorker(poison="POISON", poison_answer="event400"), FakeWorker()]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w1"].outstanding = 1
             resp = await c.client.post("/v1/completions", json={**POISON, "stream": stream})
             assert resp.status_code == 400
             assert resp.json()["error"] == {"message": "error 400", "type": "BadRequestError",
@@ -154,12 +154,12 @@ def test_a_4xx_answer_closes_a_half_open_breaker(run: Callable[..., Any]) -> Non
     breaker closes instead of waiting forever for its trial's outcome."""
     async def go() -> None:
         async with Cluster([FakeWorker(max_model_len=5)]) as c:
-            slot = c.proxy.router.slots["w0"]
+            slot = c.fleet.router.slots["w0"]
             slot.breaker = "half_open"
             resp = await c.client.post("/v1/completions", json=BODY)
             assert resp.status_code == 400
             assert slot.breaker == "closed"
-            assert c.proxy.router.weight(slot) == 1.0
+            assert c.fleet.router.weight(slot) == 1.0
     run(go())
 
 
@@ -171,7 +171,7 @@ def test_without_a_retry_budget_a_failed_request_is_not_retried(run: Callable[..
         workers = [FakeWorker(mode="html502"), FakeWorker()]
         budget = {"budget_percent": 0, "min_retry_concurrency": 0}
         async with Cluster(workers, retry_budget=budget) as c:
-            c.proxy.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w1"].outstanding = 1
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             assert resp.status_code == 503
             assert resp.headers["retry-after"] == "1"
@@ -195,7 +195,7 @@ def test_a_worker_that_went_away_is_retried_whatever_the_budget(
         workers = [FakeWorker(poison="POISON", poison_answer="reset"), FakeWorker()]
         budget = {"budget_percent": 0, "min_retry_concurrency": 0}
         async with Cluster(workers, retry_budget=budget) as c:
-            c.proxy.router.slots["w1"].outstanding = 1  # it starts on w0
+            c.fleet.router.slots["w1"].outstanding = 1  # it starts on w0
             resp = await c.client.post("/v1/completions", json=POISON)
             assert resp.status_code == 200, resp.text
             assert len(workers[1].requests) == 1
@@ -214,7 +214,7 @@ def test_retries_in_flight_are_capped_by_the_budget(run: Callable[..., Any], per
         workers = [FakeWorker(mode="html502"), FakeWorker(gate=gate)]
         budget = {"budget_percent": percent, "min_retry_concurrency": 1}
         async with Cluster(workers, retry_budget=budget) as c:
-            c.proxy.router.slots["w1"].outstanding = 5  # both requests start on w0
+            c.fleet.router.slots["w1"].outstanding = 5  # both requests start on w0
             body = {**BODY, "stream": False}
             first = asyncio.ensure_future(c.client.post("/v1/completions", json=body))
             await until(lambda: len(workers[1].requests) == 1)  # its retry waits on w1

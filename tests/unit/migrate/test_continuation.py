@@ -6,13 +6,16 @@ from typing import Any
 
 import pytest
 
+from dynamo_ftctl.migrate.chunk import MalformedChunk
 from dynamo_ftctl.migrate.continuation import (
-    MalformedChunk,
     NotContinuable,
     RequestRejected,
-    StreamLedger,
+    continuation_request,
+    first_request,
     prepare_request,
+    retry_request,
 )
+from dynamo_ftctl.migrate.ledger import StreamLedger
 
 
 def chunk(text: str, ids: list[int], finish: str | None = None,
@@ -30,7 +33,7 @@ def test_continuation_carries_prompt_and_generated_ids() -> None:
     ledger = StreamLedger("completions", body)
     ledger.observe(chunk("x", [120], prompt_ids=[97, 98]))
     ledger.observe(chunk("y", [121]))
-    up = ledger.continuation_request()
+    up = continuation_request(ledger)
     assert up["prompt"] == [97, 98, 120, 121]
     assert up["max_tokens"] == 3
     assert (up["seed"], up["temperature"], up["top_p"]) == (3, 0.8, 0.9)
@@ -43,7 +46,7 @@ def test_output_complete_by_length_is_not_continued() -> None:
     ledger = StreamLedger("completions", {"prompt": [1, 2], "max_tokens": 1})
     ledger.observe(chunk("x", [5]))
     with pytest.raises(NotContinuable) as info:
-        ledger.continuation_request()
+        continuation_request(ledger)
     assert info.value.finish_reason == "length"
 
 
@@ -53,7 +56,7 @@ def test_model_max_length_stops_migration() -> None:
     ledger.observe(chunk("a", [7]))
     ledger.observe(chunk("b", [8]))
     with pytest.raises(NotContinuable) as info:
-        ledger.continuation_request()
+        continuation_request(ledger)
     assert info.value.finish_reason == "length"
 
 
@@ -63,7 +66,7 @@ def test_migration_limit_is_an_error_not_a_finish() -> None:
     ledger.observe(chunk("a", [7]))
     ledger.note_migration()
     with pytest.raises(NotContinuable) as info:
-        ledger.continuation_request()
+        continuation_request(ledger)
     assert info.value.finish_reason is None
 
 
@@ -128,12 +131,12 @@ def test_stop_string_straddling_a_migration_stops_where_an_unbroken_run_stops() 
     body = prepare_request("completions", {"prompt": [1], "max_tokens": 10, "stop": ["cde"],
                                            "temperature": 0})
     ledger = StreamLedger("completions", body)
-    assert "stop" not in ledger.first_request()  # workers never see it: the proxy matches
+    assert "stop" not in first_request(ledger)  # workers never see it: the proxy matches
     sent = [ledger.observe(chunk("ab", [2])), ledger.observe(chunk("c", [3]))]
     # The last two characters may begin the stop string: held back, not sent yet.
     assert [c["choices"][0]["text"] for c in sent if c] == ["", "a"]
     ledger.note_migration()
-    assert "stop" not in ledger.continuation_request()
+    assert "stop" not in continuation_request(ledger)
     last = ledger.observe(chunk("dex", [4]))
     assert last is not None
     assert (last["choices"][0]["text"], last["choices"][0]["finish_reason"]) == ("b", "stop")
@@ -199,7 +202,7 @@ def test_chat_continues_as_a_completion_of_prompt_and_generated_ids() -> None:
     ledger.observe(chat_chunk({"content": "Hel"}, [40, 41]))
     ledger.observe(chat_chunk({"content": "lo"}, [42]))
     assert ledger.exact
-    up = ledger.continuation_request()
+    up = continuation_request(ledger)
     assert ledger.upstream_path == "/v1/completions"
     assert up["prompt"] == [1, 2, 3, 40, 41, 42]
     assert up["max_tokens"] == 7
@@ -207,7 +210,7 @@ def test_chat_continues_as_a_completion_of_prompt_and_generated_ids() -> None:
     assert up["user"] == "u1"
     assert not {"messages", "max_completion_tokens", "top_logprobs",
                 "chat_template_kwargs"} & set(up)
-    ledger.retry_request()
+    retry_request(ledger)
     assert ledger.upstream_path == "/v1/chat/completions"
 
 
@@ -215,7 +218,7 @@ def test_completion_chunks_of_a_chat_continuation_reach_the_client_as_chat_chunk
     """text becomes delta.content and completions logprobs chat's content entries."""
     ledger = StreamLedger("chat", prepare_request("chat", CHAT))
     ledger.observe(chat_chunk({"role": "assistant", "content": "a"}, [40], prompt_ids=[1]))
-    ledger.continuation_request()
+    continuation_request(ledger)
     ledger.note_migration()
     doc = chunk("é", [43], finish="length")
     doc["choices"][0]["logprobs"] = {"tokens": ["é"], "token_logprobs": [-0.5],
@@ -251,7 +254,7 @@ def test_chat_falls_back_to_text_when_ids_cannot_reproduce_it(why: str) -> None:
         delta[why] = [{"index": 0}] if why == "tool_calls" else "thinking"
     ledger.observe(chat_chunk(delta, [7]))
     assert not ledger.exact
-    up = ledger.continuation_request()
+    up = continuation_request(ledger)
     assert ledger.upstream_path == "/v1/chat/completions"
     assert up["messages"][-1] == {"role": "assistant", "content": "ok"}
     assert up["continue_final_message"] is True
@@ -285,7 +288,7 @@ def test_a_continuation_starts_before_ids_whose_text_was_held_back() -> None:
     """The ids of a character cut in two are generated again: the prompt ends where the
     text does, max_tokens and usage count them once, the client gets their text."""
     ledger = held_back_run({"prompt": "x", "max_tokens": 10, "temperature": 0})
-    up = ledger.continuation_request()
+    up = continuation_request(ledger)
     assert up["prompt"] == [1, 2, 5]
     assert up["max_tokens"] == 9
     ledger.note_migration()
@@ -304,7 +307,7 @@ def test_rewound_ids_the_client_already_has_are_not_sent_twice() -> None:
     """With ids asked for, a greedy continuation's repeated ids reach the client once."""
     ledger = held_back_run({"prompt": "x", "max_tokens": 10, "temperature": 0,
                             "return_token_ids": True})
-    assert ledger.continuation_request()["prompt"] == [1, 2, 5]
+    assert continuation_request(ledger)["prompt"] == [1, 2, 5]
     ledger.note_migration()
     out = ledger.observe(chunk("é", [6, 7]))
     assert out is not None
@@ -324,6 +327,6 @@ def test_no_rewind_when_the_client_saw_sampled_ids_or_nothing_is_left(
     ledger = held_back_run(body)
     if body["max_tokens"] == 3:
         with pytest.raises(NotContinuable):
-            ledger.continuation_request()
+            continuation_request(ledger)
         return
-    assert ledger.continuation_request()["prompt"] == [1, 2, 5, 6, 7]
+    assert continuation_request(ledger)["prompt"] == [1, 2, 5, 6, 7]

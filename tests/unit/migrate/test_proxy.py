@@ -18,7 +18,7 @@ from aiohttp import web
 from dynamo_ftctl.capabilities import PROBE_PROMPT
 from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
-from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, build_app, front_door
+from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, MigratingProxy
 from tests.loopback import until
 
 MODEL = "fake-model"
@@ -224,15 +224,11 @@ def run() -> Callable[..., Any]:
 
 
 class Cluster:
-    """Fake workers on loopback plus the proxy, behind one of its two front doors.
+    """Fake workers on loopback plus the proxy, its front door on `dynamo_ftctl.httpserver`
+    over a loopback socket (port 0), as `serve` runs it."""
 
-    `front="asgi"`: the ASGI app through httpx's ASGI transport; `front="lean"`:
-    `front_door` on `dynamo_ftctl.httpserver` over a loopback socket, as `serve` runs it.
-    """
-
-    def __init__(self, workers: list[FakeWorker], *, front: str = "asgi", **proxy: Any) -> None:
+    def __init__(self, workers: list[FakeWorker], **proxy: Any) -> None:
         self.workers = workers
-        self.front = front
         self.proxy_settings = proxy
         self.runners: list[web.AppRunner] = []
         self.server: Server | None = None
@@ -257,23 +253,19 @@ class Cluster:
                         for i, w in enumerate(self.workers)],
         })
         settings = {"stall_timeout_s": 2.0, "scrape_interval_s": 0.05, **self.proxy_settings}
-        self.app = build_app(inventory, ProxyConfig.model_validate(settings))
-        self.proxy = self.app.state.proxy
+        self.proxy = MigratingProxy(inventory, ProxyConfig.model_validate(settings))
+        self.fleet = self.proxy.fleet
         await self.proxy.start()
         # A loaded test machine must not turn a probe into "unknown" (3 s by default).
-        self.proxy.capabilities.timeout_s = 30.0
-        await self.proxy.scrape_once()
+        self.fleet.capabilities.timeout_s = 30.0
+        await self.fleet.scrape_once()
         # The proxy probes each worker's capabilities once (docs/compatibility.md); the
         # tests look at what their own requests do, so the probes' traffic is forgotten.
-        await asyncio.gather(*(self.proxy.learn(s) for s in self.proxy.router.slots.values()))
+        await asyncio.gather(*(self.fleet.learn(s) for s in self.fleet.router.slots.values()))
         for fake in self.workers:
             fake.forget()
-        if self.front == "lean":
-            self.server = await start_server(front_door(self.app), "127.0.0.1", 0)
-            self.client = httpx.AsyncClient(base_url=self.server.address, timeout=30)
-        else:
-            self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
-                                            base_url="http://proxy", timeout=30)
+        self.server = await start_server(self.proxy.front_door, "127.0.0.1", 0)
+        self.client = httpx.AsyncClient(base_url=self.server.address, timeout=30)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -317,14 +309,10 @@ BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 20, "temperature"
         "seed": 5, "stream_options": {"include_usage": True}}
 
 
-FRONTS = pytest.mark.parametrize("front", ["asgi", "lean"])
-
-
-@FRONTS
-def test_stream_without_failure_passes_through(run: Callable[..., Any], front: str) -> None:
+def test_stream_without_failure_passes_through(run: Callable[..., Any]) -> None:
     """A healthy stream reaches the client unchanged, with the proxy's one id and usage."""
     async def go() -> None:
-        async with Cluster([FakeWorker(), FakeWorker()], front=front) as c:
+        async with Cluster([FakeWorker(), FakeWorker()]) as c:
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert MIGRATED_HEADER not in resp.headers
@@ -339,17 +327,15 @@ def test_stream_without_failure_passes_through(run: Callable[..., Any], front: s
     run(go())
 
 
-@FRONTS
 @pytest.mark.parametrize("cut", [1, 7, 19])
-def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut: int,
-                                                    front: str) -> None:
+def test_stream_broken_midway_continues_identically(run: Callable[..., Any], cut: int) -> None:
     """A worker dropping the connection after `cut` tokens: the client sees one identical stream."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=cut), FakeWorker()], front=front) as c:
+        async with Cluster([FakeWorker(fail_after=cut), FakeWorker()]) as c:
             # make the breaking worker the router's first choice
-            c.proxy.router.slots["w1"].outstanding = 5
+            c.fleet.router.slots["w1"].outstanding = 5
             _, events = await c.stream("/v1/completions", BODY)
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert stream_text(events) == expected_text("hello world", 5, 20)
             usage = events[-3]["usage"]
             assert usage["completion_tokens"] == 20
@@ -375,18 +361,17 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
         "max_completion_tokens": 15, "temperature": 0}
 
 
-@FRONTS
-def test_chat_continuation_goes_on_from_token_ids(run: Callable[..., Any], front: str) -> None:
+def test_chat_continuation_goes_on_from_token_ids(run: Callable[..., Any]) -> None:
     """A chat stream broken midway goes on token-exactly: a completion of the rendered
     prompt's ids + the generated ids, relayed to the client as chat chunks, counted once
     as a re-prefill migration, never re-sending the generated text."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=6), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=6), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             before = migrations("reprefill")
             resp, events = await c.stream("/v1/chat/completions", CHAT)
             assert migrations("reprefill") == before + 1
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert "x-ftctl-continuation" not in resp.headers
             text = stream_text(events, chat=True)
             rendered = list(b"<user>hi<assistant>")
@@ -408,21 +393,19 @@ def test_chat_continuation_goes_on_from_token_ids(run: Callable[..., Any], front
     run(go())
 
 
-@FRONTS
-def test_chat_without_ids_continues_with_continue_final_message(run: Callable[..., Any],
-                                                               front: str) -> None:
+def test_chat_without_ids_continues_with_continue_final_message(run: Callable[..., Any]) -> None:
     """From workers that return no ids, a broken chat goes on with the text so far as the
     final assistant message, announced as a text continuation and counted once. The
     continuation's first chunk, alone in its read, carries only the role (nothing for
     the client): its first token is still what counts the migration, not the fast lane."""
     async def go() -> None:
         async with Cluster([FakeWorker(fail_after=6, with_ids=False),
-                            FakeWorker(role_gap_s=0.05, with_ids=False)], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+                            FakeWorker(role_gap_s=0.05, with_ids=False)]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             before = migrations("text")
             resp, events = await c.stream("/v1/chat/completions", CHAT)
             assert migrations("text") == before + 1
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert resp.headers["x-ftctl-continuation"] == "text"
             text = stream_text(events, chat=True)
             rendered = "<user>hi<assistant>"
@@ -438,12 +421,11 @@ def test_chat_without_ids_continues_with_continue_final_message(run: Callable[..
     run(go())
 
 
-@FRONTS
-def test_non_streaming_request_is_migrated(run: Callable[..., Any], front: str) -> None:
+def test_non_streaming_request_is_migrated(run: Callable[..., Any]) -> None:
     """A non-streamed request broken midway still gets one complete JSON answer."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=4), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=4), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             doc = resp.json()
             assert resp.status_code == 200
@@ -454,23 +436,21 @@ def test_non_streaming_request_is_migrated(run: Callable[..., Any], front: str) 
     run(go())
 
 
-@FRONTS
 @pytest.mark.parametrize("mode", ["html502", "html200", "bad_json", "error_event", "no_finish",
                                   "endless", "stall"])
-def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str,
-                                            front: str) -> None:
+def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str) -> None:
     """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client
     (over the lean front door, after the first tokens they reach the proxy's fast lane)."""
     async def go() -> None:
         # An endless worker streams past max_tokens and never hangs up by itself.
         bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3)
-        async with Cluster([bad, FakeWorker()], front=front, stall_timeout_s=0.3) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([bad, FakeWorker()], stall_timeout_s=0.3) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
             assert all("error" not in e for e in events if isinstance(e, dict))
-            assert c.proxy.router.slots["w0"].failures == 1
+            assert c.fleet.router.slots["w0"].failures == 1
     run(go())
 
 
@@ -504,7 +484,7 @@ def test_max_length_reached_is_not_migrated(run: Callable[..., Any]) -> None:
         prompt = "x" * 50
         workers = [FakeWorker(fail_after=10, max_model_len=60), FakeWorker(max_model_len=60)]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+            c.fleet.router.slots["w1"].outstanding = 5
             _, events = await c.stream("/v1/completions", {**BODY, "prompt": prompt,
                                                            "max_tokens": 100})
             assert events[-3]["choices"][0]["finish_reason"] == "length"
@@ -518,11 +498,11 @@ def test_connection_refused_is_retried_elsewhere(run: Callable[..., Any]) -> Non
     async def go() -> None:
         async with Cluster([FakeWorker(), FakeWorker()]) as c:
             await c.runners[0].cleanup()
-            c.proxy.router.slots["w1"].outstanding = 5
+            c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
-            assert c.proxy.router.slots["w0"].failures == 1
+            assert c.fleet.router.slots["w0"].failures == 1
     run(go())
 
 
@@ -533,7 +513,7 @@ def test_worker_4xx_is_passed_to_the_client(run: Callable[..., Any]) -> None:
             resp = await c.client.post("/v1/completions", json=BODY)
             assert resp.status_code == 400
             assert resp.json()["error"]["message"] == "prompt too long"
-            assert c.proxy.router.slots["w0"].failures == 0
+            assert c.fleet.router.slots["w0"].failures == 0
     run(go())
 
 
@@ -542,7 +522,7 @@ def test_text_fallback_for_workers_without_ids(run: Callable[..., Any]) -> None:
     async def go() -> None:
         workers = [FakeWorker(fail_after=5, with_ids=False), FakeWorker(with_ids=False)]
         async with Cluster(workers) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+            c.fleet.router.slots["w1"].outstanding = 5
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             assert resp.headers["x-ftctl-continuation"] == "text"
             assert resp.json()["choices"][0]["text"] == expected_text("hello world", 5, 20)
@@ -569,14 +549,13 @@ def test_all_workers_busy_answers_503_with_retry_after(run: Callable[..., Any]) 
     run(go())
 
 
-@FRONTS
 def test_busy_threshold_changes_at_run_time(run: Callable[..., Any],
-                                            monkeypatch: pytest.MonkeyPatch, front: str) -> None:
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """POST /busy_threshold with the admin token lifts the rejection at once."""
     monkeypatch.setenv("FTCTL_ADMIN_TOKEN", "s3cret")
 
     async def go() -> None:
-        async with Cluster([FakeWorker()], front=front, reject_status=529,
+        async with Cluster([FakeWorker()], reject_status=529,
                            busy={"active_decode_blocks_threshold": 0.05}) as c:
             assert (await c.client.post("/v1/completions", json=BODY)).status_code == 529
             bad = await c.client.post("/busy_threshold", json={"model": MODEL},
@@ -614,7 +593,7 @@ def test_busy_threshold_takes_the_token_only_as_a_bearer_header(
                 assert answer.status_code == 401, (headers, params)
                 assert answer.headers["www-authenticate"] == "Bearer"
                 assert answer.json()["error"]["type"] == "unauthorized"
-            assert c.proxy.thresholds[MODEL].active_decode_blocks_threshold == 0.85
+            assert c.fleet.thresholds[MODEL].active_decode_blocks_threshold == 0.85
             for scheme in ("bearer", "BEARER", "Bearer"):
                 answer = await c.client.post("/busy_threshold", json=change,
                                              headers={"authorization": f"{scheme} s3cret"})
@@ -627,12 +606,11 @@ def test_busy_threshold_takes_the_token_only_as_a_bearer_header(
     run(go())
 
 
-@FRONTS
-def test_metrics_and_health_are_served(run: Callable[..., Any], front: str) -> None:
+def test_metrics_and_health_are_served(run: Callable[..., Any]) -> None:
     """/metrics carries the migration counter after a migration; /health names the workers."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=2), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             await c.stream("/v1/completions", BODY)
             text = (await c.client.get("/metrics")).text
             assert 'ftctl_migrations_total{method="reprefill",source_group="w0",' \
@@ -653,19 +631,18 @@ def dynamo_migrations(migration_type: str) -> float:
         {"model": MODEL, "migration_type": migration_type}) or 0.0
 
 
-@FRONTS
-def test_migrations_are_mirrored_under_dynamos_name(run: Callable[..., Any], front: str) -> None:
+def test_migrations_are_mirrored_under_dynamos_name(run: Callable[..., Any]) -> None:
     """A cut stream counts once as Dynamo's ongoing_request, a failure before any token as
     new_request, with Dynamo's labels (model, migration_type)."""
     async def go() -> None:
         ongoing, new = dynamo_migrations("ongoing_request"), dynamo_migrations("new_request")
-        async with Cluster([FakeWorker(fail_after=2), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             await c.stream("/v1/completions", BODY)
             assert dynamo_migrations("ongoing_request") == ongoing + 1
             assert dynamo_migrations("new_request") == new
-        async with Cluster([FakeWorker(mode="html502"), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(mode="html502"), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             await c.stream("/v1/completions", BODY)
             assert dynamo_migrations("new_request") == new + 1
             text = (await c.client.get("/metrics")).text
@@ -675,52 +652,13 @@ def test_migrations_are_mirrored_under_dynamos_name(run: Callable[..., Any], fro
 
 
 
-def _http_scope(path: str) -> dict[str, Any]:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": "1.1", "method": "POST", "path": path, "raw_path": path.encode(),
-            "query_string": b"", "headers": [(b"content-type", b"application/json")],
-            "scheme": "http", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000),
-            "root_path": ""}
-
-
 @pytest.mark.parametrize("streamed", [True, False])
-def test_client_disconnect_cancels_the_upstream_request(run: Callable[..., Any],
-                                                        streamed: bool) -> None:
-    """A client that leaves mid-generation (streamed or not) makes the proxy drop upstream."""
+def test_client_hang_up_cancels_the_upstream_request(
+        run: Callable[..., Any], streamed: bool) -> None:
+    """A client that hangs up mid-generation (streamed or not) makes the proxy drop upstream."""
     async def go() -> None:
         slow = FakeWorker(mode="stall", fail_after=2)
         async with Cluster([slow], stall_timeout_s=20) as c:
-            left = asyncio.Event()
-            messages = [{"type": "http.request", "more_body": False,
-                         "body": json.dumps({**BODY, "stream": streamed}).encode()}]
-            sent: list[dict[str, Any]] = []
-
-            async def receive() -> dict[str, Any]:
-                if messages:
-                    return messages.pop()
-                await left.wait()
-                return {"type": "http.disconnect"}
-
-            async def send(message: dict[str, Any]) -> None:
-                sent.append(message)
-
-            call = asyncio.ensure_future(c.app(_http_scope("/v1/completions"), receive, send))
-            await until(lambda: bool(slow.requests))
-            left.set()
-            await asyncio.wait({call}, timeout=3)  # no outside cancel: the proxy must end it
-            assert call.done()
-            await until(lambda: slow.disconnects == 1)
-            assert c.proxy.router.slots["w0"].outstanding == 0
-    run(go())
-
-
-@pytest.mark.parametrize("streamed", [True, False])
-def test_lean_front_door_client_hang_up_cancels_the_upstream_request(
-        run: Callable[..., Any], streamed: bool) -> None:
-    """Over the lean server, a client that hangs up mid-generation makes the proxy drop upstream."""
-    async def go() -> None:
-        slow = FakeWorker(mode="stall", fail_after=2)
-        async with Cluster([slow], front="lean", stall_timeout_s=20) as c:
             assert c.server is not None
             port = int(c.server.address.rsplit(":", 1)[1])
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -732,19 +670,19 @@ def test_lean_front_door_client_hang_up_cancels_the_upstream_request(
                 assert b"200 OK" in await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
             writer.close()
             await until(lambda: slow.disconnects == 1)
-            await until(lambda: c.proxy.router.slots["w0"].outstanding == 0)
+            await until(lambda: c.fleet.router.slots["w0"].outstanding == 0)
             await until(lambda: not c.server.tasks)
     run(go())
 
 
-def test_lean_front_door_slow_reader_gets_every_token_in_order(run: Callable[..., Any]) -> None:
+def test_slow_reader_gets_every_token_in_order(run: Callable[..., Any]) -> None:
     """A long stream to a client that reads slower than the worker writes: the client's
     socket backs up (the fast lane gives way to the waiting writer, then takes over
     again) and the client gets every token once, in order, then the usage and [DONE]."""
     count = 3000
 
     async def go() -> tuple[bytes, bool]:
-        async with Cluster([FakeWorker()], front="lean") as c:
+        async with Cluster([FakeWorker()]) as c:
             assert c.server is not None
             port = int(c.server.address.rsplit(":", 1)[1])
             sock = socket.socket()
@@ -828,14 +766,14 @@ def test_canary_daemon_weights_route_and_failures_are_reported(
         async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
             fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
             async with Cluster(fakes, health_url=url) as c:
-                assert c.proxy.router.healthy_capacity() == pytest.approx(2 / 3)
-                c.proxy.router.slots["w1"].outstanding = 5
+                assert c.fleet.router.healthy_capacity() == pytest.approx(2 / 3)
+                c.fleet.router.slots["w1"].outstanding = 5
                 _, events = await c.stream("/v1/completions", BODY)
-                c.proxy.router.slots["w1"].outstanding = 0
+                c.fleet.router.slots["w1"].outstanding = 0
                 assert stream_text(events) == expected_text("hello world", 5, 20)
                 assert not fakes[2].requests
                 if token is None:
-                    await c.proxy.scrape_once()  # the next daemon round trip: still none
+                    await c.fleet.scrape_once()  # the next daemon round trip: still none
                     assert reports == []
                     return
                 await until(lambda: bool(reports))
@@ -868,9 +806,8 @@ def test_n_above_one_is_refused_with_an_openai_400(run: Callable[..., Any], stre
     run(go())
 
 
-@FRONTS
 def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
-    run: Callable[..., Any], front: str,
+    run: Callable[..., Any],
 ) -> None:
     """A stop string begun before a migration and ended after it cuts the output before it."""
     full = expected_text("hello world", 5, 20)
@@ -878,10 +815,10 @@ def test_stop_string_across_the_failure_point_stops_like_an_unbroken_run(
     assert full.find(stop) == 6
 
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=8), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=8), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             _, events = await c.stream("/v1/completions", {**BODY, "stop": [stop]})
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert stream_text(events) == full[:6]
             finishes = [e["choices"][0]["finish_reason"] for e in events
                         if isinstance(e, dict) and e.get("choices")]
@@ -914,33 +851,32 @@ def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
     async def go() -> None:
         async with Cluster([FakeWorker(fail_after=7), FakeWorker()],
                            calibration=str(calibration)) as c:
-            assert c.proxy.calibration is not None
-            c.proxy.router.slots["w1"].outstanding = 5
+            assert c.proxy.kv.calibration is not None
+            c.fleet.router.slots["w1"].outstanding = 5
             before = (count("kv"), count("reprefill"))
             _, events = await c.stream("/v1/completions", BODY)
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert stream_text(events) == expected_text("hello world", 5, 20)
             assert (count("kv"), count("reprefill")) == (before[0], before[1] + 1)
     run(go())
 
 
-@FRONTS
 def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
-        run: Callable[..., Any], front: str) -> None:
+        run: Callable[..., Any]) -> None:
     """The client's X-Request-Id goes to each worker of a migrated stream and back; without
     one the proxy sends a UUID (servers that validate the id refuse anything else)."""
     import uuid
 
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=3), FakeWorker()], front=front) as c:
-            c.proxy.router.slots["w1"].outstanding = 5
+        async with Cluster([FakeWorker(fail_after=3), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY,
                                           headers={"X-Request-Id": "trace-7"})
             assert resp.headers["x-request-id"] == "trace-7"
             sent = [h["x-request-id"] for w in c.workers for h in w.headers]
             assert sent == ["trace-7", "trace-7"]
             assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-trace-7"}
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
             made = c.workers[0].headers[-1]["x-request-id"]
             assert uuid.UUID(made).version == 4
@@ -951,19 +887,17 @@ def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
 STRICT = {"strict": True, "with_ids": False}
 
 
-@FRONTS
 def test_a_worker_that_refuses_return_token_ids_is_never_sent_it(
-        run: Callable[..., Any], front: str) -> None:
+        run: Callable[..., Any]) -> None:
     """Its probe finds the field refused: requests go without it, a broken stream goes on
     as a text continuation (announced), and no request is refused."""
     async def go() -> None:
-        async with Cluster([FakeWorker(fail_after=4, **STRICT), FakeWorker(**STRICT)],
-                           front=front) as c:
+        async with Cluster([FakeWorker(fail_after=4, **STRICT), FakeWorker(**STRICT)]) as c:
             assert all(s.token_ids == {"completions": False, "chat": False}
-                       for s in c.proxy.router.slots.values())
-            c.proxy.router.slots["w1"].outstanding = 5
+                       for s in c.fleet.router.slots.values())
+            c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert resp.status_code == 200
             assert resp.headers["x-ftctl-continuation"] == "text"
             assert stream_text(events) == expected_text("hello world", 5, 20)
@@ -975,14 +909,13 @@ def test_a_worker_that_refuses_return_token_ids_is_never_sent_it(
     run(go())
 
 
-@FRONTS
 def test_a_refusal_naming_return_token_ids_is_learnt_and_the_request_sent_again(
-        run: Callable[..., Any], front: str) -> None:
+        run: Callable[..., Any]) -> None:
     """A worker replaced by a strict one before its probe: the refused request is sent
     again without the field (the client never sees the 400), and later ones go without."""
     async def go() -> None:
-        async with Cluster([FakeWorker(**STRICT)], front=front) as c:
-            slot = c.proxy.router.slots["w0"]
+        async with Cluster([FakeWorker(**STRICT)]) as c:
+            slot = c.fleet.router.slots["w0"]
             slot.token_ids = {"completions": None, "chat": None}
             for _ in range(2):
                 resp, events = await c.stream("/v1/completions", BODY)
@@ -999,11 +932,11 @@ def test_a_restarted_worker_is_probed_again(run: Callable[..., Any]) -> None:
     again (a worker may come back as another server)."""
     async def go() -> None:
         async with Cluster([FakeWorker()]) as c:
-            slot = c.proxy.router.slots["w0"]
+            slot = c.fleet.router.slots["w0"]
             assert slot.token_ids == {"completions": True, "chat": True}
             fake = c.workers[0]
             fake.strict, fake.with_ids, fake.start_time = True, False, 2.0
-            await c.proxy.scrape_once()
+            await c.fleet.scrape_once()
             await until(lambda: slot.token_ids == {"completions": False, "chat": False})
             assert fake.probes >= 2  # once at the start, again after the restart
     run(go())
@@ -1015,9 +948,9 @@ def test_what_a_worker_lacks_is_not_scraped_again(run: Callable[..., Any]) -> No
         async with Cluster([FakeWorker(metrics_status=404)]) as c:
             asked = c.workers[0].metrics_calls
             for _ in range(5):
-                await c.proxy.scrape_once()
+                await c.fleet.scrape_once()
             assert c.workers[0].metrics_calls == asked
-            assert c.proxy.router.slots["w0"].max_model_len == 4096
+            assert c.fleet.router.slots["w0"].max_model_len == 4096
     run(go())
 
 
@@ -1035,7 +968,7 @@ def test_worker_whose_metrics_say_full_but_runs_nothing_is_not_busy(
             for _ in range(3):
                 assert (await c.client.post("/v1/completions", json=BODY)).status_code == 200
             c.workers[0].load_text = FULL_AND_RUNNING
-            await c.proxy.scrape_once()
+            await c.fleet.scrape_once()
             assert (await c.client.post("/v1/completions", json=BODY)).status_code == 503
     run(go())
 
@@ -1065,7 +998,7 @@ def test_busy_flag_and_gauge_follow_the_scrapes_without_traffic(run: Callable[..
             assert flags[-1]
             assert c.workers[0].requests == []
             c.workers[0].load_text = FULL_AND_IDLE
-            await until(lambda: not c.proxy.router.slots["w0"].busy)  # only a scrape sets it
+            await until(lambda: not c.fleet.router.slots["w0"].busy)  # only a scrape sets it
             assert 'ftctl_worker_busy{worker="w0"} 0.0' in (await c.client.get("/metrics")).text
     run(go())
 
@@ -1076,16 +1009,16 @@ def test_own_kv_count_grows_with_a_request_and_is_zero_once_it_ends(
     after it ends, whether it finished, moved to another worker, or its client left."""
     async def go() -> None:
         async with Cluster([FakeWorker(fail_after=7), FakeWorker()]) as c:
-            c.proxy.router.slots["w1"].outstanding = 5  # w0 first: it breaks after 7 tokens
+            c.fleet.router.slots["w1"].outstanding = 5  # w0 first: it breaks after 7 tokens
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
-            c.proxy.router.slots["w1"].outstanding = 0
+            c.fleet.router.slots["w1"].outstanding = 0
             assert resp.headers[MIGRATED_HEADER] == "1"
-            assert [s.kv_blocks for s in c.proxy.router.slots.values()] == [0, 0]
+            assert [s.kv_blocks for s in c.fleet.router.slots.values()] == [0, 0]
         # Blocks of one token: the count is the tokens.
         slow = FakeWorker(mode="stall", fail_after=3, load_text=FakeWorker.load_text + (
             'vllm:cache_config_info{block_size="1",num_gpu_blocks="100000"} 1\n'))
-        async with Cluster([slow], front="lean", stall_timeout_s=20) as c:
-            slot = c.proxy.router.slots["w0"]
+        async with Cluster([slow], stall_timeout_s=20) as c:
+            slot = c.fleet.router.slots["w0"]
             async with c.client.stream("POST", "/v1/completions",
                                        json={**BODY, "stream": True}) as resp:
                 async for _ in resp.aiter_bytes():

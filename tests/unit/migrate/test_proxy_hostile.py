@@ -51,7 +51,7 @@ def test_the_front_door_answers_400_to_deep_or_non_finite_json(data: bytes,
     worker sees them."""
     async def go() -> None:
         worker = FakeWorker()
-        async with Cluster([worker], front="lean") as c:
+        async with Cluster([worker]) as c:
             response = await c.client.post("/v1/completions", content=data,
                                            headers={"content-type": "application/json"})
             assert response.status_code == 400
@@ -69,7 +69,7 @@ class LiveProxy:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.cluster = Cluster([FakeWorker(), FakeWorker()], front="lean")
+        self.cluster = Cluster([FakeWorker(), FakeWorker()])
         self.port = 0
 
     def __enter__(self) -> LiveProxy:

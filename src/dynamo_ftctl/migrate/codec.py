@@ -1,0 +1,47 @@
+"""The proxy's JSON and SSE codec: msgspec, with json for what msgspec refuses.
+
+msgspec is ~10x json's speed on a token chunk (1 vs 14 us to encode, 2.5 vs 11 us
+to decode), paid twice per token on the proxy's one core.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+__all__ = ["SSE_DONE", "dumps", "loads", "sse_batch", "sse_event"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder()
+
+
+def dumps(doc: Any) -> bytes:
+    """`doc` as compact JSON."""
+    try:
+        return _ENCODER.encode(doc)
+    except UnicodeEncodeError:
+        # Byte-level engines put undecodable bytes in text as lone surrogates
+        # (\udcfc), which only an ASCII-escaped JSON string can carry back.
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def loads(data: str | bytes) -> Any:
+    """A JSON document (ValueError for anything else)."""
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError:
+        return json.loads(data)  # lone-surrogate escapes, which msgspec refuses
+
+
+def sse_event(doc: Any) -> bytes:
+    """`doc` as one SSE data event."""
+    return b"data: " + dumps(doc) + b"\n\n"
+
+
+def sse_batch(batch: list[dict[str, Any]]) -> bytes:
+    """One write's worth of client chunks as SSE events."""
+    return b"".join(map(sse_event, batch))

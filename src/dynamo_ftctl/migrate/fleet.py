@@ -1,0 +1,319 @@
+"""Fleet state: what the proxy knows of its workers between two requests.
+
+The `Fleet` owns the worker slots (`routing.Router`: weights, breakers, outstanding
+requests), every worker's load as scraped from its /metrics (and its maximum length
+from /v1/models until known), the canary daemon's weights, each worker's busy flag
+and the capabilities probed on it (docs/compatibility.md). It scrapes every
+`scrape_interval_s` and sets the gauges then; the hot path only counts.
+
+A failure charged to a worker (`charge`) opens its breaker in time, is reported to
+the canary daemon (`proxy.health_url`, with `$FTCTL_HEALTH_TOKEN`) and makes its
+capabilities be probed again once it answers. Whose fault a failure is, is decided
+by the migration policy (`migrate/policy.py`), not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.auth import bearer_headers, token_from_env
+from dynamo_ftctl.migrate.admission import (
+    Thresholds,
+    degradation_level,
+    is_busy,
+    parse_worker_load,
+)
+from dynamo_ftctl.migrate.codec import dumps
+from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.capabilities import CapabilityCache
+    from dynamo_ftctl.clock import Clock
+    from dynamo_ftctl.http1 import Client
+    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.migrate.admission import WorkerLoad
+
+__all__ = ["Fleet"]
+
+log = logging.getLogger("ftctl.proxy")
+
+
+class ScrapeFailed(Exception):
+    """A scrape that got no page (the worker or the daemon answered another status)."""
+
+
+class Fleet:
+    """The proxy's workers: slots, loads, busy flags, capabilities, daemon weights."""
+
+    def __init__(self, inventory: Inventory, config: ProxyConfig, clock: Clock,
+                 http: Client) -> None:
+        self.config = config
+        self.http = http  # the proxy's upstream client (the proxy closes it)
+        self.clock = clock
+        self.router = Router(
+            (WorkerSlot(name=w.name, url=w.url, group=inventory.group_of(w), model=w.model)
+             for w in inventory.workers),
+            clock=clock, breaker_threshold=config.breaker_threshold,
+            recovery_s=config.breaker_recovery_s,
+        )
+        default = Thresholds(
+            active_decode_blocks_threshold=config.busy.active_decode_blocks_threshold,
+            active_prefill_tokens_threshold=config.busy.active_prefill_tokens_threshold,
+        )
+        self.thresholds: dict[str, Thresholds] = {w.model: default for w in inventory.workers}
+        self.loads: dict[str, WorkerLoad | None] = {w.name: None for w in inventory.workers}
+        self.queued = 0  # requests without a first token yet (the policy counts them)
+        self._prompt_tokens_seen = 0
+        self._prompts_seen = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers = {w.name: w for w in inventory.workers}
+        self.capabilities: CapabilityCache | None = None
+        self._learning: set[str] = set()  # workers whose capability probe is running
+        from dynamo_ftctl import metrics
+
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the scrape loop."""
+        from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
+
+        if self.config.health_url and not token_from_env(self.config.health_token_env):
+            log.warning("$%s is not set: worker failures are not reported to the canary "
+                        "daemon at %s", self.config.health_token_env, self.config.health_url)
+        self.capabilities = CapabilityCache(fetch=fetch_through(self.http), clock=self.clock)
+        self._spawn(self._scrape_forever())
+
+    async def stop(self) -> None:
+        """Stop the scrapes, probes and reports in flight."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.capabilities is not None:
+            await self.capabilities.aclose()
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ scraping
+
+    async def _scrape_forever(self) -> None:
+        while True:
+            await self.scrape_once()
+            await self.clock.asleep(self.config.scrape_interval_s)
+
+    async def scrape_once(self) -> None:
+        """Scrape every worker's /metrics (and /v1/models until known) and the daemon.
+
+        Then every worker's busy flag is worked out again: without it, /health and
+        the gauges kept the flag of the last admission, however long ago that was.
+        """
+        jobs = [self._scrape_worker(slot) for slot in self.router.slots.values()]
+        if self.config.health_url:
+            jobs.append(self._poll_daemon(self.config.health_url))
+        await asyncio.gather(*jobs, return_exceptions=True)
+        self.refresh_busy()
+        self.refresh_gauges()
+
+    async def _get(self, url: str) -> bytes:
+        timeout_s = max(0.5, min(self.config.scrape_interval_s, 5.0))
+        status, body = await self.http.fetch("GET", url, timeout_s=timeout_s)
+        if status != 200:
+            msg = f"HTTP {status}"
+            raise ScrapeFailed(msg)
+        return body
+
+    async def _scrape_worker(self, slot: WorkerSlot) -> None:
+        # What a worker's probe found missing is not asked for every scrape (a server
+        # without /metrics, or whose /v1/models gives no max_model_len, answered every
+        # 0.1 s with a 404 or a 500 that dropped the connection).
+        caps = self.capabilities.get(slot.name) if self.capabilities is not None else None
+        if caps is not None and caps.metrics is False:
+            self._watch_capabilities(slot, b"")
+            return
+        if slot.max_model_len is None and (caps is None or caps.max_model_len is not None):
+            with contextlib.suppress(Exception):
+                doc = json.loads(await self._get(f"{slot.url}/v1/models"))
+                for entry in doc.get("data", ()):
+                    length = entry.get("max_model_len")
+                    if entry.get("id") == slot.model and isinstance(length, int):
+                        slot.max_model_len = length
+        try:
+            page = await self._get(f"{slot.url}/metrics")
+            slot.kv_blocks_at_scrape = slot.kv_blocks
+            self.loads[slot.name] = parse_worker_load(page.decode("utf-8", "replace"))
+        except Exception:  # an unscrapable worker has no load figure; health decides
+            self.loads[slot.name] = None
+            page = b""
+        self._watch_capabilities(slot, page)
+
+    async def _poll_daemon(self, base: str) -> None:
+        try:
+            weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
+        except Exception:  # daemon away: fall back on our own breaker
+            weights = {}
+        self.router.apply_daemon_weights(weights)
+
+    # ------------------------------------------------------------------ capabilities
+
+    def _watch_capabilities(self, slot: WorkerSlot, metrics_page: bytes) -> None:
+        """Probe a worker whose capabilities are unknown, new or restarted (see `learn`)."""
+        from dynamo_ftctl.capabilities import start_time_from_metrics
+
+        cache = self.capabilities
+        if cache is None:
+            return
+        started = start_time_from_metrics(metrics_page) if metrics_page else None
+        if started is not None and cache.note_start_time(slot.name, started):
+            log.info("%s restarted: probing its capabilities again", slot.name)
+            slot.token_ids = dict.fromkeys(slot.token_ids)
+        if cache.get(slot.name) is None and slot.name not in self._learning:
+            self._learning.add(slot.name)
+            self._spawn(self.learn(slot))
+
+    async def learn(self, slot: WorkerSlot) -> None:
+        """Probe `slot`'s worker (docs/compatibility.md) and apply what it supports.
+
+        Until a probe answers, requests ask for token ids; a worker that refuses the
+        field is known from its first refusal on (`note_refused_ids`).
+        """
+        assert self.capabilities is not None
+        try:
+            caps = await self.capabilities.probe(self._workers[slot.name])
+        finally:
+            self._learning.discard(slot.name)
+        for endpoint, known in (("completions", caps.token_ids), ("chat", caps.chat_token_ids)):
+            if known is not None:
+                slot.token_ids[endpoint] = known
+        if caps.max_model_len is not None and slot.max_model_len is None:
+            slot.max_model_len = caps.max_model_len
+
+    def note_refused_ids(self, slot: WorkerSlot, endpoint: str, status: int,
+                         body: bytes) -> bool:
+        """True when `slot` refused the `return_token_ids` field it was sent (now known)."""
+        if status not in (400, 422) or not slot.sends_token_ids(endpoint) \
+                or b"return_token_ids" not in body:
+            return False
+        log.warning("%s refuses return_token_ids on /v1/%s: continuing without ids (text)",
+                    slot.name, "chat/completions" if endpoint == "chat" else "completions")
+        slot.token_ids[endpoint] = False
+        return True
+
+    # ------------------------------------------------------------------ failures
+
+    def charge(self, slot: WorkerSlot, reason: str) -> None:
+        """Count a failure against `slot`: its breaker, the canary daemon, its capabilities."""
+        self.router.record_failure(slot)
+        self._report_failure(slot, reason)
+        if self.capabilities is not None:
+            self.capabilities.invalidate(slot.name)  # probed again once it answers
+
+    def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
+        base = self.config.health_url
+        # Read per report: a token rotated in the environment of a test or embedder counts.
+        token = token_from_env(self.config.health_token_env)
+        if not base or not token:
+            return  # the daemon refuses unauthenticated reports (start() said so once)
+
+        async def post() -> None:
+            body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
+            with contextlib.suppress(Exception):
+                await self.http.fetch("POST", f"{base}/report", dumps(body),
+                                      {"Content-Type": "application/json",
+                                       **bearer_headers(token)}, timeout_s=2.0)
+
+        self._spawn(post())
+
+    # ------------------------------------------------------------------ busy state
+
+    def thresholds_for(self, model: str) -> Thresholds:
+        return self.thresholds.get(model) or next(iter(self.thresholds.values()))
+
+    def note_prompt(self, prompt_tokens: int) -> None:
+        """A request served with a prompt of `prompt_tokens` (the busy estimate's mean)."""
+        self._prompt_tokens_seen += prompt_tokens
+        self._prompts_seen += 1
+
+    def _mean_prompt_tokens(self) -> float:
+        return self._prompt_tokens_seen / self._prompts_seen if self._prompts_seen else 0.0
+
+    def _busy(self, slot: WorkerSlot, mean_prompt_tokens: float) -> bool:
+        slot.busy = is_busy(
+            self.loads.get(slot.name), self.thresholds_for(slot.model),
+            pending_prefill_tokens=slot.pending_prefill_tokens,
+            mean_prompt_tokens=mean_prompt_tokens, kv_blocks=slot.kv_blocks,
+            kv_blocks_at_scrape=slot.kv_blocks_at_scrape,
+        )
+        return slot.busy
+
+    def busy_flags(self, model: str | None) -> list[bool]:
+        """The busy flag of every worker that may serve `model`, worked out now."""
+        mean = self._mean_prompt_tokens()
+        return [self._busy(slot, mean) for slot in self.router.routable(model)]
+
+    def refresh_busy(self) -> None:
+        """Work out every worker's busy flag from what is known now."""
+        mean = self._mean_prompt_tokens()
+        for slot in self.router.slots.values():
+            self._busy(slot, mean)
+
+    def level(self) -> int:
+        return degradation_level(self.router.healthy_capacity())
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges (each scrape of /metrics and of the workers does).
+
+        The hot path only counts (`queued`, the breakers): a gauge's `set` takes
+        a lock, and three per request were ~4% of a request's CPU.
+        """
+        self.metrics.DEGRADATION_LEVEL.set(self.level())
+        self.metrics.QUEUED_REQUESTS.set(self.queued)
+        for slot in self.router.slots.values():
+            self.metrics.CIRCUIT_BREAKER_STATE.labels(slot.name).set(
+                self.router.breaker_gauge(slot),
+            )
+            self.metrics.WORKER_BUSY.labels(slot.name).set(int(slot.busy))
+
+    # ------------------------------------------------------------------ reports
+
+    def health(self) -> dict[str, Any]:
+        """The proxy's own health: always fast, no upstream call."""
+        self.refresh_busy()
+        return {
+            "status": "ok",
+            "degradation_level": self.level(),
+            "workers": {
+                s.name: {"weight": round(self.router.weight(s), 3), "breaker": s.breaker,
+                         "busy": s.busy, "outstanding": s.outstanding}
+                for s in self.router.slots.values()
+            },
+        }
+
+    def models(self) -> dict[str, Any]:
+        """The /v1/models list: each model once, with its workers' smallest maximum length."""
+        data = []
+        for model in dict.fromkeys(s.model for s in self.router.slots.values()):
+            lens = [s.max_model_len for s in self.router.slots.values()
+                    if s.model == model and s.max_model_len is not None]
+            entry: dict[str, Any] = {"id": model, "object": "model", "owned_by": "ftctl",
+                                     "created": 0}
+            if lens:
+                entry["max_model_len"] = min(lens)
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    def busy_threshold_doc(self, model: str) -> dict[str, Any]:
+        t = self.thresholds_for(model)
+        return {"model": model,
+                "active_decode_blocks_threshold": t.active_decode_blocks_threshold,
+                "active_prefill_tokens_threshold": t.active_prefill_tokens_threshold}

@@ -1,0 +1,273 @@
+"""The front door: the proxy's `httpserver` handler, where a client's request comes in.
+
+A generation (POST /v1/completions, /v1/chat/completions) is parsed and checked
+(`continuation.prepare_request`), admitted or shed (`admission.decide`: 503/529
+with Retry-After when every worker is busy or the degradation level sheds its
+priority tier), handed to the migration policy (`MigrationPolicy.generate`), and
+its chunks answered: streamed as SSE once the first batch is in hand (so the
+headers can name the serving worker), or collected into one JSON answer. Every
+upstream request is streamed with token ids, even when the client asked for one
+JSON answer, so that a generation broken half-way can go on elsewhere.
+
+The other routes, on `httpapp.Router`: GET /v1/models, /health, /metrics; GET/POST
+/busy_threshold (POST needs the admin bearer token, `proxy.admin_token_env`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+from dynamo_ftctl.auth import check_bearer, token_from_env
+from dynamo_ftctl.httpapp import Router, json_reply, request_json, text_reply
+from dynamo_ftctl.httpserver import Reply, Stream
+from dynamo_ftctl.migrate.admission import BUSY_BODY, Thresholds, decide, parse_priority
+from dynamo_ftctl.migrate.attempt import Lane
+from dynamo_ftctl.migrate.codec import SSE_DONE, dumps, sse_batch, sse_event
+from dynamo_ftctl.migrate.continuation import RequestRejected, prepare_request
+from dynamo_ftctl.migrate.ledger import StreamLedger
+from dynamo_ftctl.migrate.policy import ProxyError, StreamAborted
+from dynamo_ftctl.openai import error_body, parse_request_json
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.httpserver import Request
+    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.migrate.fleet import Fleet
+    from dynamo_ftctl.migrate.ledger import Endpoint
+    from dynamo_ftctl.migrate.policy import MigrationPolicy
+
+__all__ = ["CONTINUATION_HEADER", "MIGRATED_HEADER", "PRIORITY_HEADER", "TIMING_HEADER",
+           "WORKER_HEADER", "FrontDoor"]
+
+log = logging.getLogger("ftctl.proxy")
+
+MIGRATED_HEADER = "x-ftctl-migrated"
+CONTINUATION_HEADER = "x-ftctl-continuation"
+WORKER_HEADER = "x-ftctl-worker"
+# The serving worker's time to first token as the proxy saw it (W3C Server-Timing).
+TIMING_HEADER = "Server-Timing"
+PRIORITY_HEADER = "x-ftctl-priority"
+
+_GENERATION_ROUTES: dict[str, Endpoint] = {
+    "/v1/completions": "completions", "/v1/chat/completions": "chat",
+}
+_PRIORITY_KEY = PRIORITY_HEADER.encode()
+_REQUEST_ID_KEY = b"x-request-id"
+
+
+def _reply(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Reply:
+    return Reply(status, dumps(doc), headers=headers or {})
+
+
+class FrontDoor:
+    """The handler `httpserver.start_server` runs: generations first, then the other routes."""
+
+    def __init__(self, fleet: Fleet, policy: MigrationPolicy, config: ProxyConfig) -> None:
+        self.fleet = fleet
+        self.policy = policy
+        self.config = config
+        self.routes = Router()
+        self.routes.get("/v1/models", self._models)
+        self.routes.get("/health", self._health)
+        self.routes.get("/metrics", self._metrics)
+        self.routes.get("/busy_threshold", self._busy_threshold)
+        self.routes.post("/busy_threshold", self._busy_threshold)
+
+    async def __call__(self, request: Request) -> Reply | Stream:
+        # The generation routes skip the router: they are the hot path.
+        endpoint = _GENERATION_ROUTES.get(request.path) if request.method == "POST" else None
+        if endpoint is None:
+            return await self.routes(request)
+        priority = request.header(_PRIORITY_KEY)
+        request_id = request.header(_REQUEST_ID_KEY)
+        return await self.generation(
+            endpoint, request.body, None if priority is None else priority.decode("latin-1"),
+            None if request_id is None else request_id.decode("latin-1"))
+
+    # ------------------------------------------------------------------ generations
+
+    async def generation(self, endpoint: Endpoint, raw_body: bytes, priority: str | None,
+                         request_id: str | None = None) -> Reply | Stream:
+        """POST /v1/completions and /v1/chat/completions (`priority`: the tier header).
+
+        `request_id` is the client's `X-Request-Id`: every worker gets it, and so does
+        the client back; without one the proxy makes a UUID (some servers refuse other
+        ids with 400). A `Stream` has its first batch in hand (the worker answered); a
+        non-streamed answer is collected while the client waits (the server cancels
+        this handler, and so the upstream request, when the client leaves).
+        """
+        try:
+            raw = parse_request_json(raw_body)
+            body = prepare_request(endpoint, raw)
+        except (ValueError, RequestRejected) as exc:
+            param = exc.param if isinstance(exc, RequestRejected) else None
+            return _reply(400, error_body(f"invalid request: {exc}",
+                                          type="invalid_request_error", param=param, code=400))
+        model = body.get("model")
+        if model is not None and (not isinstance(model, str)
+                                  or not self.fleet.router.serves(model)):
+            return _reply(404, error_body(f"The model {model!r} does not exist.",
+                                          type="NotFoundError", code=404))
+        try:
+            self.admit(model, priority)
+        except ProxyError as exc:
+            return _reply(exc.status, exc.body, exc.headers)
+        ledger = StreamLedger(endpoint=endpoint, body=body,
+                              migration_limit=self.config.migration_limit,
+                              trace_id=request_id or "")
+        lane = Lane() if ledger.client_streams else None
+        chunks = self.policy.generate(ledger, lane)
+        if lane is None:
+            try:
+                async for _ in chunks:
+                    pass
+            except ProxyError as exc:
+                return _reply(exc.status, exc.body, exc.headers)
+            except StreamAborted as exc:
+                return _reply(502, error_body(str(exc), type=exc.kind, code=502))
+            finally:
+                await chunks.aclose()
+            return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except ProxyError as exc:
+            return _reply(exc.status, exc.body, exc.headers)
+        except StreamAborted as exc:
+            return _reply(502, error_body(str(exc), type=exc.kind, code=502))
+        return Stream(_sse_body(ledger, first, chunks), headers=_answer_headers(ledger),
+                      on_push=lane.bind)
+
+    def admit(self, model: str | None, priority_header: str | None) -> None:
+        """Raise `ProxyError` (503/529 + Retry-After) when the request must be refused."""
+        priority = parse_priority(priority_header)
+        level = self.fleet.level()
+        decision = decide(priority, level, self.fleet.busy_flags(model),
+                          premium_when_busy=self.config.premium_when_busy == "admit")
+        if decision.admitted:
+            return
+        self.fleet.metrics.TASKS_REJECTED.labels(decision.reason, priority).inc()
+        status = self.config.reject_status
+        if decision.reason == "all_workers_busy":
+            body = dict(BUSY_BODY)
+        elif decision.reason == "no_healthy_worker":
+            body = {**BUSY_BODY, "message": "Service temporarily unavailable: "
+                    "no healthy worker, please retry later"}
+        else:
+            body = {**BUSY_BODY, "message": f"Service temporarily unavailable: {priority} "
+                    f"requests are shed at degradation level {level}, please retry later"}
+        body["code"] = status
+        raise ProxyError(status, body, {"Retry-After": str(self.config.retry_after_s)})
+
+    # ------------------------------------------------------------------ other routes
+
+    async def _models(self, _: Request) -> Reply:
+        return json_reply(self.fleet.models())
+
+    async def _health(self, _: Request) -> Reply:
+        return json_reply(self.fleet.health())
+
+    async def _metrics(self, _: Request) -> Reply:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self.fleet.refresh_busy()
+        self.fleet.refresh_gauges()
+        return text_reply(generate_latest(self.fleet.metrics.REGISTRY),
+                          content_type=CONTENT_TYPE_LATEST)
+
+    async def _busy_threshold(self, request: Request) -> Reply:
+        """GET (anyone) or POST (admin token) the busy thresholds of a model."""
+        thresholds = self.fleet.thresholds
+        if request.method != "POST":
+            model = dict(parse_qsl(request.query)).get("model")
+            if model is not None:
+                if model not in thresholds:
+                    return _not_found(model)
+                return json_reply(self.fleet.busy_threshold_doc(model))
+            return json_reply({"thresholds": [self.fleet.busy_threshold_doc(m)
+                                              for m in thresholds]})
+        denied = self._check_admin(request)
+        if denied is not None:
+            return denied
+        try:
+            doc = request_json(request)
+            if not isinstance(doc, dict):
+                msg = "expected a JSON object"
+                raise ValueError(msg)
+            model = doc.get("model", next(iter(thresholds)))
+            if model not in thresholds:
+                return _not_found(model)
+            current = thresholds[model]
+            unknown = set(doc) - {"model", "active_decode_blocks_threshold",
+                                  "active_prefill_tokens_threshold"}
+            if unknown:
+                msg = f"unknown keys {sorted(unknown)}"
+                raise ValueError(msg)
+            thresholds[model] = Thresholds(
+                active_decode_blocks_threshold=doc.get(
+                    "active_decode_blocks_threshold", current.active_decode_blocks_threshold),
+                active_prefill_tokens_threshold=doc.get(
+                    "active_prefill_tokens_threshold", current.active_prefill_tokens_threshold),
+            )
+        except ValueError as exc:
+            return json_reply(error_body(str(exc), type="invalid_request_error", code=400), 400)
+        log.info("busy thresholds of %s now %s", model, thresholds[model])
+        return json_reply(self.fleet.busy_threshold_doc(model))
+
+    def _check_admin(self, request: Request) -> Reply | None:
+        env = self.config.admin_token_env
+        authorization = request.header(b"authorization")
+        denied = check_bearer(None if authorization is None else authorization.decode("latin-1"),
+                              token_from_env(env),
+                              unset=f"admin API disabled: ${env} is not set")
+        if denied is None:
+            return None
+        kind = "forbidden" if denied.status == 403 else "unauthorized"
+        return json_reply(error_body(denied.message, type=kind, code=denied.status),
+                          denied.status, denied.headers)
+
+
+def _not_found(model: Any) -> Reply:
+    return json_reply(error_body(f"unknown model {model!r}", type="not_found", code=404), 404)
+
+
+def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
+    headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.trace_id,
+               WORKER_HEADER: ",".join(ledger.workers)}
+    if ledger.migrations:
+        headers[MIGRATED_HEADER] = str(ledger.migrations)
+    if not ledger.exact:
+        headers[CONTINUATION_HEADER] = "text"
+    if ledger.upstream_ttft_s is not None:
+        ms = ledger.upstream_ttft_s * 1e3
+        headers[TIMING_HEADER] = f'upstream;desc="first token";dur={ms:.3f}'
+    return headers
+
+
+async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
+                    chunks: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            yield sse_batch(first)
+        try:
+            async for batch in chunks:
+                yield sse_batch(batch)
+        except (StreamAborted, ProxyError) as exc:
+            message, kind = (str(exc), exc.kind) if isinstance(exc, StreamAborted) \
+                else (str(exc.body), "worker_failed")
+            yield sse_event(error_body(message, type=kind, code=502))
+            yield SSE_DONE
+            return
+        tail = sse_event(ledger.usage_chunk()) if ledger.client_wants_usage else b""
+        if ledger.migrations:
+            # Headers left before the stream broke: say it in an SSE comment.
+            tail += f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
+        yield tail + SSE_DONE
+    finally:
+        # The client went away (or we are done): close the upstream stream now.
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,117 @@
+"""The KV handoff: a broken generation's KV cache moved to the next worker.
+
+With a calibration (`ftctl migrate calibrate`, `proxy.calibration`) whose cost model
+says a transfer is faster than re-prefill, the failed worker's KV is exported
+(`migrate.transfer.export_request`, the same call as `ftctl migrate request`) and
+imported on the target (`/admin/kv/import`), which streams the continuation. A
+SIGKILLed worker has nothing to export; any failure of the export or the import
+falls back to re-prefill (the migration policy decides, `migrate/policy.py`).
+
+The exports keep their httpx client: `migrate.transfer.export_request` takes one
+(one call per migration, off the hot path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
+
+    from dynamo_ftctl.clock import Clock
+    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.migrate.calibrate import Calibration
+    from dynamo_ftctl.migrate.ledger import StreamLedger
+    from dynamo_ftctl.migrate.routing import WorkerSlot
+
+__all__ = ["KvHandoff", "load_proxy_calibration"]
+
+log = logging.getLogger("ftctl.proxy")
+
+
+def load_proxy_calibration(inventory: Inventory, config: ProxyConfig) -> Calibration | None:
+    """The proxy's calibration (its path relative to the inventory), or None."""
+    if config.calibration is None:
+        return None
+    from dynamo_ftctl.migrate.calibrate import load_calibration
+
+    return load_calibration(inventory.resolve(config.calibration))
+
+
+class KvHandoff:
+    """KV exports from failed workers and the imports that continue on the next one."""
+
+    def __init__(self, inventory: Inventory, config: ProxyConfig, clock: Clock) -> None:
+        self.inventory = inventory
+        self.config = config
+        self.clock = clock
+        self.calibration = load_proxy_calibration(inventory, config)
+        self._client: httpx.AsyncClient | None = None  # one-shot KV exports
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def export_budget(self, ledger: StreamLedger) -> float:
+        """Seconds to give a KV export when the calibrated model prefers a transfer, else 0.
+
+        Completions with token ids only: a KV import streams completion chunks, and
+        its context must be exactly the ledger's prompt + generated ids. The budget is
+        twice the modelled re-prefill (at least 0.5 s, at most the stall timeout): an
+        export slower than that has lost to re-prefill already (a hung worker).
+        """
+        if self.calibration is None or ledger.endpoint != "completions" \
+                or not ledger.ids_mode or ledger.prompt_ids is None:
+            return 0.0
+        from dynamo_ftctl.migrate.transfer import RequestState, choose_method
+
+        context = (*ledger.prompt_ids, *ledger.generated_ids)
+        state = RequestState(
+            request_id=ledger.trace_id, model=self.calibration.model, token_ids=context,
+            prompt_len=len(ledger.prompt_ids), num_cached=len(context), sampling={},
+            kv_bytes_per_token=self.calibration.kv_bytes_per_token, payload_bytes=0,
+        )
+        plan = choose_method(state, self.calibration)
+        if plan.decision != "kv":
+            return 0.0
+        return min(max(2 * plan.reprefill_s, 0.5), self.config.stall_timeout_s)
+
+    async def export(self, slot: WorkerSlot, ledger: StreamLedger, budget_s: float) -> bytes:
+        """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""
+        import httpx
+
+        from dynamo_ftctl.errors import FtctlError
+        from dynamo_ftctl.migrate.transfer import endpoint_for, export_request
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(
+                self.config.stall_timeout_s, connect=self.config.connect_timeout_s))
+        try:
+            async with asyncio.timeout(budget_s):
+                state, payload, _ = await export_request(
+                    self._client, endpoint_for(self.inventory, slot.name), ledger.trace_id,
+                    abort=True, clock=self.clock,
+                )
+        except (FtctlError, ValueError, TimeoutError) as exc:  # gone, hung, no KV, garbage
+            log.info("no KV export from %s (%s): re-prefill", slot.name, exc)
+            return b""
+        context = [*(ledger.prompt_ids or ()), *ledger.generated_ids]
+        if list(state.token_ids) != context:
+            # It decoded tokens the client never saw (their text is lost): re-prefill.
+            log.info("KV export from %s holds %d tokens, the client saw %d: re-prefill",
+                     slot.name, len(state.token_ids), len(context))
+            return b""
+        return payload
+
+    def import_request(self, slot: WorkerSlot, payload: bytes,
+                       ledger: StreamLedger) -> tuple[str, bytes, dict[str, str]]:
+        """URL, body and headers of the import that continues the request on `slot`."""
+        from dynamo_ftctl.migrate.transfer import endpoint_for
+
+        target = endpoint_for(self.inventory, slot.name)
+        headers = {**target.admin_headers(), "X-Request-Id": ledger.trace_id,
+                   "Content-Type": "application/octet-stream"}
+        return f"{target.admin_url}/admin/kv/import", payload, headers

@@ -1,0 +1,410 @@
+"""The ledger of one client request: everything it has received, across workers.
+
+A `StreamLedger` sees every chunk a worker streams for one client request and
+keeps what a continuation needs: the prompt token ids and every generated
+token id (or, from servers that return no ids, the generated text). It turns
+upstream chunks into the chunks the client sees (one `id`, one `model`, one
+`created`, no second `role` delta, no per-worker usage), and assembles the
+endings: the usage chunk, a clean "length" finish, the whole non-streamed answer.
+
+Stop strings are matched here, not by the workers: a stop string may straddle
+the failure point, and no worker sees both sides of it. The upstream request
+goes without `stop`; `StopFinder` runs over the whole output across workers,
+holding back the text that may begin a stop string (as vLLM and `ftctl sim`
+do), and the attempt cuts the upstream stream when it matches.
+
+Data, not a driver: the upstream attempt (`migrate/attempt.py`) feeds it chunks,
+the migration policy reads it and builds the next body from it
+(`migrate/continuation.py`), the front door renders its endings. Pure code: no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dynamo_ftctl.migrate.chunk import (
+    ErrorEvent,
+    MalformedChunk,
+    chat_choice,
+    choice_of,
+    int_list,
+)
+from dynamo_ftctl.openai import StopFinder
+
+__all__ = ["LENGTH_KEYS", "Endpoint", "StreamLedger", "Usage", "new_request_id"]
+
+Endpoint = Literal["completions", "chat"]
+
+# The client's output limit (completions' name, chat's newer name).
+LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
+# Request ids: a random tag per process and a counter (uuid4 costs a urandom call
+# per request, 1.4% of the proxy's CPU on short requests), laid out as a version-4
+# UUID: servers that validate `X-Request-Id` as a UUID refuse anything else (400).
+_ID_TAG = secrets.token_hex(8)
+_ID_COUNTER = itertools.count()
+# Delta fields a completion cannot reproduce (parsed tool calls, reasoning text): a chat
+# that has streamed them is continued as a chat (text), not through /v1/completions.
+_PARSED_DELTA_KEYS = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+
+
+def new_request_id() -> str:
+    """A fresh request id in the form of a version-4 UUID (random per process, counted)."""
+    n = next(_ID_COUNTER) & ((1 << 60) - 1)
+    tag = _ID_TAG
+    # 8-4-4-4-12 hex; "4" marks version 4 and "8"-"b" the RFC 4122 variant.
+    return (f"{tag[:8]}-{tag[8:12]}-4{tag[12:15]}-{8 | (n >> 58) & 3:x}{(n >> 48) & 0x3ff:03x}"
+            f"-{n & 0xffffffffffff:012x}")
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of the whole client request, every token counted once."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
+
+
+@dataclass
+class StreamLedger:
+    """Everything one client request has received so far, across workers."""
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    migration_limit: int = 3
+    max_model_len: int | None = None
+    # The client's `X-Request-Id`, passed to every worker and echoed back; a fresh UUID
+    # when the client sent none. The answer's `id` is the endpoint's prefix and this.
+    trace_id: str = ""
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_ids: list[int] | None = None
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: str = ""
+    generated_count: int = 0
+    ids_mode: bool = True
+    finish_reason: str | None = None
+    migrations: int = 0
+    attempt_tokens: int = 0
+    prompt_tokens_reported: int | None = None
+    logprobs: dict[str, Any] | None = None
+    workers: list[str] = field(default_factory=list)
+    # The serving worker's time to first token as the proxy saw it (request written to
+    # the first byte of the answer's body): the client's TTFT less this is the proxy's.
+    upstream_ttft_s: float | None = None
+    # The endpoint of the current upstream attempt: a chat continued from token ids
+    # streams from "completions" (see `continuation.continuation_request`).
+    upstream_endpoint: Endpoint = "completions"
+    # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
+    parsed_deltas: bool = False
+    # Trailing generated ids whose text the worker has held back so far (the first bytes
+    # of a character): a continuation starts before them (see `continuation.rewind`).
+    unsettled: int = 0
+    # Ids a rewound continuation generates again that the client already has.
+    replay: list[int] = field(default_factory=list)
+    _role_sent: bool = False
+    _prompt_ids_sent: bool = False
+    _fingerprint: str | None = None
+    # Stop strings the proxy matches itself (None: the request has none).
+    stops: StopFinder | None = None
+    stopped: bool = False  # a stop string matched: the upstream stream must be cut
+    _client_text: str = ""  # the text sent to the client (kept only with stop strings)
+
+    def __post_init__(self) -> None:
+        self.stops = StopFinder.from_body(self.body)
+        self.upstream_endpoint = self.endpoint
+        if not self.trace_id:
+            self.trace_id = new_request_id()
+        if not self.request_id:
+            prefix = "chatcmpl" if self.endpoint == "chat" else "cmpl"
+            self.request_id = f"{prefix}-{self.trace_id}"
+        prompt = self.body.get("prompt")
+        if self.endpoint == "completions" and isinstance(prompt, list) and all(
+            isinstance(v, int) for v in prompt
+        ):
+            self.prompt_ids = list(prompt)
+
+    # ------------------------------------------------------------------ the client's asks
+
+    @property
+    def client_wants_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    @property
+    def client_streams(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def client_wants_usage(self) -> bool:
+        options = self.body.get("stream_options")
+        return not self.client_streams or (
+            isinstance(options, dict) and bool(options.get("include_usage"))
+        )
+
+    @property
+    def max_tokens(self) -> int | None:
+        for key in LENGTH_KEYS:
+            value = self.body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+    @property
+    def output_text(self) -> str:
+        """The text the client has been given (the generated text less stop handling)."""
+        return self.generated_text if self.stops is None else self._client_text
+
+    @property
+    def upstream_path(self) -> str:
+        """The path of the current upstream attempt's endpoint."""
+        return "/v1/chat/completions" if self.upstream_endpoint == "chat" else "/v1/completions"
+
+    @property
+    def exact(self) -> bool:
+        """Whether a continuation is token-exact: prompt ids + generated ids.
+
+        Otherwise it re-sends text (the worker returned no ids, or a chat streamed
+        parsed tool calls or reasoning that a completion cannot reproduce).
+        """
+        if not self.ids_mode or self.prompt_ids is None:
+            return False
+        if self.endpoint == "completions":
+            return True
+        tools = self.body.get("tools")
+        return not self.parsed_deltas and not (tools and self.body.get("tool_choice") != "none")
+
+    # ------------------------------------------------------------------ chunks
+
+    def start_attempt(self, worker: str = "") -> None:
+        """A new upstream stream begins on `worker` (first try, retry or continuation)."""
+        self.attempt_tokens = 0
+        if worker:
+            self.workers.append(worker)
+
+    def note_migration(self) -> None:
+        """Count one continuation on another worker."""
+        self.migrations += 1
+
+    def observe(self, doc: Any) -> dict[str, Any] | None:
+        """Record one upstream chunk; return the chunk to send to the client, or None.
+
+        Raises `MalformedChunk` for anything that is not a completion chunk,
+        including an SSE error event (`{"error": ...}`) and output past
+        `max_tokens` (an endless stream).
+        """
+        if not isinstance(doc, dict):
+            raise MalformedChunk("chunk is not a JSON object")
+        if "error" in doc:
+            error = doc["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise ErrorEvent(f"error event from worker: {message}", doc)
+        choice = choice_of(doc)
+        prompt_ids = doc.get("prompt_token_ids")
+        if choice is not None and prompt_ids is None:
+            prompt_ids = choice.get("prompt_token_ids")
+        if prompt_ids is not None and self.prompt_ids is None and self.migrations == 0:
+            self.prompt_ids = list(int_list(prompt_ids, "prompt_token_ids"))
+        usage = doc.get("usage")
+        if isinstance(usage, dict) and self.prompt_tokens_reported is None \
+                and self.migrations == 0 and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_tokens_reported = usage["prompt_tokens"]
+        if choice is None:
+            return None  # the worker's usage chunk: the proxy sends its own at the end
+        return self._observe_choice(doc, choice)
+
+    def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any] | None:
+        if self.upstream_endpoint == "chat":
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                raise MalformedChunk("chat chunk without a 'delta' object")
+            text = delta.get("content")
+            if not self.parsed_deltas and any(delta.get(k) for k in _PARSED_DELTA_KEYS):
+                self.parsed_deltas = True
+        else:
+            text = choice.get("text")
+            if self.endpoint == "chat":
+                choice = chat_choice(choice, text)
+        if text is not None and not isinstance(text, str):
+            raise MalformedChunk("chunk text is not a string")
+        ids = choice.get("token_ids")
+        new_ids = int_list(ids, "token_ids") if ids is not None else None
+        if new_ids is None and text:
+            self.ids_mode = False
+        count = len(new_ids) if new_ids is not None else (1 if text else 0)
+        limit = self.max_tokens
+        if limit is not None and self.generated_count + count > limit:
+            raise MalformedChunk(f"worker sent more than max_tokens={limit} tokens")
+        if new_ids is not None:
+            self.generated_ids.extend(new_ids)
+            self.unsettled = 0 if text else self.unsettled + len(new_ids)
+            if self.replay:  # the client has these ids already (see `continuation.rewind`)
+                again = min(len(self.replay), len(new_ids))
+                del self.replay[:again]
+                new_ids = new_ids[again:]
+        self.generated_count += count
+        self.attempt_tokens += count
+        if text:
+            self.generated_text += text
+        self._merge_logprobs(choice.get("logprobs"))
+        finish = choice.get("finish_reason")
+        if finish is not None and not isinstance(finish, str):
+            raise MalformedChunk("finish_reason is not a string")
+        if self.stops is not None:
+            text, hit = self.stops.feed(text or "", final=finish is not None)
+            if hit:
+                finish = "stop"
+                self.stopped = True
+            self._client_text += text
+            choice = self._with_text(choice, text, finish)
+        if finish is not None:
+            self.finish_reason = finish
+        return self._client_chunk(doc, choice, text, new_ids)
+
+    def _with_text(self, choice: dict[str, Any], text: str,
+                   finish: str | None) -> dict[str, Any]:
+        """`choice` carrying `text` (after stop handling) and `finish`."""
+        out = dict(choice)
+        out["finish_reason"] = finish
+        if self.endpoint == "chat":
+            delta = dict(choice["delta"])
+            if text or "content" in delta:
+                delta["content"] = text
+            out["delta"] = delta
+        else:
+            out["text"] = text
+        return out
+
+    def _client_chunk(self, doc: dict[str, Any], choice: dict[str, Any], text: str | None,
+                      new_ids: list[int] | None) -> dict[str, Any] | None:
+        out_choice = dict(choice)
+        out_choice["index"] = 0
+        out_choice.pop("prompt_token_ids", None)
+        if not self.client_wants_ids:
+            out_choice.pop("token_ids", None)
+        elif new_ids is not None:
+            out_choice["token_ids"] = new_ids
+        if self.endpoint == "chat":
+            delta = dict(choice["delta"])
+            if "role" in delta:
+                if self._role_sent:
+                    del delta["role"]
+                else:
+                    self._role_sent = True
+            out_choice["delta"] = delta
+            empty = not delta and not text
+        else:
+            empty = not text
+        if empty and choice.get("finish_reason") is None and not new_ids \
+                and choice.get("logprobs") is None:
+            return None  # e.g. the second worker's role-only first chunk
+        out: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.body.get("model", doc.get("model")),
+            "choices": [out_choice],
+        }
+        if self._fingerprint is None and isinstance(doc.get("system_fingerprint"), str):
+            self._fingerprint = doc["system_fingerprint"]
+        if self._fingerprint is not None:
+            out["system_fingerprint"] = self._fingerprint
+        if self.client_wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
+            out["prompt_token_ids"] = self.prompt_ids
+            self._prompt_ids_sent = True
+        return out
+
+    def _merge_logprobs(self, logprobs: Any) -> None:
+        """Accumulate logprobs for a non-streamed answer (completions or chat layout)."""
+        if self.client_streams or not isinstance(logprobs, dict):
+            return
+        if self.logprobs is None:
+            self.logprobs = {}
+        for key, value in logprobs.items():
+            if isinstance(value, list):
+                self.logprobs.setdefault(key, []).extend(value)
+
+    # ------------------------------------------------------------------ endings
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def usage(self) -> Usage:
+        """Usage of the whole request, each token counted once."""
+        if self.prompt_ids is not None:
+            prompt = len(self.prompt_ids)
+        else:
+            prompt = self.prompt_tokens_reported or 0
+        return Usage(prompt_tokens=prompt, completion_tokens=self.generated_count)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The final `choices: []` chunk carrying the request's usage."""
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [],
+            "usage": self.usage().to_json(),
+        }
+
+    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+        """A chunk that ends the stream cleanly (e.g. "length" at the model's max length)."""
+        self.finish_reason = finish_reason
+        held = self.stops.flush() if self.stops is not None else ""
+        self._client_text += held
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.endpoint == "chat":
+            choice["delta"] = {"content": held} if held else {}
+        else:
+            choice["text"] = held
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [choice],
+        }
+
+    def response(self) -> dict[str, Any]:
+        """The whole non-streamed answer, assembled from every worker's chunks."""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": self.finish_reason,
+            "logprobs": self.logprobs,
+        }
+        if self.endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": self.output_text}
+            obj = "chat.completion"
+        else:
+            choice["text"] = self.output_text
+            obj = "text_completion"
+        if self.client_wants_ids:
+            choice["token_ids"] = self.generated_ids
+        out: dict[str, Any] = {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.body.get("model"),
+            "choices": [choice],
+            "usage": self.usage().to_json(),
+        }
+        if self.client_wants_ids and self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
+

@@ -1,0 +1,399 @@
+"""The migration policy: where a request goes next, and whose fault a failure was.
+
+`MigrationPolicy.generate` runs one client request across as many workers as it
+takes: it picks a worker (`routing.Router`), runs one upstream attempt on it
+(`migrate/attempt.py`) and, when the attempt fails, decides what follows from the
+request's `StreamLedger` (`migrate/continuation.py` builds the body): a plain retry
+before the first token (`method="retry"`), re-prefill of prompt + generated ids
+(`"reprefill"`), text continuation for servers without token ids (`"text"`,
+docs/design.md "Continuation"), or a KV handoff (`"kv"`, `migrate/handoff.py`).
+
+Failure attribution: a 4xx (but 408 and 429, which say the worker is loaded),
+as an answer or as an SSE error event's code, is the request's fault: it goes
+to the client, and the worker counts it as an answer, not a failure. A 5xx
+(but 502-504), an error event without such a code, or a connection lost after
+the request went out and before the attempt's first token may be either's
+fault: the request goes to another worker, and the failure is charged (breaker,
+canary daemon report) once that worker's outcome says whose it was. If the
+request fails there the same way (same status, same kind of event, or its
+connection lost again before a token), it is a query of death: the client
+gets a 502 of type `query_of_death`, no further worker is tried, and neither
+worker is charged (`ftctl_proxy_query_of_death_total`). A stream cut after its
+first tokens (a killed worker) is charged at once and never counts towards a
+query of death. Retries of requests with no output yet are capped by
+`proxy.retry_budget` (Envoy's retry budget): past it the request fails with a
+503 of type `retry_budget_exhausted` (`ftctl_proxy_retry_budget_exhausted_total`);
+a worker that went away (refused or dropped the connection) did no work a retry
+repeats, so its retries are not capped.
+
+A failure before any output is `ProxyError` (an HTTP error for the front door to
+answer), after it `StreamAborted` (the stream ends with an error event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dynamo_ftctl.migrate.attempt import UpstreamFailure, UpstreamRefused, estimate_prompt_tokens
+from dynamo_ftctl.migrate.codec import dumps
+from dynamo_ftctl.migrate.continuation import (
+    NotContinuable,
+    continuation_request,
+    first_request,
+    retry_request,
+)
+from dynamo_ftctl.openai import error_body
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.clock import Clock
+    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.migrate.attempt import Lane, Upstream
+    from dynamo_ftctl.migrate.fleet import Fleet
+    from dynamo_ftctl.migrate.handoff import KvHandoff
+    from dynamo_ftctl.migrate.ledger import StreamLedger
+    from dynamo_ftctl.migrate.routing import WorkerSlot
+
+__all__ = ["MigrationPolicy", "ProxyError", "StreamAborted"]
+
+log = logging.getLogger("ftctl.proxy")
+
+
+class ProxyError(Exception):
+    """A failure before any output: answered as an HTTP error."""
+
+    def __init__(self, status: int, body: dict[str, Any],
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+        self.headers = dict(headers or {})
+
+
+class StreamAborted(Exception):
+    """A failure after output began: ends the stream with an error event of type `kind`."""
+
+    def __init__(self, message: str, kind: str = "worker_failed") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class _Suspect:
+    """A failure that may be the request's doing, charged to `slot` only once it is not."""
+
+    slot: WorkerSlot
+    reason: str
+    way: str
+
+
+@dataclass(slots=True)
+class _Trip:
+    """One request's way through the fleet so far: what the policy decides the next step from."""
+
+    ledger: StreamLedger
+    body: dict[str, Any]  # the next upstream body (method "kv": the import's instead)
+    prompt_estimate: int
+    model: str | None = None
+    failed_workers: set[str] = field(default_factory=set)
+    failed_groups: set[str] = field(default_factory=set)
+    yielded: bool = False  # a batch went to the client
+    queued: bool = True  # no first token yet (counted in `Fleet.queued`)
+    failed_at: float | None = None  # when the last failure happened (a migration's gap)
+    source_group: str = ""
+    method: str = ""  # how the next attempt goes on: retry, reprefill, text or kv
+    kv_payload: bytes = b""  # a KV export to import on the next worker (method "kv")
+    suspect: _Suspect | None = None  # a failure charged once another worker tells whose
+    retrying: bool = False  # this attempt holds a place in the retry budget
+    budgeted: bool = False  # the next attempt is a retry the budget caps
+
+
+class MigrationPolicy:
+    """One request's way through the fleet; the retry budget over all of them."""
+
+    def __init__(self, fleet: Fleet, upstream: Upstream, kv: KvHandoff,
+                 config: ProxyConfig, clock: Clock) -> None:
+        self.fleet = fleet
+        self.upstream = upstream
+        self.kv = kv
+        self.config = config
+        self.clock = clock
+        self.metrics = fleet.metrics
+        self._in_flight = 0  # requests in `generate`
+        self._retries_in_flight = 0  # their retries before a first token (the retry budget)
+
+    async def generate(self, ledger: StreamLedger,
+                       lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
+        """Batches of client chunks of one request, across as many workers as it takes.
+
+        Raises `ProxyError` when nothing was produced, `StreamAborted` after. With a
+        `lane`, an attempt's chunks after its first batch may go straight to the
+        client instead (see `Upstream.attempt`).
+        """
+        model = ledger.body.get("model")
+        trip = _Trip(ledger, first_request(ledger),
+                     estimate_prompt_tokens(ledger.endpoint, ledger.body),
+                     model if isinstance(model, str) else None)
+        self.fleet.queued += 1
+        self._in_flight += 1
+        try:
+            while True:
+                slot = self._pick(trip)
+                ledger.start_attempt(slot.name)
+                self.fleet.router.start(slot, trip.prompt_estimate)
+                pending = trip.prompt_estimate
+                if trip.method == "retry" and trip.budgeted:
+                    trip.retrying = True
+                    self._retries_in_flight += 1
+                if trip.method == "kv":
+                    url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
+                else:
+                    url, data, headers = _upstream_request(slot, trip.body, ledger)
+                try:
+                    async for batch in self.upstream.attempt(
+                            slot, url, data, headers, ledger,
+                            load=self.fleet.loads.get(slot.name), lane=lane):
+                        if pending:
+                            self._first_batch(trip, slot, pending)
+                            pending = 0
+                        if ledger.attempt_tokens and (trip.suspect or trip.retrying):
+                            self._runs_here(trip)
+                        trip.yielded = True
+                        yield batch
+                    self.fleet.router.record_success(slot)
+                    if ledger.prompt_ids is not None:
+                        self.fleet.note_prompt(len(ledger.prompt_ids))
+                    return
+                except UpstreamRefused as exc:
+                    self._after_refusal(trip, slot, exc)  # raises unless it goes on
+                except UpstreamFailure as exc:
+                    if not await self._after_failure(trip, slot, exc):
+                        yield [ledger.finish_chunk("length")]
+                        return
+                finally:
+                    self.fleet.router.finish(slot, pending)
+                    if trip.retrying:
+                        trip.retrying = False
+                        self._retries_in_flight -= 1
+        finally:
+            if trip.queued:
+                self.fleet.queued -= 1
+            self._in_flight -= 1
+            if trip.suspect is not None:  # no other worker told (none left, the client left)
+                self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+
+    def _pick(self, trip: _Trip) -> WorkerSlot:
+        """The worker for the next attempt; raises when there is none left."""
+        failed = trip.failed_workers
+        slot = self.fleet.router.pick(
+            model=trip.model, exclude_workers=failed, exclude_groups=trip.failed_groups,
+            avoid_busy=not failed, last_resort=bool(failed),
+        )
+        if slot is None:
+            what = "no other healthy worker to continue on" if failed else "no worker available"
+            if not trip.yielded:
+                raise ProxyError(502 if failed else 503, error_body(
+                    f"Service unavailable: {what}", type="service_unavailable",
+                    code=502 if failed else 503))
+            raise StreamAborted(f"stream broken after {trip.ledger.generated_count} "
+                                f"tokens and {what}")
+        ledger = trip.ledger
+        if slot.max_model_len is not None:
+            ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
+                                       slot.max_model_len)
+        return slot
+
+    def _first_batch(self, trip: _Trip, slot: WorkerSlot, pending: int) -> None:
+        """The attempt's first batch: the worker's prefill is done, a migration went on."""
+        self.fleet.router.first_token(slot, pending)
+        if trip.queued:
+            trip.queued = False
+            self.fleet.queued -= 1
+        if trip.failed_at is not None:
+            # Counted once the stream goes on (a KV import that failed and fell back
+            # to re-prefill counts as that).
+            gap = self.clock.now() - trip.failed_at
+            self.metrics.MIGRATION_TOTAL.labels(trip.source_group, slot.group,
+                                                trip.method).inc()
+            self.metrics.MIGRATION_DURATION.observe(gap)
+            trip.failed_at = None
+
+    def _runs_here(self, trip: _Trip) -> None:
+        """The attempt's first token: an earlier suspect is at fault, the retry is done."""
+        if trip.suspect is not None:
+            # The request runs here: the worker it failed on is at fault.
+            self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+            trip.suspect = None
+        if trip.retrying:
+            trip.retrying = False
+            self._retries_in_flight -= 1
+
+    def _after_refusal(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamRefused) -> None:
+        """A 4xx from `slot`: try again (a KV import, token ids it refuses) or end the request."""
+        ledger = trip.ledger
+        self.fleet.router.record_success(slot)  # it answered: a 4xx is not its failure
+        if _import_failed(trip.method, ledger, slot, exc):
+            trip.method, trip.kv_payload = "reprefill", b""
+            return
+        if trip.method != "kv" and self.fleet.note_refused_ids(
+                slot, ledger.upstream_endpoint, exc.status, exc.body):
+            return  # the same body again, without the field
+        if trip.suspect is not None:
+            # Refused here, it failed there: the request's fault, not that worker's.
+            log.info("%s not charged: %s refused the request it failed on (HTTP %d)",
+                     trip.suspect.slot.name, slot.name, exc.status)
+            self.fleet.router.record_neutral(trip.suspect.slot)
+            trip.suspect = None
+        if not trip.yielded and ledger.generated_count == 0:
+            raise ProxyError(exc.status, _refusal_body(exc)) from None
+        message = exc.body.decode("utf-8", "replace")[:200]
+        what = "continuation" if ledger.migrations else "request"
+        raise StreamAborted(f"{what} refused by {slot.name}: "
+                            f"HTTP {exc.status} {message}") from None
+
+    async def _after_failure(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamFailure) -> bool:
+        """`slot` failed: charge it or suspect the request, choose how the request goes on.
+
+        False when the output is complete by length (the caller ends it cleanly);
+        raises when the request must end (query of death, retry budget, limits).
+        """
+        ledger = trip.ledger
+        if _import_failed(trip.method, ledger, slot, exc):
+            trip.method, trip.kv_payload = "reprefill", b""
+            return True
+        reason = str(exc)
+        log.warning("worker failed: %s (after %d tokens)", reason, ledger.generated_count)
+        # Only a failure before the attempt's first token may be the request's:
+        # a stream cut after it (a killed worker) is the worker's.
+        way = exc.way if not ledger.attempt_tokens else None
+        suspect = trip.suspect
+        if way is not None and suspect is not None and suspect.way == way:
+            trip.suspect = None
+            raise self._query_of_death(ledger, suspect.slot, slot, way, trip.yielded) from None
+        if suspect is not None:  # failed another way here: both workers' fault
+            self.fleet.charge(suspect.slot, suspect.reason)
+            trip.suspect = None
+        if way is None:
+            self.fleet.charge(slot, reason)
+        else:
+            trip.suspect = _Suspect(slot, reason, way)
+        trip.failed_workers.add(slot.name)
+        trip.failed_groups.add(slot.group)
+        trip.failed_at = self.clock.now()
+        trip.source_group = slot.group
+        trip.body, trip.method = self._next_body(ledger, reason)
+        if not trip.body:
+            return False
+        # A worker that went away did no work a retry repeats: the load moves (issue
+        # 22's drill: a SIGKILLed vLLM's queued requests got 503 past the budget).
+        # Answered failures and timeouts are capped.
+        trip.budgeted = trip.method == "retry" and not exc.gone
+        if trip.budgeted and not self._retry_allowed():
+            raise self._retry_refused(reason, trip.yielded) from None
+        # Dynamo's mirror counts the decision to go on (its frontend counts before
+        # re-issuing); ftctl_migrations_total counts the stream going on.
+        self.metrics.DYNAMO_MIGRATION_TOTAL.labels(
+            trip.model or "", "new_request" if trip.method == "retry"
+            else "ongoing_request").inc()
+        export_s = self.kv.export_budget(ledger) if trip.method == "reprefill" else 0
+        if export_s:
+            trip.kv_payload = await self.kv.export(slot, ledger, export_s)
+            if trip.kv_payload:
+                trip.method = "kv"
+        return True
+
+    def _query_of_death(self, ledger: StreamLedger, first: WorkerSlot, second: WorkerSlot,
+                        way: str, yielded: bool) -> Exception:
+        """The error that ends a request that failed `way` on two workers (neither charged).
+
+        The request, not the fleet, is the suspect: tried on every worker, it would
+        open every breaker (issue 22: three such requests took a two-worker cluster
+        down for 60 s). A half-open breaker whose trial it was may try again.
+        """
+        self.fleet.router.record_neutral(first)
+        self.fleet.router.record_neutral(second)
+        self.metrics.QUERY_OF_DEATH.inc()
+        log.warning("query of death: request %s failed the same way (%s) on %s and %s; "
+                    "not tried on more workers, neither charged",
+                    ledger.trace_id, way, first.name, second.name)
+        message = (f"the request failed the same way ({way}) on two workers "
+                   f"({first.name}, {second.name}); it is not tried on more workers, "
+                   "as it may be what breaks them")
+        if yielded:
+            return StreamAborted(message, "query_of_death")
+        return ProxyError(502, error_body(message, type="query_of_death", code=502))
+
+    def _retry_allowed(self) -> bool:
+        """Whether one more retry fits the retry budget (Envoy's `retry_budget`)."""
+        budget = self.config.retry_budget
+        allowed = max(budget.min_retry_concurrency,
+                      budget.budget_percent / 100 * self._in_flight)
+        return self._retries_in_flight < allowed
+
+    def _retry_refused(self, reason: str, yielded: bool) -> Exception:
+        """The error that ends a failed request the retry budget has no room for."""
+        self.metrics.RETRY_BUDGET_EXHAUSTED.inc()
+        log.debug("retry budget spent (%d retries of %d requests in flight): %s",
+                  self._retries_in_flight, self._in_flight, reason)
+        message = (f"{reason}; not retried: the proxy's retry budget is spent "
+                   f"({self._retries_in_flight} retries in flight), please retry later")
+        if yielded:
+            return StreamAborted(message, "retry_budget_exhausted")
+        return ProxyError(503, error_body(message, type="retry_budget_exhausted", code=503),
+                          {"Retry-After": str(self.config.retry_after_s)})
+
+    def _next_body(self, ledger: StreamLedger, reason: str) -> tuple[dict[str, Any], str]:
+        """The next upstream body and the migration method; ({}, "") ends with "length"."""
+        if ledger.generated_count == 0:
+            if ledger.migrations >= ledger.migration_limit:
+                raise self._give_up(ledger, f"{reason}; migration limit "
+                                    f"({ledger.migration_limit}) reached")
+            ledger.note_migration()
+            return retry_request(ledger), "retry"
+        try:
+            body = continuation_request(ledger)
+        except NotContinuable as exc:
+            if exc.finish_reason is not None:
+                return {}, ""
+            raise self._give_up(ledger, f"{reason}; {exc}") from None
+        ledger.note_migration()
+        return body, "reprefill" if ledger.exact else "text"
+
+    @staticmethod
+    def _give_up(ledger: StreamLedger, message: str) -> Exception:
+        if ledger.generated_count == 0 and not ledger.migrations:
+            return ProxyError(502, error_body(message, type="worker_failed", code=502))
+        return StreamAborted(message)
+
+
+def _upstream_request(slot: WorkerSlot, body: dict[str, Any],
+                      ledger: StreamLedger) -> tuple[str, bytes, dict[str, str]]:
+    """URL, body and headers of a generation on `slot` (without ids where it refuses them)."""
+    if not slot.sends_token_ids(ledger.upstream_endpoint):
+        body = {k: v for k, v in body.items() if k != "return_token_ids"}
+    return (f"{slot.url}{ledger.upstream_path}", dumps(body),
+            {"Content-Type": "application/json", "X-Request-Id": ledger.trace_id})
+
+
+def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,
+                   exc: Exception) -> bool:
+    """A KV import that failed before its first token (the caller re-prefills)."""
+    if method != "kv" or ledger.attempt_tokens:
+        return False
+    log.warning("KV import on %s failed (%s); re-prefilling", slot.name, exc)
+    return True
+
+
+def _refusal_body(exc: UpstreamRefused) -> dict[str, Any]:
+    """The client's answer to a 4xx: the worker's JSON error, or its text in one."""
+    try:
+        doc = json.loads(exc.body)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        return doc
+    return error_body(exc.body.decode("utf-8", "replace")[:500],
+                      type="invalid_request_error", code=exc.status)
