@@ -18,7 +18,7 @@ build cost ~120 ms (`benchmarks/startup.py`).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
 from urllib.parse import urlsplit
@@ -139,25 +139,6 @@ class StrictStruct(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 checked = _at(check, value, (name,))
             if checked != value:
                 msgspec.structs.force_setattr(self, name, checked)
-
-    # pydantic's names, kept only for callers that other parts of issue 24 rewrite
-    # (faults/drill.py moves to drill/, cli/proxy.py is rewritten): new code calls
-    # `convert_struct`, `replace` and `to_data`. Delete these once those have moved.
-    @classmethod
-    def model_validate(cls: type[_M], data: Any) -> _M:
-        """`convert_struct(data, cls)` under pydantic's name (see above)."""
-        return convert_struct(data, cls)
-
-    def model_copy(self: _M, *, update: Mapping[str, Any] | None = None) -> _M:
-        """`replace(self, **update)` under pydantic's name (see above)."""
-        return replace(self, **dict(update or {}))
-
-    def model_dump(
-        self, *, mode: str = "json", by_alias: bool = True, exclude_none: bool = False,
-    ) -> dict[str, Any]:
-        """`to_data(self, exclude_none=...)` under pydantic's name (see above)."""
-        del mode, by_alias  # always JSON-compatible, always the file's key names
-        return to_data(self, exclude_none=exclude_none)
 
 
 def _at(check: Callable[[str], str], value: str, loc: tuple[str | int, ...]) -> str:

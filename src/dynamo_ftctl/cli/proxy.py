@@ -64,6 +64,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     """
     from dynamo_ftctl.inventory import ProxyConfig
     from dynamo_ftctl.migrate.proxy import serve
+    from dynamo_ftctl.structs import convert_struct, to_data
 
     inventory = load_inventory_for(ctx)
     overrides: dict[str, Any] = {
@@ -72,10 +73,10 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "calibration": str(calibration.resolve()) if calibration is not None else None,
         "max_connections": max_connections, "max_buffered_mib": max_buffered_mib,
     }
-    data = inventory.proxy.model_dump()
+    data = to_data(inventory.proxy)
     data.update({k: v for k, v in overrides.items() if v is not None})
     # A bad value is `InventoryError` (exit 2) naming the proxy key it went to.
-    config = ProxyConfig.model_validate(data)
+    config = convert_struct(data, ProxyConfig)
 
     def ready(url: str) -> None:
         sys.stderr.write(f"ftctl proxy: serving {len(inventory.workers)} workers on {url}\n")

@@ -50,9 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import cast
-from urllib.parse import unquote
 
 from dynamo_ftctl.httpserver._connection import Connection
 from dynamo_ftctl.httpserver._messages import Handler, Pusher, Reply, Request, Stream
@@ -60,7 +57,7 @@ from dynamo_ftctl.httpserver._messages import Handler, Pusher, Reply, Request, S
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_MAX_BUFFERED",
     "DEFAULT_REQUEST_TIMEOUT_S", "Handler", "Pusher", "Reply", "Request", "Server", "Stream",
-    "call_asgi", "default_max_connections", "raise_open_file_limit", "start_server",
+    "default_max_connections", "raise_open_file_limit", "start_server",
 ]
 
 # A generation request is a few KiB (a long prompt as token ids: ~1 MiB); more is abuse.
@@ -178,51 +175,6 @@ class Server:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-
-
-async def call_asgi(app: Callable[..., Awaitable[None]], request: Request) -> Reply:
-    """Answer `request` with an ASGI app (routes off the hot path); its answer is buffered.
-
-    The app's `receive` gives the body, then waits: a client that leaves cancels
-    the handler task, the app with it.
-    """
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": request.method, "scheme": "http",
-        "path": unquote(request.path), "raw_path": request.path.encode("latin-1"),
-        "query_string": request.query.encode("latin-1"), "root_path": "",
-        "headers": request.headers, "client": request.client, "server": None, "state": {},
-    }
-    delivered = False
-
-    async def receive() -> dict[str, object]:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": request.body, "more_body": False}
-        await asyncio.get_running_loop().create_future()  # never set: cancelled with the task
-        return {"type": "http.disconnect"}  # pragma: no cover
-
-    status = 500
-    content_type = "application/octet-stream"
-    headers: dict[str, str] = {}
-    parts: list[bytes] = []
-
-    async def send(message: Mapping[str, object]) -> None:
-        nonlocal status, content_type
-        if message["type"] == "http.response.start":
-            status = cast("int", message["status"])
-            for name, value in cast("Iterable[tuple[bytes, bytes]]", message.get("headers", ())):
-                key = name.decode("latin-1").lower()
-                if key == "content-type":
-                    content_type = value.decode("latin-1")
-                elif key not in ("content-length", "transfer-encoding", "connection"):
-                    headers[key] = value.decode("latin-1")
-        elif message["type"] == "http.response.body":
-            parts.append(cast("bytes", message.get("body", b"")))
-
-    await app(scope, receive, send)
-    return Reply(status, b"".join(parts), content_type=content_type, headers=headers)
 
 
 async def start_server(handler: Handler, host: str, port: int, *,

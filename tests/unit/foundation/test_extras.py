@@ -29,9 +29,9 @@ def test_guarded_keeps_the_traceback_of_a_missing_base_module() -> None:
     """A base dependency missing is a broken install, not a hint: the error propagates."""
 
     def broken() -> int:
-        raise ModuleNotFoundError("No module named 'starlette'", name="starlette")
+        raise ModuleNotFoundError("No module named 'httptools'", name="httptools")
 
-    with pytest.raises(ModuleNotFoundError, match="starlette"):
+    with pytest.raises(ModuleNotFoundError, match="httptools"):
         guarded(broken, debug=False)
 
 

@@ -183,16 +183,6 @@ def test_copy_and_dump_round_trip(tmp_path: Path) -> None:
     assert moved.source == inventory.source == tmp_path / "ftctl.yaml"
 
 
-def test_pydantic_names_kept_for_unmoved_callers_match(tmp_path: Path) -> None:
-    """model_validate, model_dump and model_copy (kept until their last callers move) are
-    convert_struct, to_data and replace."""
-    inventory = load_inventory(write(tmp_path, VALID))
-    assert inventory.model_dump() == to_data(inventory)
-    assert Inventory.model_validate(inventory.model_dump()) == inventory
-    assert inventory.model_copy(update={"cluster": "x"}) == replace(inventory, cluster="x")
-    assert inventory.model_copy(update={"cluster": "x"}).source == inventory.source
-
-
 def test_parse_inventory_from_text() -> None:
     """Text can be validated without a file; the error names the given label."""
     assert isinstance(parse_inventory(VALID, "inline.yaml"), Inventory)

@@ -15,7 +15,6 @@ from dynamo_ftctl.httpserver import (
     Request,
     Server,
     Stream,
-    call_asgi,
     start_server,
 )
 from tests.loopback import until
@@ -472,25 +471,6 @@ def test_shutdown_deadline_cancels_what_is_still_running() -> None:
         await asyncio.wait_for(server.shutdown(0.05), 5)
         assert cancelled == [True]
         assert await client.closed()
-    run(go())
-
-
-def test_call_asgi_buffers_an_asgi_apps_answer() -> None:
-    """Routes off the hot path go through an ASGI app: its status, headers and body come back."""
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        message = await receive()
-        body = b"%s %s %s" % (scope["method"].encode(), scope["query_string"], message["body"])
-        await send({"type": "http.response.start", "status": 201,
-                    "headers": [(b"content-type", b"text/plain"), (b"x-a", b"1"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def go() -> None:
-        request = Request("POST", "/p", "q=1", [(b"host", b"x")], b"hi")
-        reply = await call_asgi(app, request)
-        assert (reply.status, reply.body, reply.content_type) == (201, b"POST q=1 hi",
-                                                                   "text/plain")
-        assert dict(reply.headers) == {"x-a": "1"}
     run(go())
 
 

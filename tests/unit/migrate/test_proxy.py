@@ -19,6 +19,7 @@ from dynamo_ftctl.capabilities import PROBE_PROMPT
 from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
 from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, MigratingProxy
+from dynamo_ftctl.structs import convert_struct
 from tests.loopback import until
 
 MODEL = "fake-model"
@@ -247,13 +248,13 @@ class Cluster:
             port = runner.addresses[0][1]
             fake.url = f"http://127.0.0.1:{port}"
             self.runners.append(runner)
-        inventory = Inventory.model_validate({
+        inventory = convert_struct({
             "cluster": "t",
             "workers": [{"name": f"w{i}", "url": w.url, "model": MODEL}
                         for i, w in enumerate(self.workers)],
-        })
+        }, Inventory)
         settings = {"stall_timeout_s": 2.0, "scrape_interval_s": 0.05, **self.proxy_settings}
-        self.proxy = MigratingProxy(inventory, ProxyConfig.model_validate(settings))
+        self.proxy = MigratingProxy(inventory, convert_struct(settings, ProxyConfig))
         self.fleet = self.proxy.fleet
         await self.proxy.start()
         # A loaded test machine must not turn a probe into "unknown" (3 s by default).
