@@ -13,7 +13,7 @@ import yaml
 
 from dynamo_ftctl.output import error, warn
 from dynamo_ftctl.redact import install_log_redaction, redact_text, redact_url
-from tests.unit.foundation.test_cli import ROOT, ftctl
+from tests.unit.cli.test_cli import ROOT, ftctl
 
 SECRET_URL = "http://admin:hunter2@127.0.0.1:8101"
 TOKEN_URL = "http://127.0.0.1:8102/?api_key=sk-live-123&model=m"
