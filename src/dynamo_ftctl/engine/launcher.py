@@ -119,11 +119,11 @@ def _read_line(stream: IO[bytes], proc: Child, deadline: float) -> str:
 
 
 def _health_ok(url: str, timeout_s: float) -> bool:
-    import httpx
+    from dynamo_ftctl.http1 import fetch_blocking
 
     try:
-        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
+        return fetch_blocking("GET", f"{url}/health", timeout_s=timeout_s)[0] == 200
+    except OSError:  # http1's HttpError or TimeoutError
         return False
 
 

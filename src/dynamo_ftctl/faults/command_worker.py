@@ -11,6 +11,7 @@ module knows no engine by name.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -108,36 +109,37 @@ def _spawn(spawner: Spawner, argv: list[str], env: dict[str, str], log: Path, *,
 
 def _await_ready(worker: CommandWorker, deadline: float) -> None:
     """/health (the launch's path) 200 by `deadline`, then one warm-up completion."""
-    import httpx
+    from dynamo_ftctl.http1 import fetch_blocking
 
     launch = worker.launch
-    with httpx.Client(timeout=5.0) as client:
-        while True:
-            code = worker.child.poll()
-            if code is not None:
-                msg = (f"worker {worker.name}: {worker.argv[0]} exited with code {code} "
-                       f"before serving ({worker.log}: {worker.log_tail()})")
-                raise Unreachable(msg)
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(worker.url + launch.health_path).status_code == 200:
-                    break
-            if time.monotonic() >= deadline:
-                msg = (f"worker {worker.name}: {worker.url}{launch.health_path} not 200 within "
-                       f"{launch.start_timeout_s:g} s ({worker.log}: {worker.log_tail()})")
-                raise Unreachable(msg)
-            time.sleep(_POLL_S)
-        if launch.warmup:
-            try:
-                response = client.post(
-                    worker.url + "/v1/completions", timeout=max(5.0, deadline - time.monotonic()),
-                    json={"model": worker.model, "prompt": "warm up", "max_tokens": 4})
-            except httpx.HTTPError as exc:
-                msg = f"worker {worker.name}: warm-up request failed: {type(exc).__name__}"
-                raise Unreachable(msg) from None
-            if response.status_code != 200:
-                msg = (f"worker {worker.name}: warm-up request answered HTTP "
-                       f"{response.status_code}: {response.text[:200]}")
-                raise Unreachable(msg)
+    while True:
+        code = worker.child.poll()
+        if code is not None:
+            msg = (f"worker {worker.name}: {worker.argv[0]} exited with code {code} "
+                   f"before serving ({worker.log}: {worker.log_tail()})")
+            raise Unreachable(msg)
+        with contextlib.suppress(OSError):  # http1's HttpError or TimeoutError: not yet
+            if fetch_blocking("GET", worker.url + launch.health_path, timeout_s=5.0)[0] == 200:
+                break
+        if time.monotonic() >= deadline:
+            msg = (f"worker {worker.name}: {worker.url}{launch.health_path} not 200 within "
+                   f"{launch.start_timeout_s:g} s ({worker.log}: {worker.log_tail()})")
+            raise Unreachable(msg)
+        time.sleep(_POLL_S)
+    if launch.warmup:
+        body = json.dumps({"model": worker.model, "prompt": "warm up", "max_tokens": 4})
+        try:
+            status, answer = fetch_blocking(
+                "POST", worker.url + "/v1/completions", body.encode(),
+                {"Content-Type": "application/json"},
+                timeout_s=max(5.0, deadline - time.monotonic()))
+        except OSError as exc:
+            msg = f"worker {worker.name}: warm-up request failed: {type(exc).__name__}"
+            raise Unreachable(msg) from None
+        if status != 200:
+            msg = (f"worker {worker.name}: warm-up request answered HTTP "
+                   f"{status}: {answer[:200].decode('utf-8', 'replace')}")
+            raise Unreachable(msg)
 
 
 def start_command_workers(

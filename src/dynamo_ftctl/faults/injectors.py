@@ -6,7 +6,7 @@ A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
     signal  os.kill(pid, SIGKILL | SIGTERM | SIGSTOP | SIGCONT), or os.kill(-pgid, …) to a
             whole process group (`process.group`: an engine of several processes)
     http    POST {admin_url}/admin/fault with a bearer token read from the
-            environment variable the inventory names (httpx, one shot)
+            environment variable the inventory names (`http1.fetch_blocking`, one shot)
     kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
             /dev/kmsg (or a file, for tests), so GPU health agents fire
     dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid), run through
@@ -29,22 +29,31 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.process import SPAWNER, Spawner
 
-if TYPE_CHECKING:
-    import httpx
-
-__all__ = ["InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
+__all__ = ["Fetch", "InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
 
 InjectorKind = Literal["signal", "http", "kmsg", "dcgm", "net", "load"]
 _HTTP_TIMEOUT_S = 5.0
 _DCGMI_TIMEOUT_S = 15.0
 # DCGM field 230 is DCGM_FI_DEV_XID_ERRORS (dcgm_fields.h): the last Xid seen on the GPU.
 DCGM_XID_FIELD = 230
+
+# One blocking HTTP exchange: (method, url, body, headers, timeout_s) -> (status, body).
+# Failures raise OSError (http1's HttpError; TimeoutError is one).
+Fetch = Callable[[str, str, bytes, dict[str, str], float], tuple[int, bytes]]
+
+
+def http1_fetch(method: str, url: str, body: bytes, headers: dict[str, str],
+                timeout_s: float) -> tuple[int, bytes]:
+    """The real `Fetch`, `http1.fetch_blocking` (imported on the first HTTP step)."""
+    from dynamo_ftctl.http1 import fetch_blocking
+
+    return fetch_blocking(method, url, body, headers, timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,7 @@ class Injectors:
     """Executes steps; every side effect goes through a replaceable seam."""
 
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
-    transport: httpx.BaseTransport | None = None
+    fetch: Fetch = http1_fetch
     kill: Callable[[int, int], None] = os.kill
     spawner: Spawner = SPAWNER  # dcgmi, and the overload fault's load process
 
@@ -132,27 +141,21 @@ class Injectors:
             raise InvalidInput(msg) from None
         return f"sent {name} to process group {pid}" if group else f"sent {name}"
 
-    def _client(self) -> httpx.Client:
-        import httpx
-
-        return httpx.Client(transport=self.transport, timeout=_HTTP_TIMEOUT_S)
-
     def _request(self, method: str, url: str, body: Any, headers: dict[str, str]) -> str:
-        import httpx
-
+        payload = b""
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers = {**headers, "Content-Type": "application/json"}
         try:
-            with self._client() as client:
-                response = client.request(method, url, json=body, headers=headers)
-        except httpx.HTTPError as exc:
-            msg = f"{method} {url}: {type(exc).__name__}: {exc}"
+            status, answer = self.fetch(method, url, payload, headers, _HTTP_TIMEOUT_S)
+        except OSError as exc:  # refused, reset, timed out (TimeoutError is an OSError)
+            msg = f"{method} {url}: {type(exc).__name__}: {exc or 'timed out'}"
             raise Unreachable(msg) from None
-        if response.status_code >= 500:
-            msg = f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
-            raise Unreachable(msg)
-        if response.status_code >= 400:
-            msg = f"{method} {url}: HTTP {response.status_code}: {response.text[:200]}"
-            raise InvalidInput(msg)
-        return f"HTTP {response.status_code}"
+        if status >= 400:
+            text = answer[:200].decode("utf-8", "replace")
+            msg = f"{method} {url}: HTTP {status}: {text}"
+            raise Unreachable(msg) if status >= 500 else InvalidInput(msg)
+        return f"HTTP {status}"
 
     def _token(self, env: str, what: str) -> str:
         token = token_from_env(env, self.environ)

@@ -11,7 +11,8 @@ About 3x aiohttp's requests per core on this machine
 - `pool`: `Pool`, idle connections per (scheme, host, port), request heads
   cached per URL; https over asyncio's TLS on the same connections.
 - `response`: `Response` (an `Exchange`), a streamed answer for `await`ing code.
-- `client`: `Client`, a `Pool` behind `request` and `fetch`.
+- `client`: `Client`, a `Pool` behind `request` and `fetch`; `fetch_blocking`,
+  one exchange for blocking code on a private event loop.
 - `errors`: the tree below.
 
 Errors, all `HttpError` (an `OSError`, as connection errors are) or the
@@ -27,7 +28,7 @@ built-in `TimeoutError`::
 
 from __future__ import annotations
 
-from dynamo_ftctl.http1.client import AnyResponse, Client
+from dynamo_ftctl.http1.client import AnyResponse, Client, fetch_blocking
 from dynamo_ftctl.http1.connection import Connection, Exchange
 from dynamo_ftctl.http1.errors import (
     BodyTooLarge,
@@ -56,4 +57,5 @@ __all__ = [
     "Response",
     "Sink",
     "Unreachable",
+    "fetch_blocking",
 ]

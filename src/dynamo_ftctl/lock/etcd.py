@@ -17,7 +17,10 @@ TTL/3. Tokens need no floor: etcd never reuses a revision.
 
 The gateway speaks protobuf-JSON: keys and values are base64, 64-bit numbers
 are strings and zero values (`succeeded: false`, `create_revision: 0`) are
-omitted. httpx is imported only when an `EtcdLock` is built.
+omitted. HTTP goes through `dynamo_ftctl.http1` (imported on first request,
+so `ftctl lock` with flock never loads it): the JSON calls as one blocking
+exchange each (`PostJson`, the seam tests cut to make a partition), the watch
+as a stream on a private event loop.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput, LockTimeout, Unreachable
@@ -43,12 +46,22 @@ from dynamo_ftctl.lock.protocol import (
     record_released,
 )
 
-if TYPE_CHECKING:
-    import httpx
-
-__all__ = ["EtcdLock"]
+__all__ = ["EtcdLock", "PostJson", "post_json"]
 
 BACKEND = "etcd"
+
+# One POST of a JSON body to a URL within a timeout: (status, body). Failures raise
+# OSError (http1's HttpError and TimeoutError are ones).
+PostJson = Callable[[str, bytes, float], tuple[int, bytes]]
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def post_json(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+    """The real `PostJson`: one blocking http1 exchange."""
+    from dynamo_ftctl.http1 import fetch_blocking
+
+    return fetch_blocking("POST", url, body, _JSON_HEADERS, timeout_s=timeout_s)
 
 
 def _b64(text: str | bytes) -> str:
@@ -70,7 +83,7 @@ class EtcdLock:
     def __init__(
         self, endpoints: Sequence[str], key: str, engine_id: int = 0, *, ttl_s: float = 5.0,
         on_lost: Callable[[LeaseLost], None] | None = None, clock: Clock = SYSTEM_CLOCK,
-        transport: httpx.BaseTransport | None = None, request_timeout_s: float = 2.0,
+        post: PostJson = post_json, request_timeout_s: float = 2.0,
         metrics: bool = False,
     ) -> None:
         if not endpoints:
@@ -79,8 +92,6 @@ class EtcdLock:
         if ttl_s < 1:
             msg = f"etcd lock: ttl {ttl_s:g} s is below etcd's 1 s granularity"
             raise InvalidInput(msg)
-        import httpx
-
         self._endpoints = [e.rstrip("/") for e in endpoints]
         self._key = key
         self._engine_id = engine_id
@@ -89,8 +100,7 @@ class EtcdLock:
         self._clock = clock
         self._metrics = metrics
         self._timeout = request_timeout_s
-        self._transport = transport
-        self._client = httpx.Client(transport=transport, timeout=request_timeout_s)
+        self._send = post
         # Declare the lease lost this long before etcd could expire it.
         self._margin = min(0.5, self._ttl / 10)
         self._cond = threading.Condition()
@@ -132,40 +142,41 @@ class EtcdLock:
                 raise LeaseLost(msg)
             return self._lease
 
-    def _post(self, client: httpx.Client, path: str, body: dict[str, Any],
+    def _post(self, path: str, body: dict[str, Any],
               timeout: float | None = None) -> dict[str, Any]:
-        import httpx
-
         last: Exception | None = None
+        payload = json.dumps(body, separators=(",", ":")).encode()
         for endpoint in self._endpoints:
             try:
-                response = client.post(f"{endpoint}{path}", json=body,
-                                       timeout=timeout or self._timeout)
-            except httpx.HTTPError as exc:
+                status, raw = self._send(f"{endpoint}{path}", payload, timeout or self._timeout)
+            except OSError as exc:  # refused, reset, timed out: the next endpoint
                 last = exc
                 continue
             try:
-                doc = response.json()
+                doc = json.loads(raw)
             except ValueError:
                 doc = {}
-            if response.status_code != 200:
-                message = doc.get("error") or doc.get("message") or response.text[:200]
-                msg = f"etcd {endpoint}{path}: HTTP {response.status_code}: {message}"
+            if not isinstance(doc, dict):
+                doc = {}
+            if status != 200:
+                message = (doc.get("error") or doc.get("message")
+                           or raw[:200].decode("utf-8", "replace"))
+                msg = f"etcd {endpoint}{path}: HTTP {status}: {message}"
                 raise Unreachable(msg)
-            return doc if isinstance(doc, dict) else {}
-        msg = f"etcd {', '.join(self._endpoints)}: {path}: {last}"
+            return doc
+        msg = f"etcd {', '.join(self._endpoints)}: {path}: {last or 'timed out'}"
         raise Unreachable(msg)
 
     def _grant(self) -> tuple[str, int]:
-        doc = self._post(self._client, "/v3/lease/grant", {"TTL": self._ttl})
+        doc = self._post("/v3/lease/grant", {"TTL": self._ttl})
         if doc.get("error"):
             msg = f"etcd lease grant: {doc['error']}"
             raise Unreachable(msg)
         return str(doc["ID"]), int(doc.get("TTL", self._ttl))
 
-    def _revoke(self, client: httpx.Client, lease_id: str) -> None:
+    def _revoke(self, lease_id: str) -> None:
         with contextlib.suppress(Unreachable):
-            self._post(client, "/v3/lease/revoke", {"ID": lease_id})
+            self._post("/v3/lease/revoke", {"ID": lease_id})
 
     def _owner_value(self, acquired_at: float) -> str:
         return json.dumps({
@@ -179,7 +190,7 @@ class EtcdLock:
         lease_id, granted_ttl = self._grant()
         acquired_at = self._clock.wall()
         key = _b64(self._key)
-        doc = self._post(self._client, "/v3/kv/txn", {
+        doc = self._post("/v3/kv/txn", {
             "compare": [{"key": key, "target": "CREATE", "result": "EQUAL",
                          "create_revision": "0"}],
             "success": [{"request_put": {"key": key, "value": _b64(self._owner_value(acquired_at)),
@@ -188,7 +199,7 @@ class EtcdLock:
         })
         revision = int(doc.get("header", {}).get("revision", 0))
         if not doc.get("succeeded"):
-            self._revoke(self._client, lease_id)
+            self._revoke(lease_id)
             return None, revision
         lease = Lease(lock=self._key, backend=BACKEND, engine_id=self._engine_id,
                       token=revision, acquired_at=acquired_at, waited_s=0.0)
@@ -200,18 +211,39 @@ class EtcdLock:
 
     def _wait_deleted(self, after_revision: int, timeout: float | None) -> None:
         """Return when the key is deleted after `after_revision`, or when `timeout` passes."""
-        import httpx
-
-        body = {"create_request": {"key": _b64(self._key), "start_revision": str(after_revision)}}
+        body = json.dumps({"create_request": {
+            "key": _b64(self._key), "start_revision": str(after_revision)}}).encode()
         deadline = None if timeout is None else self._clock.now() + timeout
         for endpoint in self._endpoints:
             read = None if deadline is None else max(0.01, deadline - self._clock.now())
             try:
-                with self._client.stream(
-                    "POST", f"{endpoint}/v3/watch", json=body,
-                    timeout=httpx.Timeout(self._timeout, read=read),
-                ) as response:
-                    for line in response.iter_lines():
+                asyncio.run(self._watch(f"{endpoint}/v3/watch", body, read, deadline))
+            except TimeoutError:
+                # No event before the deadline; before it, the connection timed out.
+                if deadline is not None and self._clock.now() >= deadline:
+                    return
+                continue
+            except OSError:  # refused, reset, not HTTP: the next endpoint
+                continue
+            return
+        msg = f"etcd {', '.join(self._endpoints)}: watch failed"
+        raise Unreachable(msg)
+
+    async def _watch(self, url: str, body: bytes, read: float | None,
+                     deadline: float | None) -> None:
+        """Read the watch stream (one JSON document a line) until a DELETE or the deadline."""
+        from dynamo_ftctl.http1 import Client
+
+        client = Client()
+        try:
+            response = await client.request("POST", url, body, _JSON_HEADERS,
+                                            connect_timeout_s=self._timeout,
+                                            head_timeout_s=read)
+            async with response:
+                pending = b""
+                while piece := await response.next_chunk(read):
+                    *lines, pending = (pending + piece).split(b"\n")
+                    for line in lines:
                         if not line.strip():
                             continue
                         result = json.loads(line).get("result", {})
@@ -221,13 +253,8 @@ class EtcdLock:
                             return
                         if deadline is not None and self._clock.now() >= deadline:
                             return
-            except httpx.ReadTimeout:
-                return
-            except httpx.HTTPError:
-                continue
-            return
-        msg = f"etcd {', '.join(self._endpoints)}: watch failed"
-        raise Unreachable(msg)
+        finally:
+            await client.close()
 
     # -- holding ----------------------------------------------------------------------
 
@@ -244,39 +271,35 @@ class EtcdLock:
             self._on_lost(lost)
 
     def _keep_alive(self, lease_id: str) -> None:
-        import httpx
-
         interval = self._ttl / 3
-        with httpx.Client(transport=self._transport, timeout=self._timeout) as client:
-            while not self._stop.wait(interval):
-                sent = self._clock.now()
-                try:
-                    doc = self._post(client, "/v3/lease/keepalive", {"ID": lease_id},
-                                     timeout=interval)
-                except Unreachable:
-                    continue  # the watchdog decides when it is too late
-                ttl = int(doc.get("result", {}).get("TTL", 0))
-                if ttl <= 0:
-                    self._lose("etcd says the lease expired")
-                    return
-                with self._cond:
-                    self._expires = max(self._expires, sent + ttl - self._margin)
-                    self._cond.notify_all()
-                try:
-                    taken = self._key_taken(client, lease_id)
-                except Unreachable:
-                    continue  # as for a failed renewal: the watchdog decides
-                if taken is not None:
-                    self._lose(taken)
-                    return
+        while not self._stop.wait(interval):
+            sent = self._clock.now()
+            try:
+                doc = self._post("/v3/lease/keepalive", {"ID": lease_id}, timeout=interval)
+            except Unreachable:
+                continue  # the watchdog decides when it is too late
+            ttl = int(doc.get("result", {}).get("TTL", 0))
+            if ttl <= 0:
+                self._lose("etcd says the lease expired")
+                return
+            with self._cond:
+                self._expires = max(self._expires, sent + ttl - self._margin)
+                self._cond.notify_all()
+            try:
+                taken = self._key_taken(lease_id)
+            except Unreachable:
+                continue  # as for a failed renewal: the watchdog decides
+            if taken is not None:
+                self._lose(taken)
+                return
 
-    def _key_taken(self, client: httpx.Client, lease_id: str) -> str | None:
+    def _key_taken(self, lease_id: str) -> str | None:
         """Why the key is no longer the one this lease created, or None while it is."""
         with self._cond:
             lease = self._lease
         if lease is None:
             return None  # released meanwhile
-        kvs = self._post(client, "/v3/kv/range", {"key": _b64(self._key)}).get("kvs") or []
+        kvs = self._post("/v3/kv/range", {"key": _b64(self._key)}).get("kvs") or []
         if not kvs:
             return "the key was deleted"
         created = int(kvs[0].get("create_revision", 0))
@@ -388,17 +411,16 @@ class EtcdLock:
             thread.join(timeout=self._timeout * 2)
         self._threads = []
         if lease_id is not None:
-            self._revoke(self._client, lease_id)
+            self._revoke(lease_id)
         if lease is not None and self._metrics:
             record_released(self._key, self._engine_id)
 
     def close(self) -> None:
-        """Release and close the HTTP client."""
+        """Release (no connection outlives a request)."""
         self.release()
-        self._client.close()
 
     def owner(self) -> OwnerInfo | None:
-        doc = self._post(self._client, "/v3/kv/range", {"key": _b64(self._key)})
+        doc = self._post("/v3/kv/range", {"key": _b64(self._key)})
         kvs = doc.get("kvs") or []
         if not kvs:
             return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import os
 import secrets
 import signal
@@ -41,8 +42,7 @@ from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
 from dynamo_ftctl.process import SPAWNER, Child
 
 if TYPE_CHECKING:
-    import httpx
-
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.httpapp import BackgroundServer, Router
     from dynamo_ftctl.httpserver import Reply, Request
 
@@ -271,19 +271,17 @@ class _Run:
     async def _wait_any(self, *futures: asyncio.Future[Any], timeout: float | None = None) -> None:
         await asyncio.wait(set(futures), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
 
-    async def _wait_ready(self, client: httpx.AsyncClient, exited: asyncio.Future[int]) -> None:
-        import httpx
-
+    async def _wait_ready(self, client: Client, exited: asyncio.Future[int]) -> None:
         deadline = self.clock.now() + self.config.ready_timeout_s
         url = f"{self.config.engine_url}/health"
         while True:
             if exited.done():
                 raise self._engine_died()
             try:
-                response = await client.get(url, timeout=2.0)
-                if response.status_code == 200:
+                status, _ = await client.fetch("GET", url, timeout_s=2.0)
+                if status == 200:
                     return
-            except httpx.HTTPError:
+            except OSError:  # http1's HttpError or TimeoutError: not up yet
                 pass
             if self.clock.now() >= deadline:
                 msg = (f"engine not healthy at {url} within "
@@ -291,23 +289,19 @@ class _Run:
                 raise Unreachable(msg)
             await self._wait_any(exited, timeout=_READY_POLL_S)
 
-    async def _post(self, client: httpx.AsyncClient, path: str, timeout: float) -> int:
-        import httpx
-
+    async def _post(self, client: Client, path: str, timeout: float) -> int:
         try:
-            response = await client.post(
-                f"{self.config.engine_url}{path}", timeout=timeout,
+            status, _ = await client.fetch(
+                "POST", f"{self.config.engine_url}{path}", timeout_s=timeout,
                 headers=bearer_headers(self.engine_env.get(self.config.admin_token_env)))
-        except httpx.TimeoutException:
+        except TimeoutError:
             return 0
-        except httpx.HTTPError as exc:
+        except OSError as exc:  # http1's HttpError: refused, reset, not HTTP
             msg = f"engine {self.config.engine_url}{path}: {exc}"
             raise Unreachable(msg) from exc
-        return response.status_code
+        return status
 
-    async def _wake(self, client: httpx.AsyncClient, exited: asyncio.Future[int]) -> None:
-        import httpx
-
+    async def _wake(self, client: Client, exited: asyncio.Future[int]) -> None:
         limit = self.config.wake_timeout_s
         deadline = self.clock.now() + limit
         too_slow = CheckFailed(f"engine did not wake within {limit:g} s (--wake-timeout)")
@@ -321,13 +315,14 @@ class _Run:
             raise CheckFailed(msg)
         while True:  # vLLM answers /wake_up before the weights are remapped
             try:
-                response = await client.get(f"{self.config.engine_url}/is_sleeping",
-                                            timeout=max(0.01, deadline - self.clock.now()))
-            except httpx.HTTPError:
-                response = None
-            if response is None or response.status_code == 404:
+                status, body = await client.fetch(
+                    "GET", f"{self.config.engine_url}/is_sleeping",
+                    timeout_s=max(0.01, deadline - self.clock.now()))
+            except OSError:  # http1's HttpError or TimeoutError
+                status, body = 0, b""
+            if status in (0, 404):
                 return  # an engine without /is_sleeping is awake when /wake_up returns
-            if response.status_code == 200 and not response.json().get("is_sleeping", False):
+            if status == 200 and not json.loads(body).get("is_sleeping", False):
                 return
             if self.clock.now() >= deadline:
                 raise too_slow
@@ -359,7 +354,7 @@ class _Run:
             raise self._engine_died()
         return stop.result()
 
-    async def _run_cold(self, client: httpx.AsyncClient, lost: asyncio.Future[LeaseLost],
+    async def _run_cold(self, client: Client, lost: asyncio.Future[LeaseLost],
                         stop: asyncio.Future[int], detail: str) -> int:
         """No engine until the lock is held; then start it and serve once it is healthy."""
         self.enter(EngineState.STANDBY, detail=detail, standby="cold")
@@ -385,7 +380,7 @@ class _Run:
         self.enter(EngineState.ACTIVE, detail="serving")
         return await self._serve(exited, lost, stop)
 
-    async def _no_sleep(self, client: httpx.AsyncClient, exited: asyncio.Future[int],
+    async def _no_sleep(self, client: Client, exited: asyncio.Future[int],
                         lost: asyncio.Future[LeaseLost], stop: asyncio.Future[int],
                         status: int) -> int:
         """/sleep refused: strict mode stops (exit 2); auto serves or waits cold."""
@@ -417,7 +412,7 @@ class _Run:
                                     "waiting for the lock")
 
     async def run(self, stop: asyncio.Future[int]) -> int:
-        import httpx
+        from dynamo_ftctl.http1 import Client
 
         loop = asyncio.get_running_loop()
         lost: asyncio.Future[LeaseLost] = loop.create_future()
@@ -433,7 +428,8 @@ class _Run:
         set_on_lost = getattr(self.lock, "set_on_lost", None)
         if set_on_lost is not None:
             set_on_lost(tell_lost)
-        async with httpx.AsyncClient() as client:
+        client = Client()
+        try:
             if self.engine is None:
                 return await self._run_cold(client, lost, stop,
                                             "cold: the engine starts when the lock is held")
@@ -464,6 +460,8 @@ class _Run:
             await self._wake(client, exited)
             self.enter(EngineState.ACTIVE, detail="serving")
             return await self._serve(exited, lost, stop)
+        finally:
+            await client.close()
 
 
 def run_failover(

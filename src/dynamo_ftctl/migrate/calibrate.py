@@ -50,9 +50,9 @@ from dynamo_ftctl.migrate.cost import (
 from dynamo_ftctl.structs import StrictStruct, doc, load_struct, to_data
 
 if TYPE_CHECKING:
-    import httpx
     from rich.console import Group
 
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import Inventory
     from dynamo_ftctl.migrate.transfer import Endpoint
 
@@ -69,6 +69,10 @@ __all__ = [
     "plan_from_options",
     "save_calibration",
 ]
+
+# Per connection, header wait and read (the CLI's --timeout default).
+_TIMEOUT_S = 60.0
+_JSON = {"Content-Type": "application/json"}
 
 
 class PrefillFit(StrictStruct, frozen=True, kw_only=True):
@@ -249,20 +253,20 @@ def prompt_ids(length: int, salt: int = 0) -> list[int]:
     return [32 + (i * 7 + salt) % 95 for i in range(length)]
 
 
-async def _served_model(client: httpx.AsyncClient, ep: Endpoint) -> tuple[str, int]:
-    from dynamo_ftctl.migrate.transfer import http_errors, refusal
+async def _served_model(client: Client, ep: Endpoint, timeout_s: float) -> tuple[str, int]:
+    from dynamo_ftctl.migrate.transfer import fetch, http_errors, refusal
 
     async with http_errors("GET /v1/models", ep):
-        response = await client.get(f"{ep.url}/v1/models")
-    if response.status_code != 200:
-        raise refusal(ep, "GET /v1/models", response)
-    first = response.json()["data"][0]
+        status, body = await fetch(client, "GET", f"{ep.url}/v1/models", timeout_s=timeout_s)
+    if status != 200:
+        raise refusal(ep, "GET /v1/models", status, body)
+    first = json.loads(body)["data"][0]
     return str(first["id"]), int(first.get("max_model_len") or 2048)
 
 
 async def time_prefill(
-    client: httpx.AsyncClient, ep: Endpoint, model: str, length: int, *, clock: Clock,
-    salt: int = 0,
+    client: Client, ep: Endpoint, model: str, length: int, *, clock: Clock,
+    salt: int = 0, timeout_s: float = _TIMEOUT_S,
 ) -> float:
     """Seconds to the first token of a `max_tokens=1` completion of `length` prompt tokens."""
     from dynamo_ftctl.migrate.transfer import stream_completion
@@ -271,13 +275,15 @@ async def time_prefill(
     body = completion_request(model, prompt_ids(length, salt), max_tokens=1, temperature=0.0,
                               stream=True, return_token_ids=True)
     cont = await stream_completion(client, ep, "prefill", "POST", f"{ep.url}/v1/completions",
-                                   clock=clock, json=body)
+                                   clock=clock, body=json.dumps(body).encode(),
+                                   headers=_JSON, timeout_s=timeout_s)
     return cont.first_token_s
 
 
 async def start_in_flight(
-    client: httpx.AsyncClient, ep: Endpoint, model: str, length: int, *, max_tokens: int,
+    client: Client, ep: Endpoint, model: str, length: int, *, max_tokens: int,
     request_id: str, seed: int = 0, temperature: float = 0.0,
+    timeout_s: float = _TIMEOUT_S,
 ) -> asyncio.Task[None]:
     """Start a streaming request and return once its first token has arrived.
 
@@ -294,22 +300,24 @@ async def start_in_flight(
 
     async def read() -> None:
         try:
-            async with http_errors("start request", ep), client.stream(
-                "POST", f"{ep.url}/v1/completions", json=body,
-                headers={"X-Request-Id": request_id},
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise refusal(ep, "start request", response)
-                decoder = SseDecoder()
-                async for chunk in response.aiter_bytes():
-                    for event in decoder.feed(chunk):
-                        try:
-                            parsed = parse_sse_event(event)
-                        except FtctlError:  # the abort ends the stream with an error event
-                            parsed = None
-                        if parsed is not None and parsed.token_ids and not first.done():
-                            first.set_result(None)
+            async with http_errors("start request", ep):
+                response = await client.request(
+                    "POST", f"{ep.url}/v1/completions", json.dumps(body).encode(),
+                    {**_JSON, "X-Request-Id": request_id},
+                    connect_timeout_s=timeout_s, head_timeout_s=timeout_s)
+                async with response:
+                    if response.status != 200:
+                        answer = await response.read(timeout_s=timeout_s)
+                        raise refusal(ep, "start request", response.status or 0, answer)
+                    decoder = SseDecoder()
+                    while chunk := await response.next_chunk(timeout_s):
+                        for event in decoder.feed(chunk):
+                            try:
+                                parsed = parse_sse_event(event)
+                            except FtctlError:  # the abort ends the stream with an error event
+                                parsed = None
+                            if parsed is not None and parsed.token_ids and not first.done():
+                                first.set_result(None)
         except Exception as exc:  # handed to the waiter below
             if not first.done():
                 first.set_exception(exc)
@@ -327,36 +335,41 @@ async def start_in_flight(
 
 
 async def time_kv_move(
-    client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *, model: str, length: int,
-    max_model_len: int, repeats: int, clock: Clock,
+    client: Client, worker: Endpoint, peer: Endpoint, *, model: str, length: int,
+    max_model_len: int, repeats: int, clock: Clock, timeout_s: float = _TIMEOUT_S,
 ) -> tuple[Sample, Sample, Sample]:
     """Median export, import-to-first-token and their sum for a context of `length` tokens.
 
     Each repeat moves a fresh in-flight request exactly as a migration does: export
     with abort from the running worker, import on the peer up to its first token.
     """
-    from dynamo_ftctl.migrate.transfer import export_request, stream_completion
+    from dynamo_ftctl.migrate.transfer import (
+        EXPORT_LIMIT,
+        export_request,
+        fetch,
+        stream_completion,
+    )
 
     max_tokens = max(2, min(128, max_model_len - length - 1))
     exports, imports, tokens = [], [], []
     for _ in range(repeats):
         rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
         reader = await start_in_flight(client, worker, model, length, max_tokens=max_tokens,
-                                       request_id=rid)
+                                       request_id=rid, timeout_s=timeout_s)
         try:
             state, payload, export_s = await export_request(client, worker, rid, abort=True,
-                                                            clock=clock)
+                                                            clock=clock, timeout_s=timeout_s)
         finally:
             reader.cancel()
         cont = await stream_completion(
             client, peer, "KV import", "POST", f"{peer.admin_url}/admin/kv/import", clock=clock,
-            first_only=True, content=payload,
+            first_only=True, body=payload, timeout_s=timeout_s,
             headers={**peer.admin_headers(), "X-Request-Id": rid,
                      "Content-Type": "application/octet-stream"},
         )
         # Stop the imported copy: it would otherwise decode its remaining tokens.
-        await client.get(f"{peer.admin_url}/admin/kv/{rid}", params={"abort": "true"},
-                         headers=peer.admin_headers())
+        await fetch(client, "GET", f"{peer.admin_url}/admin/kv/{rid}?abort=true",
+                    headers=peer.admin_headers(), timeout_s=timeout_s, limit=EXPORT_LIMIT)
         exports.append(export_s)
         imports.append(cont.first_token_s)
         tokens.append(len(state.token_ids))
@@ -367,21 +380,24 @@ async def time_kv_move(
                 [a + b for a, b in zip(exports, imports, strict=True)])))
 
 
-async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> dict[str, int]:
+async def _layout(client: Client, worker: Endpoint, model: str,
+                  timeout_s: float) -> dict[str, int]:
     from dynamo_ftctl.kv.wire import decode_kv
-    from dynamo_ftctl.migrate.transfer import http_errors, refusal
+    from dynamo_ftctl.migrate.transfer import EXPORT_LIMIT, fetch, http_errors, refusal
 
     rid = f"ftctl-calibrate-{uuid.uuid4().hex[:12]}"
-    reader = await start_in_flight(client, worker, model, 16, max_tokens=128, request_id=rid)
+    reader = await start_in_flight(client, worker, model, 16, max_tokens=128, request_id=rid,
+                                   timeout_s=timeout_s)
     try:
         async with http_errors("KV export", worker):
-            response = await client.get(f"{worker.admin_url}/admin/kv/{rid}",
-                                        params={"abort": "true"}, headers=worker.admin_headers())
+            status, body = await fetch(
+                client, "GET", f"{worker.admin_url}/admin/kv/{rid}?abort=true",
+                headers=worker.admin_headers(), timeout_s=timeout_s, limit=EXPORT_LIMIT)
     finally:
         reader.cancel()
-    if response.status_code != 200:
-        raise refusal(worker, "KV export", response)
-    lay = decode_kv(response.content).header.layout
+    if status != 200:
+        raise refusal(worker, "KV export", status, body)
+    lay = decode_kv(body).header.layout
     from dynamo_ftctl.kv.layout import dtype_bytes
 
     return {"layers": lay.num_layers, "kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
@@ -389,24 +405,26 @@ async def _layout(client: httpx.AsyncClient, worker: Endpoint, model: str) -> di
 
 
 async def calibrate(
-    client: httpx.AsyncClient, worker: Endpoint, peer: Endpoint, *,
+    client: Client, worker: Endpoint, peer: Endpoint, *,
     lengths: Sequence[int], repeats: int = 3, clock: Clock = SYSTEM_CLOCK,
     on_progress: Callable[[int, int], None] | None = None,
+    timeout_s: float = _TIMEOUT_S,
 ) -> Calibration:
     """Measure prefill at `lengths` and KV moves worker → peer; fit both models.
 
-    `on_progress(done, total)` follows the timed prefill + KV move pairs.
+    `on_progress(done, total)` follows the timed prefill + KV move pairs;
+    `timeout_s` bounds each connection, wait for headers and wait for bytes.
     """
-    model, max_len = await _served_model(client, worker)
+    model, max_len = await _served_model(client, worker, timeout_s)
     usable = [n for n in lengths if n < max_len - 2]
     if len(usable) < 3:
         msg = f"--lengths: need three lengths below the model's maximum of {max_len} tokens"
         raise InvalidInput(msg)
-    layout = await _layout(client, worker, model)
+    layout = await _layout(client, worker, model, timeout_s)
     # Warm both paths (allocator, caches, connections) before anything is timed.
-    await time_prefill(client, worker, model, usable[-1], clock=clock)
+    await time_prefill(client, worker, model, usable[-1], clock=clock, timeout_s=timeout_s)
     await time_kv_move(client, worker, peer, model=model, length=usable[0],
-                       max_model_len=max_len, repeats=1, clock=clock)
+                       max_model_len=max_len, repeats=1, clock=clock, timeout_s=timeout_s)
     prefill_samples, move_samples = [], []
     total = len(usable) * repeats
     for step, n in enumerate(usable):
@@ -414,9 +432,11 @@ async def calibrate(
         # both curves alike.
         prefills, moves = [], []
         for r in range(repeats):
-            prefills.append(await time_prefill(client, worker, model, n, clock=clock, salt=r))
+            prefills.append(await time_prefill(client, worker, model, n, clock=clock, salt=r,
+                                               timeout_s=timeout_s))
             moves.append(await time_kv_move(client, worker, peer, model=model, length=n,
-                                            max_model_len=max_len, repeats=1, clock=clock))
+                                            max_model_len=max_len, repeats=1, clock=clock,
+                                            timeout_s=timeout_s))
             if on_progress is not None:
                 on_progress(step * repeats + r + 1, total)
         prefill_samples.append(Sample(tokens=n, seconds=statistics.median(prefills)))
@@ -474,12 +494,11 @@ class CalibrationResult:
 
 def calibrate_workers(
     inventory: Inventory, *, worker: str, peer: str | None, lengths: Sequence[int],
-    repeats: int, output: Path, timeout_s: float = 60.0,
+    repeats: int, output: Path, timeout_s: float = _TIMEOUT_S,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
     """Calibrate inventory workers and save the file (the CLI's entry)."""
-    import httpx
-
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.migrate.transfer import endpoint_for
     from dynamo_ftctl.output import check_output_path
 
@@ -488,9 +507,12 @@ def calibrate_workers(
     dst = endpoint_for(inventory, peer) if peer else src
 
     async def run() -> Calibration:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
+        client = Client()
+        try:
             return await calibrate(client, src, dst, lengths=lengths, repeats=repeats,
-                                   on_progress=on_progress)
+                                   on_progress=on_progress, timeout_s=timeout_s)
+        finally:
+            await client.close()
 
     calibration = asyncio.run(run())
     save_calibration(calibration, output)

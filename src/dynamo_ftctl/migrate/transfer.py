@@ -22,12 +22,14 @@ with no export route cannot hand the request's state over at all, which is
 `KvApiMissing` (exit 2): there the proxy, which saw every token it streamed,
 is what moves requests.
 
-HTTP goes through one injected `httpx.AsyncClient` (the seam for tests);
-errors become `Unreachable` (no answer) or `InvalidInput` (refused).
+HTTP goes through one injected `dynamo_ftctl.http1.Client`; its errors become
+`Unreachable` (no answer) or `InvalidInput` (refused), in one line naming the
+worker. (`export_request` still takes the proxy's httpx client too, for now.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -36,17 +38,21 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import FtctlError, InvalidInput, Unreachable
+from dynamo_ftctl.http1.response import DEFAULT_LIMIT
 
 if TYPE_CHECKING:
     import httpx
     from rich.console import Group
 
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import Inventory
     from dynamo_ftctl.kv.wire import KvHeader
     from dynamo_ftctl.migrate.calibrate import Calibration
     from dynamo_ftctl.migrate.cost import MigrationPlan
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "EXPORT_LIMIT",
     "Continuation",
     "Endpoint",
     "KvApiMissing",
@@ -54,6 +60,7 @@ __all__ = [
     "RequestState",
     "endpoint_for",
     "export_request",
+    "fetch",
     "http_errors",
     "migrate_request",
     "migrate_request_sync",
@@ -68,6 +75,10 @@ Method = Literal["kv", "reprefill"]
 METHODS = ("auto", "kv", "reprefill")
 # How a server says it has no such route: its router's 404, or 405 / 501.
 _NO_ROUTE = (404, 405, 501)
+# Per connection, header wait and read, unless the caller says otherwise (the CLI's default).
+DEFAULT_TIMEOUT_S = 60.0
+# http1's 10 MiB default would refuse a long context's export; the worker's cache bounds it.
+EXPORT_LIMIT = 1 << 40
 
 
 class KvApiMissing(InvalidInput):
@@ -198,39 +209,63 @@ def _state_from_header(header: KvHeader, payload_bytes: int) -> RequestState:
 
 @asynccontextmanager
 async def http_errors(what: str, endpoint: Endpoint) -> AsyncIterator[None]:
-    import httpx
+    """Translate http1's failures inside the block into one-line `Unreachable`s."""
+    from dynamo_ftctl.http1 import HttpError
 
     try:
         yield
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:
         msg = f"{endpoint.name}: {what} timed out ({exc.__class__.__name__})"
         raise Unreachable(msg) from None
-    except httpx.TransportError as exc:
+    except HttpError as exc:
         msg = f"{endpoint.name}: {what} failed: {exc.__class__.__name__}: {exc}"
         raise Unreachable(msg) from None
 
 
-def refusal(endpoint: Endpoint, what: str, response: httpx.Response) -> FtctlError:
+async def fetch(client: Client, method: str, url: str, body: bytes = b"",
+                headers: dict[str, str] | None = None, *, timeout_s: float,
+                limit: int = DEFAULT_LIMIT) -> tuple[int, bytes]:
+    """One exchange, (status, body): `timeout_s` for the connection, the headers and each read.
+
+    Not `Client.fetch` (one deadline for everything): a large KV export may take
+    longer than `timeout_s` in all while its bytes keep coming.
+    """
+    response = await client.request(method, url, body, headers, connect_timeout_s=timeout_s,
+                                    head_timeout_s=timeout_s)
+    async with response:
+        assert response.status is not None  # set before the headers are complete
+        return response.status, await response.read(limit, timeout_s)
+
+
+def _detail(body: bytes) -> str:
+    """The OpenAI error message of an answer's body, or the body as text."""
+    text = body.decode("utf-8", "replace")
     try:
-        detail = response.json().get("error", {}).get("message", response.text)
+        doc = json.loads(body)
     except ValueError:
-        detail = response.text
-    msg = f"{endpoint.name}: {what} refused ({response.status_code}): {str(detail)[:200]}"
-    if response.status_code >= 500:
+        return text
+    error = doc.get("error") if isinstance(doc, dict) else None
+    return str(error.get("message", text)) if isinstance(error, dict) else text
+
+
+def refusal(endpoint: Endpoint, what: str, status: int, body: bytes) -> FtctlError:
+    """A worker's non-2xx answer: `Unreachable` for 5xx, `InvalidInput` otherwise."""
+    msg = f"{endpoint.name}: {what} refused ({status}): {_detail(body)[:200]}"
+    if status >= 500:
         return Unreachable(msg)
     return InvalidInput(msg)
 
 
-def _route_missing(response: httpx.Response) -> bool:
-    """Whether `response` is a router's "no such route" rather than the admin API's answer.
+def _route_missing(status: int, body: bytes) -> bool:
+    """Whether an answer is a router's "no such route" rather than the admin API's answer.
 
     The sim's export answers an unknown request id with 404 and `error.type`
     NotFoundError; vLLM's router answers a missing route with 404 and type "Not Found".
     """
-    if response.status_code != 404:
-        return response.status_code in _NO_ROUTE
+    if status != 404:
+        return status in _NO_ROUTE
     try:
-        doc = response.json()
+        doc = json.loads(body)
     except ValueError:
         return True
     error = doc.get("error") if isinstance(doc, dict) else None
@@ -245,67 +280,95 @@ def _no_export_api(source: Endpoint, request_id: str, status: int) -> KvApiMissi
         "tokens it streamed")
 
 
-def _import_refusal(target: Endpoint, what: str, response: httpx.Response) -> FtctlError:
-    if response.status_code in _NO_ROUTE:  # the import route never answers these itself
+def _import_refusal(target: Endpoint, what: str, status: int, body: bytes) -> FtctlError:
+    if status in _NO_ROUTE:  # the import route never answers these itself
         return KvApiMissing(f"{target.name}: no KV import API (POST /admin/kv/import "
-                            f"answered HTTP {response.status_code})")
-    return refusal(target, what, response)
+                            f"answered HTTP {status})")
+    return refusal(target, what, status, body)
+
+
+async def _httpx_get(client: httpx.AsyncClient, url: str,
+                     headers: dict[str, str]) -> tuple[int, bytes]:
+    """A GET through an httpx client, its failures as http1's (the proxy's KV exports).
+
+    Transitional: the proxy still hands `export_request` an httpx client; once it
+    hands an http1 `Client`, this goes, and httpx with it.
+    """
+    import httpx
+
+    from dynamo_ftctl.http1 import ConnectionBroken
+
+    try:
+        response = await client.get(url, headers=headers)
+    except httpx.TimeoutException as exc:
+        raise TimeoutError(str(exc)) from None
+    except httpx.TransportError as exc:
+        raise ConnectionBroken(f"{exc.__class__.__name__}: {exc}") from None
+    return response.status_code, response.content
 
 
 async def export_request(
-    client: httpx.AsyncClient, source: Endpoint, request_id: str, *, abort: bool = True,
-    clock: Clock = SYSTEM_CLOCK,
+    client: Client | httpx.AsyncClient, source: Endpoint, request_id: str, *,
+    abort: bool = True, clock: Clock = SYSTEM_CLOCK, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[RequestState, bytes, float]:
     """Export `request_id` from `source` (stopping it there when `abort`).
 
     Returns the decoded state, the raw payload and the seconds the export took;
     `KvApiMissing` when the source has no export route (vLLM).
     """
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.kv.wire import decode_kv
 
+    url = f"{source.admin_url}/admin/kv/{request_id}{'?abort=true' if abort else ''}"
     start = clock.now()
     async with http_errors("KV export", source):
-        response = await client.get(
-            f"{source.admin_url}/admin/kv/{request_id}",
-            params={"abort": "true"} if abort else None, headers=source.admin_headers(),
-        )
+        if isinstance(client, Client):
+            status, payload = await fetch(client, "GET", url, headers=source.admin_headers(),
+                                          timeout_s=timeout_s, limit=EXPORT_LIMIT)
+        else:
+            status, payload = await _httpx_get(client, url, source.admin_headers())
     elapsed = clock.now() - start
-    if response.status_code != 200:
-        if _route_missing(response):
-            raise _no_export_api(source, request_id, response.status_code)
-        raise refusal(source, f"KV export of {request_id!r}", response)
-    payload = response.content
+    if status != 200:
+        if _route_missing(status, payload):
+            raise _no_export_api(source, request_id, status)
+        raise refusal(source, f"KV export of {request_id!r}", status, payload)
     decoded = decode_kv(payload)
     return _state_from_header(decoded.header, len(payload)), payload, elapsed
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, endpoint: Endpoint, what: str, method: str, url: str, *,
+    client: Client, endpoint: Endpoint, what: str, method: str, url: str, *,
     clock: Clock, first_only: bool = False,
-    refuse: Callable[[Endpoint, str, httpx.Response], FtctlError] = refusal, **kwargs: Any,
+    refuse: Callable[[Endpoint, str, int, bytes], FtctlError] = refusal,
+    body: bytes = b"", headers: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Continuation:
     """POST/GET a streaming completion and collect it (up to the first token if `first_only`).
 
-    A status other than 200 raises `refuse(endpoint, what, response)`.
+    A status other than 200 raises `refuse(endpoint, what, status, body)`;
+    `timeout_s` bounds the connection, the headers and each wait for bytes.
     """
     from dynamo_ftctl.openai import SseDecoder, StreamAccumulator, parse_sse_event
 
     acc = StreamAccumulator()
     first: float | None = None
     start = clock.now()
-    async with http_errors(what, endpoint), client.stream(method, url, **kwargs) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise refuse(endpoint, what, response)
-        decoder = SseDecoder()
-        async for chunk in response.aiter_bytes():
-            for event in decoder.feed(chunk):
-                parsed = parse_sse_event(event)
-                if parsed is not None and parsed.token_ids and first is None:
-                    first = clock.now() - start
-                acc.add(parsed)
-            if acc.done or (first_only and first is not None):
-                break
+    async with http_errors(what, endpoint):
+        response = await client.request(method, url, body, headers,
+                                        connect_timeout_s=timeout_s, head_timeout_s=timeout_s)
+        async with response:
+            if response.status != 200:
+                answer = await response.read(timeout_s=timeout_s)
+                raise refuse(endpoint, what, response.status or 0, answer)
+            decoder = SseDecoder()
+            while chunk := await response.next_chunk(timeout_s):
+                for event in decoder.feed(chunk):
+                    parsed = parse_sse_event(event)
+                    if parsed is not None and parsed.token_ids and first is None:
+                        first = clock.now() - start
+                    acc.add(parsed)
+                if acc.done or (first_only and first is not None):
+                    break
     total = clock.now() - start
     return Continuation(
         token_ids=tuple(acc.token_ids), text=acc.text, finish_reason=acc.finish_reason,
@@ -314,8 +377,8 @@ async def stream_completion(
 
 
 async def resume_by_kv(
-    client: httpx.AsyncClient, target: Endpoint, payload: bytes, request_id: str,
-    *, clock: Clock = SYSTEM_CLOCK,
+    client: Client, target: Endpoint, payload: bytes, request_id: str,
+    *, clock: Clock = SYSTEM_CLOCK, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Continuation:
     """Import an export on `target` and collect the continuation it streams.
 
@@ -326,7 +389,7 @@ async def resume_by_kv(
         raise KvApiMissing(msg)
     return await stream_completion(
         client, target, "KV import", "POST", f"{target.admin_url}/admin/kv/import", clock=clock,
-        refuse=_import_refusal, content=payload,
+        refuse=_import_refusal, body=payload, timeout_s=timeout_s,
         headers={**target.admin_headers(), "X-Request-Id": request_id,
                  "Content-Type": "application/octet-stream"},
     )
@@ -350,13 +413,14 @@ def reprefill_body(state: RequestState) -> dict[str, Any]:
 
 
 async def resume_by_reprefill(
-    client: httpx.AsyncClient, target: Endpoint, state: RequestState, request_id: str,
-    *, clock: Clock = SYSTEM_CLOCK,
+    client: Client, target: Endpoint, state: RequestState, request_id: str,
+    *, clock: Clock = SYSTEM_CLOCK, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Continuation:
     """Re-prefill every token so far on `target` and collect the continuation."""
     return await stream_completion(
         client, target, "re-prefill", "POST", f"{target.url}/v1/completions", clock=clock,
-        json=reprefill_body(state), headers={"X-Request-Id": request_id},
+        body=json.dumps(reprefill_body(state)).encode(), timeout_s=timeout_s,
+        headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
     )
 
 
@@ -372,7 +436,7 @@ def choose_method(state: RequestState, calibration: Calibration) -> MigrationPla
 
 
 async def migrate_request(
-    client: httpx.AsyncClient,
+    client: Client,
     source: Endpoint,
     target: Endpoint,
     request_id: str,
@@ -380,8 +444,12 @@ async def migrate_request(
     method: str = "auto",
     calibration: Calibration | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> MigrationResult:
-    """Stop `request_id` on `source` and continue it on `target` by KV transfer or re-prefill."""
+    """Stop `request_id` on `source` and continue it on `target` by KV transfer or re-prefill.
+
+    `timeout_s` bounds each connection, wait for headers and wait for bytes.
+    """
     if method not in METHODS:
         msg = f"--method must be one of {', '.join(METHODS)} (got {method!r})"
         raise InvalidInput(msg)
@@ -391,7 +459,8 @@ async def migrate_request(
     if source.name == target.name:
         msg = f"source and target are the same worker ({source.name})"
         raise InvalidInput(msg)
-    state, payload, export_s = await export_request(client, source, request_id, clock=clock)
+    state, payload, export_s = await export_request(client, source, request_id, clock=clock,
+                                                    timeout_s=timeout_s)
     if state.remaining <= 0:
         msg = f"request {request_id!r} has nothing left to generate"
         raise InvalidInput(msg)
@@ -407,16 +476,19 @@ async def migrate_request(
     if chosen == "kv":
         tried = clock.now()
         try:
-            cont = await resume_by_kv(client, target, payload, request_id, clock=clock)
+            cont = await resume_by_kv(client, target, payload, request_id, clock=clock,
+                                      timeout_s=timeout_s)
             move_s = export_s + cont.first_token_s
         except KvApiMissing as exc:  # a vLLM target: recompute the cache there instead
             fallback = f"{exc}: re-prefilled instead of kv"
             chosen = "reprefill"
             failed_s = clock.now() - tried
-            cont = await resume_by_reprefill(client, target, state, request_id, clock=clock)
+            cont = await resume_by_reprefill(client, target, state, request_id, clock=clock,
+                                             timeout_s=timeout_s)
             move_s = failed_s + cont.first_token_s
     else:
-        cont = await resume_by_reprefill(client, target, state, request_id, clock=clock)
+        cont = await resume_by_reprefill(client, target, state, request_id, clock=clock,
+                                         timeout_s=timeout_s)
         move_s = cont.first_token_s
     from dynamo_ftctl import metrics
 
@@ -445,14 +517,17 @@ def migrate_request_sync(
     """`migrate_request` for inventory workers, with its own HTTP client (the CLI's entry)."""
     import asyncio
 
-    import httpx
+    from dynamo_ftctl.http1 import Client
 
     cal = calibration
     src, dst = endpoint_for(inventory, source), endpoint_for(inventory, target)
 
     async def run() -> MigrationResult:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
+        client = Client()
+        try:
             return await migrate_request(client, src, dst, request_id, method=method,
-                                         calibration=cal)
+                                         calibration=cal, timeout_s=timeout_s)
+        finally:
+            await client.close()
 
     return asyncio.run(run())

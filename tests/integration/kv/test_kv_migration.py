@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dynamo_ftctl.http1 import Client
 from dynamo_ftctl.migrate.calibrate import (
     Calibration,
     PrefillFit,
@@ -54,7 +55,8 @@ def reference_ids(worker: Any) -> list[int]:
 
 async def move(source: Endpoint, target: Endpoint, rid: str, method: str,
                calibration: Calibration | None = None) -> MigrationResult:
-    async with httpx.AsyncClient(timeout=60) as client:
+    client = Client()
+    try:
         reader = await start_in_flight(client, source, "ftctl-sim-tiny", PROMPT_LEN,
                                        max_tokens=MAX_TOKENS, request_id=rid, seed=SEED,
                                        temperature=TEMPERATURE)
@@ -63,6 +65,8 @@ async def move(source: Endpoint, target: Endpoint, rid: str, method: str,
                                          calibration=calibration)
         finally:
             reader.cancel()
+    finally:
+        await client.close()
 
 
 @pytest.fixture
@@ -115,9 +119,12 @@ def test_unknown_request_is_refused(pair: tuple[Any, Any]) -> None:
     a, b = pair
 
     async def run() -> None:
-        async with httpx.AsyncClient(timeout=10) as client:
+        client = Client()
+        try:
             await migrate_request(client, endpoint(a, "a"), endpoint(b, "b"), "nope",
-                                  method="kv")
+                                  method="kv", timeout_s=10)
+        finally:
+            await client.close()
 
     with pytest.raises(InvalidInput, match="a: KV export of 'nope' refused"):
         asyncio.run(run())
@@ -130,10 +137,13 @@ def test_calibrate_fits_a_model_that_round_trips(sim_worker_factory: Any, tmp_pa
     steps: list[tuple[int, int]] = []
 
     async def run() -> Calibration:
-        async with httpx.AsyncClient(timeout=60) as client:
+        client = Client()
+        try:
             return await calibrate(client, endpoint(a, "a"), endpoint(b, "b"),
                                    lengths=(16, 128, 384, 768), repeats=1,
                                    on_progress=lambda done, total: steps.append((done, total)))
+        finally:
+            await client.close()
 
     cal = asyncio.run(run())
     assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]
@@ -161,8 +171,8 @@ def test_cli_request_and_bad_calibration_exit_codes(pair: tuple[Any, Any], tmp_p
     # 250 ms outlast any start-up.
     slow_down(a, delay_ms=250)
 
-    async def start() -> tuple[httpx.AsyncClient, asyncio.Task[None]]:
-        client = httpx.AsyncClient(timeout=60)
+    async def start() -> tuple[Client, asyncio.Task[None]]:
+        client = Client()
         task = await start_in_flight(client, endpoint(a, "a"), "ftctl-sim-tiny", PROMPT_LEN,
                                      max_tokens=MAX_TOKENS, request_id="cli-move", seed=SEED,
                                      temperature=TEMPERATURE)
@@ -178,7 +188,7 @@ def test_cli_request_and_bad_calibration_exit_codes(pair: tuple[Any, Any], tmp_p
         )
         task.cancel()
         loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
-        loop.run_until_complete(client.aclose())
+        loop.run_until_complete(client.close())
     finally:
         loop.close()
     assert proc.returncode == 0, proc.stderr

@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from dynamo_ftctl.errors import LockTimeout
+from dynamo_ftctl.http1 import ConnectError
 from dynamo_ftctl.lock import EtcdLock, LeaseLost
+from dynamo_ftctl.lock.etcd import post_json
 
 pytestmark = [
     pytest.mark.integration,
@@ -73,20 +75,17 @@ def etcd(tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
-class Partition(httpx.BaseTransport):
-    """A real transport that can be cut off for keep-alives, like a network partition."""
+class Partition:
+    """The real `post_json` (a `PostJson`), cut off for keep-alives like a network partition."""
 
     def __init__(self) -> None:
-        self.inner = httpx.HTTPTransport()
         self.cut = threading.Event()
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if self.cut.is_set() and request.url.path == "/v3/lease/keepalive":
-            raise httpx.ConnectError("partitioned", request=request)
-        return self.inner.handle_request(request)
-
-    def close(self) -> None:
-        self.inner.close()
+    def __call__(self, url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
+        if self.cut.is_set() and url.endswith("/v3/lease/keepalive"):
+            msg = "partitioned"
+            raise ConnectError(msg)
+        return post_json(url, body, timeout_s)
 
 
 def test_acquire_release_and_tokens_are_create_revisions(etcd: str) -> None:
@@ -148,7 +147,7 @@ def test_partitioned_holder_is_told_before_the_new_token_exists(etcd: str) -> No
     """With keep-alives cut, the holder learns it lost the lease before a waiter gets the key."""
     partition = Partition()
     told: list[tuple[float, LeaseLost]] = []
-    holder = EtcdLock([etcd], "/t/d", 0, ttl_s=TTL, transport=partition,
+    holder = EtcdLock([etcd], "/t/d", 0, ttl_s=TTL, post=partition,
                       on_lost=lambda exc: told.append((time.monotonic(), exc)))
     old = holder.acquire(5)
     waiter = EtcdLock([etcd], "/t/d", 1, ttl_s=TTL)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.clock import FakeClock
@@ -69,19 +68,20 @@ class Recorder:
         self.spawner = FakeSpawner()
         self.status = status
 
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content) if request.content else None
-        self.requests.append((request.method, str(request.url), body,
-                              request.headers.get("authorization")))
-        return httpx.Response(self.status, json={"ok": self.status < 400})
+    def fetch(self, method: str, url: str, body: bytes, headers: dict[str, str],
+              timeout_s: float) -> tuple[int, bytes]:
+        """The `Fetch` seam: records the request, answers `status` with a JSON body."""
+        assert timeout_s > 0
+        doc = json.loads(body) if body else None
+        self.requests.append((method, url, doc, headers.get("Authorization")))
+        return self.status, json.dumps({"ok": self.status < 400}).encode()
 
     def injectors(self) -> Injectors:
         def kill(pid: int, sig: int) -> None:
             self.signals.append((pid, sig))
 
         return Injectors(environ={"T_TOKEN": "s3cret", "FTCTL_NETPROXY_TOKEN": "n3t"},
-                         transport=httpx.MockTransport(
-            self.handler), kill=kill, spawner=self.spawner)
+                         fetch=self.fetch, kill=kill, spawner=self.spawner)
 
 
 def _counter(fault: str, worker: str) -> float:

@@ -1,16 +1,20 @@
-"""`migrate_request` against workers without the admin KV API (vLLM), over httpx.MockTransport."""
+"""`migrate_request` against workers without the admin KV API (vLLM), served on loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
 import pytest
 from rich.console import Console
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.http1 import Client
+from dynamo_ftctl.httpapp import json_reply, text_reply
+from dynamo_ftctl.httpserver import Reply, Request, start_server
 from dynamo_ftctl.kv.wire import KvHeader, KvLayout, encode_kv
 from dynamo_ftctl.migrate.calibrate import Calibration, PrefillFit, TransferFit
 from dynamo_ftctl.migrate.transfer import (
@@ -48,7 +52,11 @@ def sse(ids: tuple[int, ...]) -> bytes:
 
 
 class Workers:
-    """A mock sim source and a mock target, recording what each was asked."""
+    """A sim source and a target, each a loopback server, recording what each was asked.
+
+    Calls are recorded as (method, URL) with the worker's name as host
+    (`http://vllm/admin/kv/import`), whatever port its server has.
+    """
 
     def __init__(self, *, export: tuple[int, Any] | None = None,
                  kv_import: tuple[int, Any] = VLLM_404) -> None:
@@ -56,29 +64,47 @@ class Workers:
         self.calls: list[tuple[str, str]] = []
         self.reprefill: dict[str, Any] | None = None
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.calls.append((request.method, str(request.url)))
-        path = request.url.path
-        if request.url.host == "sim" and path == "/admin/kv/r1":
-            if self.export is not None:
-                return httpx.Response(self.export[0], json=self.export[1])
-            return httpx.Response(200, content=export_payload())
-        if request.url.host == "vllm" and path == "/admin/kv/import":
-            code, body = self.kv_import
-            return httpx.Response(code, json=body)
-        if request.url.host == "vllm" and path == "/v1/completions":
-            self.reprefill = json.loads(request.content)
-            return httpx.Response(200, content=sse(CONTINUATION),
-                                  headers={"Content-Type": "text/event-stream"})
-        return httpx.Response(404, json={"detail": "Not Found"})
+    def handler(self, host: str) -> Callable[[Request], Awaitable[Reply]]:
+        """The server of worker `host` ("sim" or "vllm")."""
+
+        async def answer(request: Request) -> Reply:
+            path = request.path
+            self.calls.append((request.method, f"http://{host}{path}"))
+            if host == "sim" and path == "/admin/kv/r1":
+                if self.export is not None:
+                    return json_reply(self.export[1], self.export[0])
+                return Reply(200, export_payload(), "application/octet-stream")
+            if host == "vllm" and path == "/admin/kv/import":
+                code, body = self.kv_import
+                return json_reply(body, code)
+            if host == "vllm" and path == "/v1/completions":
+                self.reprefill = json.loads(request.body)
+                return text_reply(sse(CONTINUATION), content_type="text/event-stream")
+            return json_reply({"detail": "Not Found"}, 404)
+
+        return answer
+
+
+def _on(endpoint: Endpoint, address: str) -> Endpoint:
+    """`endpoint` at `address` (a server's URL); an empty admin URL stays empty."""
+    return dataclasses.replace(endpoint, url=address,
+                               admin_url=address if endpoint.admin_url else "")
 
 
 def move(workers: Workers, method: str = "kv", target: Endpoint = TARGET,
          calibration: Calibration | None = None) -> MigrationResult:
     async def run() -> MigrationResult:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(workers)) as client:
-            return await migrate_request(client, SOURCE, target, "r1", method=method,
-                                         calibration=calibration)
+        servers = [await start_server(workers.handler(host), "127.0.0.1", 0)
+                   for host in ("sim", "vllm")]
+        client = Client()
+        try:
+            return await migrate_request(
+                client, _on(SOURCE, servers[0].address), _on(target, servers[1].address), "r1",
+                method=method, calibration=calibration, timeout_s=10.0)
+        finally:
+            await client.close()
+            for server in servers:
+                await server.shutdown(2.0)
 
     return asyncio.run(run())
 
