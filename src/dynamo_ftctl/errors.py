@@ -1,6 +1,6 @@
 """The one error boundary of ftctl: every failure a user can meet is an `FtctlError`.
 
-Low-level exceptions (OSError, httpx, yaml, torch) are translated into these
+Low-level exceptions (OSError, http1, yaml, torch) are translated into these
 where they enter the library; the CLI turns them into one red line on stderr
 and the exit code the class carries.
 

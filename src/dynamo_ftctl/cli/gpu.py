@@ -1,7 +1,7 @@
 """`ftctl gpu`: GPU status, NVML and kernel-log Xid watchers, fleet failure math.
 
 Thin glue: parse options, call one function of `dynamo_ftctl.gpu` (the watchers:
-`gpu.daemon`), render, exit. NVML (pynvml), httpx and prometheus_client load only
+`gpu.daemon`), render, exit. NVML (pynvml), the HTTP stack and prometheus_client load only
 in the commands that use them. `FTCTL_FAKE_NVML=spec.json` swaps NVML for the
 scripted fake (`gpu/fake.py`), for demos and tests on hosts without GPUs.
 """

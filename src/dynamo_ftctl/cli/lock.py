@@ -1,7 +1,7 @@
 """`ftctl lock`: acquire, inspect and release the failover lock from shell scripts.
 
 Runs in engine entrypoints and probes, so it imports only the flock backend;
-httpx loads with `--backend etcd`, PyYAML and msgspec only when the inventory is needed.
+the HTTP client loads with `--backend etcd`, PyYAML and msgspec only when the inventory is needed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `FlockLock` (one node, a file on a shared emptyDir) and `EtcdLock` (across
 nodes) implement `FailoverLock`; `holder` holds a lock for a command's life,
-`failover` wraps an engine as a shadow. This package imports neither httpx nor
+`failover` wraps an engine as a shadow. This package imports neither the HTTP client nor
 prometheus_client: they load only when an etcd lock or metrics are used.
 """
 

@@ -7,8 +7,8 @@ imported on the target (`/admin/kv/import`), which streams the continuation. A
 SIGKILLed worker has nothing to export; any failure of the export or the import
 falls back to re-prefill (the migration policy decides, `migrate/policy.py`).
 
-The exports keep their httpx client: `migrate.transfer.export_request` takes one
-(one call per migration, off the hot path).
+The exports go through an `http1.Client` of their own (one call per migration, off the
+hot path), bounded by the connect and stall timeouts.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import httpx
-
     from dynamo_ftctl.clock import Clock
+    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.calibrate import Calibration
     from dynamo_ftctl.migrate.ledger import StreamLedger
@@ -48,11 +47,11 @@ class KvHandoff:
         self.config = config
         self.clock = clock
         self.calibration = load_proxy_calibration(inventory, config)
-        self._client: httpx.AsyncClient | None = None  # one-shot KV exports
+        self._client: Client | None = None  # one-shot KV exports
 
     async def aclose(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     def export_budget(self, ledger: StreamLedger) -> float:
@@ -81,19 +80,18 @@ class KvHandoff:
 
     async def export(self, slot: WorkerSlot, ledger: StreamLedger, budget_s: float) -> bytes:
         """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""
-        import httpx
-
         from dynamo_ftctl.errors import FtctlError
+        from dynamo_ftctl.http1 import Client
         from dynamo_ftctl.migrate.transfer import endpoint_for, export_request
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(
-                self.config.stall_timeout_s, connect=self.config.connect_timeout_s))
+            self._client = Client()
         try:
             async with asyncio.timeout(budget_s):
                 state, payload, _ = await export_request(
                     self._client, endpoint_for(self.inventory, slot.name), ledger.trace_id,
                     abort=True, clock=self.clock,
+                    timeout_s=min(self.config.stall_timeout_s, budget_s),
                 )
         except (FtctlError, ValueError, TimeoutError) as exc:  # gone, hung, no KV, garbage
             log.info("no KV export from %s (%s): re-prefill", slot.name, exc)

@@ -24,7 +24,7 @@ is what moves requests.
 
 HTTP goes through one injected `dynamo_ftctl.http1.Client`; its errors become
 `Unreachable` (no answer) or `InvalidInput` (refused), in one line naming the
-worker. (`export_request` still takes the proxy's httpx client too, for now.)
+worker.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from dynamo_ftctl.errors import FtctlError, InvalidInput, Unreachable
 from dynamo_ftctl.http1.response import DEFAULT_LIMIT
 
 if TYPE_CHECKING:
-    import httpx
     from rich.console import Group
 
     from dynamo_ftctl.http1 import Client
@@ -287,28 +286,8 @@ def _import_refusal(target: Endpoint, what: str, status: int, body: bytes) -> Ft
     return refusal(target, what, status, body)
 
 
-async def _httpx_get(client: httpx.AsyncClient, url: str,
-                     headers: dict[str, str]) -> tuple[int, bytes]:
-    """A GET through an httpx client, its failures as http1's (the proxy's KV exports).
-
-    Transitional: the proxy still hands `export_request` an httpx client; once it
-    hands an http1 `Client`, this goes, and httpx with it.
-    """
-    import httpx
-
-    from dynamo_ftctl.http1 import ConnectionBroken
-
-    try:
-        response = await client.get(url, headers=headers)
-    except httpx.TimeoutException as exc:
-        raise TimeoutError(str(exc)) from None
-    except httpx.TransportError as exc:
-        raise ConnectionBroken(f"{exc.__class__.__name__}: {exc}") from None
-    return response.status_code, response.content
-
-
 async def export_request(
-    client: Client | httpx.AsyncClient, source: Endpoint, request_id: str, *,
+    client: Client, source: Endpoint, request_id: str, *,
     abort: bool = True, clock: Clock = SYSTEM_CLOCK, timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[RequestState, bytes, float]:
     """Export `request_id` from `source` (stopping it there when `abort`).
@@ -316,17 +295,13 @@ async def export_request(
     Returns the decoded state, the raw payload and the seconds the export took;
     `KvApiMissing` when the source has no export route (vLLM).
     """
-    from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.kv.wire import decode_kv
 
     url = f"{source.admin_url}/admin/kv/{request_id}{'?abort=true' if abort else ''}"
     start = clock.now()
     async with http_errors("KV export", source):
-        if isinstance(client, Client):
-            status, payload = await fetch(client, "GET", url, headers=source.admin_headers(),
-                                          timeout_s=timeout_s, limit=EXPORT_LIMIT)
-        else:
-            status, payload = await _httpx_get(client, url, source.admin_headers())
+        status, payload = await fetch(client, "GET", url, headers=source.admin_headers(),
+                                      timeout_s=timeout_s, limit=EXPORT_LIMIT)
     elapsed = clock.now() - start
     if status != 200:
         if _route_missing(status, payload):
