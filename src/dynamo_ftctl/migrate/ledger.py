@@ -309,7 +309,7 @@ class StreamLedger:
         out_choice = dict(choice)
         out_choice["index"] = 0
         out_choice.pop("prompt_token_ids", None)
-        if not self.client_wants_ids:
+        if not self._wants_ids:
             out_choice.pop("token_ids", None)
         elif new_ids is not None:
             out_choice["token_ids"] = new_ids
@@ -327,18 +327,19 @@ class StreamLedger:
         if empty and choice.get("finish_reason") is None and not new_ids \
                 and choice.get("logprobs") is None:
             return None  # e.g. the second worker's role-only first chunk
+        body = self.body
         out: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
             "created": self.created,
-            "model": self.body.get("model", doc.get("model")),
+            "model": body["model"] if "model" in body else doc.get("model"),
             "choices": [out_choice],
         }
         if self._fingerprint is None and isinstance(doc.get("system_fingerprint"), str):
             self._fingerprint = doc["system_fingerprint"]
         if self._fingerprint is not None:
             out["system_fingerprint"] = self._fingerprint
-        if self.client_wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
+        if self._wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
             out["prompt_token_ids"] = self.prompt_ids
             self._prompt_ids_sent = True
         return out
