@@ -28,7 +28,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
+
+from proxy import cpu_seconds, free_port, stop  # benchmarks/proxy.py
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -76,18 +77,6 @@ http {{
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_http(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 20.0) -> None:
     """Wait until `url` answers (any status), or fail when `proc` dies or time is up."""
     end = time.monotonic() + deadline_s
@@ -119,14 +108,7 @@ def running(*procs: subprocess.Popen[bytes]) -> Iterator[None]:
     try:
         yield
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop(*procs)
 
 
 def start_target() -> tuple[subprocess.Popen[bytes], int]:
