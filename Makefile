@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt
 # Debian packages the integration tests and benchmarks run for real.
-DEBS   := etcd-server:etcd prometheus:promtool wrk:wrk man-db:man openssl:openssl
+DEBS   := etcd-server:etcd prometheus:promtool wrk:wrk nginx:nginx man-db:man openssl:openssl
 
 # vLLM for tests/integration/vllm, in its own venv outside the tree (built once per machine,
 # ~2.5 min with a warm pip cache). The pin lives in tests/integration/vllm/requirements.txt;

@@ -148,7 +148,7 @@ class Reader:
     """
 
     __slots__ = ("_decoder", "_idle_events", "_kv", "_last_token", "_ledger", "_name", "_now",
-                 "_stall", "_unparsed", "done", "failure")
+                 "_render", "_stall", "_unparsed", "done", "failure")
 
     def __init__(self, name: str, ledger: StreamLedger, stall_s: float,
                  now: Callable[[], float], kv: KvShare) -> None:
@@ -163,6 +163,7 @@ class Reader:
         self._unparsed = 0  # bytes since the last complete event
         self.done = False  # [DONE] seen
         self.failure: Exception | None = None
+        self._render = ledger.client_streams
 
     @property
     def over(self) -> bool:
@@ -183,23 +184,25 @@ class Reader:
                 self.failure = UpstreamFailure(f"{self._name}: no token for {self._stall:g} s")
             return batch
         self._unparsed = 0
+        now = self._now()  # the events of one read arrived together: one clock read
         for event in events:
             if event.is_done:
                 self.done = True
                 break
             before = ledger.generated_count
             try:
-                chunk = ledger.observe(loads(event.data))
+                # A non-streamed client's chunks are never sent: not rendered either.
+                chunk = ledger.observe(loads(event.data), render=self._render)
             except (MalformedChunk, ValueError) as exc:
                 self.failure = exc
                 break
             if ledger.generated_count > before or ledger.finished:
-                self._last_token = self._now()
+                self._last_token = now
                 self._idle_events = 0
             else:
                 self._idle_events += 1
                 if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
-                        or self._now() - self._last_token > self._stall:
+                        or now - self._last_token > self._stall:
                     self.failure = UpstreamFailure(
                         f"{self._name}: events but no token for {self._stall:g} s")
                     break

@@ -123,9 +123,22 @@ class StreamLedger:
     stops: StopFinder | None = None
     stopped: bool = False  # a stop string matched: the upstream stream must be cut
     _client_text: str = ""  # the text sent to the client (kept only with stop strings)
+    # The client's asks, read once from its body (they are looked up for every chunk).
+    _streams: bool = field(init=False, repr=False)
+    _wants_ids: bool = field(init=False, repr=False)
+    _max_tokens: int | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stops = StopFinder.from_body(self.body)
+        body = self.body
+        self._streams = bool(body.get("stream"))
+        self._wants_ids = bool(body.get("return_token_ids"))
+        self._max_tokens = None
+        for key in LENGTH_KEYS:
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                self._max_tokens = value
+                break
         self.upstream_endpoint = self.endpoint
         if not self.trace_id:
             self.trace_id = new_request_id()
@@ -142,11 +155,11 @@ class StreamLedger:
 
     @property
     def client_wants_ids(self) -> bool:
-        return bool(self.body.get("return_token_ids"))
+        return self._wants_ids
 
     @property
     def client_streams(self) -> bool:
-        return bool(self.body.get("stream"))
+        return self._streams
 
     @property
     def client_wants_usage(self) -> bool:
@@ -157,11 +170,7 @@ class StreamLedger:
 
     @property
     def max_tokens(self) -> int | None:
-        for key in LENGTH_KEYS:
-            value = self.body.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return None
+        return self._max_tokens
 
     @property
     def output_text(self) -> str:
@@ -199,8 +208,12 @@ class StreamLedger:
         """Count one continuation on another worker."""
         self.migrations += 1
 
-    def observe(self, doc: Any) -> dict[str, Any] | None:
+    def observe(self, doc: Any, *, render: bool = True) -> dict[str, Any] | None:
         """Record one upstream chunk; return the chunk to send to the client, or None.
+
+        `render=False` for a caller that sends no chunk (a client that does not stream
+        gets `response()`): the return is then None or not as with rendering, but
+        not a client chunk (the upstream choice stands in, uncopied).
 
         Raises `MalformedChunk` for anything that is not a completion chunk,
         including an SSE error event (`{"error": ...}`) and output past
@@ -224,9 +237,10 @@ class StreamLedger:
             self.prompt_tokens_reported = usage["prompt_tokens"]
         if choice is None:
             return None  # the worker's usage chunk: the proxy sends its own at the end
-        return self._observe_choice(doc, choice)
+        return self._observe_choice(doc, choice, render)
 
-    def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any] | None:
+    def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any],
+                        render: bool) -> dict[str, Any] | None:
         if self.upstream_endpoint == "chat":
             delta = choice.get("delta")
             if not isinstance(delta, dict):
@@ -272,6 +286,8 @@ class StreamLedger:
             choice = self._with_text(choice, text, finish)
         if finish is not None:
             self.finish_reason = finish
+        if not render:
+            return self._unrendered_chunk(choice, text, new_ids)
         return self._client_chunk(doc, choice, text, new_ids)
 
     def _with_text(self, choice: dict[str, Any], text: str,
@@ -293,7 +309,7 @@ class StreamLedger:
         out_choice = dict(choice)
         out_choice["index"] = 0
         out_choice.pop("prompt_token_ids", None)
-        if not self.client_wants_ids:
+        if not self._wants_ids:
             out_choice.pop("token_ids", None)
         elif new_ids is not None:
             out_choice["token_ids"] = new_ids
@@ -311,25 +327,50 @@ class StreamLedger:
         if empty and choice.get("finish_reason") is None and not new_ids \
                 and choice.get("logprobs") is None:
             return None  # e.g. the second worker's role-only first chunk
+        body = self.body
         out: dict[str, Any] = {
             "id": self.request_id,
             "object": "chat.completion.chunk" if self.endpoint == "chat" else "text_completion",
             "created": self.created,
-            "model": self.body.get("model", doc.get("model")),
+            "model": body["model"] if "model" in body else doc.get("model"),
             "choices": [out_choice],
         }
         if self._fingerprint is None and isinstance(doc.get("system_fingerprint"), str):
             self._fingerprint = doc["system_fingerprint"]
         if self._fingerprint is not None:
             out["system_fingerprint"] = self._fingerprint
-        if self.client_wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
+        if self._wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
             out["prompt_token_ids"] = self.prompt_ids
             self._prompt_ids_sent = True
         return out
 
+    def _unrendered_chunk(self, choice: dict[str, Any], text: str | None,
+                          new_ids: list[int] | None) -> dict[str, Any] | None:
+        """`_client_chunk`'s None or not, without the chunk (`observe(render=False)`).
+
+        A non-streamed client's answer is `response()`, assembled from the ledger, but
+        the attempt and the policy act on the first batch that has a chunk (the worker's
+        first token, a migration going on): the upstream choice stands in for it.
+        """
+        if self.endpoint == "chat":
+            delta = choice["delta"]
+            keys = len(delta)
+            if "role" in delta:
+                if self._role_sent:
+                    keys -= 1  # a second worker's role: dropped from a streamed chunk
+                else:
+                    self._role_sent = True
+            empty = not keys and not text
+        else:
+            empty = not text
+        if empty and choice.get("finish_reason") is None and not new_ids \
+                and choice.get("logprobs") is None:
+            return None
+        return choice
+
     def _merge_logprobs(self, logprobs: Any) -> None:
         """Accumulate logprobs for a non-streamed answer (completions or chat layout)."""
-        if self.client_streams or not isinstance(logprobs, dict):
+        if self._streams or not isinstance(logprobs, dict):
             return
         if self.logprobs is None:
             self.logprobs = {}

@@ -525,6 +525,25 @@ def test_a_request_not_read_whole_in_time_is_answered_408() -> None:
     serving(echo, test, request_timeout_s=0.3, idle_timeout_s=30)
 
 
+def test_a_kept_alive_connection_outlives_a_spent_request_timer_and_still_gets_408() -> None:
+    """The request timer of an answered request does not close the idle connection, and the
+    next request on it still has its own request timeout (the timer is reused, not remade)."""
+    async def test(server: Server) -> None:
+        client = await Client.connect(server)
+        for _ in range(2):
+            client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await client.response())[0] == 200
+        await asyncio.sleep(0.5)  # past the request timeout: idle, not timed out
+        client.send(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await client.response())[0] == 200
+        started = asyncio.get_running_loop().time()
+        client.send(b"GET /a HTTP/1.1\r\nHost:")
+        assert (await client.response())[0] == 408
+        assert asyncio.get_running_loop().time() - started < 5
+        assert await client.closed()
+    serving(echo, test, request_timeout_s=0.3, idle_timeout_s=30)
+
+
 def test_a_slow_answer_is_not_cut_by_the_timeouts() -> None:
     """An answer that takes longer than both timeouts still arrives whole."""
     async def slow(request: Request) -> Reply:

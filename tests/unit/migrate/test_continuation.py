@@ -15,7 +15,7 @@ from dynamo_ftctl.migrate.continuation import (
     prepare_request,
     retry_request,
 )
-from dynamo_ftctl.migrate.ledger import StreamLedger
+from dynamo_ftctl.migrate.ledger import Endpoint, StreamLedger
 
 
 def chunk(text: str, ids: list[int], finish: str | None = None,
@@ -330,3 +330,30 @@ def test_no_rewind_when_the_client_saw_sampled_ids_or_nothing_is_left(
             continuation_request(ledger)
         return
     assert continuation_request(ledger)["prompt"] == [1, 2, 5, 6, 7]
+
+
+def test_unrendered_observe_answers_none_where_a_chunk_would_not_go() -> None:
+    """`observe(render=False)` (a non-streamed client's) is None exactly where a rendered
+    chunk is None (a second worker's role-only chat chunk, an empty delta), same answer."""
+    def chat_chunk(delta: dict[str, object], finish: str | None = None) -> dict[str, object]:
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                             "token_ids": []}]}
+
+    def text_chunk(text: str, finish: str | None = None) -> dict[str, object]:
+        return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+    chats = [chat_chunk({"role": "assistant"}), chat_chunk({"content": "a"}),
+             chat_chunk({"role": "assistant"}), chat_chunk({}),
+             chat_chunk({"content": "b"}, "length")]
+    texts = [text_chunk(""), text_chunk("a"), text_chunk("b", "stop")]
+    cases: list[tuple[Endpoint, list[dict[str, object]], dict[str, Any]]] = [
+        ("chat", chats, {"messages": [{"role": "user", "content": "x"}]}),
+        ("completions", texts, {"prompt": "x", "stop": ["zz"]}),
+    ]
+    for endpoint, docs, body in cases:
+        rendered = StreamLedger(endpoint, dict(body))
+        plain = StreamLedger(endpoint, dict(body))
+        for doc in docs:
+            assert (rendered.observe(doc) is None) == (plain.observe(doc, render=False) is None)
+        assert plain.response() | {"created": 0, "id": ""} \
+            == rendered.response() | {"created": 0, "id": ""}
