@@ -128,7 +128,7 @@ def resolve_lock_settings(
 
 
 def open_lock(settings: LockSettings, *, metrics: bool = False) -> FailoverLock:
-    """Build the lock the settings describe (etcd loads the HTTP client here, flock loads nothing)."""
+    """Build the lock the settings describe (etcd loads http1 here; flock, nothing)."""
     if settings.backend == "flock":
         from dynamo_ftctl.lock.flock import FlockLock
 
