@@ -67,7 +67,7 @@ def _metrics_dir(pid: int) -> Path:
 
 def _sample(page: str, name: str) -> float | None:
     for line in page.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith((name + " ", name + "{")):
             return float(line.rsplit(" ", 1)[1])
     return None
 
