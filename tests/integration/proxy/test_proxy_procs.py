@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from tests.integration.proxy.test_proxy_process import TOKENS, paced_worker
 from tests.integration.proxy.test_proxy_sim import (
@@ -170,3 +174,29 @@ def test_a_child_that_dies_is_restarted(proxy_factory: ProxyFactory) -> None:
 
     wait_until(replaced, 20.0, "a new child in place of the killed one")
     assert proxy.proc.poll() is None
+
+
+def test_the_procs_flag_and_sigint(tmp_path: Path) -> None:
+    """`--procs 2` on the command line starts two processes; SIGINT stops all with 130."""
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(yaml.safe_dump({
+        "cluster": "procs-flag", "workers": [{"name": "w", "url": _closed_port(),
+                                              "model": MODEL}],
+        "proxy": {"listen": "127.0.0.1:0"}}))
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory),
+                                 "proxy", "--procs", "2"], stdout=subprocess.DEVNULL,
+                                stderr=sink)
+    try:
+        proxy = ProxyProcess(url="", proc=proc, log=log)
+        wait_until(lambda: "(2 processes)" in proxy.log_text() or proc.poll() is not None,
+                   30.0, "the proxy's serving line")
+        url = re.search(r"on (http://\S+)", proxy.log_text())
+        assert url is not None, proxy.log_text()
+        children = list(_health_by_pid(url.group(1), 2))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 130
+        assert not any(_alive(pid) for pid in children)
+    finally:
+        ProxyProcess(url="", proc=proc, log=log).stop()
