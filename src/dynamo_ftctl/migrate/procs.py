@@ -79,8 +79,16 @@ class ProcsResult:
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to `host:port` with SO_REUSEPORT, not listening (port 0: a free one)."""
+    """A socket bound to `host:port` with SO_REUSEPORT, not listening (port 0: a free one).
+
+    The port is first bound without SO_REUSEPORT, which fails while any socket holds
+    it: otherwise a second `--procs` proxy on the same port would quietly share its
+    connections with the first.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, port))
+        port = probe.getsockname()[1]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:

@@ -200,3 +200,18 @@ def test_the_procs_flag_and_sigint(tmp_path: Path) -> None:
         assert not any(_alive(pid) for pid in children)
     finally:
         ProxyProcess(url="", proc=proc, log=log).stop()
+
+
+def test_a_second_proxy_cannot_share_the_port(proxy_factory: ProxyFactory,
+                                              tmp_path: Path) -> None:
+    """A second `--procs 2` proxy on a port the first serves exits 2 instead of sharing it."""
+    proxy = _dead_worker_proxy(proxy_factory)
+    inventory = tmp_path / "second.yaml"
+    listen = proxy.url.removeprefix("http://")
+    inventory.write_text(yaml.safe_dump({
+        "cluster": "second", "workers": [{"name": "w", "url": _closed_port(), "model": MODEL}],
+        "proxy": {"listen": listen, "procs": 2}}))
+    second = subprocess.run([sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory), "proxy"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert second.returncode == 2, second.stderr
+    assert "cannot listen there" in second.stderr
