@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from dynamo_ftctl.process import DEVNULL, SPAWNER, Child
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 BODY = '{"model": "m", "prompt": "hi", "max_tokens": 16, "temperature": 0}'
@@ -50,25 +52,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_up(port: int, proc: subprocess.Popen[bytes], deadline_s: float = 30.0) -> None:
+def wait_up(port: int, proc: Child, deadline_s: float = 30.0) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise SystemExit(f"process {proc.args} ended with {proc.returncode}")
+            raise SystemExit(f"process {proc.pid} ended with {proc.returncode}")
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
     raise SystemExit(f"port {port} did not open in {deadline_s} s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def sse_stream(tokens: int) -> str:
@@ -105,18 +98,18 @@ http {{
   }}
 }}
 """)
-    return subprocess.Popen(["nginx", "-c", str(conf), "-p", str(directory)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return SPAWNER.spawn(["nginx", "-c", str(conf), "-p", str(directory)],
+                         stdout=DEVNULL, stderr=DEVNULL)
 
 
-def start_proxy(upstream: str, procs: int, directory: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_proxy(upstream: str, procs: int, directory: Path) -> tuple[Child, int]:
     port = free_port()
     inv = directory / f"inv-{port}.yaml"
     inv.write_text(f"cluster: bench\nworkers:\n  - {{name: w0, url: '{upstream}', model: m}}\n"
                    f"proxy:\n  listen: 127.0.0.1:{port}\n  procs: {procs}\n"
                    "  busy: {active_prefill_tokens_threshold: 100000000}\n")
-    proc = subprocess.Popen([PY, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = SPAWNER.spawn([PY, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"], cwd=ROOT,
+                         stdout=DEVNULL, stderr=DEVNULL)
     wait_up(port, proc)
     return proc, port
 
@@ -166,7 +159,7 @@ class Round(NamedTuple):
     client: float
 
 
-def measure(upstream: subprocess.Popen[bytes], upstream_url: str, procs: int, *,
+def measure(upstream: Child, upstream_url: str, procs: int, *,
             seconds: int, directory: Path, script: Path) -> Round:
     """One round on a fresh proxy."""
     proc, port = start_proxy(upstream_url, procs, directory)
@@ -185,7 +178,7 @@ def measure(upstream: subprocess.Popen[bytes], upstream_url: str, procs: int, *,
         return Round(rps, (proxy_s + upstream_s + client_s) * rps / count, proxy_s * per_k,
                      upstream_s * per_k, client_s * per_k)
     finally:
-        stop(proc)
+        proc.stop(10)
 
 
 def main() -> None:
@@ -200,9 +193,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         upstream = start_nginx(port, directory) if args.upstream == "nginx" else \
-            subprocess.Popen([PY, str(ROOT / "benchmarks" / "proxy.py"), "upstream",
-                              str(port), "0", "0", str(10**9)], cwd=ROOT,
-                             stdout=subprocess.DEVNULL)
+            SPAWNER.spawn([PY, str(ROOT / "benchmarks" / "proxy.py"), "upstream", str(port),
+                           "0", "0", str(10**9)], cwd=ROOT, stdout=DEVNULL)
         try:
             wait_up(port, upstream)
             script = directory / "post.lua"
@@ -214,7 +206,7 @@ def main() -> None:
                         upstream, f"http://127.0.0.1:{port}", procs, seconds=args.seconds,
                         directory=directory, script=script))
         finally:
-            stop(upstream)
+            upstream.stop(10)
     print(f"benchmarks/proxy_procs.py: {os.cpu_count()} CPUs shared by the proxy, the "
           f"{args.upstream} upstream and wrk (-t1 -c{CONNECTIONS}), non-streamed 16-token "
           "requests, "
