@@ -95,8 +95,12 @@ class SharedRouter(Router):
     def __init__(self, slots: Iterable[WorkerSlot], board: FleetBoard, **kwargs: object) -> None:
         super().__init__(slots, **kwargs)  # type: ignore[arg-type]
         self.board = board
-        self._seen = {(p, n): _Seen() for p in range(board.procs) for n in self.slots
-                      if p != board.index}
+        self._seen = {(p, n): _Seen() for p in range(board.procs) for n in self.slots}
+        # The history, the row of the process this one replaces included, once; from
+        # now on our own row is what we post, not news.
+        self.replay()
+        for name in self.slots:
+            del self._seen[board.index, name]
 
     def record_success(self, slot: WorkerSlot) -> None:
         super().record_success(slot)
@@ -113,26 +117,32 @@ class SharedRouter(Router):
     def replay(self) -> None:
         """Replay into our breakers the outcomes the other processes posted since last time.
 
-        The order within one process's batch is known only by its last success and
-        last failure: the later one is replayed last, so the breaker ends as theirs.
-        At most `breaker_threshold` failures are replayed (more change nothing).
+        A process's batch is known by its counts and the time of its last success and
+        last failure; the batches of all processes go in the order of those times (a
+        restarted child replays the history this way too, and ends where the others
+        are). At most `breaker_threshold` failures a batch (more change nothing).
         """
         cells = self.board.cells
-        for (proc, name), seen in self._seen.items():
-            at = self.board.at(proc, name)
-            successes, failures = cells[at + _SUCCESSES], cells[at + _FAILURES]
-            new_s, new_f = successes - seen.successes, failures - seen.failures
-            if new_s <= 0 and new_f <= 0:
-                continue
-            seen.successes, seen.failures = successes, failures
-            slot = self.slots[name]
-            success_last = cells[at + _LAST_SUCCESS] >= cells[at + _LAST_FAILURE]
-            if new_s > 0 and not success_last:
-                Router.record_success(self, slot)
-            for _ in range(min(max(new_f, 0), self._threshold)):
-                Router.record_failure(self, slot)
-            if new_s > 0 and success_last:
-                Router.record_success(self, slot)
+        for name, slot in self.slots.items():
+            batches: list[tuple[int, bool, int]] = []  # (when, a success?, how many)
+            for proc in range(self.board.procs):
+                seen = self._seen.get((proc, name))
+                if seen is None:
+                    continue  # our own row, after the start
+                at = self.board.at(proc, name)
+                successes, failures = cells[at + _SUCCESSES], cells[at + _FAILURES]
+                if successes > seen.successes:
+                    batches.append((cells[at + _LAST_SUCCESS], True, 1))
+                if failures > seen.failures:
+                    batches.append((cells[at + _LAST_FAILURE], False,
+                                    min(failures - seen.failures, self._threshold)))
+                seen.successes, seen.failures = successes, failures
+            for _, success, count in sorted(batches):
+                for _ in range(count):
+                    if success:
+                        Router.record_success(self, slot)
+                    else:
+                        Router.record_failure(self, slot)
 
     def post_loads(self) -> None:
         """Post this process's KV blocks and prefill tokens on every worker."""

@@ -99,3 +99,24 @@ def test_the_board_is_shared_with_a_forked_child() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert board.cells[board.at(0, "w1") + 1] == 1  # the failures count of row 0
+
+
+def test_a_restarted_process_ends_where_the_others_are() -> None:
+    """A new router on a used board replays the history (its predecessor's row included) in
+    time order at its start: the last outcome wins."""
+    board, (first, second) = routers()
+
+    def restarted(index: int) -> SharedRouter:
+        slots = [WorkerSlot(name=n, url="http://127.0.0.1:1", group=n, model="m")
+                 for n in WORKERS]
+        return SharedRouter(slots, board.as_process(index), clock=FakeClock(),
+                            breaker_threshold=2, recovery_s=60.0)
+
+    for _ in range(2):
+        second.record_failure(second.slots["w0"])  # in row 1, by the process now replaced
+    assert restarted(1).slots["w0"].breaker == "open"
+    first.record_success(first.slots["w0"])  # later, in row 0
+    assert restarted(1).slots["w0"].breaker == "closed"
+    second.record_failure(second.slots["w0"])
+    second.record_failure(second.slots["w0"])  # later still, in row 1
+    assert restarted(0).slots["w0"].breaker == "open"
