@@ -29,12 +29,12 @@ child dies with it (PDEATHSIG), so a SIGKILLed parent leaves no orphan.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -121,6 +121,9 @@ class _Children:
         code = 1
         try:  # the child: never returns into the parent's stack
             self.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # A group of its own: a terminal's Ctrl-C reaches the parent only, which sends
+            # it on once (a second SIGINT or SIGTERM makes a proxy cut answers short).
+            os.setpgid(0, 0)
             signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
             for fd in (*self.close_in_child, self.ready_r):
                 os.close(fd)
@@ -134,6 +137,7 @@ class _Children:
 
             traceback.print_exc()
         finally:
+            sys.stderr.flush()
             os._exit(code)
 
     def _say_ready(self) -> None:
@@ -166,13 +170,17 @@ class _Children:
         return out
 
     def stop(self, signum: int, deadline_s: float) -> None:
-        """`signum` to every child, then SIGKILL to those alive past `deadline_s`."""
+        """`signum` to every child, once, then SIGKILL to those alive past `deadline_s`.
+
+        Not `Child.stop`, which sends SIGTERM again: a proxy takes a second signal
+        as "hurry" and cancels the answers it was letting finish.
+        """
         for child, _ in self.alive.values():
-            with contextlib.suppress(ProcessLookupError):
-                child.signal(signum)
+            child.signal(signum)
         end = time.monotonic() + deadline_s
         for child, _ in self.alive.values():
-            child.stop(max(0.0, end - time.monotonic()))
+            if child.wait(max(0.0, end - time.monotonic())) is None:
+                child.kill()
         self.alive.clear()
 
     def close(self) -> None:

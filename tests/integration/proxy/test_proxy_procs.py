@@ -215,3 +215,22 @@ def test_a_second_proxy_cannot_share_the_port(proxy_factory: ProxyFactory,
                             capture_output=True, text=True, timeout=60, check=False)
     assert second.returncode == 2, second.stderr
     assert "cannot listen there" in second.stderr
+
+
+def test_sigterm_lets_streams_in_flight_finish(proxy_factory: ProxyFactory) -> None:
+    """SIGTERM mid-stream: the child serving it sends every token and [DONE]; exit 0."""
+    with paced_worker() as worker:
+        proxy = proxy_factory([("w0", worker)], procs=2)
+        body = {**GENERATION, "stream": True, "temperature": 0}
+        events: list[str] = []
+        with httpx.Client(timeout=10) as client, \
+                client.stream("POST", f"{proxy.url}/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    if not events:
+                        proxy.proc.send_signal(signal.SIGTERM)
+                    events.append(line)
+        assert len(events) == TOKENS + 1
+        assert events[-1] == "data: [DONE]"
+        assert proxy.proc.wait(10) == 0
