@@ -405,6 +405,12 @@ class ProxyConfig(StrictStruct, frozen=True):
         doc("MiB of requests not yet answered (partial bodies included) held across all "
              "clients; the request that would go over is answered 503.", ge=1),
     ] = 256
+    procs: Annotated[
+        int,
+        doc("Processes serving `listen` (SO_REUSEPORT), one view of the workers and one "
+             "/metrics across them; each holds `max_connections` and `max_buffered_mib`.",
+             ge=1, le=256),
+    ] = 1
     _checked = (("listen", check_host_port), ("health_url", check_http_url))
 
 

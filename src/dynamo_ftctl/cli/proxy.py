@@ -53,6 +53,11 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         help="MiB of requests not yet answered (partial bodies included) held across all "
              "clients; the request that would go over is answered 503 (default: "
              "proxy.max_buffered_mib, 256).")] = None,
+    procs: Annotated[int | None, typer.Option(
+        "--procs", min=1, max=256,
+        help="Processes serving the port (SO_REUSEPORT; a parent restarts any that dies), "
+             "with one view of the workers' health and busy state and one /metrics "
+             "(default: proxy.procs, 1).")] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Run the migrating proxy until Ctrl-C.
@@ -72,6 +77,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "health_url": health_url, "reject_status": reject_status,
         "calibration": str(calibration.resolve()) if calibration is not None else None,
         "max_connections": max_connections, "max_buffered_mib": max_buffered_mib,
+        "procs": procs,
     }
     data = to_data(inventory.proxy)
     data.update({k: v for k, v in overrides.items() if v is not None})
@@ -79,7 +85,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     config = convert_struct(data, ProxyConfig)
 
     def ready(url: str) -> None:
-        sys.stderr.write(f"ftctl proxy: serving {len(inventory.workers)} workers on {url}\n")
+        procs_note = f" ({config.procs} processes)" if config.procs > 1 else ""
+        sys.stderr.write(f"ftctl proxy: serving {len(inventory.workers)} workers on {url}"
+                         f"{procs_note}\n")
         sys.stderr.flush()
 
     result = serve(inventory, config, on_ready=ready)

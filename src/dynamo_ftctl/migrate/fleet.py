@@ -10,6 +10,11 @@ A failure charged to a worker (`charge`) opens its breaker in time, is reported 
 the canary daemon (`proxy.health_url`, with `$FTCTL_HEALTH_TOKEN`) and makes its
 capabilities be probed again once it answers. Whose fault a failure is, is decided
 by the migration policy (`migrate/policy.py`), not here.
+
+With `--procs N` each process has its own `Fleet` over the same workers, and the
+`FleetBoard` (`migrate/board.py`) makes them one view: every `_SYNC_S` a process
+replays the others' request outcomes into its breakers and posts the load its own
+requests put on each worker, which admission adds to theirs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +34,7 @@ from dynamo_ftctl.migrate.admission import (
     is_busy,
     parse_worker_load,
 )
+from dynamo_ftctl.migrate.board import SharedRouter
 from dynamo_ftctl.migrate.codec import dumps
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
 
@@ -37,10 +44,15 @@ if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.admission import WorkerLoad
+    from dynamo_ftctl.migrate.board import FleetBoard
 
 __all__ = ["Fleet"]
 
 log = logging.getLogger("ftctl.proxy")
+
+# How often a process of `--procs N` reads the board: a breaker opened in one process
+# opens in the others within this, and their load estimates lag by as much.
+_SYNC_S = 0.05
 
 
 class ScrapeFailed(Exception):
@@ -51,16 +63,18 @@ class Fleet:
     """The proxy's workers: slots, loads, busy flags, capabilities, daemon weights."""
 
     def __init__(self, inventory: Inventory, config: ProxyConfig, clock: Clock,
-                 http: Client) -> None:
+                 http: Client, board: FleetBoard | None = None) -> None:
         self.config = config
         self.http = http  # the proxy's upstream client (the proxy closes it)
         self.clock = clock
-        self.router = Router(
-            (WorkerSlot(name=w.name, url=w.url, group=inventory.group_of(w), model=w.model)
-             for w in inventory.workers),
-            clock=clock, breaker_threshold=config.breaker_threshold,
-            recovery_s=config.breaker_recovery_s,
-        )
+        slots = (WorkerSlot(name=w.name, url=w.url, group=inventory.group_of(w), model=w.model)
+                 for w in inventory.workers)
+        self.board = board
+        self.router = Router(slots, clock=clock, breaker_threshold=config.breaker_threshold,
+                             recovery_s=config.breaker_recovery_s) if board is None \
+            else SharedRouter(slots, board, clock=clock,
+                              breaker_threshold=config.breaker_threshold,
+                              recovery_s=config.breaker_recovery_s)
         default = Thresholds(
             active_decode_blocks_threshold=config.busy.active_decode_blocks_threshold,
             active_prefill_tokens_threshold=config.busy.active_prefill_tokens_threshold,
@@ -89,6 +103,8 @@ class Fleet:
                         "daemon at %s", self.config.health_token_env, self.config.health_url)
         self.capabilities = CapabilityCache(fetch=fetch_through(self.http), clock=self.clock)
         self._spawn(self._scrape_forever())
+        if isinstance(self.router, SharedRouter):
+            self._spawn(self._sync_forever(self.router))
 
     async def stop(self) -> None:
         """Stop the scrapes, probes and reports in flight."""
@@ -104,6 +120,16 @@ class Fleet:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def _sync_forever(self, router: SharedRouter) -> None:
+        while True:
+            router.replay()
+            router.post_loads()
+            await self.clock.asleep(_SYNC_S)
+
+    def _others_load(self, slot: WorkerSlot) -> tuple[int, int]:
+        """(KV blocks, prefill tokens) the proxy's other processes hold on `slot`."""
+        return (0, 0) if self.board is None else self.board.others_load(slot.name)
 
     # ------------------------------------------------------------------ scraping
 
@@ -150,7 +176,7 @@ class Fleet:
                         slot.max_model_len = length
         try:
             page = await self._get(f"{slot.url}/metrics")
-            slot.kv_blocks_at_scrape = slot.kv_blocks
+            slot.kv_blocks_at_scrape = slot.kv_blocks + self._others_load(slot)[0]
             self.loads[slot.name] = parse_worker_load(page.decode("utf-8", "replace"))
         except Exception:  # an unscrapable worker has no load figure; health decides
             self.loads[slot.name] = None
@@ -248,10 +274,11 @@ class Fleet:
         return self._prompt_tokens_seen / self._prompts_seen if self._prompts_seen else 0.0
 
     def _busy(self, slot: WorkerSlot, mean_prompt_tokens: float) -> bool:
+        kv, prefill = self._others_load(slot)
         slot.busy = is_busy(
             self.loads.get(slot.name), self.thresholds_for(slot.model),
-            pending_prefill_tokens=slot.pending_prefill_tokens,
-            mean_prompt_tokens=mean_prompt_tokens, kv_blocks=slot.kv_blocks,
+            pending_prefill_tokens=slot.pending_prefill_tokens + prefill,
+            mean_prompt_tokens=mean_prompt_tokens, kv_blocks=slot.kv_blocks + kv,
             kv_blocks_at_scrape=slot.kv_blocks_at_scrape,
         )
         return slot.busy
@@ -291,6 +318,7 @@ class Fleet:
         self.refresh_busy()
         return {
             "status": "ok",
+            "pid": os.getpid(),  # which of `--procs N` answered
             "degradation_level": self.level(),
             "workers": {
                 s.name: {"weight": round(self.router.weight(s), 3), "breaker": s.breaker,

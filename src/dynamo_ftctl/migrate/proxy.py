@@ -24,6 +24,11 @@ asyncio protocols parsed by httptools with a keep-alive pool per worker, a third
 of aiohttp's CPU per request (benchmarks/proxy.py). https:// workers go through
 aiohttp, imported only when one is in the inventory.
 
+`ftctl proxy --procs N` runs N such proxies on one port (`migrate/procs.py`: a
+parent that forks them, SO_REUSEPORT), one view of the fleet through the
+`FleetBoard` (`migrate/board.py`) and one /metrics (prometheus_client's
+multiprocess mode).
+
 Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health,
 /metrics; GET/POST /busy_threshold (POST needs the admin bearer token).
 """
@@ -40,16 +45,24 @@ from typing import TYPE_CHECKING
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import Client
-from dynamo_ftctl.httpserver import default_max_connections, raise_open_file_limit, start_server
+from dynamo_ftctl.httpserver import (
+    Server,
+    default_max_connections,
+    raise_open_file_limit,
+    start_server,
+)
+from dynamo_ftctl.httpserver._connection import Connection
 from dynamo_ftctl.migrate.attempt import Upstream
 from dynamo_ftctl.migrate.fleet import Fleet
 from dynamo_ftctl.migrate.frontdoor import MIGRATED_HEADER, FrontDoor
 from dynamo_ftctl.migrate.handoff import KvHandoff
 from dynamo_ftctl.migrate.policy import MigrationPolicy
+from dynamo_ftctl.migrate.procs import ChildRun, serve_procs
 from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.migrate.board import FleetBoard
 
 __all__ = ["MIGRATED_HEADER", "MigratingProxy", "ServeResult", "serve"]
 
@@ -64,9 +77,9 @@ class MigratingProxy:
     """
 
     def __init__(self, inventory: Inventory, config: ProxyConfig, *,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, board: FleetBoard | None = None) -> None:
         self.http = Client(user_agent="ftctl-proxy")
-        self.fleet = Fleet(inventory, config, clock, self.http)
+        self.fleet = Fleet(inventory, config, clock, self.http, board)
         self.kv = KvHandoff(inventory, config, clock)
         upstream = Upstream(self.http, stall_s=config.stall_timeout_s,
                             connect_timeout_s=config.connect_timeout_s, now=clock.now)
@@ -91,6 +104,8 @@ class ServeResult:
     listen: str
     workers: int
     uptime_s: float
+    procs: int = 1
+    restarts: int = 0  # children of `--procs N` restarted after they died
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -102,10 +117,35 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+class _SharedPortServer(Server):
+    """The front door listening with SO_REUSEPORT, beside the other processes' ones."""
+
+    async def listen(self, host: str, port: int) -> None:
+        # `httpserver.Server.listen` with reuse_port (it has no such option yet).
+        self._server = await self.loop.create_server(
+            lambda: Connection(self), host, port, reuse_port=True, backlog=2048)
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _cannot_listen(config: ProxyConfig, exc: OSError) -> Exception:
+    from dynamo_ftctl.errors import InvalidInput
+
+    return InvalidInput(f"proxy.listen {config.listen}: cannot listen there: "
+                        f"{exc.strerror or exc}")
+
+
 def serve(inventory: Inventory, config: ProxyConfig, *,
           on_ready: Callable[[str], None] | None = None,
           shutdown_deadline_s: float = 5.0) -> ServeResult:
     """Run the proxy on `config.listen` until SIGTERM or SIGINT (blocking).
+
+    With `config.procs` above 1, as many processes serve the port (`migrate/procs.py`):
+    SIGTERM or SIGINT stops them all within the shutdown deadline, a child that dies
+    is restarted, one that dies at start-up is `ChildCrashed` (exit 1).
 
     The front door is `dynamo_ftctl.httpserver` (no ASGI server): on a signal it
     stops accepting, lets answers in flight finish for `shutdown_deadline_s`,
@@ -116,8 +156,46 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
     `config.max_buffered_mib` of requests not yet answered (`httpserver`'s caps);
     the soft open-file limit is raised to the hard one first, as Go's runtime does.
     """
-    host, _, port = config.listen.rpartition(":")
-    host = host.strip("[]")
+    if config.procs > 1:
+        return _serve_procs(inventory, config, on_ready=on_ready,
+                            shutdown_deadline_s=shutdown_deadline_s)
+    return _serve_one(inventory, config, on_ready=on_ready,
+                      shutdown_deadline_s=shutdown_deadline_s)
+
+
+def _serve_procs(inventory: Inventory, config: ProxyConfig, *,
+                 on_ready: Callable[[str], None] | None,
+                 shutdown_deadline_s: float) -> ServeResult:
+    host, port = _split_listen(config.listen)
+    started = time.monotonic()
+
+    def run(child: ChildRun) -> int:
+        _serve_one(inventory, config, on_ready=lambda _: child.ready(),
+                   shutdown_deadline_s=shutdown_deadline_s, board=child.board,
+                   port=child.port)
+        return 0
+
+    def ready(bound: int) -> None:
+        if on_ready is not None:
+            on_ready(f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}")
+
+    try:
+        result = serve_procs(config.procs, host, port, [w.name for w in inventory.workers],
+                             run, on_ready=ready, shutdown_deadline_s=shutdown_deadline_s)
+    except OSError as exc:
+        raise _cannot_listen(config, exc) from None
+    if result.signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    return ServeResult(listen=config.listen, workers=len(inventory.workers),
+                       uptime_s=round(time.monotonic() - started, 3), procs=config.procs,
+                       restarts=result.restarts)
+
+
+def _serve_one(inventory: Inventory, config: ProxyConfig, *,
+               on_ready: Callable[[str], None] | None, shutdown_deadline_s: float,
+               board: FleetBoard | None = None, port: int | None = None) -> ServeResult:
+    """One proxy process (`board`/`port`: a child of `--procs N`, on the reserved port)."""
+    host, listen_port = _split_listen(config.listen)
     install_log_redaction()
     fd_limit = raise_open_file_limit()
     if config.max_connections is not None and config.max_connections > \
@@ -125,7 +203,7 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
         log.warning("proxy.max_connections %d is more than the open-file limit (%d) leaves "
                     "room for (%d): past it, new clients are reset", config.max_connections,
                     fd_limit, default_max_connections(fd_limit))
-    proxy = MigratingProxy(inventory, config)
+    proxy = MigratingProxy(inventory, config, board=board)
     started = time.monotonic()
     received: list[int] = []
 
@@ -140,15 +218,18 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
 
         await proxy.start()
         try:
+            buffered = config.max_buffered_mib * 1024 * 1024
             try:
-                server = await start_server(
-                    proxy.front_door, host, int(port), max_connections=config.max_connections,
-                    max_buffered=config.max_buffered_mib * 1024 * 1024)
+                if port is None:
+                    server = await start_server(
+                        proxy.front_door, host, listen_port,
+                        max_connections=config.max_connections, max_buffered=buffered)
+                else:
+                    server = _SharedPortServer(proxy.front_door, max_buffered=buffered,
+                                               max_connections=config.max_connections)
+                    await server.listen(host, port)
             except OSError as exc:
-                from dynamo_ftctl.errors import InvalidInput
-
-                msg = f"proxy.listen {config.listen}: cannot listen there: {exc.strerror or exc}"
-                raise InvalidInput(msg) from None
+                raise _cannot_listen(config, exc) from None
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, on_signal, signum)
             try:
