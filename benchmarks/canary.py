@@ -6,10 +6,19 @@
    sim` worker, interleaved with the same-run baselines `python -c pass`,
    `ftctl --version` and `ftctl inventory check` (a full-CLI command that reads
    and validates a YAML file). Goal: <= 150 ms.
-2. Daemon fan-out: a fleet of 1,000 lightweight fake endpoints in one process
-   (pinned to CPU 1) answering the golden tokens; `HealthDaemon.probe_round`
-   with its real aiohttp transport in this process (pinned to CPU 0): wall and
-   CPU time of one round (3 prompts per worker = 3,000 requests). Goal <= 5 s.
+2. Daemon fan-out (issue 25: 10,000 endpoints a round in <= 5 s on one core): the
+   real `HealthDaemon.probe_round` (probe, judge, states, baselines, weights,
+   metrics) on the daemon's own loop (uvloop, as `run_daemon`), pinned to CPU 0,
+   over 1,000 and 10,000 endpoints of a fake fleet pinned to CPU 1 (one uvloop
+   process, 200 ports, a distinct path per worker; see PORTS) that answers each
+   canary request with its golden completion (3 prompts = 3 requests per worker).
+   Per round: wall and CPU seconds (the daemon's process only) and requests/s,
+   against the anchor of `wrk` (on CPU 0) driving one fleet port in the same run:
+   the fleet serves several times what the daemon asks of it. Rounds: the first
+   (connections opened), steady ones (kept-alive connections reused), and one with
+   fresh connections (the pool emptied first, as when the workers' keep-alive
+   timeouts ran out between rounds: uvicorn's default is 5 s, an interval 30 s).
+   `--fan-out` runs part 2 only.
 3. Detection latency on real sim workers and a real `ftctl canary --watch`
    process: SIGKILL -> UNHEALTHY (a) with the proxy's passive report sent right
    after the kill (goal <= 100 ms), (b) by probes alone (goal <= interval +
@@ -292,10 +301,16 @@ def fan_out(fleets: tuple[int, ...] = (1000, 10000), rounds: int = 3) -> None:
         steady = statistics.median(w for label, w, _, _ in rows if label.startswith("steady"))
         fresh = next(w for label, w, _, _ in rows if label == "fresh connections")
         cpu = statistics.median(c for label, _, c, _ in rows if label.startswith("steady"))
-        verdict = "MET" if max(steady, fresh) <= 5 else "NOT MET"
+        fresh_cpu = next(c for label, _, c, _ in rows if label == "fresh connections")
+        wall_verdict = "MET" if max(steady, fresh) <= 5 else "NOT MET"
+        cpu_verdict = "MET" if max(cpu, fresh_cpu) <= 5 else "NOT MET"
+        # On a shared machine the daemon gets a fraction of its core: the CPU it
+        # needs per round is what one core of its own would take (the fleet and
+        # loopback add little: see the wrk anchor).
         print(f"   {fleet:,} endpoints: {steady:.2f} s per round (median of steady rounds), "
-              f"{fresh:.2f} s with fresh connections, {cpu:.2f} CPU-s per round; "
-              f"goal <= 5 s: {verdict}")
+              f"{fresh:.2f} s with fresh connections; {cpu:.2f} / {fresh_cpu:.2f} CPU-s; "
+              f"the daemon had {cpu / steady:.0%} of its core")
+        print(f"      goal <= 5 s on one core: wall {wall_verdict}, CPU {cpu_verdict}")
 
 
 # ---------------------------------------------------------------------------

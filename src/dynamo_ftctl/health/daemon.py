@@ -111,6 +111,7 @@ class _Entry:
     in_flight: bool = False
     report_probe_at: float | None = None  # when a report last triggered a probe
     published: tuple[HealthState, BreakerState] | None = None
+    duration: Any = None  # its ftctl_health_check_duration_seconds child, looked up once
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,11 @@ class HealthDaemon:
         entry.last = result
         entry.last_at = self.clock.wall()
         if self._metrics:
-            from dynamo_ftctl.metrics import HEALTH_CHECK_DURATION
+            if entry.duration is None:
+                from dynamo_ftctl.metrics import HEALTH_CHECK_DURATION
 
-            HEALTH_CHECK_DURATION.labels(entry.worker.target.name).observe(result.wall_s)
+                entry.duration = HEALTH_CHECK_DURATION.labels(entry.worker.target.name)
+            entry.duration.observe(result.wall_s)
         self._apply(entry, entry.health.record(result.healthy, result.reason, "probe"))
         if not result.healthy:
             self._confirm(entry)
