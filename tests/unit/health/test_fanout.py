@@ -21,8 +21,6 @@ Plan = Callable[[int], bytes | str | None]
 class _Server(asyncio.Protocol):
     """Counts connections and requests; answers each request as `plan` says."""
 
-    connections: list[_Server]
-
     def __init__(self, plan: Plan, log: list[_Server]) -> None:
         self.plan = plan
         self.requests = 0
@@ -47,11 +45,13 @@ class _Server(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-def _run(plan: Plan, body: Callable[[str, list[_Server]], Awaitable[None]]) -> None:
+def _run(plan: Plan, body: Callable[[str, list[_Server]], Awaitable[None]],
+         protocol: type[_Server] = _Server) -> None:
+    """Serve `plan` on a loopback port and run `body(url, connections)` within 10 s."""
     async def main() -> None:
         log: list[_Server] = []
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Server(plan, log), "127.0.0.1", 0)
+        server = await loop.create_server(lambda: protocol(plan, log), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         try:
             await asyncio.wait_for(body(f"http://127.0.0.1:{port}/w1/v1/completions", log), 10)
@@ -148,18 +148,7 @@ def test_extra_headers_travel_with_the_json_content_type() -> None:
         finally:
             await transport.close()
 
-    async def main() -> None:
-        log: list[_Server] = []
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: Recording(lambda _: OK, log), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            await asyncio.wait_for(body(f"http://127.0.0.1:{port}/w1/v1/completions", log), 10)
-        finally:
-            server.close()
-            await server.wait_closed()
-
-    asyncio.run(main())
+    _run(lambda _: OK, body, Recording)
     first, second = seen
     assert b"Content-Type: application/json\r\n" in first
     assert b"Authorization: Bearer t\r\n" in first
