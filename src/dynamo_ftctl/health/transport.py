@@ -6,10 +6,9 @@ Two implementations share one contract (`HttpReply` or a `TransportError`):
   one-shot probe. A probe has 150 ms for everything, interpreter included:
   httpx costs ~60 ms to import and `http.client` ~18 ms (it imports
   `email.parser` and `ssl`); one POST needs no connection pool.
-- `ClientTransport` (also `AiohttpTransport`, its old name): one shared
-  `dynamo_ftctl.http1.Client` for the daemon's fan-out to many workers (the
-  package's one async client; imported on first use, so the probe never loads
-  asyncio).
+- `health.fanout.ClientTransport` (also `AiohttpTransport`, its old name): one
+  shared `dynamo_ftctl.http1.Client` for the daemon's fan-out to many workers (its
+  own module, so the one-shot probe never loads asyncio or http1).
 
 Both stop at `max_bytes` and at an overall deadline, so a 10 MB body or an SSE
 stream that never ends costs at most the timeout. A timeout before any response
@@ -29,18 +28,16 @@ import msgspec
 if TYPE_CHECKING:
     import _socket
 
-    from dynamo_ftctl.http1 import Client
-
 __all__ = [
     "MAX_BODY_BYTES",
-    "AiohttpTransport",
     "AsyncTransport",
-    "ClientTransport",
     "FailureKind",
     "Http1Transport",
     "HttpReply",
     "SyncTransport",
     "TransportError",
+    "endless",
+    "too_large",
 ]
 
 # A canary answer is a few KiB; 1 MiB leaves room for long prompts echoed back as ids.
@@ -94,12 +91,14 @@ class AsyncTransport(Protocol):
         ...
 
 
-def _too_large(received: int, limit: int) -> TransportError:
+def too_large(received: int, limit: int) -> TransportError:
+    """The error of a body past `limit` bytes (both transports)."""
     return TransportError("too_large", f"response body over {limit:,} bytes "
                                        f"({received:,} received); the limit is {limit:,}")
 
 
-def _endless(received: int, timeout_s: float, content_type: str) -> TransportError:
+def endless(received: int, timeout_s: float, content_type: str) -> TransportError:
+    """The error of a body still flowing at the deadline (both transports)."""
     return TransportError("endless_body", f"response body did not end within {timeout_s:g} s "
                                           f"({received:,} bytes of {content_type or 'no type'})")
 
@@ -182,7 +181,7 @@ class Http1Transport:
             raise
         except TimeoutError:  # socket.timeout is TimeoutError since 3.10
             if reply.got_headers and reply.body:
-                raise _endless(len(reply.body), timeout_s, reply.content_type) from None
+                raise endless(len(reply.body), timeout_s, reply.content_type) from None
             what = "response body" if reply.got_headers else "response"
             raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
         except OSError as exc:  # reset, broken pipe, TLS failure
@@ -249,84 +248,5 @@ def _read(sock: Any, reply: _Reply, deadline: float) -> int:
         except httptools.HttpParserError as exc:
             raise TransportError("protocol", f"not an HTTP response ({exc})") from None
         if reply.overflow:
-            raise _too_large(len(reply.body), reply.max_bytes)
+            raise too_large(len(reply.body), reply.max_bytes)
     return int(parser.get_status_code())
-
-
-class ClientTransport:
-    """One shared `dynamo_ftctl.http1.Client` (the daemon's fan-out); `close` when done.
-
-    The pool has no connection cap: the daemon bounds the probes in flight with its
-    own semaphore, so `concurrency` only sizes nothing (kept for its callers).
-    """
-
-    def __init__(self, *, concurrency: int = 256, max_bytes: int = MAX_BODY_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self.concurrency = concurrency
-        self._client: Client | None = None
-
-    @property
-    def session(self) -> Client:
-        """The shared client (transition actions use it too)."""
-        if self._client is None:
-            from dynamo_ftctl.http1 import Client
-
-            self._client = Client(user_agent="ftctl-canary")
-        return self._client
-
-    async def close(self) -> None:
-        """Hang up on every connection."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-    async def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                        headers: Mapping[str, str] | None = None) -> HttpReply:
-        import asyncio  # the async transport only: the one-shot probe never imports it
-
-        from dynamo_ftctl.http1 import ConnectionBroken, ProtocolError, Unreachable
-
-        state: dict[str, object] = {"headers": False, "received": 0, "type": ""}
-        all_headers = {"Content-Type": "application/json", **(headers or {})}
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await self._exchange(url, body, all_headers, state)
-        except TransportError:
-            raise
-        except TimeoutError:
-            received = int(state["received"])  # type: ignore[call-overload]
-            if state["headers"] and received:
-                raise _endless(received, timeout_s, str(state["type"])) from None
-            what = "response body" if state["headers"] else "response"
-            raise TransportError("timeout", f"no {what} within {timeout_s:g} s") from None
-        except Unreachable as exc:  # refused, unreachable, TLS refused: never sent
-            authority = urlsplit(url).netloc.rpartition("@")[2]
-            cause = exc.__cause__
-            detail = getattr(cause, "strerror", None) or cause or exc
-            raise TransportError("refused", f"cannot connect to {authority}: {detail}") \
-                from None
-        except ProtocolError as exc:
-            raise TransportError("protocol", f"not an HTTP response ({exc})") from None
-        except (ConnectionBroken, OSError) as exc:  # closed or reset, before or after the head
-            where = "mid-body" if state["headers"] else "before answering"
-            raise TransportError("reset", f"connection lost {where}: {exc}") from None
-
-    async def _exchange(self, url: str, body: bytes, headers: dict[str, str],
-                        state: dict[str, object]) -> HttpReply:
-        response = await self.session.request("POST", url, body, headers)
-        async with response:
-            state["headers"] = True
-            content_type = response.header("content-type") or ""
-            state["type"] = content_type
-            received = bytearray()
-            while chunk := await response.next_chunk():
-                received += chunk
-                state["received"] = len(received)
-                if len(received) > self.max_bytes:
-                    raise _too_large(len(received), self.max_bytes)
-            assert response.status is not None  # set once the headers are in
-            return HttpReply(response.status, bytes(received), content_type)
-
-
-# The name the daemon knows it by (it was an aiohttp session until the one client).
-AiohttpTransport = ClientTransport

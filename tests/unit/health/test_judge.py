@@ -124,3 +124,81 @@ def test_ids_expected_but_absent_and_no_text_is_bad_response() -> None:
     prompt = replace(PROMPT, expected_text=None)
     verdict = judge_answer(prompt, Answer(None, "abcd", -0.7))
     assert verdict.kind == "bad_response"
+
+
+# Bodies the msgspec fast path reads, and bodies it must hand to the general path
+# (json.loads and openai.extract_*): the verdicts are the same either way.
+_AGREEING = [
+    completion([5, 6, 7, 8]),
+    completion(None),
+    completion([5, 6, 7, 8], top=-3),
+    json.dumps({"choices": [{"text": "ab", "token_ids": [1, 2]}]}).encode(),
+    json.dumps({"choices": [{"index": 0, "text": "ab", "logprobs": None}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {"tokens": [], "top_logprobs": []}}]}
+               ).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {
+        "tokens": ["a"], "token_logprobs": [-0.25], "top_logprobs": [{}]}}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {
+        "tokens": ["a"], "token_logprobs": [None], "top_logprobs": [None]}}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {
+        "tokens": ["a"], "token_logprobs": [-1], "top_logprobs": [{"a": None, "b": -2}]}}]}
+               ).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {"tokens": ["a"]}}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "token_ids": []}], "error": None}).encode(),
+]
+_DECLINED = [
+    json.dumps({"choices": [{"index": 0, "message": {"content": "ab"}}]}).encode(),
+    json.dumps({"choices": [{"index": 1, "text": "x"}, {"index": 0, "text": "ab"}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "token_ids": [True, 2]}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "token_ids": "12"}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "logprobs": {"content": [
+        {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]}]}}]}
+               ).encode(),
+    json.dumps({"choices": [{"text": "ab"}], "error": {"message": "boom"}}).encode(),
+    json.dumps({"choices": [{"text": "ab"}], "object": "error", "message": "boom"}).encode(),
+    b'{"choices": [{"text": "ab", "logprobs": {"tokens": ["a"], "token_logprobs": [NaN]}}]}',
+    json.dumps({"choices": []}).encode(),
+    json.dumps([1, 2]).encode(),
+    b"\xff\xfe not utf-8",
+]
+
+
+def _general(body: bytes) -> Answer | str:
+    """The answer as the general path reads it, or a word for a BadResponse."""
+    from dynamo_ftctl.openai import extract_text, extract_token_ids, extract_top_logprob
+
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) \
+            or not doc["choices"] or ("error" in doc and doc["error"] is not None) \
+            or doc.get("object") == "error":
+        return "not an answer"
+    return Answer(extract_token_ids(doc), extract_text(doc), extract_top_logprob(doc))
+
+
+@pytest.mark.parametrize("body", _AGREEING)
+def test_the_fast_path_reads_plain_completions_as_the_general_path_does(body: bytes) -> None:
+    """A plain completion decoded by msgspec gives the general path's ids, text and top
+    logprob, so the verdict cannot depend on which path read it."""
+    from dynamo_ftctl.health.judge import _fast_answer
+
+    fast = _fast_answer(body)
+    assert fast is not None
+    assert fast == _general(body)
+    assert parse_answer(reply(body)) == fast
+
+
+@pytest.mark.parametrize("body", _DECLINED)
+def test_the_fast_path_leaves_every_other_shape_to_the_general_path(body: bytes) -> None:
+    """Chat answers, error bodies, odd types, NaN, other choices first: not read fast."""
+    from dynamo_ftctl.health.judge import _fast_answer
+
+    assert _fast_answer(body) is None
+    general = _general(body)
+    if isinstance(general, Answer):
+        assert parse_answer(reply(body)) == general
+    else:
+        with pytest.raises(BadResponse):
+            parse_answer(reply(body))

@@ -139,3 +139,20 @@ def test_parallel_wrong_answer_and_refusal_keep_their_verdicts() -> None:
                                transport=fake)  # type: ignore[arg-type]
         assert (report.results[0].verdict, report.exit_code) == (verdict, code)
         assert fake.calls == len(SET.prompts)
+
+
+def test_request_bodies_are_built_once_per_set_and_prompt() -> None:
+    """The daemon's probes reuse one encoded body per prompt (10,000 workers send the same
+    three), equal to `build_request`'s; another set with the same prompts gets its own."""
+    from dynamo_ftctl.health.judge import build_request
+    from dynamo_ftctl.health.probe import _request
+    from dynamo_ftctl.structs import replace
+
+    prompt = SET.prompts[0]
+    first = _request(SET, prompt)
+    assert first == build_request(SET, prompt)
+    assert _request(SET, prompt) is first
+    other = replace(SET, model="other-model")
+    assert _request(other, prompt) == build_request(other, prompt)
+    assert b"other-model" in _request(other, prompt)[1]
+    assert _request(SET, prompt) == first

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from dynamo_ftctl.health.fanout import ClientTransport
 from dynamo_ftctl.health.transport import (
-    ClientTransport,
     Http1Transport,
     HttpReply,
     TransportError,
