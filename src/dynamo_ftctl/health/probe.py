@@ -281,20 +281,37 @@ def _probe_prompt(
     transport: SyncTransport, clock: Clock,
 ) -> PromptCheck:
     path, body = build_request(canary_set, prompt)
-    attempts = 0
+    tries = _Attempts(prompt, config, clock)
     while True:
-        attempts += 1
-        start = clock.now()
         outcome: HttpReply | TransportError
         try:
-            outcome = transport.post_json(target.url + path, body,
-                                          timeout_s=_timeout(prompt, config))
+            outcome = transport.post_json(target.url + path, body, timeout_s=tries.begin())
         except TransportError as exc:
             outcome = exc
-        step = _after_attempt(prompt, config, attempts, outcome, clock.now() - start)
-        if isinstance(step, PromptCheck):
+        if isinstance(step := tries.after(outcome), PromptCheck):
             return step
         clock.sleep(step)
+
+
+class _Attempts:
+    """One prompt's attempts, for the blocking and the async loop alike: `begin` before
+    each (its timeout), `after` with its outcome (the check, or seconds to wait)."""
+
+    __slots__ = ("_clock", "_config", "_prompt", "_start", "count")
+
+    def __init__(self, prompt: CanaryPrompt, config: CanaryConfig, clock: Clock) -> None:
+        self._prompt, self._config, self._clock = prompt, config, clock
+        self._start = 0.0
+        self.count = 0
+
+    def begin(self) -> float:
+        self.count += 1
+        self._start = self._clock.now()
+        return _timeout(self._prompt, self._config)
+
+    def after(self, outcome: HttpReply | TransportError) -> PromptCheck | float:
+        return _after_attempt(self._prompt, self._config, self.count, outcome,
+                              self._clock.now() - self._start)
 
 
 def _after_attempt(prompt: CanaryPrompt, config: CanaryConfig, attempts: int,
@@ -395,18 +412,15 @@ async def _aprobe_prompt(
     transport: AsyncTransport, clock: Clock,
 ) -> PromptCheck:
     path, body = _request(canary_set, prompt)
-    attempts = 0
+    tries = _Attempts(prompt, config, clock)
     while True:
-        attempts += 1
-        start = clock.now()
         outcome: HttpReply | TransportError
         try:
             outcome = await transport.post_json(target.url + path, body,
-                                                timeout_s=_timeout(prompt, config))
+                                                timeout_s=tries.begin())
         except TransportError as exc:
             outcome = exc
-        step = _after_attempt(prompt, config, attempts, outcome, clock.now() - start)
-        if isinstance(step, PromptCheck):
+        if isinstance(step := tries.after(outcome), PromptCheck):
             return step
         await clock.asleep(step)
 
