@@ -2,8 +2,8 @@
 
 With flock, the locked descriptor is made inheritable and this process execs
 the command (like `flock(1)`): the lock lives until the command's last copy of
-the descriptor closes, with no supervisor in between. A forked watcher
-(`watch.spawn_watcher`, which holds no lock) checks the lock file meanwhile and,
+the descriptor closes, with no supervisor in between. A watcher forked before
+the wait (`watch.prepare_watcher`, which holds no lock) checks the lock file meanwhile and,
 when it is deleted or replaced, sends the command SIGTERM with one line on
 stderr, then SIGKILL after `TERM_GRACE_S`; the command's exit status is then
 its own (143 for a default SIGTERM), since ftctl has become the command.
@@ -18,7 +18,9 @@ when a signal ended it).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -29,7 +31,7 @@ from dynamo_ftctl.errors import InvalidInput, LeaseLost
 from dynamo_ftctl.lock.flock import FlockLock
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
-from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, spawn_watcher
+from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, prepare_watcher
 from dynamo_ftctl.process import SPAWNER, Child, ForkedChild, Spawner
 
 __all__ = [
@@ -89,25 +91,43 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
     it is deleted or replaced. `lock` itself must not watch (a thread would not
     survive the exec). Returns only by raising: `LockTimeout`, or `InvalidInput`
     when the command cannot be executed (the lock is released then).
+
+    Everything but the token is done before the wait, so that between the grant and
+    the exec there is only the owner record (no fsync: the token was reserved, see
+    `flock.py`) and one write to the watcher: the watcher is forked and the
+    environment copied first, and the wait is a flock(2) in this thread.
     """
     _check_command(argv)
-    lease = lock.acquire(timeout)
-    assert lease.fd is not None
-    os.set_inheritable(lease.fd, True)
-    env = {**os.environ, LOCK_FD_ENV: str(lease.fd), LOCK_TOKEN_ENV: str(lease.token)}
+    env = dict(os.environ)
+    # PATH searched now, not after the grant (execvpe tries one directory per execve).
+    program = shutil.which(argv[0], path=os.pathsep.join(os.get_exec_path(env)))
     watcher = None
     if watch_interval_s > 0:
         try:
-            watcher = spawn_watcher(lock.path, lease.fd, token=lease.token,
-                                    interval_s=watch_interval_s, grace_s=term_grace_s)
+            watcher = prepare_watcher(lock.path, interval_s=watch_interval_s,
+                                      grace_s=term_grace_s)
         except OSError as exc:  # no process left (EAGAIN): run unwatched, as flock(1) does
             sys.stderr.write(f"ftctl lock: cannot start the lock file watcher "
                              f"({exc.strerror}): {argv[0]!r} runs unwatched\n")
     try:
+        lease = lock.acquire_here(timeout)
+    except BaseException:
+        if watcher is not None:
+            watcher.cancel()
+        raise
+    assert lease.fd is not None
+    os.set_inheritable(lease.fd, True)
+    env[LOCK_FD_ENV], env[LOCK_TOKEN_ENV] = str(lease.fd), str(lease.token)
+    if watcher is not None:
+        watcher.arm(lease.fd, lease.token)
+    try:
+        if program is not None:
+            with contextlib.suppress(OSError):  # gone meanwhile: execvpe says why
+                os.execve(program, list(argv), env)  # noqa: S606 (exec is the point)
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:
         if watcher is not None:
-            ForkedChild(watcher).kill()
+            ForkedChild(watcher.pid).kill()
         lock.release()
         msg = f"cannot run {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
