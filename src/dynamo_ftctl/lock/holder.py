@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, LeaseLost
 from dynamo_ftctl.lock.flock import FlockLock
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
 from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, prepare_watcher
-from dynamo_ftctl.process import SPAWNER, Child, ForkedChild, Spawner
+
+if TYPE_CHECKING:
+    # Loaded by `run_holding` only: the exec form stays small (it execs faster).
+    from dynamo_ftctl.process import Child, Spawner
 
 __all__ = [
     "LOCK_FD_ENV", "LOCK_TOKEN_ENV", "TERM_GRACE_S", "exec_holding", "hold_for_command",
@@ -81,6 +85,19 @@ def _check_command(argv: Sequence[str]) -> None:
         raise InvalidInput(msg)
 
 
+def _find_program(name: str, env: dict[str, str]) -> str | None:
+    """Where execvpe would find `name`, searched before the wait, not after the grant
+    (execvpe tries one directory per execve); None: let execvpe say why it fails. (Not
+    shutil.which: shutil loads bz2, lzma and zlib, and a bigger process execs slower.)"""
+    if os.sep in name:
+        return name
+    for directory in os.get_exec_path(env):
+        candidate = Path(directory) / name
+        if os.access(candidate, os.X_OK) and not candidate.is_dir():
+            return str(candidate)
+    return None
+
+
 def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = None, *,
                  watch_interval_s: float = WATCH_INTERVAL_S,
                  term_grace_s: float = TERM_GRACE_S) -> None:
@@ -99,8 +116,7 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
     """
     _check_command(argv)
     env = dict(os.environ)
-    # PATH searched now, not after the grant (execvpe tries one directory per execve).
-    program = shutil.which(argv[0], path=os.pathsep.join(os.get_exec_path(env)))
+    program = _find_program(argv[0], env)
     watcher = None
     if watch_interval_s > 0:
         try:
@@ -127,21 +143,25 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:
         if watcher is not None:
-            ForkedChild(watcher.pid).kill()
+            watcher.stop()
         lock.release()
         msg = f"cannot run {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
 
 
 def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None, *,
-                spawner: Spawner = SPAWNER) -> int:
+                spawner: Spawner | None = None) -> int:
     """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
 
     A lock lost while the child runs (etcd lease, flock file deleted or replaced)
     terminates the child (SIGTERM, then SIGKILL after `TERM_GRACE_S`) and raises
-    `LeaseLost`.
+    `LeaseLost`. `spawner`: `process.SPAWNER` unless given.
     """
     _check_command(argv)
+    if spawner is None:
+        from dynamo_ftctl.process import SPAWNER
+
+        spawner = SPAWNER
     lost = threading.Event()
     why: list[LeaseLost] = []
 

@@ -237,6 +237,12 @@ class PendingWatcher:
         os.close(self._pipe)
         self._pipe = -1
 
+    def stop(self) -> None:
+        """The command never ran: end the (armed) watcher now and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.cancel()
+
     def cancel(self) -> None:
         """No lock to watch: the watcher exits; reap it."""
         if self._pipe >= 0:
