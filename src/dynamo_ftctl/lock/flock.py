@@ -311,29 +311,7 @@ class FlockLock:
 
     def acquire(self, timeout: float | None = None) -> Lease:
         """Block (at most `timeout` s, None = forever) until held; `LockTimeout` otherwise."""
-        self._check_free()
-        started = self._clock.now()
-        reserved: int | None = None
-        while True:
-            fd, held = self._open_and_try(timeout)
-            if not held:
-                if reserved is None:  # fsynced now, while the holder runs
-                    reserved = reserve_token(self._floor)
-                waiter = _Waiter(fd)
-                waiter.start()
-                remaining = None if timeout is None else timeout - (self._clock.now() - started)
-                ended = waiter.wait(None if remaining is None else max(0.0, remaining))
-                if not ended and not waiter.cancel():
-                    release_reservation(self._floor, reserved)
-                    raise self._timeout_error(timeout)
-                try:
-                    waiter.result()
-                except OSError as exc:
-                    os.close(fd)
-                    raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
-            if self._still_linked(fd):
-                return self._take(fd, started, reserved)
-            os.close(fd)  # the file was replaced under us: lock the new one
+        return self._acquire_by(timeout, self._wait_in_thread)
 
     def acquire_here(self, timeout: float | None = None) -> Lease:
         """`acquire`, waiting in `flock(2)` in this thread: the granted lock runs on with
@@ -342,28 +320,54 @@ class FlockLock:
         elsewhere a timed wait goes to `acquire`."""
         if timeout is not None and threading.current_thread() is not threading.main_thread():
             return self.acquire(timeout)
+        return self._acquire_by(timeout, self._wait_here)
+
+    def _acquire_by(self, timeout: float | None,
+                    wait: Callable[[int, float | None, float | None], None]) -> Lease:
+        """Lock the file at the path, blocking in `wait(fd, seconds left, timeout)` when it
+        is held; the token is reserved before the first wait (fsynced while the holder
+        runs) and given back when the wait times out."""
         self._check_free()
         started = self._clock.now()
         reserved: int | None = None
-        while True:
-            fd, held = self._open_and_try(timeout)
-            if not held:
-                if reserved is None:
-                    reserved = reserve_token(self._floor)
-                left = None if timeout is None else timeout - (self._clock.now() - started)
-                try:
-                    with _alarm(left):
-                        fcntl.flock(fd, fcntl.LOCK_EX)
-                except _AlarmExpired:
-                    os.close(fd)  # granted just as the alarm fired: closing hands it on
-                    release_reservation(self._floor, reserved)
-                    raise self._timeout_error(timeout) from None
-                except OSError as exc:
-                    os.close(fd)
-                    raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
-            if self._still_linked(fd):
-                return self._take(fd, started, reserved)
+        try:
+            while True:
+                fd, held = self._open_and_try(timeout)
+                if not held:
+                    if reserved is None:
+                        reserved = reserve_token(self._floor)
+                    left = None if timeout is None else timeout - (self._clock.now() - started)
+                    wait(fd, None if left is None else max(0.0, left), timeout)
+                if self._still_linked(fd):
+                    return self._take(fd, started, reserved)
+                os.close(fd)  # the file was replaced under us: lock the new one
+        except LockTimeout:
+            release_reservation(self._floor, reserved)
+            raise
+
+    def _wait_in_thread(self, fd: int, left: float | None, timeout: float | None) -> None:
+        """Wait in a `_Waiter` thread (any thread may call `acquire` with a timeout)."""
+        waiter = _Waiter(fd)
+        waiter.start()
+        if not waiter.wait(left) and not waiter.cancel():
+            raise self._timeout_error(timeout)  # the waiter closes `fd` once granted
+        try:
+            waiter.result()
+        except OSError as exc:
             os.close(fd)
+            raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
+
+    def _wait_here(self, fd: int, left: float | None, timeout: float | None) -> None:
+        """Wait in this thread, SIGALRM ending it after `left` s (main thread only)."""
+        try:
+            with _alarm(left):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except _AlarmExpired:
+            os.close(fd)  # granted just as the alarm fired: closing hands it on
+            raise self._timeout_error(timeout) from None
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
 
     async def aacquire(self, timeout: float | None = None) -> Lease:
         """`acquire` for asyncio; a cancelled task never keeps the lock."""
