@@ -4,7 +4,8 @@ Probes and entrypoint scripts call `ftctl --version` to check the binary, and
 Kubernetes exec probes run `ftctl canary --worker w3` every few seconds; neither
 should pay for importing typer and click (about 40 ms). A one-shot canary probe
 in its plain spelling runs without them (`cli/probe.py`); everything else, and
-anything the fast path is unsure of, goes to the full CLI.
+anything the fast path is unsure of, goes to the full CLI. So does a plain
+`ftctl lock acquire` (`cli/lock_fast.py`): its handoff must cost what flock(1)'s does.
 
 The console script (`console`) also trims what a short-lived probe process pays
 around its work, about a third of its wall time on a 2-core VM:
@@ -17,7 +18,8 @@ around its work, about a third of its wall time on a 2-core VM:
   which imports `inspect`: about 15 ms. Our structs use `typing` alone;
 - no interpreter teardown after the probe: `atexit` handlers run and stdio is
   flushed, then the process ends (module teardown and its full collections
-  cost about 20 ms, more than the probe's own requests).
+  cost about 20 ms, more than the probe's own requests). `ftctl lock acquire`
+  ends the same way: after `--fd N` the shell's next command waits for it.
 
 `main(argv)` is the same dispatch for callers in a process that lives on (tests,
 scripts): it returns the exit code and changes nothing global.
@@ -37,6 +39,10 @@ def _fast(args: list[str]) -> int | None:
 
         sys.stdout.write(f"ftctl {__version__}\n")
         return 0
+    if args[:2] == ["lock", "acquire"]:
+        from dynamo_ftctl.cli.lock_fast import fast_lock_acquire
+
+        return fast_lock_acquire(args)
     if "canary" in args:
         from dynamo_ftctl.cli.probe import fast_canary
 
@@ -62,6 +68,11 @@ def console() -> int:
     """The `ftctl` console script (and `python -m dynamo_ftctl`): `main`, with a lean
     start and end for the one-shot probe."""
     args = sys.argv[1:]
+    if args[:2] == ["lock", "acquire"]:
+        # `acquire --fd N` holds the lock when this process ends: the shell's next
+        # command waits for its exit, so skip the teardown (~10-100 ms with the CLI
+        # framework loaded). The command form never gets here: it execs or fails.
+        _quick_exit(main(args))
     if "canary" not in args:
         return main(args)
     import gc

@@ -149,9 +149,11 @@ def acquire(  # noqa: PLR0917 - typer passes every option positionally
             raise InvalidInput(msg)
         from dynamo_ftctl.lock.flock import flock_descriptor
         from dynamo_ftctl.lock.settings import engine_id_from_env
+        from dynamo_ftctl.output import emit  # before the wait, not after the grant
 
         lease = flock_descriptor(fd, engine_id_from_env(engine_id), timeout=timeout)
-        finish(ctx, lease, json_flag=json_)
+        emit(lease, json_mode=json_mode(ctx, json_))
+        raise typer.Exit(0)
     assert command is not None
     settings = lock_settings(ctx, backend=backend, engine_id=engine_id, path=path,
                              endpoints=endpoint, key=key, ttl_s=ttl,

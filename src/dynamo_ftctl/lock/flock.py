@@ -26,11 +26,15 @@ lock file's claim (0 for a new file) start it. Trust: whoever may write the
 directory may rewrite both files; the floor guards against accidents (a cleanup
 `rm`, a tool that writes by rename, `exec 9>P` truncating), not a forger.
 
-Durability: the floor is fsynced before the token is handed out (and its
-directory once, when the floor is created), so a token survives a power loss
-and the next one after a reboot is still higher; the owner data is not fsynced
-(only `owner`/`status` read it, and the floor does not depend on it). One fsync
-per acquisition, as before the floor existed.
+Durability: no token is handed out before a floor value at least as high is
+on disk (fsynced; its directory too, once, when the floor is created), so
+after a power loss and reboot the next token is still higher than any handed
+out before. A waiter that must block reserves its token first: it raises the
+floor's high-water mark by one and fsyncs it while the holder still runs, so
+the handoff itself writes the floor without an fsync (a reservation that
+another waiter overtook is dropped, and the grant fsyncs a fresh token). An
+acquisition that does not wait fsyncs at the grant. The owner data is not
+fsynced (only `owner`/`status` read it, and the floor does not depend on it).
 
 A held lock is watched (`watch.py`): every `watch_interval_s` the path is
 compared with the locked inode; when it was deleted or replaced the lock is
@@ -40,7 +44,6 @@ lost: `is_held` turns False, `ensure_held` raises `LeaseLost` and the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import fcntl
@@ -51,10 +54,19 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput, LeaseLost, LockTimeout
-from dynamo_ftctl.lock.owner import BACKEND, FLOOR_SUFFIX, floor_path, read_owner, write_owner
+from dynamo_ftctl.lock.owner import (
+    BACKEND,
+    FLOOR_SUFFIX,
+    floor_path,
+    read_owner,
+    release_reservation,
+    reserve_token,
+    write_owner,
+)
 from dynamo_ftctl.lock.protocol import (
     Lease,
     LockStatus,
@@ -63,6 +75,9 @@ from dynamo_ftctl.lock.protocol import (
     record_released,
 )
 from dynamo_ftctl.lock.watch import FILE_WATCH, WATCH_INTERVAL_S, FileIdentity, lock_file_gone
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "FLOOR_SUFFIX", "FlockLock", "flock_descriptor", "floor_path", "read_owner",
@@ -234,13 +249,13 @@ class FlockLock:
         """False when the file was unlinked or replaced while we waited (a different lock)."""
         return lock_file_gone(self._path, FileIdentity.of_fd(fd)) is None
 
-    def _take(self, fd: int, started: float) -> Lease:
+    def _take(self, fd: int, started: float, reserved: int | None) -> Lease:
         acquired_at = self._clock.wall()
         locked = FileIdentity.of_fd(fd)
         try:
             token = write_owner(fd, self._floor, self.name, locked=locked,
                                  engine_id=self._engine_id, pid=os.getpid(),
-                                 acquired_at=acquired_at)
+                                 acquired_at=acquired_at, reserved=reserved)
         except OSError as exc:  # disk full, read-only volume: do not keep a lock without a token
             os.close(fd)
             msg = f"{self.name}: cannot write owner data: {exc.strerror}"
@@ -296,34 +311,77 @@ class FlockLock:
 
     def acquire(self, timeout: float | None = None) -> Lease:
         """Block (at most `timeout` s, None = forever) until held; `LockTimeout` otherwise."""
+        return self._acquire_by(timeout, self._wait_in_thread)
+
+    def acquire_here(self, timeout: float | None = None) -> Lease:
+        """`acquire`, waiting in `flock(2)` in this thread: the granted lock runs on with
+        no thread to wake (what `ftctl lock acquire -- CMD` needs to exec as fast as
+        flock(1)). A timeout interrupts the wait with SIGALRM, so it needs the main thread;
+        elsewhere a timed wait goes to `acquire`."""
+        if timeout is not None and threading.current_thread() is not threading.main_thread():
+            return self.acquire(timeout)
+        return self._acquire_by(timeout, self._wait_here)
+
+    def _acquire_by(self, timeout: float | None,
+                    wait: Callable[[int, float | None, float | None], None]) -> Lease:
+        """Lock the file at the path, blocking in `wait(fd, seconds left, timeout)` when it
+        is held; the token is reserved before the first wait (fsynced while the holder
+        runs) and given back when the wait times out."""
         self._check_free()
         started = self._clock.now()
-        while True:
-            fd, held = self._open_and_try(timeout)
-            if not held:
-                waiter = _Waiter(fd)
-                waiter.start()
-                remaining = None if timeout is None else timeout - (self._clock.now() - started)
-                ended = waiter.wait(None if remaining is None else max(0.0, remaining))
-                if not ended and not waiter.cancel():
-                    raise self._timeout_error(timeout)
-                try:
-                    waiter.result()
-                except OSError as exc:
-                    os.close(fd)
-                    raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
-            if self._still_linked(fd):
-                return self._take(fd, started)
-            os.close(fd)  # the file was replaced under us: lock the new one
+        reserved: int | None = None
+        try:
+            while True:
+                fd, held = self._open_and_try(timeout)
+                if not held:
+                    if reserved is None:
+                        reserved = reserve_token(self._floor)
+                    left = None if timeout is None else timeout - (self._clock.now() - started)
+                    wait(fd, None if left is None else max(0.0, left), timeout)
+                if self._still_linked(fd):
+                    return self._take(fd, started, reserved)
+                os.close(fd)  # the file was replaced under us: lock the new one
+        except LockTimeout:
+            release_reservation(self._floor, reserved)
+            raise
+
+    def _wait_in_thread(self, fd: int, left: float | None, timeout: float | None) -> None:
+        """Wait in a `_Waiter` thread (any thread may call `acquire` with a timeout)."""
+        waiter = _Waiter(fd)
+        waiter.start()
+        if not waiter.wait(left) and not waiter.cancel():
+            raise self._timeout_error(timeout)  # the waiter closes `fd` once granted
+        try:
+            waiter.result()
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
+
+    def _wait_here(self, fd: int, left: float | None, timeout: float | None) -> None:
+        """Wait in this thread, SIGALRM ending it after `left` s (main thread only)."""
+        try:
+            with _alarm(left):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        except _AlarmExpired:
+            os.close(fd)  # granted just as the alarm fired: closing hands it on
+            raise self._timeout_error(timeout) from None
+        except OSError as exc:
+            os.close(fd)
+            raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
 
     async def aacquire(self, timeout: float | None = None) -> Lease:
         """`acquire` for asyncio; a cancelled task never keeps the lock."""
+        import asyncio  # only here: `ftctl lock acquire` must not load it
+
         self._check_free()
         started = self._clock.now()
         loop = asyncio.get_running_loop()
+        reserved: int | None = None
         while True:
             fd, held = self._open_and_try(timeout)
             if not held:
+                if reserved is None:
+                    reserved = reserve_token(self._floor)
                 waiter = _Waiter(fd)
                 granted: asyncio.Future[None] = loop.create_future()
 
@@ -343,11 +401,13 @@ class FlockLock:
                                            None if remaining is None else max(0.0, remaining))
                 except TimeoutError:
                     if not waiter.cancel():
+                        release_reservation(self._floor, reserved)
                         raise self._timeout_error(timeout) from None
                 except asyncio.CancelledError:
                     if waiter.cancel():  # granted just as we were cancelled: give it back
                         fcntl.flock(fd, fcntl.LOCK_UN)
                         os.close(fd)
+                    release_reservation(self._floor, reserved)
                     raise
                 try:
                     waiter.result()
@@ -355,7 +415,7 @@ class FlockLock:
                     os.close(fd)
                     raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
             if self._still_linked(fd):
-                return self._take(fd, started)
+                return self._take(fd, started, reserved)
             os.close(fd)
 
     def release(self) -> None:
@@ -442,19 +502,25 @@ def flock_descriptor(
     if not stat.S_ISREG(st.st_mode):
         msg = f"--fd {fd}: not a regular file (open the lock file: exec {fd}<>PATH)"
         raise InvalidInput(msg)
+    path = _descriptor_path(fd)
+    floor = None if path is None else floor_path(path)
+    reserved: int | None = None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if timeout is not None and timeout <= 0:
                 raise _AlarmExpired from None
-            with _alarm(timeout):
+            if floor is not None:  # fsynced now, while the holder runs
+                reserved = reserve_token(floor)
+            with _alarm(None if timeout is None else timeout - (clock.now() - started)):
                 fcntl.flock(fd, fcntl.LOCK_EX)
     except _AlarmExpired:
+        if floor is not None:
+            release_reservation(floor, reserved)
         raise LockTimeout(f"--fd {fd}: lock not acquired within {timeout:g} s") from None
     except OSError as exc:
         raise InvalidInput(f"--fd {fd}: flock failed: {exc.strerror}") from exc
-    path = _descriptor_path(fd)
     locked = FileIdentity(st.st_dev, st.st_ino)
     if path is not None:
         reason = lock_file_gone(path, locked)
@@ -470,10 +536,10 @@ def flock_descriptor(
     data_fd = fd if readable else os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     try:
         acquired_at = clock.wall()
-        token = write_owner(data_fd, None if path is None else floor_path(path),
-                             str(path or f"fd:{fd}"), locked=locked, engine_id=engine_id,
+        token = write_owner(data_fd, floor, str(path or f"fd:{fd}"), locked=locked,
+                             engine_id=engine_id,
                              pid=os.getppid() if holder_pid is None else holder_pid,
-                             acquired_at=acquired_at)
+                             acquired_at=acquired_at, reserved=reserved)
     except BaseException:
         with contextlib.suppress(OSError):  # no token, no lock
             fcntl.flock(fd, fcntl.LOCK_UN)

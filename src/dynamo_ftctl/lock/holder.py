@@ -2,8 +2,8 @@
 
 With flock, the locked descriptor is made inheritable and this process execs
 the command (like `flock(1)`): the lock lives until the command's last copy of
-the descriptor closes, with no supervisor in between. A forked watcher
-(`watch.spawn_watcher`, which holds no lock) checks the lock file meanwhile and,
+the descriptor closes, with no supervisor in between. A watcher forked before
+the wait (`watch.prepare_watcher`, which holds no lock) checks the lock file meanwhile and,
 when it is deleted or replaced, sends the command SIGTERM with one line on
 stderr, then SIGKILL after `TERM_GRACE_S`; the command's exit status is then
 its own (143 for a default SIGTERM), since ftctl has become the command.
@@ -18,19 +18,25 @@ when a signal ended it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, LeaseLost
 from dynamo_ftctl.lock.flock import FlockLock
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
-from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, spawn_watcher
-from dynamo_ftctl.process import SPAWNER, Child, ForkedChild, Spawner
+from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, prepare_watcher
+
+if TYPE_CHECKING:
+    # Loaded by `run_holding` only: the exec form stays small (it execs faster).
+    from dynamo_ftctl.process import Child, Spawner
 
 __all__ = [
     "LOCK_FD_ENV", "LOCK_TOKEN_ENV", "TERM_GRACE_S", "exec_holding", "hold_for_command",
@@ -79,6 +85,19 @@ def _check_command(argv: Sequence[str]) -> None:
         raise InvalidInput(msg)
 
 
+def _find_program(name: str, env: dict[str, str]) -> str | None:
+    """Where execvpe would find `name`, searched before the wait, not after the grant
+    (execvpe tries one directory per execve); None: let execvpe say why it fails. (Not
+    shutil.which: shutil loads bz2, lzma and zlib, and a bigger process execs slower.)"""
+    if os.sep in name:
+        return name
+    for directory in os.get_exec_path(env):
+        candidate = Path(directory) / name
+        if os.access(candidate, os.X_OK) and not candidate.is_dir():
+            return str(candidate)
+    return None
+
+
 def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = None, *,
                  watch_interval_s: float = WATCH_INTERVAL_S,
                  term_grace_s: float = TERM_GRACE_S) -> None:
@@ -89,39 +108,60 @@ def exec_holding(lock: FlockLock, argv: Sequence[str], timeout: float | None = N
     it is deleted or replaced. `lock` itself must not watch (a thread would not
     survive the exec). Returns only by raising: `LockTimeout`, or `InvalidInput`
     when the command cannot be executed (the lock is released then).
+
+    Everything but the token is done before the wait, so that between the grant and
+    the exec there is only the owner record (no fsync: the token was reserved, see
+    `flock.py`) and one write to the watcher: the watcher is forked and the
+    environment copied first, and the wait is a flock(2) in this thread.
     """
     _check_command(argv)
-    lease = lock.acquire(timeout)
-    assert lease.fd is not None
-    os.set_inheritable(lease.fd, True)
-    env = {**os.environ, LOCK_FD_ENV: str(lease.fd), LOCK_TOKEN_ENV: str(lease.token)}
+    env = dict(os.environ)
+    program = _find_program(argv[0], env)
     watcher = None
     if watch_interval_s > 0:
         try:
-            watcher = spawn_watcher(lock.path, lease.fd, token=lease.token,
-                                    interval_s=watch_interval_s, grace_s=term_grace_s)
+            watcher = prepare_watcher(lock.path, interval_s=watch_interval_s,
+                                      grace_s=term_grace_s)
         except OSError as exc:  # no process left (EAGAIN): run unwatched, as flock(1) does
             sys.stderr.write(f"ftctl lock: cannot start the lock file watcher "
                              f"({exc.strerror}): {argv[0]!r} runs unwatched\n")
     try:
+        lease = lock.acquire_here(timeout)
+    except BaseException:
+        if watcher is not None:
+            watcher.cancel()
+        raise
+    assert lease.fd is not None
+    os.set_inheritable(lease.fd, True)
+    env[LOCK_FD_ENV], env[LOCK_TOKEN_ENV] = str(lease.fd), str(lease.token)
+    if watcher is not None:
+        watcher.arm(lease.fd, lease.token)
+    try:
+        if program is not None:
+            with contextlib.suppress(OSError):  # gone meanwhile: execvpe says why
+                os.execve(program, list(argv), env)  # noqa: S606 (exec is the point)
         os.execvpe(argv[0], list(argv), env)  # noqa: S606 (exec is the point, like flock(1))
     except OSError as exc:
         if watcher is not None:
-            ForkedChild(watcher).kill()
+            watcher.stop()
         lock.release()
         msg = f"cannot run {argv[0]!r}: {exc.strerror}"
         raise InvalidInput(msg) from exc
 
 
 def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None = None, *,
-                spawner: Spawner = SPAWNER) -> int:
+                spawner: Spawner | None = None) -> int:
     """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
 
     A lock lost while the child runs (etcd lease, flock file deleted or replaced)
     terminates the child (SIGTERM, then SIGKILL after `TERM_GRACE_S`) and raises
-    `LeaseLost`.
+    `LeaseLost`. `spawner`: `process.SPAWNER` unless given.
     """
     _check_command(argv)
+    if spawner is None:
+        from dynamo_ftctl.process import SPAWNER
+
+        spawner = SPAWNER
     lost = threading.Event()
     why: list[LeaseLost] = []
 

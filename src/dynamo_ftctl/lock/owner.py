@@ -24,16 +24,21 @@ from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
 
-__all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "write_owner"]
+__all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "release_reservation",
+           "reserve_token", "write_owner"]
 
 BACKEND = "flock"
 # Owner data is ~150 bytes of JSON; anything past this is not ours.
 OWNER_MAX = 4096
 # The token floor of lock file P is P + this suffix.
 FLOOR_SUFFIX = ".floor"
+# The floor's record is padded to this size (the longest is ~120 bytes).
+FLOOR_RECORD = 128
 # Fencing tokens stay within a signed 64-bit integer, what storage usually keeps.
 _TOKEN_MAX = 2**63 - 1
 _log = logging.getLogger("ftctl.lock")
+# Read once, not on the handoff (a pod's host name does not change under it).
+_HOST = socket.gethostname()
 
 
 def parse_owner(data: bytes) -> dict[str, Any]:
@@ -69,25 +74,42 @@ def floor_path(lock_path: Path) -> Path:
 
 @dataclass(frozen=True)
 class _Floor:
-    """The floor's record: the last token issued, and for which lock file inode."""
+    """The floor's record: the last token issued, for which lock file inode, and the
+    high-water mark `high` (>= `token`): the highest token issued or reserved."""
 
     token: int
     locked: FileIdentity
+    high: int
 
 
 def _read_floor(data: bytes) -> _Floor | None:
     doc = parse_owner(data)
-    token, dev, ino = (_int_or_none(doc.get(key)) for key in ("token", "dev", "ino"))
-    if token is None or dev is None or ino is None or not 0 <= token <= _TOKEN_MAX:
+    # "token" is the high-water mark: an older ftctl, which knows only "token", then
+    # issues above every reservation too. "issued" is absent in its records.
+    high, dev, ino = (_int_or_none(doc.get(key)) for key in ("token", "dev", "ino"))
+    if high is None or dev is None or ino is None or not 0 <= high <= _TOKEN_MAX:
         return None  # missing, empty or not ours: as if there were no floor
-    return _Floor(token, FileIdentity(dev, ino))
+    issued = _int_or_none(doc.get("issued"))
+    issued = high if issued is None or not 0 <= issued <= high else issued
+    return _Floor(issued, FileIdentity(dev, ino), high)
+
+
+def _floor_record(high: int, issued: int, locked: FileIdentity) -> bytes:
+    """The floor's content, always FLOOR_RECORD bytes: an in-place rewrite never changes
+    the file's size, and the high-water mark comes first, so a rewrite that keeps it keeps
+    its bytes (a torn, unsynced write cannot lower it)."""
+    # Formatted by hand: json.dumps costs several times more, on the hot path.
+    record = b'{"token":%d,"issued":%d,"dev":%d,"ino":%d}' % (high, issued, locked.dev,
+                                                               locked.ino)
+    return record.ljust(FLOOR_RECORD - 1) + b"\n"
 
 
 def _write_in_place(fd: int, payload: bytes) -> None:
     """Replace the file's content with `payload` (a single pwrite: the death of this
     process cannot tear it)."""
     os.pwrite(fd, payload, 0)
-    os.ftruncate(fd, len(payload))
+    if os.fstat(fd).st_size != len(payload):
+        os.ftruncate(fd, len(payload))
 
 
 def _open_floor(floor: Path) -> int:
@@ -136,33 +158,96 @@ def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: 
     return token
 
 
+def reserve_token(floor: Path) -> int | None:
+    """Reserve the next token durably (floor rewritten and fsynced) before blocking for the
+    lock, so that the handoff itself needs no fsync; None when there is no floor yet (the
+    lock file's own claim may then count: the grant issues with an fsync)."""
+    try:
+        if not floor.exists():
+            return None
+        floor_fd = _open_floor(floor)
+    except (OSError, InvalidInput):
+        return None  # the grant tries again and reports what is wrong
+    try:
+        record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
+        if record is None or record.high >= _TOKEN_MAX:
+            return None
+        reserved = record.high + 1
+        _write_in_place(floor_fd, _floor_record(reserved, record.token, record.locked))
+        os.fsync(floor_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(floor_fd)
+    return reserved
+
+
+def release_reservation(floor: Path, reserved: int | None) -> None:
+    """Give back a reservation whose wait ended without the lock (timeout, cancel), when
+    it is still the floor's high-water mark (nobody reserved or issued above it), so the
+    next token continues without a gap. Best effort: a waiter killed while it waits
+    leaves a gap (tokens are unique and rising, not consecutive)."""
+    if reserved is None:
+        return
+    with contextlib.suppress(OSError, InvalidInput):
+        floor_fd = _open_floor(floor)
+        try:
+            record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
+            if record is not None and record.high == reserved > record.token:
+                _write_in_place(floor_fd, _floor_record(reserved - 1, record.token,
+                                                        record.locked))
+                os.fsync(floor_fd)
+        finally:
+            os.close(floor_fd)
+
+
+def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str,
+           reserved: int | None) -> int:
+    """The next token, recorded in the floor: a still valid reservation (above every token
+    issued, under the durable high-water mark) costs no fsync; otherwise the floor's new
+    high-water mark is fsynced before the token is returned."""
+    floor_fd = _open_floor(floor)
+    try:
+        data = os.pread(floor_fd, OWNER_MAX, 0)
+        record = _read_floor(data)
+        token = _next_token(record, locked, claimed, name)
+        if record is not None and reserved is not None and token <= reserved <= record.high:
+            # The reservation's high-water mark is on disk already: a power loss now
+            # cannot let a later token repeat or undercut this one.
+            _write_in_place(floor_fd, _floor_record(record.high, reserved, locked))
+            return reserved
+        if record is not None:
+            token = max(token, record.high + 1)
+            if token > _TOKEN_MAX:
+                msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
+                raise InvalidInput(msg)
+        _write_in_place(floor_fd, _floor_record(token, token, locked))
+        os.fsync(floor_fd)
+    finally:
+        os.close(floor_fd)
+    if not data:  # the floor was just created: make its name durable too
+        _sync_directory(floor)
+    return token
+
+
 def write_owner(data_fd: int, floor: Path | None, name: str, *, locked: FileIdentity,
-                 engine_id: int, pid: int, acquired_at: float) -> int:
-    """Issue the next token (floor first, fsynced), then write owner data in place; the token.
+                 engine_id: int, pid: int, acquired_at: float,
+                 reserved: int | None = None) -> int:
+    """Issue the next token (floor first, durable), then write owner data in place; the token.
 
     Must be called while holding the lock on the inode `locked`. `data_fd` reads and
     writes the owner data (the locked descriptor unless that is write-only); `floor`
-    None: no floor (the lock file's path is not known); `name` is the lock's, for messages.
+    None: no floor (the lock file's path is not known); `name` is the lock's, for messages;
+    `reserved`: what `reserve_token` gave before the wait, used when still valid.
     """
     claimed = _int_or_none(parse_owner(os.pread(data_fd, OWNER_MAX, 0)).get("token"))
     claimed = min(max(claimed or 0, 0), _TOKEN_MAX)
     if floor is None:
         token = _next_token(None, locked, claimed, name)
     else:
-        floor_fd = _open_floor(floor)
-        try:
-            record = os.pread(floor_fd, OWNER_MAX, 0)
-            token = _next_token(_read_floor(record), locked, claimed, name)
-            # Formatted by hand: json.dumps costs several times more, on the hot path.
-            _write_in_place(floor_fd, b'{"token":%d,"dev":%d,"ino":%d}\n'
-                            % (token, locked.dev, locked.ino))
-            os.fsync(floor_fd)
-        finally:
-            os.close(floor_fd)
-        if not record:  # the floor was just created: make its name durable too
-            _sync_directory(floor)
+        token = _issue(floor, locked, claimed, name, reserved)
     _write_in_place(data_fd, json.dumps({
-        "engine_id": engine_id, "pid": pid, "host": socket.gethostname(),
+        "engine_id": engine_id, "pid": pid, "host": _HOST,
         "acquired_at": acquired_at, "token": token,
     }, separators=(",", ":")).encode() + b"\n")
     return token

@@ -55,6 +55,20 @@ class Lease:
     waited_s: float
     fd: int | None = None
 
+    def plain_text(self) -> str:
+        """Key and value per line, as the rich table lays them out (pipes and scripts get
+        this without rich's import, after `acquire --fd` holds the lock)."""
+        rows = [(name, getattr(self, name)) for name in (
+            "lock", "backend", "engine_id", "token", "acquired_at", "waited_s", "fd")]
+        width = max(len(name) for name, _ in rows)
+        return "".join(f"{name.ljust(width)}  {_plain(value)}\n" for name, value in rows)
+
+
+def _plain(value: object) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
 
 @dataclass(frozen=True)
 class LockStatus:

@@ -12,26 +12,33 @@ Two forms, for the two ways a lock is held:
 
 - `FileWatch`: one daemon thread per process checks every watched `FlockLock`
   held in it (a thread per acquisition would cost ~0.2 ms on the hot path);
-- `spawn_watcher`: for `ftctl lock acquire -- CMD`, which execs CMD, a forked
-  watcher process outlives the exec, signals CMD (SIGTERM, then SIGKILL after
-  a grace period) when the file is gone, and exits with CMD.
+- `prepare_watcher`: for `ftctl lock acquire -- CMD`, which execs CMD, a
+  watcher process started before the wait (off the handoff) and armed with the
+  locked inode and token after the grant outlives the exec, signals CMD
+  (SIGTERM, then SIGKILL after a grace period) when the file is gone, and exits
+  with CMD.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import math
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["WATCH_INTERVAL_S", "FileIdentity", "FileWatch", "lock_file_gone", "spawn_watcher"]
+__all__ = [
+    "WATCH_INTERVAL_S", "FileIdentity", "FileWatch", "PendingWatcher", "lock_file_gone",
+    "prepare_watcher", "spawn_watcher", "watcher_main",
+]
 
 # How often a holder checks its lock file by default: the longest two holders can
 # overlap before the old one is told, when someone deletes or replaces the file.
@@ -155,11 +162,14 @@ FILE_WATCH = FileWatch()
 
 
 def _name_process(name: bytes) -> None:
-    """Best effort: show the watcher as `name` in ps/top (prctl PR_SET_NAME)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(15, name, 0, 0, 0)
+    """Best effort: show the watcher as `name` in ps/top (what prctl PR_SET_NAME does,
+    without importing ctypes: ~10 ms of CPU on a core the handoff may need)."""
+    with contextlib.suppress(OSError):
+        fd = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, name)
+        finally:
+            os.close(fd)
 
 
 def _say(line: str) -> None:
@@ -207,37 +217,125 @@ def _watch_holder(path: Path, locked: FileIdentity, holder: int, pidfd: int, *,
         return
 
 
-def spawn_watcher(path: Path, lock_fd: int, *, token: int, interval_s: float,
-                  grace_s: float) -> int:
-    """Fork a watcher of the lock held through `lock_fd` for this process and whatever it
-    execs next; its pid. It closes every descriptor but stderr (it never holds the lock)
-    and exits when this process (or the program it became) does.
+class PendingWatcher:
+    """A watcher process started before the wait for the lock, not yet told what to watch.
 
-    A fork, not a new interpreter: nothing to start, and the exec of the command is
-    not delayed. The watcher is a child of the command; it exits only once the command
-    has, so the command never reaps it while running.
+    Started while the holder still runs, it leaves the handoff one write to its pipe
+    (`arm`). Until then the watcher blocks reading the pipe; when this process exits or
+    execs without arming it (the pipe's write end is close-on-exec), it reads
+    end-of-file and exits.
     """
-    locked = FileIdentity.of_fd(lock_fd)
+
+    def __init__(self, pid: int, pipe: int) -> None:
+        self.pid = pid
+        self._pipe = pipe
+
+    def arm(self, lock_fd: int, token: int) -> None:
+        """Watch the inode locked through `lock_fd`, held with `token` (one write)."""
+        locked = FileIdentity.of_fd(lock_fd)
+        os.write(self._pipe, b"%d %d %d\n" % (locked.dev, locked.ino, token))
+        os.close(self._pipe)
+        self._pipe = -1
+
+    def stop(self) -> None:
+        """The command never ran: end the (armed) watcher now and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """No lock to watch: the watcher exits; reap it."""
+        if self._pipe >= 0:
+            os.close(self._pipe)
+            self._pipe = -1
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+# Where the watcher finds its pipe and the holder's pidfd (`prepare_watcher`).
+_PIPE_FD, _PIDFD_FD = 3, 4
+_WATCHER = "from dynamo_ftctl.lock.watch import watcher_main; watcher_main()"
+
+
+def prepare_watcher(path: Path, *, interval_s: float, grace_s: float) -> PendingWatcher:
+    """Start the watcher of the lock this process is about to take (see `PendingWatcher`).
+
+    A new interpreter started with posix_spawn (vfork and exec), not a fork: a forked
+    copy would share this process's memory copy-on-write, and the handoff would then
+    pay a page fault for each page it touches (measured: 0.5 ms between the grant and
+    the exec). The watcher holds no lock (it closes every descriptor but stdio, its
+    pipe and the holder's pidfd) and, once armed, exits when this process (or the
+    program it became) does. It is a child of the command: it exits only once the
+    command has, so the command never reaps it while running.
+    """
     holder = os.getpid()
     try:
         pidfd = os.pidfd_open(holder)
     except (AttributeError, OSError):
         pidfd = -1
-    pid = os.fork()
-    if pid:
-        if pidfd >= 0:
-            os.close(pidfd)
-        return pid
-    try:  # the watcher; never returns
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the command
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)
-        os.dup2(null, 1)
-        keep = sorted({2, pidfd} - {-1})
-        os.closerange(3, keep[-1])
-        os.closerange(keep[-1] + 1, os.sysconf("SC_OPEN_MAX"))
+    readable, writable = os.pipe()  # both close-on-exec
+    # Above the descriptors they are copied to, so no copy clobbers another's source.
+    sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (readable, pidfd)
+               if fd >= 0]
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+               (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+               *((os.POSIX_SPAWN_DUP2, fd, target)
+                 for fd, target in zip(sources, (_PIPE_FD, _PIDFD_FD), strict=False))]
+    argv = [sys.executable, "-c", _WATCHER, str(path), str(holder), str(int(pidfd >= 0)),
+            repr(interval_s), repr(grace_s)]
+    ignore = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+    try:  # Ctrl-C is for the command: an ignored SIGINT stays ignored across exec
+        pid = os.posix_spawn(sys.executable, argv, os.environ, file_actions=actions)
+    except BaseException:
+        os.close(writable)
+        raise
+    finally:
+        if ignore:
+            signal.signal(signal.SIGINT, previous)
+        for fd in (readable, pidfd, *sources):
+            if fd >= 0:
+                os.close(fd)
+    return PendingWatcher(pid, writable)
+
+
+def watcher_main() -> None:
+    """The watcher process (`prepare_watcher`): wait to be armed, then watch; never
+    returns."""
+    try:
+        path, holder, has_pidfd = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+        interval_s, grace_s = float(sys.argv[4]), float(sys.argv[5])
+        pidfd = _PIDFD_FD if has_pidfd else -1
+        os.closerange(_PIDFD_FD + 1, os.sysconf("SC_OPEN_MAX"))  # inherited ones too
         _name_process(b"ftctl-lockwatch")
-        _watch_holder(path, locked, holder, pidfd, interval_s=interval_s, grace_s=grace_s,
-                      token=token)
+        order = _read_order(_PIPE_FD)
+        if order is not None:
+            locked, token = order
+            _watch_holder(path, locked, holder, pidfd, interval_s=interval_s,
+                          grace_s=grace_s, token=token)
     finally:
         os._exit(0)
+
+
+def _read_order(pipe: int) -> tuple[FileIdentity, int] | None:
+    """What `PendingWatcher.arm` wrote, None at end-of-file (nothing to watch)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        try:
+            chunk = os.read(pipe, 128)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        if not chunk:
+            return None
+        data += chunk
+    dev, ino, token = (int(field) for field in data.split())
+    return FileIdentity(dev, ino), token
+
+
+def spawn_watcher(path: Path, lock_fd: int, *, token: int, interval_s: float,
+                  grace_s: float) -> int:
+    """Start a watcher of the lock held through `lock_fd` for this process and whatever it
+    execs next, armed at once; its pid (`prepare_watcher`, for a lock not yet held)."""
+    watcher = prepare_watcher(path, interval_s=interval_s, grace_s=grace_s)
+    watcher.arm(lock_fd, token)
+    return watcher.pid
