@@ -70,8 +70,8 @@ def run(  # noqa: PLR0917 - typer passes every option positionally
         "Authorization: Bearer on /sleep and /wake_up (ftctl sim requires it); unset: a "
         "random token, given to the engine in that variable.")] = (
         "FTCTL_ADMIN_TOKEN"),  # noqa: S107 - a variable's name, not a secret
+    backend: BackendOpt = None,  # the lock: which backend, then where
     path: PathOpt = None,
-    backend: BackendOpt = None,
     endpoint: EndpointOpt = None,
     key: KeyOpt = None,
     ttl: TtlOpt = None,
