@@ -71,8 +71,6 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     import subprocess
     import sysconfig
 
-    from dynamo_ftctl.process import SPAWNER
-
     cc = shlex.split(os.environ.get("CC") or "")
     if not cc:  # the compiler Python was built with, when this machine has it; else cc
         cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
@@ -81,14 +79,11 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        done = SPAWNER.run(
+        # subprocess, not the package's process seam: hatch_build.py loads this module by
+        # path while the package is being installed, so it may import the stdlib only.
+        subprocess.run(
             [*cc, "-O2", "-shared", "-fPIC", "-std=c11", "-pthread", "-o", str(partial),
-             str(source)], timeout_s=timeout_s)
-        if done.timed_out:
-            raise subprocess.TimeoutExpired(done.argv, timeout_s, done.stdout, done.stderr)
-        if done.returncode != 0:
-            raise subprocess.CalledProcessError(done.returncode, done.argv, done.stdout,
-                                                done.stderr)
+             str(source)], check=True, capture_output=True, text=True, timeout=timeout_s)
         partial.replace(out)  # atomic: a concurrent loader never sees half a library
     finally:
         partial.unlink(missing_ok=True)

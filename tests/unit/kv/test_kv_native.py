@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -336,3 +337,25 @@ def test_install_hook_ships_the_kernel_or_warns(
         assert build_data == {"artifacts": []}
         assert not (kv / "_rowcopy.so").exists()
         assert "KV row-copy kernel not built" in capsys.readouterr().err
+
+
+def test_native_builds_where_the_package_is_not_installed(tmp_path: Path) -> None:
+    """hatch_build.py loads kv/native.py by path while pip installs the package: with no
+    dynamo_ftctl importable (`python -S -I`: no site-packages, no PYTHONPATH), it still
+    builds the kernel (CI's fresh clone failed once: native.py imported the package)."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on PATH")
+    out = tmp_path / "k.so"
+    NATIVE_PY = REPO / "src/dynamo_ftctl/kv/native.py"  # noqa: N806
+    script = (
+        "import importlib.util, sys\n"
+        "from pathlib import Path\n"
+        f"spec = importlib.util.spec_from_file_location('n', {str(NATIVE_PY)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "assert 'dynamo_ftctl' not in sys.modules\n"
+        f"m.build(Path({str(out)!r}), source=m.SOURCE)\n"
+    )
+    done = subprocess.run([sys.executable, "-S", "-I", "-c", script], capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_size > 0
