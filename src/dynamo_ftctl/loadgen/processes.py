@@ -63,7 +63,7 @@ def _run_share(config: LoadConfig, out: Path) -> int:
     from dynamo_ftctl.loadgen.export import write_report
 
     try:
-        write_report(run_load(config), out, plot=False)
+        write_report(run_load(config), out, plot=False, table=False)
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:  # whatever it is reaches the parent as text
