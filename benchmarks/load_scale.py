@@ -11,7 +11,8 @@ repeated (median and range of `--repeat`, default 3, `--seconds` each):
    server shares the cores with the generator, so the raw ratio cannot reach 2; the
    ratio of requests per generator CPU-second says whether a second process costs
    anything per request, and the CPU the generator got says how much of the machine it
-   had. Generator CPU is its processes' user + system time (RUSAGE_CHILDREN).
+   had. Generator CPU is its processes' user + system time (RUSAGE_CHILDREN) over the
+   whole command (interpreter start, the run, the merge), per wall second of it.
 
 The planned schedule itself (one plan shared out, exact merged percentiles) is tested
 in tests/; this measures speed only. Run: python benchmarks/load_scale.py [--seconds 3]
@@ -117,17 +118,20 @@ def wrk(url: str, seconds: float) -> float:
 
 
 def ftctl_load(url: str, seconds: float, *, procs: int, cpus: str) -> tuple[float, float]:
-    """(requests/s, generator CPU-seconds per second) of `ftctl load --procs N`."""
+    """(requests/s in the run's window, generator CPU-seconds per wall second of the whole
+    command: start-up, the run, and merging the shares' samples)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
     out = subprocess.run(
         [*_pin(cpus), sys.executable, "-m", "dynamo_ftctl", "load", "--url", url,
          "--users", "32", "--duration", f"{seconds}s", "--max-tokens", "16",
          "--prompt-tokens", "16", "--model", "m", "--procs", str(procs), "--json"],
         capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
+    wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     doc = json.loads(out)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return doc["requests_per_s"], cpu / doc["elapsed_s"]
+    return doc["requests_per_s"], cpu / wall
 
 
 def _fmt(values: list[float]) -> str:
