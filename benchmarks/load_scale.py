@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import resource
 import shutil
 import socket
@@ -35,10 +34,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+# This folder, on sys.path as a script's: the loopback target (pinned to CPU 0) and wrk
+# (pinned to CPU 1, the same 16-token request) of load.py.
+from load import target as loopback_target
+from load import wrk as _wrk
+
 ANSWER = ('{"id":"x","object":"text_completion","model":"m","choices":[{"index":0,'
           '"text":"aaaaaaaaaaaaaaaa","finish_reason":"length"}],'
           '"usage":{"prompt_tokens":16,"completion_tokens":16,"total_tokens":32}}')
-BODY = json.dumps({"model": "m", "prompt": "x" * 16, "max_tokens": 16, "stream": False})
 
 
 def _pin(cpus: str) -> list[str]:
@@ -54,23 +57,6 @@ def _free_port() -> int:
 def _accepts(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-@contextmanager
-def loopback_target() -> Iterator[str]:
-    proc = subprocess.Popen([*_pin("0"), sys.executable, "-m", "dynamo_ftctl.loadgen.target",
-                             "--port", "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        match = re.search(r"listening on (\S+):(\d+)", proc.stdout.readline())
-        if not match:
-            raise RuntimeError("target did not start")
-        yield f"http://{match.group(1)}:{match.group(2)}"
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 @contextmanager
@@ -100,21 +86,6 @@ http {{ access_log off; client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-
-
-def wrk(url: str, seconds: float) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "post.lua"
-        script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{BODY}'\n"
-                          'wrk.headers["Content-Type"] = "application/json"\n')
-        out = subprocess.run([*_pin("1"), "wrk", "-t1", "-c32", f"-d{max(1, round(seconds))}s",
-                              "-s", str(script), url + "/v1/completions"],
-                             capture_output=True, text=True, check=True,
-                             timeout=seconds + 30).stdout
-    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    if not match:
-        raise RuntimeError(out)
-    return float(match.group(1))
 
 
 def ftctl_load(url: str, seconds: float, *, procs: int, cpus: str) -> tuple[float, float]:
@@ -150,7 +121,7 @@ def main() -> int:
     theirs: list[float] = []
     with loopback_target() as url:
         for _ in range(args.repeat):
-            theirs.append(wrk(url, args.seconds))
+            theirs.append(_wrk(url, args.seconds, stream=False))
             ours.append(ftctl_load(url, args.seconds, procs=1, cpus="1")[0])
     ratio = statistics.median(o / t for o, t in zip(ours, theirs, strict=True))
     print("== 1. one process vs wrk: closed loop, 32 connections, loopback target on CPU 0,")
