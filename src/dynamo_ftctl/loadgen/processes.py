@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.errors import ExitCode, FtctlError, InvalidInput
 from dynamo_ftctl.loadgen.config import LoadConfig, Shard
 from dynamo_ftctl.loadgen.runner import LoadReport, run_load
 from dynamo_ftctl.process import ForkedChild
@@ -68,25 +68,44 @@ def _run_share(config: LoadConfig, out: Path) -> int:
         return 130
     except BaseException as exc:  # whatever it is reaches the parent as text
         out.mkdir(parents=True, exist_ok=True)
-        (out / _ERROR_FILE).write_text(f"{type(exc).__name__}: {exc}")
-        return 1
+        (out / _ERROR_FILE).write_text(str(exc) if isinstance(exc, FtctlError)
+                                       else f"{type(exc).__name__}: {exc}")
+        # Bad input stays bad input (exit 2) in the parent; anything else fails the run.
+        return int(exc.exit_code) if isinstance(exc, FtctlError) else 1
     return 0
 
 
-def _fork(config: LoadConfig, out: Path, arm: Callable[[], None]) -> ForkedChild:
+def _fork(config: LoadConfig, out: Path, arm: Callable[[], None],
+          children: list[ForkedChild]) -> None:
+    """Fork a process for `config`'s share and add it to `children`.
+
+    SIGINT and SIGTERM are held from before the fork until the child is in `children`
+    (the parent) or has armed its death signal (the child): a Ctrl-C in between would
+    otherwise leave a child nobody stops, or one whose parent died before it could
+    ask to die with it.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # the child never returns into the caller's code
-        code = 1
-        try:
-            arm()
-            code = _run_share(config, out)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return ForkedChild(pid)
+    parent = os.getpid()
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child never returns into the caller's code
+            code = 1
+            try:
+                arm()
+                if os.getppid() != parent:  # the parent is already gone
+                    os._exit(1)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+                code = _run_share(config, out)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children.append(ForkedChild(pid))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 def run_load_processes(config: LoadConfig, procs: int, *,
@@ -118,7 +137,7 @@ def run_load_processes(config: LoadConfig, procs: int, *,
             for j, out in enumerate(outs):
                 share = dataclasses.replace(config, shard=base.split(procs, j),
                                             start_at=start_at)
-                children.append(_fork(share, out, arm))
+                _fork(share, out, arm, children)
             codes = [child.wait() for child in children]
         finally:
             for child in children:
@@ -128,7 +147,10 @@ def run_load_processes(config: LoadConfig, procs: int, *,
                 error = out / _ERROR_FILE
                 why = error.read_text() if error.exists() else f"exit status {code}"
                 msg = f"load process {j + 1} of {procs} failed: {why}"
-                raise ShareFailed(msg)
+                failed = ShareFailed(msg)
+                if code == ExitCode.USAGE:
+                    failed.exit_code = ExitCode.USAGE
+                raise failed
         merged = merge.merge_reports([merge.read_report_dir(out) for out in outs])
     return dataclasses.replace(merged, config=dataclasses.replace(merged.config,
                                                                   start_at=config.start_at))

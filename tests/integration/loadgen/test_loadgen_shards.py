@@ -117,8 +117,8 @@ def test_ctrl_c_stops_every_process(start_target):
         assert _wait_for(lambda: len(_children(proc.pid)) == 3), "the processes did not start"
         kids = _children(proc.pid)
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=20)
-        assert proc.returncode != 0
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode != 0, err
         assert _wait_for(lambda: all(_gone(k) for k in kids)), "a load process was left"
     finally:
         for kid in _children(proc.pid):
@@ -127,3 +127,15 @@ def test_ctrl_c_stops_every_process(start_target):
         proc.wait(timeout=10)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_a_failing_process_fails_the_run_with_its_error(tmp_path: Path):
+    """A process of `--procs 2` that cannot run (no such prompt file) fails the run with its
+    own error line and exit status (2: bad input), not a hang or a partial report."""
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run([*FTCTL, "load", "--url", "http://127.0.0.1:9", "--rate", "5",
+                           "--requests", "4", "--prompt-file", str(missing), "--procs", "2"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: load process 1 of 2 failed:")
+    assert str(missing) in proc.stderr
