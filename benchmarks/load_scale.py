@@ -129,6 +129,9 @@ def main() -> int:
     print(f"  wrk -t1 -c32                {_fmt(theirs)}")
     print(f"  ftctl load --users 32       {_fmt(ours)}")
     print(f"  ratio {ratio:.2f} (goal >= 0.5): {'MET' if ratio >= 0.5 else 'NOT MET'}")
+    if not (shutil.which("nginx") or Path("/usr/sbin/nginx").exists()):
+        print("== 2. skipped: nginx is not installed (apt-get install nginx)")
+        return 0
     rows: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
     with nginx() as url:
         for _ in range(args.repeat):
