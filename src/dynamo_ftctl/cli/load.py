@@ -21,8 +21,10 @@ app = typer.Typer(
         "Open loop (--rate): arrivals are planned ahead and latencies are measured from "
         "each request's planned send time, so a slow server cannot hide its latency. "
         "Closed loop (--users): N users back to back. Every run is bounded by --duration "
-        "and/or --requests. Exit 0 done, 1 aborted or SLO missed, 2 bad input, "
-        "3 every request failed to connect."
+        "and/or --requests. --procs N shares one planned schedule among N processes; "
+        "--shard I/N runs one share on this machine from a common --start-at, and "
+        "`ftctl load merge` merges the shares' --out directories. Exit 0 done, 1 aborted "
+        "or SLO missed, 2 bad input, 3 every request failed to connect."
     ),
     invoke_without_command=True,
     rich_markup_mode=None,
@@ -145,6 +147,19 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         help="HTTP client: http1 (asyncio + httptools, ~3x aiohttp's requests per core; "
              "http:// and https://) or auto (the same).")
     ] = "auto",
+    procs: Annotated[int, typer.Option(
+        "--procs", min=1, max=1024,
+        help="Share the run among this many processes (cores): one planned schedule, "
+             "process j sends every N-th arrival; percentiles merged from every sample.")
+    ] = 1,
+    shard: Annotated[str | None, typer.Option(
+        "--shard", help="Run share I of N (0-based, e.g. 0/4) of the run: every N-th "
+             "planned arrival (closed loop: an N-th of the users); merge the shares' --out "
+             "directories with `ftctl load merge`.")] = None,
+    start_at: Annotated[str | None, typer.Option(
+        "--start-at", help="Start at this wall-clock time, epoch seconds or ISO 8601 with "
+             "a zone (2026-01-01T00:00:00Z), so that shards on several machines begin "
+             "together.")] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Send load and print throughput and latency percentiles.
@@ -174,6 +189,9 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         error_rate=slo_error_rate,
     )
     sweep_bounds = _sweep_bounds(sweep) if sweep else None
+    if sweep_bounds and (procs > 1 or shard or start_at):
+        msg = "--sweep runs in one process: leave out --procs, --shard and --start-at"
+        raise InvalidInput(msg)
     if sweep_bounds and rate is None:
         rate = sweep_bounds[0]
     if trace is not None and rate is None and users is None:
@@ -197,28 +215,34 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         slo=slo,
         spin_s=spin_us / 1e6,
         client=client,  # type: ignore[arg-type]
+        shard=None if shard is None else lg.parse_shard(shard),
+        start_at=None if start_at is None else lg.parse_start_at(start_at),
     )
     if out is not None:
         lg.report_paths(out, plot=plot)  # a bad --out is refused before the run, not after
     quiet = json_mode(ctx, json_)
-    live, on_event = (None, None) if quiet else _progress_hook(config.requests)
+    # Several processes: no live line (each share's progress is its own).
+    live, on_event = (None, None) if quiet or procs > 1 else _progress_hook(config.requests)
     if sweep_bounds is not None:
         result: Any = lg.sweep_rate(config, low=sweep_bounds[0], high=sweep_bounds[1])
         finish(ctx, result, json_flag=json_, code=0 if result.best_rate_per_s else 1)
-    if live is not None:
+    if procs > 1:
+        report = lg.run_load_processes(config, procs)
+    elif live is not None:
         with live:
             report = lg.run_load(config, on_event=on_event)
     else:
         report = lg.run_load(config)
     if out is not None:
         lg.write_report(report, out, plot=plot)
+    finish(ctx, report, json_flag=json_, code=_exit_code(report))
+
+
+def _exit_code(report: Any) -> int:
     s = report.summary
-    code = 0
-    if report.aborted or s.slo_met is False:
-        code = 1
     if s.completed == 0 and s.failed and set(s.errors_by_class) == {"connect"}:
-        code = 3
-    finish(ctx, report, json_flag=json_, code=code)
+        return 3
+    return 1 if report.aborted or s.slo_met is False else 0
 
 
 @app.command()
@@ -235,3 +259,32 @@ def compare(
     from dynamo_ftctl.loadgen import compare_reports
 
     finish(ctx, compare_reports(a, b), json_flag=json_)
+
+
+@app.command()
+def merge(
+    ctx: typer.Context,
+    dirs: Annotated[list[Path], typer.Argument(
+        help="The --out directories of a run's shards (--shard I/N).")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the merged summary.json, requests.csv/.jsonl and load.png here.")
+    ] = None,
+    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write load.png with --out.")
+    ] = True,
+    json_: JsonFlag = False,
+) -> None:
+    """Merge the shards of one run into one report, percentiles exact over every request.
+
+    The shards must be of one run (same setup but --shard) and make it whole, or one
+    share of it. Exit codes as a run's.
+
+    Example: ftctl load merge runs/shard-0 runs/shard-1 --out runs/all
+    """
+    from dynamo_ftctl import loadgen as lg
+
+    if out is not None:
+        lg.report_paths(out, plot=plot)
+    report = lg.merge_dirs(dirs)
+    if out is not None:
+        lg.write_report(report, out, plot=plot)
+    finish(ctx, report, json_flag=json_, code=_exit_code(report))

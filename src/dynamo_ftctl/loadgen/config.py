@@ -22,10 +22,13 @@ __all__ = [
     "Length",
     "LoadConfig",
     "Schedule",
+    "Shard",
     "Slo",
     "Workload",
     "parse_duration",
     "parse_length",
+    "parse_shard",
+    "parse_start_at",
 ]
 
 Arrival = Literal["constant", "poisson", "gamma"]
@@ -95,6 +98,69 @@ def parse_length(text: str | int, *, what: str = "length") -> Length:
     except InvalidInput as exc:
         msg = f"{what}: {exc}"
         raise InvalidInput(msg) from None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Share `index` of `count` of one run: every `count`-th planned arrival from `index`
+    (open loop), or every `count`-th request number and a `count`-th of the users (closed
+    loop). The shards of a run together send exactly what one process would."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.count:
+            msg = f"shard: {self.index}/{self.count} needs 0 <= I < N"
+            raise InvalidInput(msg)
+
+    def split(self, parts: int, part: int) -> Shard:
+        """Share `part` of `parts` of this shard, as a shard of the whole run."""
+        return Shard(self.index + self.count * part, self.count * parts)
+
+    def users(self, total: int) -> int:
+        """This shard's closed-loop users out of `total` (the first ones take the rest)."""
+        return total // self.count + (self.index < total % self.count)
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def parse_shard(text: str) -> Shard:
+    """`I/N` (0-based I, as Kubernetes' `JOB_COMPLETION_INDEX`) as a `Shard`."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not match:
+        msg = f"--shard: {text!r} is not I/N (e.g. 0/4: the first of four shards)"
+        raise InvalidInput(msg)
+    try:
+        return Shard(int(match.group(1)), int(match.group(2)))
+    except InvalidInput as exc:
+        msg = f"--shard: {exc}"
+        raise InvalidInput(msg) from None
+
+
+def parse_start_at(text: str) -> float:
+    """A wall-clock start as epoch seconds (`1767225600.5`) or an ISO 8601 time with its
+    zone (`2026-01-01T00:00:00Z`); InvalidInput otherwise."""
+    import datetime as dt
+
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            when = dt.datetime.fromisoformat(text.strip())
+        except ValueError:
+            msg = (f"--start-at: {text!r} is neither epoch seconds nor an ISO 8601 time "
+                   "(e.g. 2026-01-01T00:00:00Z)")
+            raise InvalidInput(msg) from None
+        if when.tzinfo is None:
+            msg = f"--start-at: {text!r} has no time zone (machines must agree: add Z)"
+            raise InvalidInput(msg) from None
+        value = when.timestamp()
+    if not math.isfinite(value) or value <= 0:
+        msg = f"--start-at: {text!r} is not a time"
+        raise InvalidInput(msg)
+    return value
 
 
 @dataclass(frozen=True)
@@ -224,6 +290,11 @@ class LoadConfig:
     # an idle process waits for its CPU), spinning costs CPU for that stretch per gap.
     spin_s: float = DEFAULT_SPIN_S
     client: Client = "auto"
+    # This process's share of the run (None: all of it), and the wall-clock time (epoch
+    # seconds) at which every share starts, so that shards on several machines begin
+    # together; None: at once.
+    shard: Shard | None = None
+    start_at: float | None = None
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -263,4 +334,8 @@ class LoadConfig:
             raise InvalidInput(msg)
         if self.abort_error_rate is not None and not 0 < self.abort_error_rate <= 1:
             msg = "abort_error_rate: must be in (0, 1]"
+            raise InvalidInput(msg)
+        users = self.schedule.users
+        if self.shard is not None and users is not None and users < self.shard.count:
+            msg = f"shard: {users} users cannot be shared by {self.shard.count} shards"
             raise InvalidInput(msg)

@@ -47,33 +47,38 @@ def _row(r: RequestRecord) -> dict[str, Any]:
     }
 
 
-def report_paths(out: Path, *, plot: bool = True) -> tuple[Path, ...]:
+def report_paths(out: Path, *, plot: bool = True, table: bool = True) -> tuple[Path, ...]:
     """The files `write_report` writes into `out`, checked before a run: `out` is a
     directory or a new path, each file a regular file or a new path (`OutputRefused`)."""
-    names = ("summary.json", "requests.csv", "requests.jsonl", *(("load.png",) if plot else ()))
+    names = ("summary.json", *(("requests.csv",) if table else ()), "requests.jsonl",
+             *(("load.png",) if plot else ()))
     check_output_dir(out)
     for name in names:
         check_output_path(out / name)
     return tuple(out / name for name in names)
 
 
-def write_report(report: LoadReport, out: Path, *, plot: bool = True) -> tuple[Path, ...]:
-    """Write the report's files into `out` (created if missing); return their paths."""
-    paths = report_paths(out, plot=plot)
+def write_report(report: LoadReport, out: Path, *, plot: bool = True,
+                 table: bool = True) -> tuple[Path, ...]:
+    """Write the report's files into `out` (created if missing); return their paths.
+    `table=False` leaves out requests.csv (the shares of `--procs`: the merge reads
+    requests.jsonl only)."""
+    paths = report_paths(out, plot=plot, table=table)
     rows = [_row(r) for r in report.records]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
+    if table:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(out / "requests.csv", buf.getvalue())
     lines = []
     for row, rec in zip(rows, report.records, strict=True):
         row["itl_ms"] = [round(g * 1000.0, 4) for g in rec.itl]
         lines.append(json.dumps(row, separators=(",", ":")))
-    write_atomic(paths[0], json.dumps(report.to_json(), indent=2) + "\n")
-    write_atomic(paths[1], buf.getvalue())
-    write_atomic(paths[2], "\n".join(lines) + ("\n" if lines else ""))
+    write_atomic(out / "summary.json", json.dumps(report.to_json(), indent=2) + "\n")
+    write_atomic(out / "requests.jsonl", "\n".join(lines) + ("\n" if lines else ""))
     if plot:
-        write_atomic(paths[3], plot_report(report))
+        write_atomic(out / "load.png", plot_report(report))
     return paths
 
 

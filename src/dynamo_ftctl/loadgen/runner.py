@@ -142,6 +142,8 @@ def describe_config(config: LoadConfig) -> dict[str, Any]:
         "abort_error_rate": config.abort_error_rate,
         "spin_us": round(config.spin_s * 1e6),
         "client": config.client,
+        "shard": None if config.shard is None else str(config.shard),
+        "start_at": config.start_at,
     }
 
 
@@ -263,8 +265,16 @@ async def _sleep_until(clock: Clock, deadline: float, spin_s: float) -> None:
         await asyncio.sleep(0)
 
 
+async def _wait_for_wall(clock: Clock, start_at: float, spin_s: float) -> None:
+    """Sleep until the wall clock reads `start_at` (at once if it has passed): the common
+    start of shards on several machines, each on its own monotonic clock after it."""
+    delay = start_at - clock.wall()
+    if delay > 0:
+        await _sleep_until(clock, clock.now() + delay, spin_s)
+
+
 async def _open_loop(run: _Run, factory: RequestFactory, sender: Sender,
-                     offsets: Sequence[float]) -> None:
+                     arrivals: Sequence[tuple[int, float]]) -> None:
     config = run.config
     gate = (asyncio.Semaphore(config.schedule.concurrency)
             if config.schedule.concurrency else None)
@@ -284,7 +294,7 @@ async def _open_loop(run: _Run, factory: RequestFactory, sender: Sender,
             run.in_flight -= 1
         run.record(rec)
 
-    for index, offset in enumerate(offsets):
+    for index, offset in arrivals:
         spec = factory.build(index)
         await _sleep_until(run.clock, t0 + offset, config.spin_s)
         if run.stop.is_set():
@@ -303,6 +313,9 @@ async def _closed_loop(run: _Run, factory: RequestFactory, sender: Sender) -> No
     config = run.config
     users = config.schedule.users or 1
     numbers = itertools.count()
+    if config.shard is not None:  # every N-th request number, an N-th of the users
+        users = config.shard.users(users)
+        numbers = itertools.count(config.shard.index, config.shard.count)
     clock = run.clock
     t0 = run.t0
 
@@ -401,7 +414,17 @@ async def _default_sender(config: LoadConfig, clock: Clock, model: str | None,
     return sender, close, model
 
 
-def _plan(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[float]:
+def _plan(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[tuple[int, float]]:
+    """(request number, planned offset) of this process's arrivals: the whole run's plan,
+    computed the same in every shard, of which a shard keeps every N-th."""
+    offsets = _plan_all(config, items)
+    arrivals = list(enumerate(offsets))
+    if config.shard is not None:
+        return arrivals[config.shard.index::config.shard.count]
+    return arrivals
+
+
+def _plan_all(config: LoadConfig, items: tuple[PromptItem, ...] | None) -> list[float]:
     if config.workload.trace is not None:
         assert items is not None
         offsets = trace_offsets([it.timestamp or 0.0 for it in items])
@@ -428,13 +451,15 @@ async def run_load_async(
     if wl.trace is not None and not config.schedule.open_loop:
         msg = "trace: a trace replays its own timestamps; use it with an open-loop rate"
         raise InvalidInput(msg)
-    offsets = _plan(config, items) if config.schedule.open_loop or wl.trace else []
+    arrivals = _plan(config, items) if config.schedule.open_loop or wl.trace else []
     close: Callable[[], Awaitable[None]] | None = None
     model = wl.model
     if sender is None:
         sender, close, model = await _default_sender(config, clock, model)
     factory = RequestFactory(wl, config.targets, seed=config.schedule.seed, model=model,
                              items=items)
+    if config.start_at is not None:
+        await _wait_for_wall(clock, config.start_at, config.spin_s)
     with _steady_gc():
         started_at = clock.wall()
         run = _Run(config=config, clock=clock, t0=clock.now(), on_event=on_event)
@@ -442,7 +467,7 @@ async def run_load_async(
         ticker = asyncio.create_task(_progress(run)) if on_event is not None else None
         try:
             if config.schedule.open_loop:
-                await _open_loop(run, factory, sender, offsets)
+                await _open_loop(run, factory, sender, arrivals)
             else:
                 await _closed_loop(run, factory, sender)
         finally:
@@ -454,7 +479,8 @@ async def run_load_async(
                 await close()
         elapsed = clock.now() - run.t0
     records = tuple(sorted(run.records, key=lambda r: r.index))
-    planned = (sum(1 for o in offsets if o >= config.warmup_s) if config.schedule.open_loop
+    planned = (sum(1 for _, o in arrivals if o >= config.warmup_s)
+               if config.schedule.open_loop
                else sum(1 for r in records if not r.warmup))
     summary = summarize(records, slo=config.slo, measure_from=config.warmup_s,
                         planned_requests=planned)

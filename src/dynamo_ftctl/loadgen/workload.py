@@ -7,12 +7,13 @@ files are JSONL; a bad line is refused as `file:line: key: message` (exit 2).
 
 from __future__ import annotations
 
-import json
 import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
+
+import msgspec
 
 from dynamo_ftctl.documents import Located, parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
@@ -72,8 +73,30 @@ class RequestSpec:
     max_tokens: int
 
 
-def _draw(rng: random.Random, length: Length) -> int:
-    return length.low if length.low == length.high else rng.randint(length.low, length.high)
+# msgspec's encoder: compact like json.dumps(separators=(",", ":")), a few times faster;
+# non-ASCII text goes as UTF-8 rather than \u escapes (the same JSON to any parser).
+_encode = msgspec.json.Encoder().encode
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finalizer: the next of a request's pseudo-random draws.
+
+    A request's draws are hashed from (seed, index) instead of seeding a
+    `random.Random` per request: seeding a Mersenne twister cost a third of building
+    a request, and building one cost about half a closed-loop request's CPU
+    (benchmarks/load.py). Deterministic for a seed, as before (other prompts than
+    before this change for the same seed).
+    """
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _draw(draw: int, length: Length) -> int:
+    return length.low if length.low == length.high else length.low + draw % (
+        length.high - length.low + 1)
 
 
 def synthetic_prompt(rng: random.Random, tokens: int) -> str:
@@ -111,11 +134,11 @@ class RequestFactory:
     def build(self, index: int) -> RequestSpec:
         """The request numbered `index` (0-based)."""
         wl = self.workload
-        rng = random.Random(self.seed * 1_000_003 + index)
+        first = _mix(self.seed * 1_000_003 + index)
         body: dict[str, Any] = {}
         if self.model is not None:
             body["model"] = self.model
-        max_tokens = _draw(rng, wl.max_tokens)
+        max_tokens = _draw(first, wl.max_tokens)
         if self.items is not None:
             item = self.items[index % len(self.items)]
             if item.max_tokens is not None:
@@ -123,8 +146,9 @@ class RequestFactory:
             prompt: str | None = item.prompt
             messages = list(item.messages) if item.messages is not None else None
         else:
-            length = _draw(rng, wl.prompt_tokens)
-            start = rng.randrange(len(self._pool) - length + 1)
+            second = _mix(first)
+            length = _draw(second, wl.prompt_tokens)
+            start = _mix(second) % (len(self._pool) - length + 1)
             prompt = self._pool[start:start + length]
             messages = None
         if wl.api == "chat":
@@ -145,6 +169,6 @@ class RequestFactory:
         slot = index % len(self.targets)
         return RequestSpec(
             index=index, target=self.targets[slot], url=self._urls[slot],
-            body=json.dumps(body, separators=(",", ":")).encode(),
+            body=_encode(body),
             headers=self._headers, max_tokens=max_tokens,
         )

@@ -142,7 +142,8 @@ def test_proxy_and_daemon_run_from_the_image() -> None:
 
 def test_ftctl_containers_are_locked_down() -> None:
     """Image containers run as the image's non-root uid, no privilege escalation, read-only
-    root, every capability dropped, with resource requests and HTTP probes on their port."""
+    root, every capability dropped, with resource requests; those that serve (--listen),
+    with HTTP probes on their port."""
     for where, spec, container in ftctl_containers():
         pod = spec.get("securityContext", {})
         own = container.get("securityContext", {})
@@ -152,6 +153,8 @@ def test_ftctl_containers_are_locked_down() -> None:
         assert own["readOnlyRootFilesystem"] is True, where
         assert own["capabilities"]["drop"] == ["ALL"], where
         assert {"cpu", "memory"} <= set(container["resources"]["requests"]), where
+        if "--listen" not in container["args"]:  # a batch job (the load shards)
+            continue
         listen = container["args"][container["args"].index("--listen") + 1]
         port = int(listen.rpartition(":")[2])
         assert listen.startswith("0.0.0.0:"), f"{where}: other pods must reach it"
@@ -179,9 +182,48 @@ def test_services_target_the_ports_their_pods_name() -> None:
 def test_every_ftctl_command_line_parses() -> None:
     """Each ftctl invocation (container args, exec probes) is accepted by the real CLI."""
     invocations = ftctl_invocations()
-    assert len(invocations) >= 4  # the proxy, the daemon and the two canary exec probes
+    assert len(invocations) >= 5  # the proxy, the daemon, two canary probes, the load job
     paths = {parse_ftctl(args) for _, args in invocations}
-    assert paths == {"ftctl proxy", "ftctl canary"}
+    assert paths == {"ftctl proxy", "ftctl canary", "ftctl load"}
+
+
+def _expanded_args(container: dict[str, Any], values: dict[str, str]) -> list[str]:
+    """The container's args with Kubernetes' `$(VAR)` expanded: literal env values, and
+    `values` for those the API server fills in (field references)."""
+    env = {e["name"]: e.get("value", values.get(e["name"])) for e in container.get("env", [])}
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in container["args"]]
+
+
+def test_the_load_job_runs_one_shard_per_index() -> None:
+    """load-job.yaml: an Indexed Job whose pod I runs `--shard I/N` (N = completions =
+    parallelism, I from the completion index), all from one start time, results to a
+    volume; each index's command line is a valid run."""
+    from dynamo_ftctl.loadgen.config import parse_shard, parse_start_at
+
+    jobs = [doc for where, doc in MANIFESTS
+            if where.startswith("examples/k8s/load-job.yaml") and doc["kind"] == "Job"]
+    assert len(jobs) == 1
+    job = jobs[0]["spec"]
+    assert job["completionMode"] == "Indexed"
+    count = job["completions"]
+    assert job["parallelism"] == count
+    (container,) = job["template"]["spec"]["containers"]
+    index_env = next(e for e in container["env"] if e["name"] == "JOB_COMPLETION_INDEX")
+    assert index_env["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    outs = set()
+    for index in range(count):
+        args = _expanded_args(container, {"JOB_COMPLETION_INDEX": str(index)})
+        assert parse_ftctl(args) == "ftctl load"
+        assert parse_shard(args[args.index("--shard") + 1]).index == index
+        assert parse_shard(args[args.index("--shard") + 1]).count == count
+        parse_start_at(args[args.index("--start-at") + 1])
+        out = args[args.index("--out") + 1]
+        assert any(out.startswith(m + "/") for m in mounts), out
+        outs.add(out)
+    assert len(outs) == count  # each shard its own directory
+    assert "/tmp" in mounts  # --procs writes there under a read-only root
 
 
 def test_the_failover_entrypoint_parses() -> None:

@@ -59,12 +59,19 @@ def test_cli_compare_refuses_a_non_report(tmp_path: Path):
 
 
 def test_cli_bad_flags_exit_2():
-    """A bad duration, no target, rate and users together, or an unknown client: one error
-    line, exit 2 (http1 takes https targets: no longer refused)."""
+    """A bad duration, no target, rate and users together, an unknown client, a shard out of
+    range, a start time without a zone, fewer users than processes, a sweep in several
+    processes: one error line, exit 2 (http1 takes https targets: no longer refused)."""
     for args in (["--url", "http://x:1", "--rate", "5", "--duration", "5x"],
                  ["--rate", "5", "--requests", "3"],
                  ["--url", "http://x:1", "--rate", "5", "--users", "2", "--requests", "3"],
-                 ["--url", "http://x:1", "--rate", "5", "--requests", "3", "--client", "h3"]):
+                 ["--url", "http://x:1", "--rate", "5", "--requests", "3", "--client", "h3"],
+                 ["--url", "http://x:1", "--rate", "5", "--requests", "3", "--shard", "2/2"],
+                 ["--url", "http://x:1", "--rate", "5", "--requests", "3", "--start-at",
+                  "2026-01-01T00:00:00"],
+                 ["--url", "http://x:1", "--users", "1", "--requests", "3", "--procs", "2"],
+                 ["--url", "http://x:1", "--rate", "5", "--requests", "3", "--procs", "2",
+                  "--sweep", "1:10"]):
         proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", "load", *args],
                               capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2, args
@@ -80,3 +87,12 @@ def test_root_help_does_not_import_load_dependencies():
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "load" in proc.stdout
+
+
+def test_cli_merge_refuses_a_non_report(tmp_path: Path):
+    """`ftctl load merge` on a directory without a report exits 2 and names the file."""
+    proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", "load", "merge",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2
+    assert str(tmp_path / "summary.json") in proc.stderr
