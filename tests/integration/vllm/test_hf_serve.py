@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.proxy.test_proxy_sim import (
+from tests.integration.migrate.test_proxy_sim import (
     ProxyFactory,
     ProxyProcess,
     Streamed,

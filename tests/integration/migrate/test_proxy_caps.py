@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.proxy.test_proxy_process import proxy_factory
-from tests.integration.proxy.test_proxy_sim import ProxyFactory, wait_until
+from tests.integration.migrate.test_proxy_process import proxy_factory
+from tests.integration.migrate.test_proxy_sim import ProxyFactory, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.proxy.test_proxy_sim import (
+from tests.integration.migrate.test_proxy_sim import (
     MODEL,
     ProxyFactory,
     proxy_factory,

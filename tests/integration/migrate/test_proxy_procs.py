@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.proxy.test_proxy_process import TOKENS, paced_worker
-from tests.integration.proxy.test_proxy_sim import (
+from tests.integration.migrate.test_proxy_process import TOKENS, paced_worker
+from tests.integration.migrate.test_proxy_sim import (
     MODEL,
     ProxyFactory,
     ProxyProcess,

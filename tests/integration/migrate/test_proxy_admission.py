@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.integration.proxy.test_proxy_sim import (
+from tests.integration.migrate.test_proxy_sim import (
     MODEL,
     ProxyFactory,
     gauge,
