@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from dynamo_ftctl.http1 import Client
 from dynamo_ftctl.migrate.calibrate import start_in_flight
 from dynamo_ftctl.migrate.transfer import Endpoint, KvApiMissing, migrate_request
 from tests.integration.vllm.server import VllmServer, _free_port, wait_healthy
@@ -68,14 +69,18 @@ def test_kv_move_onto_vllm_falls_back_to_reprefill(
     target = endpoint("vllm", vllm_worker.url)
 
     async def move() -> Any:
-        async with httpx.AsyncClient(timeout=120) as client:
+        client = Client()
+        try:
             reader = await start_in_flight(client, source, SIM_MODEL, PROMPT_LEN,
                                            max_tokens=MAX_TOKENS, request_id="to-vllm",
-                                           seed=SEED, temperature=0.8)
+                                           seed=SEED, temperature=0.8, timeout_s=120)
             try:
-                return await migrate_request(client, source, target, "to-vllm", method="kv")
+                return await migrate_request(client, source, target, "to-vllm", method="kv",
+                                             timeout_s=120)
             finally:
                 reader.cancel()
+        finally:
+            await client.close()
 
     result = asyncio.run(move())
     assert result.requested == "kv"
@@ -97,10 +102,13 @@ def test_move_from_vllm_is_one_clear_error(
     sim = sim_worker_factory(name="sim")
 
     async def move() -> Any:
-        async with httpx.AsyncClient(timeout=60) as client:
+        client = Client()
+        try:
             return await migrate_request(client, endpoint("vllm", vllm_worker.url),
                                          endpoint("sim", sim.url, sim.admin_token),
-                                         "any-request", method="reprefill")
+                                         "any-request", method="reprefill", timeout_s=60)
+        finally:
+            await client.close()
 
     with pytest.raises(KvApiMissing) as caught:
         asyncio.run(move())
