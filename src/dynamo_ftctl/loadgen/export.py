@@ -65,17 +65,22 @@ def write_report(report: LoadReport, out: Path, *, plot: bool = True,
     requests.jsonl only)."""
     paths = report_paths(out, plot=plot, table=table)
     rows = [_row(r) for r in report.records]
+    table_text = ""
     if table:
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        write_atomic(out / "requests.csv", buf.getvalue())
+        table_text = buf.getvalue()
     lines = []
     for row, rec in zip(rows, report.records, strict=True):
         row["itl_ms"] = [round(g * 1000.0, 4) for g in rec.itl]
         lines.append(json.dumps(row, separators=(",", ":")))
+    # summary.json first: a write that fails (a full disk) fails on it, named, and the
+    # previous summary stays whole (tests/unit/foundation/test_output_paths.py).
     write_atomic(out / "summary.json", json.dumps(report.to_json(), indent=2) + "\n")
+    if table:
+        write_atomic(out / "requests.csv", table_text)
     write_atomic(out / "requests.jsonl", "\n".join(lines) + ("\n" if lines else ""))
     if plot:
         write_atomic(out / "load.png", plot_report(report))
