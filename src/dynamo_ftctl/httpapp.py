@@ -38,8 +38,14 @@ from dynamo_ftctl.httpserver import (
 )
 
 __all__ = [
-    "BackgroundServer", "Router", "json_reply", "loop_factory", "request_json",
-    "request_params", "text_reply",
+    "BackgroundServer",
+    "Router",
+    "json_reply",
+    "loop_factory",
+    "metrics_reply",
+    "request_json",
+    "request_params",
+    "text_reply",
 ]
 
 _PARAMS: dict[int, dict[str, str]] = {}  # id(request) -> captured path segments
@@ -53,6 +59,14 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     except ImportError:
         return None
     return uvloop.new_event_loop
+
+
+def metrics_reply(registry: Any) -> Reply:
+    """`registry`'s Prometheus exposition (every service's `/metrics`); prometheus_client
+    is imported here, on the first scrape, not at start-up."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return text_reply(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
 
 def json_reply(doc: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Reply:

@@ -80,14 +80,12 @@ class MetricsServer:
         self._server: BackgroundServer | None = None
 
     def app(self) -> Router:
-        from dynamo_ftctl.httpapp import Router, text_reply
+        from dynamo_ftctl.httpapp import Router, metrics_reply
 
         async def metrics(_: Request) -> Reply:
-            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
             from dynamo_ftctl.metrics import REGISTRY
 
-            return text_reply(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+            return metrics_reply(REGISTRY)
 
         router = Router()
         router.get("/metrics", metrics)

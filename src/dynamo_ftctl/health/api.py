@@ -32,7 +32,7 @@ _MAX_REPORT_BYTES = 65536
 def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
     """The daemon's HTTP API as routes of the one server; `POST /report` needs `token`
     (None: refused)."""
-    from dynamo_ftctl.httpapp import Router, json_reply, text_reply
+    from dynamo_ftctl.httpapp import Router, json_reply, metrics_reply
 
     config = daemon.config
     limiter = RateLimiter(config.report_rate_per_s, config.report_burst, daemon.clock)
@@ -70,11 +70,9 @@ def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
         return json_reply(outcome.to_json())
 
     async def metrics(_: Request) -> Reply:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         from dynamo_ftctl.metrics import REGISTRY
 
-        return text_reply(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+        return metrics_reply(REGISTRY)
 
     async def health(_: Request) -> Reply:
         return json_reply({"status": "ok", "workers": daemon.counts(),

@@ -221,15 +221,6 @@ def _steady_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when installed (a base dependency, not on Windows), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def run_in_fast_loop(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(main)` on uvloop when it is installed: a client's per-request work
     in the loop costs about half as much (benchmarks/load.py)."""
@@ -241,7 +232,9 @@ def run_in_fast_loop(main: Coroutine[Any, Any, T]) -> T:
         # a run: ~0.1 s per few thousand requests, measured).
         box.append(await main)
 
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    from dynamo_ftctl.httpapp import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(keep())
     return box[0]
 

@@ -142,7 +142,7 @@ class HealthServer:
 
     def app(self) -> Router:
         """The routes: the state (200 or 503), `/active`, `/metrics`."""
-        from dynamo_ftctl.httpapp import Router, json_reply, text_reply
+        from dynamo_ftctl.httpapp import Router, json_reply, metrics_reply
         from dynamo_ftctl.output import to_jsonable
 
         def state_reply(ok: Callable[[EngineState], bool]) -> Reply:
@@ -156,11 +156,9 @@ class HealthServer:
             return state_reply(lambda s: s is EngineState.ACTIVE)
 
         async def metrics(_: Request) -> Reply:
-            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
             from dynamo_ftctl.metrics import REGISTRY
 
-            return text_reply(generate_latest(REGISTRY), content_type=CONTENT_TYPE_LATEST)
+            return metrics_reply(REGISTRY)
 
         router = Router()
         router.get("/", state)

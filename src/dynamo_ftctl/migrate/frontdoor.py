@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 from dynamo_ftctl.auth import check_bearer, token_from_env
-from dynamo_ftctl.httpapp import Router, json_reply, request_json, text_reply
+from dynamo_ftctl.httpapp import Router, json_reply, metrics_reply, request_json
 from dynamo_ftctl.httpserver import Reply, Stream
 from dynamo_ftctl.migrate.admission import BUSY_BODY, Thresholds, decide, parse_priority
 from dynamo_ftctl.migrate.attempt import Lane
@@ -171,12 +171,9 @@ class FrontDoor:
         return json_reply(self.fleet.health())
 
     async def _metrics(self, _: Request) -> Reply:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         self.fleet.refresh_busy()
         self.fleet.refresh_gauges()
-        return text_reply(generate_latest(self.fleet.metrics.REGISTRY),
-                          content_type=CONTENT_TYPE_LATEST)
+        return metrics_reply(self.fleet.metrics.REGISTRY)
 
     async def _busy_threshold(self, request: Request) -> Reply:
         """GET (anyone) or POST (admin token) the busy thresholds of a model."""

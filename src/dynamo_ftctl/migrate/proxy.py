@@ -108,15 +108,6 @@ class ServeResult:
     restarts: int = 0  # children of `--procs N` restarted after they died
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when installed (base, not on Windows): ~2x the default loop's request rate."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 class _SharedPortServer(Server):
     """The front door listening with SO_REUSEPORT, beside the other processes' ones."""
 
@@ -249,7 +240,9 @@ def _serve_one(inventory: Inventory, config: ProxyConfig, *,
         finally:
             await proxy.stop()
 
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    from dynamo_ftctl.httpapp import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(run())
     if received and received[0] == signal.SIGINT:
         raise KeyboardInterrupt
