@@ -151,6 +151,8 @@ def witness_line(w: dict[str, Any]) -> str:
             f"run; {w['ids_mismatched']} differ")
     if w.get("no_reference"):
         line += f" ({w['no_reference']} had no fault-free run)"
+    if w.get("first_workers"):
+        line += "; first sent to " + ", ".join(f"{k} {v}" for k, v in w["first_workers"].items())
     return line
 
 

@@ -26,12 +26,14 @@ __all__ = [
     "WitnessStream",
     "compare_witnesses",
     "new_witnesses",
+    "placement",
     "run_witnesses",
     "witness_body",
     "witness_counts",
 ]
 
 _MIGRATED = b": x-ftctl-migrated:"
+_WORKER = "x-ftctl-worker"  # the proxy's answer header: the workers the stream went to
 
 
 @dataclass
@@ -43,6 +45,7 @@ class WitnessStream:
     ids: list[int] = field(default_factory=list)
     finished: bool = False
     migrated: bool = False
+    worker: str | None = None  # the worker the proxy sent it to first (`x-ftctl-worker`)
     error: str | None = None
     reference: list[int] | None = None
 
@@ -79,6 +82,7 @@ async def _stream(client: Client, url: str, out: WitnessStream, timeout_s: float
                     out.error = f"HTTP {response.status}"
                     return
                 out.migrated = bool(response.header("x-ftctl-migrated"))
+                out.worker = (response.header(_WORKER) or "").split(",")[0] or None
                 buffer = b""
                 while chunk := await response.next_chunk():
                     buffer += chunk
@@ -153,4 +157,14 @@ def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, A
         "tokens_lost": sum(max(0, max_tokens - len(s.ids)) for s in done),
         "tokens_duplicated": sum(max(0, len(s.ids) - max_tokens) for s in done),
         "errors": sorted({s.error for s in streams if s.error})[:5],
+        "first_workers": placement(streams),
     }
+
+
+def placement(streams: list[WitnessStream]) -> dict[str, int]:
+    """How many streams the proxy sent first to each worker (those it answered)."""
+    out: dict[str, int] = {}
+    for s in streams:
+        if s.worker:
+            out[s.worker] = out.get(s.worker, 0) + 1
+    return dict(sorted(out.items()))

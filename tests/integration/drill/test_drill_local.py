@@ -66,6 +66,8 @@ def test_worker_crash_drill_passes_with_no_failed_request(tmp_path: Path) -> Non
     assert doc["requests"]["tokens_lost"] == 0
     assert doc["requests"]["tokens_duplicated"] == 0
     assert doc["timeline"][0]["label"] == "kill w2"
+    # Where the witnesses were when the kill landed (least-loaded routing splits them).
+    assert " mid-stream on w2 (w1 " in doc["timeline"][0]["result"], doc["timeline"][0]
     assert doc["worker_downtime_s"]["w2"] > 0
     assert "restarted: w2" in doc["rollbacks"]
     assert {"report.json", "report.md", "timeline.png"} <= {p.name for p in tmp_path.iterdir()}

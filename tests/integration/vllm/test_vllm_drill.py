@@ -45,7 +45,10 @@ def test_vllm_worker_crash_drill_continues_every_stream_token_exactly(
     scenario.write_text(SCENARIO.read_text())
     report = run_drill(scenario, local=True, out_dir=tmp_path / "out", plot=False)
     counts = report.counts
-    summary = "\n".join(report.summary_lines())
+    proxy_log = tmp_path / "out" / "proxy.log"
+    summary = "\n".join([*report.summary_lines(), "proxy.log (its end):",
+                         proxy_log.read_text(errors="replace")[-3000:]
+                         if proxy_log.exists() else "(none)"])
     assert report.passed, summary
     assert counts["failed"] == 0
     assert counts["tokens_lost"] == counts["tokens_duplicated"] == 0

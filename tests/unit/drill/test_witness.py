@@ -63,7 +63,7 @@ def test_a_migrated_stream_keeps_its_ids_across_split_reads() -> None:
 
     async def main() -> None:
         streams = new_witnesses(WITNESS, "m")
-        async with Server(_sse(pieces)) as proxy:
+        async with Server(_sse(pieces, headers="x-ftctl-worker: w2,w1\r\n")) as proxy:
             await run_witnesses(WITNESS, proxy.url, streams)
         async with Server(_sse([_event([1, 2, 3, 4], "length")])) as worker:
             await compare_witnesses(WITNESS, streams, worker.url)
@@ -73,6 +73,9 @@ def test_a_migrated_stream_keeps_its_ids_across_split_reads() -> None:
             assert (stream.finished, stream.migrated, stream.intact) == (True, True, True)
         counts = witness_counts(streams, WITNESS.max_tokens)
         assert (counts["cut"], counts["cut_intact"], counts["failed"]) == (2, 2, 0)
+        # The worker each stream went to first, from the proxy's answer header.
+        assert [s.worker for s in streams] == ["w2", "w2"]
+        assert counts["first_workers"] == {"w2": 2}
 
     asyncio.run(main())
 
