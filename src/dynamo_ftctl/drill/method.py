@@ -131,7 +131,7 @@ async def _timeline(run: DrillRun, started: asyncio.Event,
         if entry.witness_tokens is not None:
             await _await_witness_tokens(run, entry.witness_tokens, label)
             t = run.clock.now() - run.t0
-            note = "; witness streams: " + _placement_line(run.live_witnesses, entry.worker)
+            note = "; witness streams: " + _placement_line(run.live_witnesses or [], entry.worker)
         else:
             note = ""
         markers.append((t, label))
