@@ -144,10 +144,15 @@ class Server:
         self.stopping = False
         self._server: asyncio.Server | None = None
 
-    async def listen(self, host: str, port: int) -> None:
-        """Bind and listen on `host:port` (port 0: a free one, see `address`)."""
+    async def listen(self, host: str, port: int, *, reuse_port: bool = False) -> None:
+        """Bind and listen on `host:port` (port 0: a free one, see `address`).
+
+        `reuse_port`: SO_REUSEPORT, so that several processes listen on one port and the
+        kernel spreads new connections over them (`ftctl proxy --procs N`).
+        """
         self._server = await self.loop.create_server(
-            lambda: Connection(self), host, port, reuse_address=True, backlog=_BACKLOG)
+            lambda: Connection(self), host, port, reuse_address=True,
+            reuse_port=reuse_port or None, backlog=_BACKLOG)
 
     @property
     def address(self) -> str:
@@ -182,11 +187,13 @@ async def start_server(handler: Handler, host: str, port: int, *,
                        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
                        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                        max_connections: int | None = None,
-                       max_buffered: int = DEFAULT_MAX_BUFFERED) -> Server:
-    """A `Server` listening on `host:port` (an IPv6 host without brackets)."""
+                       max_buffered: int = DEFAULT_MAX_BUFFERED,
+                       reuse_port: bool = False) -> Server:
+    """A `Server` listening on `host:port` (an IPv6 host without brackets); `reuse_port`
+    as in `Server.listen`."""
     server = Server(handler, max_body=max_body, idle_timeout_s=idle_timeout_s,
                     request_timeout_s=request_timeout_s, max_connections=max_connections,
                     max_buffered=max_buffered)
-    await server.listen(host, port)
+    await server.listen(host, port, reuse_port=reuse_port)
     return server
 

@@ -46,12 +46,10 @@ from typing import TYPE_CHECKING
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1 import Client
 from dynamo_ftctl.httpserver import (
-    Server,
     default_max_connections,
     raise_open_file_limit,
     start_server,
 )
-from dynamo_ftctl.httpserver._connection import Connection
 from dynamo_ftctl.migrate.attempt import Upstream
 from dynamo_ftctl.migrate.fleet import Fleet
 from dynamo_ftctl.migrate.frontdoor import MIGRATED_HEADER, FrontDoor
@@ -106,15 +104,6 @@ class ServeResult:
     uptime_s: float
     procs: int = 1
     restarts: int = 0  # children of `--procs N` restarted after they died
-
-
-class _SharedPortServer(Server):
-    """The front door listening with SO_REUSEPORT, beside the other processes' ones."""
-
-    async def listen(self, host: str, port: int) -> None:
-        # `httpserver.Server.listen` with reuse_port (it has no such option yet).
-        self._server = await self.loop.create_server(
-            lambda: Connection(self), host, port, reuse_port=True, backlog=2048)
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -211,14 +200,11 @@ def _serve_one(inventory: Inventory, config: ProxyConfig, *,
         try:
             buffered = config.max_buffered_mib * 1024 * 1024
             try:
-                if port is None:
-                    server = await start_server(
-                        proxy.front_door, host, listen_port,
-                        max_connections=config.max_connections, max_buffered=buffered)
-                else:
-                    server = _SharedPortServer(proxy.front_door, max_buffered=buffered,
-                                               max_connections=config.max_connections)
-                    await server.listen(host, port)
+                # With `port` (a child of --procs N): SO_REUSEPORT beside its siblings.
+                server = await start_server(
+                    proxy.front_door, host, listen_port if port is None else port,
+                    max_connections=config.max_connections, max_buffered=buffered,
+                    reuse_port=port is not None)
             except OSError as exc:
                 raise _cannot_listen(config, exc) from None
             for signum in (signal.SIGINT, signal.SIGTERM):

@@ -556,3 +556,28 @@ def test_a_slow_answer_is_not_cut_by_the_timeouts() -> None:
         assert (await client.response())[0] == 200
         client.close()
     serving(slow, test, request_timeout_s=0.2, idle_timeout_s=0.2)
+
+
+def test_reuse_port_lets_two_servers_share_a_port_and_both_answer() -> None:
+    """`reuse_port=True` (SO_REUSEPORT, `ftctl proxy --procs N`): a second server binds the
+    first one's port and answers there; without it the bind fails."""
+    async def main() -> None:
+        first = await start_server(echo, "127.0.0.1", 0, reuse_port=True)
+        port = int(first.address.rsplit(":", 1)[1])
+        try:
+            with pytest.raises(OSError, match="in use"):
+                await start_server(echo, "127.0.0.1", port)
+            second = await start_server(echo, "127.0.0.1", port, reuse_port=True)
+            try:
+                assert second.address == first.address
+                await first.shutdown(1.0)  # the port stays served by the second one
+                client = await Client.connect(second)
+                client.send(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+                status, _, body = await client.response()
+                assert (status, body) == (200, b"GET /x? - ")
+                client.writer.close()
+            finally:
+                await second.shutdown(1.0)
+        finally:
+            await first.shutdown(1.0)
+    run(main())
