@@ -8,7 +8,8 @@ time (`LoadConfig.start_at`, a moment ahead so that each has forked, set up its
 client and asked the model first). Each writes its raw samples to a private
 temporary directory (the `--out` files, without the plot); the parent reads them
 back and merges them (`merge.merge_reports`, as `ftctl load merge` does), so
-percentiles are exact over every request.
+percentiles are exact over every request. `--abort-error-rate` applies to the whole
+run: the processes keep their counts in one shared mapping (`tally.SharedTally`).
 
 The processes are forks (no interpreter start; the parent has no thread and no
 event loop at the fork), stopped and collected through `dynamo_ftctl.process`'s
@@ -31,6 +32,7 @@ from pathlib import Path
 from dynamo_ftctl.errors import ExitCode, FtctlError, InvalidInput
 from dynamo_ftctl.loadgen.config import LoadConfig, Shard
 from dynamo_ftctl.loadgen.runner import LoadReport, run_load
+from dynamo_ftctl.loadgen.tally import SharedTally
 from dynamo_ftctl.process import ForkedChild
 
 __all__ = ["run_load_processes"]
@@ -58,12 +60,12 @@ def _arm_death_signal() -> Callable[[], None]:
     return arm
 
 
-def _run_share(config: LoadConfig, out: Path) -> int:
+def _run_share(config: LoadConfig, out: Path, tally: SharedTally) -> int:
     """In the child: run the share, write its report; the exit status."""
     from dynamo_ftctl.loadgen.export import write_report
 
     try:
-        write_report(run_load(config), out, plot=False, table=False)
+        write_report(run_load(config, tally=tally), out, plot=False, table=False)
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:  # whatever it is reaches the parent as text
@@ -76,7 +78,7 @@ def _run_share(config: LoadConfig, out: Path) -> int:
 
 
 def _fork(config: LoadConfig, out: Path, arm: Callable[[], None],
-          children: list[ForkedChild]) -> None:
+          children: list[ForkedChild], tally: SharedTally) -> None:
     """Fork a process for `config`'s share and add it to `children`.
 
     SIGINT and SIGTERM are held from before the fork until the child is in `children`
@@ -98,7 +100,8 @@ def _fork(config: LoadConfig, out: Path, arm: Callable[[], None],
                 if os.getppid() != parent:  # the parent is already gone
                     os._exit(1)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-                code = _run_share(config, out)
+                tally.index = len(children)
+                code = _run_share(config, out, tally)
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -130,6 +133,7 @@ def run_load_processes(config: LoadConfig, procs: int, *,
     from dynamo_ftctl.loadgen import export, merge, sender  # noqa: F401
 
     arm = _arm_death_signal()
+    tally = SharedTally(procs)  # --abort-error-rate is the run's rule, across processes
     children: list[ForkedChild] = []
     with tempfile.TemporaryDirectory(prefix="ftctl-load-") as tmp:
         outs = [Path(tmp) / str(j) for j in range(procs)]
@@ -137,7 +141,7 @@ def run_load_processes(config: LoadConfig, procs: int, *,
             for j, out in enumerate(outs):
                 share = dataclasses.replace(config, shard=base.split(procs, j),
                                             start_at=start_at)
-                _fork(share, out, arm, children)
+                _fork(share, out, arm, children, tally)
             codes = [child.wait() for child in children]
         finally:
             for child in children:

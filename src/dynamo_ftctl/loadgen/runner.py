@@ -27,6 +27,7 @@ from dynamo_ftctl.loadgen.config import LoadConfig
 from dynamo_ftctl.loadgen.record import RequestRecord
 from dynamo_ftctl.loadgen.schedule import plan_arrivals, trace_offsets
 from dynamo_ftctl.loadgen.stats import LoadSummary, percentile, summarize
+from dynamo_ftctl.loadgen.tally import SharedTally
 from dynamo_ftctl.loadgen.workload import PromptItem, RequestFactory, RequestSpec, load_prompts
 
 __all__ = [
@@ -161,20 +162,47 @@ class _Run:
     in_flight: int = 0
     aborted: str | None = None
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    tally: SharedTally | None = None  # the whole run's counts under --procs N
 
     def record(self, rec: RequestRecord) -> None:
         self.records.append(rec)
         if not rec.ok:
             self.failed += 1
         limit = self.config.abort_error_rate
-        finished = len(self.records)
+        finished, failed = len(self.records), self.failed
+        if self.tally is not None:  # the rule is the run's, across its processes
+            finished, failed = self.tally.record(finished, failed)
+            if self.look_for_abort():
+                return
         if (limit is not None and self.aborted is None
                 and finished >= self.config.abort_min_requests
-                and self.failed / finished > limit):
-            self.aborted = (f"error rate {self.failed / finished:.1%} passed the limit "
+                and failed / finished > limit):
+            self.aborted = (f"error rate {failed / finished:.1%} passed the limit "
                             f"{limit:.1%} after {finished} requests")
+            if self.tally is not None:
+                self.tally.abort()
             self.stop.set()
             self.emit("aborted", message=self.aborted)
+
+    def look_for_abort(self) -> bool:
+        """Stop when another process of the run has aborted it; True when one has."""
+        by = self.tally.aborted_by() if self.tally is not None else None
+        if by is None:
+            return False
+        if self.aborted is None:  # another process decided
+            self.aborted = (f"load process {by + 1} stopped the run: the run's error rate "
+                            f"passed the limit")
+            self.stop.set()
+            self.emit("aborted", message=self.aborted)
+        return True
+
+    async def watch_tally(self) -> None:
+        """Under --procs N: stop soon after another process aborts the run, even while
+        this one has nothing finishing (its requests hang, or it waits to send)."""
+        from dynamo_ftctl.loadgen.tally import POLL_S
+
+        while not self.look_for_abort():
+            await asyncio.sleep(POLL_S)
 
     def emit(self, kind: Literal["started", "progress", "aborted", "finished"], *,
              progress: Progress | None = None, message: str | None = None) -> None:
@@ -433,8 +461,10 @@ async def run_load_async(
     markers: list[tuple[float, str]] | None = None,
     clock: Clock = SYSTEM_CLOCK,
     sender: Sender | None = None,
+    tally: SharedTally | None = None,
 ) -> LoadReport:
-    """Run `config` in the running event loop and return its report."""
+    """Run `config` in the running event loop and return its report (`tally`: the
+    counts this process shares with the others of a --procs run)."""
     wl = config.workload
     items: tuple[PromptItem, ...] | None = None
     if wl.trace is not None:
@@ -455,19 +485,23 @@ async def run_load_async(
         await _wait_for_wall(clock, config.start_at, config.spin_s)
     with _steady_gc():
         started_at = clock.wall()
-        run = _Run(config=config, clock=clock, t0=clock.now(), on_event=on_event)
+        run = _Run(config=config, clock=clock, t0=clock.now(), on_event=on_event,
+                   tally=tally)
         run.emit("started")
         ticker = asyncio.create_task(_progress(run)) if on_event is not None else None
+        watcher = (asyncio.create_task(run.watch_tally())
+                   if tally is not None and config.abort_error_rate is not None else None)
         try:
             if config.schedule.open_loop:
                 await _open_loop(run, factory, sender, arrivals)
             else:
                 await _closed_loop(run, factory, sender)
         finally:
-            if ticker is not None:
-                ticker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ticker
+            for task in (ticker, watcher):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if close is not None:
                 await close()
         elapsed = clock.now() - run.t0
@@ -488,7 +522,9 @@ async def run_load_async(
 
 def run_load(config: LoadConfig, *,
              on_event: Callable[[LoadEvent], None] | None = None,
-             markers: list[tuple[float, str]] | None = None) -> LoadReport:
+             markers: list[tuple[float, str]] | None = None,
+             tally: SharedTally | None = None) -> LoadReport:
     """Run `config` to completion in a new event loop (uvloop when installed)."""
-    return run_in_fast_loop(run_load_async(config, on_event=on_event, markers=markers))
+    return run_in_fast_loop(run_load_async(config, on_event=on_event, markers=markers,
+                                           tally=tally))
 

@@ -137,6 +137,20 @@ def test_abort_on_error_rate(start_target):
     assert 20 <= len(report.records) < 1000
 
 
+def test_abort_on_error_rate_counts_every_process_of_the_run(start_target):
+    """Under --procs 2 the limit is the run's: 30 failures a process never reach
+    `abort_min_requests` 40 alone, the run's 60 do, and both processes stop."""
+    from dynamo_ftctl.loadgen.processes import run_load_processes
+
+    url = start_target("--script", "500")
+    report = run_load_processes(
+        LoadConfig(targets=(url,), schedule=Schedule(rate=40, arrival="constant"),
+                   duration_s=1.5, abort_error_rate=0.5, abort_min_requests=40), 2)
+    assert report.aborted is not None
+    assert "error rate" in report.aborted
+    assert 40 <= len(report.records) < 60  # the whole plan is 60
+
+
 @pytest.mark.slow
 def test_sweep_converges_on_known_capacity(start_target):
     """Against a server that serves 2 requests at a time in 20 ms (capacity ~100/s), the
