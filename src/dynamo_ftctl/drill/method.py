@@ -131,7 +131,10 @@ async def _timeline(run: DrillRun, started: asyncio.Event,
         if entry.witness_tokens is not None:
             await _await_witness_tokens(run, entry.witness_tokens, label)
             t = run.clock.now() - run.t0
-            note = "; witness streams: " + _placement_line(run.live_witnesses or [], entry.worker)
+            streams = run.live_witnesses or []
+            note = "; witness streams: " + _placement_line(streams, entry.worker)
+            if entry.worker and not any(s.worker == entry.worker for s in streams):
+                note += "; the proxy's view: " + await _proxy_view(run)
         else:
             note = ""
         markers.append((t, label))
@@ -257,6 +260,24 @@ def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:
         return where
     on = sum(1 for s in streams if s.worker == worker and not s.finished)
     return f"{on} of {len(streams)} mid-stream on {worker} ({where})"
+
+
+async def _proxy_view(run: DrillRun) -> str:
+    """The proxy's routing state of each worker (its /health), for a report that must
+    say why no witness stream went to the worker a fault is about."""
+    import json
+
+    client = Client()
+    try:
+        _, body = await client.fetch("GET", f"{run.target_url}/health", timeout_s=2.0)
+        workers = json.loads(body)["workers"]
+        return ", ".join(f"{name} weight {w['weight']} breaker {w['breaker']} busy "
+                         f"{w['busy']} outstanding {w['outstanding']}"
+                         for name, w in workers.items())
+    except (HttpError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+    finally:
+        await client.close()
 
 
 async def _healthy_worker(run: DrillRun, client: Client) -> str | None:

@@ -1,0 +1,48 @@
+"""What a `witness_tokens` fault adds to its timeline entry: where the witnesses are, and
+the proxy's routing view when none is on the fault's worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from dynamo_ftctl.drill.method import _placement_line, _proxy_view
+from dynamo_ftctl.drill.witness import WitnessStream
+from dynamo_ftctl.httpserver import Reply, Request, start_server
+
+
+def _stream(worker: str | None, *, finished: bool = False) -> WitnessStream:
+    return WitnessStream(0, {}, worker=worker, finished=finished)
+
+
+def test_placement_counts_streams_mid_stream_on_the_worker() -> None:
+    streams = [_stream("w1"), _stream("w2"), _stream("w2", finished=True), _stream(None)]
+    assert _placement_line(streams, "w2") == "1 of 4 mid-stream on w2 (w1 1, w2 2)"
+    assert _placement_line(streams, None) == "w1 1, w2 2"
+    assert _placement_line([_stream(None)], "w2") == "0 of 1 mid-stream on w2 (not started)"
+
+
+def test_proxy_view_quotes_each_workers_routing_state_or_says_why_not() -> None:
+    doc: dict[str, Any] = {"status": "ok", "workers": {
+        "w1": {"weight": 1.0, "breaker": "closed", "busy": False, "outstanding": 6},
+        "w2": {"weight": 0.0, "breaker": "open", "busy": False, "outstanding": 0}}}
+
+    async def health(request: Request) -> Reply:
+        return Reply(200, json.dumps(doc).encode(), content_type="application/json")
+
+    async def main() -> tuple[str, str]:
+        server = await start_server(health, "127.0.0.1", 0)
+        url = server.address
+        try:
+            seen = await _proxy_view(SimpleNamespace(target_url=url))  # type: ignore[arg-type]
+        finally:
+            await server.shutdown(1.0)
+        gone = await _proxy_view(SimpleNamespace(target_url=url))  # type: ignore[arg-type]
+        return seen, gone
+
+    seen, gone = asyncio.run(asyncio.wait_for(main(), 30))
+    assert seen == ("w1 weight 1.0 breaker closed busy False outstanding 6, "
+                    "w2 weight 0.0 breaker open busy False outstanding 0")
+    assert gone.startswith("unknown (")
