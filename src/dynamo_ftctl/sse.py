@@ -112,6 +112,23 @@ class SseDecoder:
                 events.append(event)
         return events
 
+    def feed_data(self, chunk: bytes) -> list[bytes]:
+        """`feed`, but only each event's data, as UTF-8 bytes: what a JSON decoder takes
+        without a str in between (the proxy reads every token's event this way)."""
+        if not self._buf and not self._skip_lf and chunk.startswith(b"data: ") \
+                and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2 \
+                and b"\r" not in chunk:
+            return [chunk[6:-2]]
+        out: list[bytes] = []
+        for block in self.blocks(chunk):
+            if block.startswith(b"data: ") and b"\n" not in block:  # nearly every event
+                out.append(block[6:])
+                continue
+            event = self._event(block)
+            if event is not None:
+                out.append(event.data.encode())
+        return out
+
     def flush(self) -> list[SseEvent]:
         """End of stream: dispatch a last event that lacked its blank line."""
         event = self._event(self.rest())

@@ -33,7 +33,7 @@ from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, Unre
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.migrate.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.migrate.codec import dumps, loads, sse_batch
-from dynamo_ftctl.openai import SseDecoder
+from dynamo_ftctl.sse import DONE, SseDecoder
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
@@ -51,6 +51,7 @@ _MAX_EVENTS_WITHOUT_TOKEN = 1000
 _DRAIN_S = 0.1
 # Bytes a worker may send without completing one event: more is garbage, not a token.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
+_DONE = DONE.encode()  # the data of the last event of an OpenAI stream
 # Statuses that say the worker is loaded, unavailable or lost behind a gateway, not
 # that the request is bad: worth a try elsewhere, and no sign of a query of death.
 _UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
@@ -173,7 +174,7 @@ class Reader:
         """The client chunks of `piece` (several events of one read go out as one write)."""
         ledger = self._ledger
         batch: list[dict[str, Any]] = []
-        events = self._decoder.feed(piece)
+        events = self._decoder.feed_data(piece)
         start = ledger.generated_count
         if not events:
             self._unparsed += len(piece)
@@ -185,14 +186,14 @@ class Reader:
             return batch
         self._unparsed = 0
         now = self._now()  # the events of one read arrived together: one clock read
-        for event in events:
-            if event.is_done:
+        for data in events:
+            if len(data) < 16 and data.strip() == _DONE:
                 self.done = True
                 break
             before = ledger.generated_count
             try:
                 # A non-streamed client's chunks are never sent: not rendered either.
-                chunk = ledger.observe(loads(event.data), render=self._render)
+                chunk = ledger.observe(loads(data), render=self._render)
             except (MalformedChunk, ValueError) as exc:
                 self.failure = exc
                 break

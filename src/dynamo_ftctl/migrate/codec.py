@@ -33,8 +33,10 @@ def loads(data: str | bytes) -> Any:
     """A JSON document (ValueError for anything else)."""
     try:
         return _DECODER.decode(data)
-    except msgspec.DecodeError:
-        return json.loads(data)  # lone-surrogate escapes, which msgspec refuses
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        # Lone-surrogate escapes, which msgspec refuses; bytes that are not UTF-8 read
+        # as the SSE decoder's text would have them (U+FFFD for each bad sequence).
+        return json.loads(data.decode("utf-8", "replace") if isinstance(data, bytes) else data)
 
 
 def sse_event(doc: Any) -> bytes:

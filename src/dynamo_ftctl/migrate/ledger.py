@@ -94,7 +94,6 @@ class StreamLedger:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] | None = None
     generated_ids: list[int] = field(default_factory=list)
-    generated_text: str = ""
     generated_count: int = 0
     ids_mode: bool = True
     finish_reason: str | None = None
@@ -123,6 +122,9 @@ class StreamLedger:
     stops: StopFinder | None = None
     stopped: bool = False  # a stop string matched: the upstream stream must be cut
     _client_text: str = ""  # the text sent to the client (kept only with stop strings)
+    # The generated text in the pieces it came in (`generated_text` joins them: a
+    # string grown by += per token is copied whole each time, quadratic in the length).
+    _text_parts: list[str] = field(default_factory=list, repr=False)
     # The client's asks, read once from its body (they are looked up for every chunk).
     _streams: bool = field(init=False, repr=False)
     _wants_ids: bool = field(init=False, repr=False)
@@ -167,6 +169,14 @@ class StreamLedger:
         return not self.client_streams or (
             isinstance(options, dict) and bool(options.get("include_usage"))
         )
+
+    @property
+    def generated_text(self) -> str:
+        """Every token's text so far, across workers."""
+        parts = self._text_parts
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
 
     @property
     def max_tokens(self) -> int | None:
@@ -226,15 +236,17 @@ class StreamLedger:
             message = error.get("message", error) if isinstance(error, dict) else error
             raise ErrorEvent(f"error event from worker: {message}", doc)
         choice = choice_of(doc)
-        prompt_ids = doc.get("prompt_token_ids")
-        if choice is not None and prompt_ids is None:
-            prompt_ids = choice.get("prompt_token_ids")
-        if prompt_ids is not None and self.prompt_ids is None and self.migrations == 0:
-            self.prompt_ids = list(int_list(prompt_ids, "prompt_token_ids"))
-        usage = doc.get("usage")
-        if isinstance(usage, dict) and self.prompt_tokens_reported is None \
-                and self.migrations == 0 and isinstance(usage.get("prompt_tokens"), int):
-            self.prompt_tokens_reported = usage["prompt_tokens"]
+        if self.migrations == 0:  # what the first worker says of the prompt (once)
+            if self.prompt_ids is None:
+                prompt_ids = doc.get("prompt_token_ids")
+                if choice is not None and prompt_ids is None:
+                    prompt_ids = choice.get("prompt_token_ids")
+                if prompt_ids is not None:
+                    self.prompt_ids = list(int_list(prompt_ids, "prompt_token_ids"))
+            if self.prompt_tokens_reported is None:
+                usage = doc.get("usage")
+                if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+                    self.prompt_tokens_reported = usage["prompt_tokens"]
         if choice is None:
             return None  # the worker's usage chunk: the proxy sends its own at the end
         return self._observe_choice(doc, choice, render)
@@ -259,7 +271,7 @@ class StreamLedger:
         if new_ids is None and text:
             self.ids_mode = False
         count = len(new_ids) if new_ids is not None else (1 if text else 0)
-        limit = self.max_tokens
+        limit = self._max_tokens
         if limit is not None and self.generated_count + count > limit:
             raise MalformedChunk(f"worker sent more than max_tokens={limit} tokens")
         if new_ids is not None:
@@ -272,8 +284,9 @@ class StreamLedger:
         self.generated_count += count
         self.attempt_tokens += count
         if text:
-            self.generated_text += text
-        self._merge_logprobs(choice.get("logprobs"))
+            self._text_parts.append(text)
+        if not self._streams:
+            self._merge_logprobs(choice.get("logprobs"))
         finish = choice.get("finish_reason")
         if finish is not None and not isinstance(finish, str):
             raise MalformedChunk("finish_reason is not a string")

@@ -55,6 +55,19 @@ def test_decoder_matches_the_line_by_line_algorithm(stream: bytes, cuts: list[in
     assert list(iter_sse_events(_reads(stream, cuts))) == _reference_events(stream)
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=40).map(b"".join),
+       st.lists(st.integers(0, 200), max_size=6))
+def test_feed_data_gives_each_events_data_as_bytes(stream: bytes, cuts: list[int]) -> None:
+    """`feed_data` (the proxy's per-token path) yields what `feed` does, each event's data
+    only, as bytes that read as that data (bad UTF-8 left for the JSON decoder's fallback)."""
+    whole, raw = SseDecoder(), SseDecoder()
+    reads = _reads(stream, cuts)
+    expected = [event.data for read in reads for event in whole.feed(read)]
+    got = [data.decode("utf-8", "replace") for read in reads for data in raw.feed_data(read)]
+    assert got == expected
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=st.lists(st.sampled_from([b"a", b"b", b"\r", b"\n", b":", b" "]),
                      max_size=80).map(b"".join),
