@@ -127,7 +127,9 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     slo_error_rate: Annotated[float | None, typer.Option(
         "--slo-error-rate", help="SLO: largest error rate, e.g. 0.01.")] = None,
     abort_error_rate: Annotated[float | None, typer.Option(
-        "--abort-error-rate", help="Abort when the error rate passes this (after 20).")] = None,
+        "--abort-error-rate",
+        help="Abort when the error rate passes this (after 20; under --procs, the "
+             "whole run's).")] = None,
     sweep: Annotated[str | None, typer.Option(
         "--sweep", help="Bisect LOW:HIGH requests/s for the highest rate meeting the SLO.")
     ] = None,
