@@ -9,6 +9,8 @@ fixture starts it again for the next test.
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,17 @@ def test_vllm_worker_crash_drill_continues_every_stream_token_exactly(
     scenario = tmp_path / SCENARIO.name
     scenario.write_text(SCENARIO.read_text())
     report = run_drill(scenario, local=True, out_dir=tmp_path / "out", plot=False)
+    kill = report.events[0].result if report.events else ""
+    if " 0 of 6 mid-stream on vllm2 " in kill:
+        # The premise failed, not the proxy: no witness stream was on vllm2 when it was
+        # killed (CI, once: 0 of 6 cut). Said loudly, with the proxy's routing view, and
+        # the drill runs once more on a restarted vllm2 (an unexplained skew would show
+        # as this warning in every CI log, and fail the second time).
+        warnings.warn(f"vLLM drill: the kill found no witness on vllm2: {kill}", stacklevel=1)
+        vllm_pair[1].restart()
+        running_inventory(vllm_pair, tmp_path / "vllm.yaml")
+        shutil.rmtree(tmp_path / "out")
+        report = run_drill(scenario, local=True, out_dir=tmp_path / "out", plot=False)
     counts = report.counts
     proxy_log = tmp_path / "out" / "proxy.log"
     summary = "\n".join([*report.summary_lines(), "proxy.log (its end):",
