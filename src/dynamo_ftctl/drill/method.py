@@ -129,7 +129,7 @@ async def _timeline(run: DrillRun, started: asyncio.Event,
             continue
         label = f"{entry.fault} {entry.worker}"
         if entry.witness_tokens is not None:
-            await _await_witness_tokens(run, entry.witness_tokens, label)
+            await _await_witness_tokens(run, entry.witness_tokens, label, entry.worker)
             t = run.clock.now() - run.t0
             streams = run.live_witnesses or []
             note = "; witness streams: " + _placement_line(streams, entry.worker)
@@ -236,18 +236,33 @@ async def _witness(run: DrillRun, started: asyncio.Event) -> list[WitnessStream]
     return streams
 
 
-async def _await_witness_tokens(run: DrillRun, tokens: int, label: str) -> None:
-    """Wait until every witness stream has `tokens` token ids (or ended), at most
-    `_WITNESS_WAIT_S`: a fault timed by the clock alone can land before a slow engine
-    has started the streams it is meant to cut (CI: none of six was cut once)."""
+async def _await_witness_tokens(run: DrillRun, tokens: int, label: str,
+                                worker: str | None) -> None:
+    """Wait until the witness streams on `worker` (every one when the fault names none)
+    have `tokens` token ids or ended, at most `_WITNESS_WAIT_S`: the fault lands while
+    they are mid-stream, however slow the engine's first token.
+
+    Only the fault's worker's streams count: waiting for every stream let those on a
+    fast worker finish while those on a slow one started (CI: the kill of vllm2 came
+    7 s after the witnesses began, when 2 of its 3 had ended, and cut none).
+    """
     deadline = run.clock.now() + _WITNESS_WAIT_S
     while run.clock.now() < deadline:
         streams = run.live_witnesses
-        if streams and all(len(s.ids) >= tokens or s.finished or s.error for s in streams):
+        if streams and _witnesses_ready(streams, tokens, worker):
             return
         await run.clock.asleep(0.01)
-    run.log(f"{label}: the witness streams did not all reach {tokens} tokens within "
+    run.log(f"{label}: the witness streams did not reach {tokens} tokens within "
             f"{_WITNESS_WAIT_S:g} s; injecting anyway")
+
+
+def _witnesses_ready(streams: list[WitnessStream], tokens: int, worker: str | None) -> bool:
+    """Every stream placed (its worker known from the proxy's answer, or tokens or an
+    end without one), and those on `worker` with `tokens` ids or ended."""
+    if not all(s.worker is not None or s.ids or s.finished or s.error for s in streams):
+        return False
+    return all(len(s.ids) >= tokens or s.finished or s.error for s in streams
+               if worker is None or s.worker in (worker, None))
 
 
 def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:

@@ -8,13 +8,30 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from dynamo_ftctl.drill.method import _placement_line, _proxy_view
+from dynamo_ftctl.drill.method import _placement_line, _proxy_view, _witnesses_ready
 from dynamo_ftctl.drill.witness import WitnessStream
 from dynamo_ftctl.httpserver import Reply, Request, start_server
 
 
-def _stream(worker: str | None, *, finished: bool = False) -> WitnessStream:
-    return WitnessStream(0, {}, worker=worker, finished=finished)
+def _stream(worker: str | None, *, finished: bool = False, ids: int = 0) -> WitnessStream:
+    return WitnessStream(0, {}, worker=worker, finished=finished, ids=list(range(ids)))
+
+
+def test_a_fault_waits_for_the_streams_on_its_own_worker_only() -> None:
+    """The kill of w2 waits for w2's streams (a slow w1 must not let them finish first),
+    once every stream is placed; a fault without a worker waits for all of them."""
+    slow_w1, fast_w2 = _stream("w1", ids=1), _stream("w2", ids=8)
+    assert _witnesses_ready([slow_w1, fast_w2], 8, "w2")
+    assert not _witnesses_ready([slow_w1, fast_w2], 8, None)
+    assert not _witnesses_ready([slow_w1, _stream("w2", ids=7)], 8, "w2")
+    assert _witnesses_ready([slow_w1, _stream("w2", ids=3, finished=True)], 8, "w2")
+    # Not every stream answered yet: where they are is not known.
+    assert not _witnesses_ready([_stream(None), fast_w2], 8, "w2")
+    # None on w2: nothing to wait for once all are placed (the note then says so).
+    assert _witnesses_ready([slow_w1, _stream("w1")], 8, "w2")
+    # Tokens without a worker header (not ftctl's proxy): counted as on any worker.
+    assert not _witnesses_ready([_stream(None, ids=2)], 8, "w2")
+    assert _witnesses_ready([_stream(None, ids=8)], 8, "w2")
 
 
 def test_placement_counts_streams_mid_stream_on_the_worker() -> None:
