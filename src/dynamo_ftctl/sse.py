@@ -99,12 +99,9 @@ class SseDecoder:
 
     def feed(self, chunk: bytes) -> list[SseEvent]:
         """Add bytes; return the events they complete."""
-        if not self._buf and not self._skip_lf and chunk.startswith(b"data: ") \
-                and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2 \
-                and b"\r" not in chunk:
-            # What a server sends a read at a time: one whole one-line `data:` event
-            # (once per streamed token: no split, no list of one).
-            return [SseEvent(chunk[6:-2].decode("utf-8", errors="replace"), None, self._id)]
+        data = self._lone_event(chunk)
+        if data is not None:  # once per streamed token: no split, no list of one
+            return [SseEvent(data.decode("utf-8", errors="replace"), None, self._id)]
         events: list[SseEvent] = []
         for block in self.blocks(chunk):
             event = self._event(block)
@@ -115,19 +112,28 @@ class SseDecoder:
     def feed_data(self, chunk: bytes) -> list[bytes]:
         """`feed`, but only each event's data, as UTF-8 bytes: what a JSON decoder takes
         without a str in between (the proxy reads every token's event this way)."""
+        data = self._lone_event(chunk)
+        if data is not None:
+            return [data]
+        out: list[bytes] = []
+        for block in self.blocks(chunk):
+            data = _plain_data(block)
+            if data is None:
+                event = self._event(block)
+                if event is None:
+                    continue
+                data = event.data.encode()
+            out.append(data)
+        return out
+
+    def _lone_event(self, chunk: bytes) -> bytes | None:
+        """The data of `chunk` when it is one whole one-line `data:` event and nothing is
+        buffered: what a server sends a read at a time."""
         if not self._buf and not self._skip_lf and chunk.startswith(b"data: ") \
                 and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2 \
                 and b"\r" not in chunk:
-            return [chunk[6:-2]]
-        out: list[bytes] = []
-        for block in self.blocks(chunk):
-            if block.startswith(b"data: ") and b"\n" not in block:  # nearly every event
-                out.append(block[6:])
-                continue
-            event = self._event(block)
-            if event is not None:
-                out.append(event.data.encode())
-        return out
+            return chunk[6:-2]
+        return None
 
     def flush(self) -> list[SseEvent]:
         """End of stream: dispatch a last event that lacked its blank line."""
@@ -135,8 +141,9 @@ class SseDecoder:
         return [] if event is None else [event]
 
     def _event(self, block: bytes) -> SseEvent | None:
-        if block.startswith(b"data: ") and b"\n" not in block:  # nearly every event
-            return SseEvent(block[6:].decode("utf-8", errors="replace"), None, self._id)
+        plain = _plain_data(block)
+        if plain is not None:
+            return SseEvent(plain.decode("utf-8", errors="replace"), None, self._id)
         data: list[str] = []
         name: str | None = None
         # A blank line can only open a block (after a run of them): it dispatches nothing.
@@ -156,6 +163,11 @@ class SseDecoder:
         if not data:
             return None
         return SseEvent("\n".join(data), name, self._id)
+
+
+def _plain_data(block: bytes) -> bytes | None:
+    """The data of a raw event that is one `data: ` line (nearly every event), else None."""
+    return block[6:] if block.startswith(b"data: ") and b"\n" not in block else None
 
 
 def iter_sse_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
