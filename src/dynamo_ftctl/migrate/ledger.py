@@ -79,6 +79,13 @@ class Usage:
         }
 
 
+def _joined(parts: list[str]) -> str:
+    """`parts` as one string, left joined in `parts` (the next read costs nothing)."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""
+
+
 @dataclass
 class StreamLedger:
     """Everything one client request has received so far, across workers."""
@@ -121,10 +128,11 @@ class StreamLedger:
     # Stop strings the proxy matches itself (None: the request has none).
     stops: StopFinder | None = None
     stopped: bool = False  # a stop string matched: the upstream stream must be cut
-    _client_text: str = ""  # the text sent to the client (kept only with stop strings)
-    # The generated text in the pieces it came in (`generated_text` joins them: a
-    # string grown by += per token is copied whole each time, quadratic in the length).
-    _text_parts: list[str] = field(default_factory=list, repr=False)
+    # Texts kept in the pieces they came in and joined when read (`_joined`): a string
+    # grown by += per token is copied whole each time, quadratic in its length.
+    _text_parts: list[str] = field(default_factory=list, repr=False)  # every token's
+    # The text sent to the client (kept only with stop strings).
+    _client_parts: list[str] = field(default_factory=list, repr=False)
     # The client's asks, read once from its body (they are looked up for every chunk).
     _streams: bool = field(init=False, repr=False)
     _wants_ids: bool = field(init=False, repr=False)
@@ -173,10 +181,7 @@ class StreamLedger:
     @property
     def generated_text(self) -> str:
         """Every token's text so far, across workers."""
-        parts = self._text_parts
-        if len(parts) > 1:
-            parts[:] = ["".join(parts)]
-        return parts[0] if parts else ""
+        return _joined(self._text_parts)
 
     @property
     def max_tokens(self) -> int | None:
@@ -185,7 +190,7 @@ class StreamLedger:
     @property
     def output_text(self) -> str:
         """The text the client has been given (the generated text less stop handling)."""
-        return self.generated_text if self.stops is None else self._client_text
+        return self.generated_text if self.stops is None else _joined(self._client_parts)
 
     @property
     def upstream_path(self) -> str:
@@ -295,7 +300,8 @@ class StreamLedger:
             if hit:
                 finish = "stop"
                 self.stopped = True
-            self._client_text += text
+            if text:
+                self._client_parts.append(text)
             choice = self._with_text(choice, text, finish)
         if finish is not None:
             self.finish_reason = finish
@@ -420,7 +426,8 @@ class StreamLedger:
         """A chunk that ends the stream cleanly (e.g. "length" at the model's max length)."""
         self.finish_reason = finish_reason
         held = self.stops.flush() if self.stops is not None else ""
-        self._client_text += held
+        if held:
+            self._client_parts.append(held)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.endpoint == "chat":
             choice["delta"] = {"content": held} if held else {}
