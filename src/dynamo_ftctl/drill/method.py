@@ -16,6 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.drill.hypothesis import check_probe
+from dynamo_ftctl.drill.report import placement_text
 from dynamo_ftctl.drill.state import TimelineEvent
 from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.http1 import Client, HttpError
@@ -270,7 +271,7 @@ def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:
     them is on cuts none (CI once: 0 of 6 cut, with no way to tell why)."""
     from dynamo_ftctl.drill.witness import placement
 
-    where = ", ".join(f"{k} {v}" for k, v in placement(streams).items()) or "not started"
+    where = placement_text(placement(streams)) or "not started"
     if worker is None:
         return where
     on = sum(1 for s in streams if s.worker == worker and not s.finished)

@@ -27,6 +27,7 @@ __all__ = [
     "REPORT_FILES",
     "DrillReport",
     "cut_line",
+    "placement_text",
     "plot_timeline",
     "render_markdown",
     "witness_line",
@@ -152,8 +153,13 @@ def witness_line(w: dict[str, Any]) -> str:
     if w.get("no_reference"):
         line += f" ({w['no_reference']} had no fault-free run)"
     if w.get("first_workers"):
-        line += "; first sent to " + ", ".join(f"{k} {v}" for k, v in w["first_workers"].items())
+        line += "; first sent to " + placement_text(w["first_workers"])
     return line
+
+
+def placement_text(counts: dict[str, int]) -> str:
+    """Witness streams by worker (`witness.placement`) as "w1 3, w2 3"."""
+    return ", ".join(f"{worker} {n}" for worker, n in counts.items())
 
 
 def _ms(value: float | None) -> str:

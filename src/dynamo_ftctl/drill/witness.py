@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -163,8 +164,4 @@ def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, A
 
 def placement(streams: list[WitnessStream]) -> dict[str, int]:
     """How many streams the proxy sent first to each worker (those it answered)."""
-    out: dict[str, int] = {}
-    for s in streams:
-        if s.worker:
-            out[s.worker] = out.get(s.worker, 0) + 1
-    return dict(sorted(out.items()))
+    return dict(sorted(Counter(s.worker for s in streams if s.worker).items()))

@@ -152,7 +152,7 @@ class Server:
         """
         self._server = await self.loop.create_server(
             lambda: Connection(self), host, port, reuse_address=True,
-            reuse_port=reuse_port or None, backlog=_BACKLOG)
+            reuse_port=reuse_port, backlog=_BACKLOG)
 
     @property
     def address(self) -> str:

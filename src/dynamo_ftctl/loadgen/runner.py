@@ -27,7 +27,7 @@ from dynamo_ftctl.loadgen.config import LoadConfig
 from dynamo_ftctl.loadgen.record import RequestRecord
 from dynamo_ftctl.loadgen.schedule import plan_arrivals, trace_offsets
 from dynamo_ftctl.loadgen.stats import LoadSummary, percentile, summarize
-from dynamo_ftctl.loadgen.tally import SharedTally
+from dynamo_ftctl.loadgen.tally import POLL_S, SharedTally
 from dynamo_ftctl.loadgen.workload import PromptItem, RequestFactory, RequestSpec, load_prompts
 
 __all__ = [
@@ -177,12 +177,10 @@ class _Run:
         if (limit is not None and self.aborted is None
                 and finished >= self.config.abort_min_requests
                 and failed / finished > limit):
-            self.aborted = (f"error rate {failed / finished:.1%} passed the limit "
-                            f"{limit:.1%} after {finished} requests")
             if self.tally is not None:
                 self.tally.abort()
-            self.stop.set()
-            self.emit("aborted", message=self.aborted)
+            self._abort(f"error rate {failed / finished:.1%} passed the limit "
+                        f"{limit:.1%} after {finished} requests")
 
     def look_for_abort(self) -> bool:
         """Stop when another process of the run has aborted it; True when one has."""
@@ -190,17 +188,18 @@ class _Run:
         if by is None:
             return False
         if self.aborted is None:  # another process decided
-            self.aborted = (f"load process {by + 1} stopped the run: the run's error rate "
-                            f"passed the limit")
-            self.stop.set()
-            self.emit("aborted", message=self.aborted)
+            self._abort(f"load process {by + 1} stopped the run: the run's error rate "
+                        f"passed the limit")
         return True
+
+    def _abort(self, why: str) -> None:
+        self.aborted = why
+        self.stop.set()
+        self.emit("aborted", message=why)
 
     async def watch_tally(self) -> None:
         """Under --procs N: stop soon after another process aborts the run, even while
         this one has nothing finishing (its requests hang, or it waits to send)."""
-        from dynamo_ftctl.loadgen.tally import POLL_S
-
         while not self.look_for_abort():
             await asyncio.sleep(POLL_S)
 
