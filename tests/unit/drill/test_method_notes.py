@@ -25,10 +25,13 @@ def test_a_fault_waits_for_the_streams_on_its_own_worker_only() -> None:
     assert not _witnesses_ready([slow_w1, fast_w2], 8, None)
     assert not _witnesses_ready([slow_w1, _stream("w2", ids=7)], 8, "w2")
     assert _witnesses_ready([slow_w1, _stream("w2", ids=3, finished=True)], 8, "w2")
-    # Not every stream answered yet: where they are is not known.
-    assert not _witnesses_ready([_stream(None), fast_w2], 8, "w2")
-    # None on w2: nothing to wait for once all are placed (the note then says so).
+    # A stream not answered yet (a slow worker's) does not hold the kill of w2.
+    assert _witnesses_ready([_stream(None), fast_w2], 8, "w2")
+    assert not _witnesses_ready([_stream(None), _stream("w2", ids=2)], 8, "w2")
+    # None answered on w2 yet: wait until every stream is answered (then none is there).
+    assert not _witnesses_ready([slow_w1, _stream(None)], 8, "w2")
     assert _witnesses_ready([slow_w1, _stream("w1")], 8, "w2")
+    assert not _witnesses_ready([_stream(None), _stream("w1", ids=8)], 8, None)
     # Tokens without a worker header (not ftctl's proxy): counted as on any worker.
     assert not _witnesses_ready([_stream(None, ids=2)], 8, "w2")
     assert _witnesses_ready([_stream(None, ids=8)], 8, "w2")
