@@ -53,6 +53,10 @@ log = logging.getLogger("ftctl.proxy")
 # How often a process of `--procs N` reads the board: a breaker opened in one process
 # opens in the others within this, and their load estimates lag by as much.
 _SYNC_S = 0.05
+# A known-good probe's answer stands for this long: a burst of charges costs one probe.
+_PROBE_FRESH_S = 1.0
+# A one-token answer is small; more is read no further.
+_PROBE_LIMIT = 256 * 1024
 
 
 class ScrapeFailed(Exception):
@@ -88,6 +92,9 @@ class Fleet:
         self._workers = {w.name: w for w in inventory.workers}
         self.capabilities: CapabilityCache | None = None
         self._learning: set[str] = set()  # workers whose capability probe is running
+        # Known-good probes (`confirm`): the one running per worker, the last answer.
+        self._confirming: dict[str, asyncio.Future[str | None]] = {}
+        self._confirmed: dict[str, tuple[float, str | None]] = {}
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -174,6 +181,9 @@ class Fleet:
                     length = entry.get("max_model_len")
                     if entry.get("id") == slot.model and isinstance(length, int):
                         slot.max_model_len = length
+        if slot.absent and await self.confirm(slot) is None:
+            log.info("%s serves %s again", slot.name, slot.model)
+            slot.absent = False
         try:
             page = await self._get(f"{slot.url}/metrics")
             slot.kv_blocks_at_scrape = slot.kv_blocks + self._others_load(slot)[0]
@@ -238,11 +248,70 @@ class Fleet:
     # ------------------------------------------------------------------ failures
 
     def charge(self, slot: WorkerSlot, reason: str) -> None:
-        """Count a failure against `slot`: its breaker, the canary daemon, its capabilities."""
+        """Charge a failure to `slot`; it counts once the worker fails a known-good probe too.
+
+        Only then does it move the breaker, reach the canary daemon and make the
+        capabilities be probed again: a worker that answers the probe is never taken
+        out for a failure that may have been its request's (docs/design.md "Failure
+        attribution"). The probe runs apart from the request that charged.
+        """
+        slot.charges += 1
+        self._spawn(self._charge_confirmed(slot, reason))
+
+    async def _charge_confirmed(self, slot: WorkerSlot, reason: str) -> None:
+        failure = await self.confirm(slot)
+        if failure is None:
+            self.metrics.UNCONFIRMED_CHARGES.labels(slot.name).inc()
+            log.info("%s not charged: it answers the known-good probe (%s)", slot.name, reason)
+            self.router.record_neutral(slot)
+            return
         self.router.record_failure(slot)
-        self._report_failure(slot, reason)
+        self._report_failure(slot, f"{reason}; known-good probe: {failure}")
         if self.capabilities is not None:
             self.capabilities.invalidate(slot.name)  # probed again once it answers
+
+    async def confirm(self, slot: WorkerSlot) -> str | None:
+        """Why `slot` fails the known-good request now; None when it answers it.
+
+        One probe per worker at a time (concurrent callers share it), and an answer
+        counts for `_PROBE_FRESH_S` (a burst of charges costs one probe).
+        """
+        now = self.clock.now()
+        cached = self._confirmed.get(slot.name)
+        if cached is not None and now - cached[0] <= _PROBE_FRESH_S:
+            return cached[1]
+        running = self._confirming.get(slot.name)
+        if running is None:
+            running = asyncio.ensure_future(self._probe_known_good(slot))
+            self._confirming[slot.name] = running
+            running.add_done_callback(lambda _: self._confirming.pop(slot.name, None))
+        failure = await asyncio.shield(running)
+        self._confirmed[slot.name] = (self.clock.now(), failure)
+        return failure
+
+    async def _probe_known_good(self, slot: WorkerSlot) -> str | None:
+        from dynamo_ftctl.capabilities import known_good_failure, known_good_request
+
+        try:
+            status, body = await self.http.fetch(
+                "POST", f"{slot.url}/v1/completions", dumps(known_good_request(slot.model)),
+                {"Content-Type": "application/json"},
+                timeout_s=self.config.stall_timeout_s, limit=_PROBE_LIMIT)
+        except (OSError, TimeoutError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}".rstrip(": ")
+        return known_good_failure(status, body)
+
+    def spare(self, slot: WorkerSlot, seconds: float | None) -> None:
+        """Backpressure: send `slot` no new request for `seconds` (its Retry-After)."""
+        wait = self.config.retry_after_s if seconds is None else seconds
+        slot.spared_until = max(slot.spared_until, self.clock.now() + wait)
+        log.info("%s is full: spared for %.3g s", slot.name, wait)
+
+    def mark_absent(self, slot: WorkerSlot, evidence: str) -> None:
+        """`slot` does not serve its model now: out of routing until a scrape's probe finds it."""
+        if not slot.absent:
+            log.warning("%s out of routing for %s: %s", slot.name, slot.model, evidence)
+        slot.absent = True
 
     def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
         base = self.config.health_url

@@ -94,10 +94,15 @@ class StreamLedger:
     body: dict[str, Any]
     migration_limit: int = 3
     max_model_len: int | None = None
-    # The client's `X-Request-Id`, passed to every worker and echoed back; a fresh UUID
-    # when the client sent none. The answer's `id` is the endpoint's prefix and this.
+    # The client's `X-Request-Id`, echoed back (and sent to workers as
+    # `X-Ftctl-Trace-Id`); a fresh UUID when the client sent none. The answer's `id`
+    # is the endpoint's prefix and this.
     trace_id: str = ""
     request_id: str = ""
+    # The `X-Request-Id` of the current attempt: a fresh UUID per attempt, never the
+    # client's, so no client can make two attempts share an id on a worker (a worker
+    # that refuses a running id, 409, would fail the other's request).
+    upstream_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] | None = None
     generated_ids: list[int] = field(default_factory=list)
@@ -216,6 +221,7 @@ class StreamLedger:
     def start_attempt(self, worker: str = "") -> None:
         """A new upstream stream begins on `worker` (first try, retry or continuation)."""
         self.attempt_tokens = 0
+        self.upstream_id = new_request_id()
         if worker:
             self.workers.append(worker)
 

@@ -57,6 +57,8 @@ class FakeWorker:
     poison: str | None = None
     poison_answer: str = "http500"
     gate: asyncio.Event | None = None  # set: the first token may go
+    sick: bool = False  # the proxy's known-good probe gets a 500 (docs/design.md "Failure
+    # attribution": only a worker that fails it has its breaker moved)
     load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
@@ -79,6 +81,8 @@ class FakeWorker:
         body = await request.json()
         if _is_probe(body):  # the proxy's capability probe, not a client's request
             self.probes += 1
+            if self.sick:
+                return web.json_response({"error": {"message": "sick"}}, status=500)
         else:
             self.requests.append(body)
             self.paths.append(request.path)
@@ -439,19 +443,26 @@ def test_non_streaming_request_is_migrated(run: Callable[..., Any]) -> None:
 
 @pytest.mark.parametrize("mode", ["html502", "html200", "bad_json", "error_event", "no_finish",
                                   "endless", "stall"])
-def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str) -> None:
+@pytest.mark.parametrize("sick", [False, True])
+def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str,
+                                            sick: bool) -> None:
     """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client
-    (over the lean front door, after the first tokens they reach the proxy's fast lane)."""
+    (over the lean front door, after the first tokens they reach the proxy's fast lane); the
+    worker is charged, and its breaker counts the failure only when it fails the known-good
+    probe too (the HTML pages fail it whatever)."""
     async def go() -> None:
         # An endless worker streams past max_tokens and never hangs up by itself.
-        bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3)
+        bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3, sick=sick)
         async with Cluster([bad, FakeWorker()], stall_timeout_s=0.3) as c:
             c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
             assert all("error" not in e for e in events if isinstance(e, dict))
-            assert c.fleet.router.slots["w0"].failures == 1
+            w0 = c.fleet.router.slots["w0"]
+            assert w0.charges == 1
+            confirmed = sick or mode.startswith("html") or mode == "endless"  # no end: fails it
+            await until(lambda: w0.failures == int(confirmed) and not c.fleet._confirming)
     run(go())
 
 
@@ -765,7 +776,7 @@ def test_canary_daemon_weights_route_and_failures_are_reported(
 
     async def go() -> None:
         async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
-            fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
+            fakes = [FakeWorker(fail_after=3, sick=True), FakeWorker(), FakeWorker()]
             async with Cluster(fakes, health_url=url) as c:
                 assert c.fleet.router.healthy_capacity() == pytest.approx(2 / 3)
                 c.fleet.router.slots["w1"].outstanding = 5
@@ -864,8 +875,9 @@ def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
 
 def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
         run: Callable[..., Any]) -> None:
-    """The client's X-Request-Id goes to each worker of a migrated stream and back; without
-    one the proxy sends a UUID (servers that validate the id refuse anything else)."""
+    """The client's X-Request-Id comes back and reaches each worker of a migrated stream as
+    X-Ftctl-Trace-Id; each attempt's own X-Request-Id is a fresh UUID (servers that validate
+    the id refuse anything else), never the client's."""
     import uuid
 
     async def go() -> None:
@@ -874,14 +886,18 @@ def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
             resp, events = await c.stream("/v1/completions", BODY,
                                           headers={"X-Request-Id": "trace-7"})
             assert resp.headers["x-request-id"] == "trace-7"
-            sent = [h["x-request-id"] for w in c.workers for h in w.headers]
-            assert sent == ["trace-7", "trace-7"]
+            heads = [h for w in c.workers for h in w.headers]
+            assert [h["x-ftctl-trace-id"] for h in heads] == ["trace-7", "trace-7"]
+            ids = [h["x-request-id"] for h in heads]
+            assert len(set(ids)) == 2
+            assert all(uuid.UUID(i).version == 4 for i in ids)
             assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-trace-7"}
             c.fleet.router.slots["w1"].outstanding = 0
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
-            made = c.workers[0].headers[-1]["x-request-id"]
-            assert uuid.UUID(made).version == 4
-            assert resp.headers["x-request-id"] == made
+            head = c.workers[0].headers[-1]
+            assert uuid.UUID(head["x-request-id"]).version == 4
+            assert resp.headers["x-request-id"] == head["x-ftctl-trace-id"]
+            assert uuid.UUID(resp.headers["x-request-id"]).version == 4
     run(go())
 
 
