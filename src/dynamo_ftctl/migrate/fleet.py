@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers, token_from_env
@@ -53,10 +57,16 @@ log = logging.getLogger("ftctl.proxy")
 # How often a process of `--procs N` reads the board: a breaker opened in one process
 # opens in the others within this, and their load estimates lag by as much.
 _SYNC_S = 0.05
-# A known-good probe's answer stands for this long: a burst of charges costs one probe.
-_PROBE_FRESH_S = 1.0
 # A one-token answer is small; more is read no further.
 _PROBE_LIMIT = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A known-good probe of one worker, and when it started (`Fleet._probe_seq`)."""
+
+    started: int
+    task: asyncio.Future[str | None]
 
 
 class ScrapeFailed(Exception):
@@ -92,9 +102,9 @@ class Fleet:
         self._workers = {w.name: w for w in inventory.workers}
         self.capabilities: CapabilityCache | None = None
         self._learning: set[str] = set()  # workers whose capability probe is running
-        # Known-good probes (`confirm`): the one running per worker, the last answer.
-        self._confirming: dict[str, asyncio.Future[str | None]] = {}
-        self._confirmed: dict[str, tuple[float, str | None]] = {}
+        # Known-good probes (`confirm`): the one running per worker, and their order.
+        self._confirming: dict[str, _Probe] = {}
+        self._probe_seq = itertools.count()
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -123,10 +133,11 @@ class Fleet:
         if self.capabilities is not None:
             await self.capabilities.aclose()
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _sync_forever(self, router: SharedRouter) -> None:
         while True:
@@ -256,13 +267,20 @@ class Fleet:
         attribution"). The probe runs apart from the request that charged.
         """
         slot.charges += 1
-        self._spawn(self._charge_confirmed(slot, reason))
+        self._spawn(self._verify(slot, reason, charged=True))
 
-    async def _charge_confirmed(self, slot: WorkerSlot, reason: str) -> None:
+    def verify(self, slot: WorkerSlot, reason: str) -> None:
+        """Probe `slot` after a failure that is not its own (a query of death): a worker
+        that fails the known-good probe counts a failure all the same."""
+        self._spawn(self._verify(slot, reason, charged=False))
+
+    async def _verify(self, slot: WorkerSlot, reason: str, *, charged: bool) -> None:
         failure = await self.confirm(slot)
         if failure is None:
-            self.metrics.UNCONFIRMED_CHARGES.labels(slot.name).inc()
-            log.info("%s not charged: it answers the known-good probe (%s)", slot.name, reason)
+            if charged:
+                self.metrics.UNCONFIRMED_CHARGES.labels(slot.name).inc()
+                log.info("%s not charged: it answers the known-good probe (%s)",
+                         slot.name, reason)
             self.router.record_neutral(slot)
             return
         self.router.record_failure(slot)
@@ -273,21 +291,24 @@ class Fleet:
     async def confirm(self, slot: WorkerSlot) -> str | None:
         """Why `slot` fails the known-good request now; None when it answers it.
 
-        One probe per worker at a time (concurrent callers share it), and an answer
-        counts for `_PROBE_FRESH_S` (a burst of charges costs one probe).
+        The answer always comes from a probe that started after the call, so a worker
+        that broke a moment ago is not excused by an older probe; callers that arrive
+        while one runs share the next (a burst of charges costs at most two probes).
         """
-        now = self.clock.now()
-        cached = self._confirmed.get(slot.name)
-        if cached is not None and now - cached[0] <= _PROBE_FRESH_S:
-            return cached[1]
-        running = self._confirming.get(slot.name)
-        if running is None:
-            running = asyncio.ensure_future(self._probe_known_good(slot))
-            self._confirming[slot.name] = running
-            running.add_done_callback(lambda _: self._confirming.pop(slot.name, None))
-        failure = await asyncio.shield(running)
-        self._confirmed[slot.name] = (self.clock.now(), failure)
-        return failure
+        asked = next(self._probe_seq)
+        while True:
+            probe = self._confirming.get(slot.name)
+            if probe is None:
+                probe = _Probe(next(self._probe_seq), self._spawn(self._probe_known_good(slot)))
+                self._confirming[slot.name] = probe
+                probe.task.add_done_callback(functools.partial(self._probed, slot.name, probe))
+            failure = await asyncio.shield(probe.task)
+            if probe.started > asked:
+                return failure
+
+    def _probed(self, name: str, probe: _Probe, _: object) -> None:
+        if self._confirming.get(name) is probe:
+            del self._confirming[name]
 
     async def _probe_known_good(self, slot: WorkerSlot) -> str | None:
         from dynamo_ftctl.capabilities import known_good_failure, known_good_request
@@ -301,11 +322,24 @@ class Fleet:
             return f"{type(exc).__name__}: {exc}".rstrip(": ")
         return known_good_failure(status, body)
 
-    def spare(self, slot: WorkerSlot, seconds: float | None) -> None:
-        """Backpressure: send `slot` no new request for `seconds` (its Retry-After)."""
+    def spare(self, slot: WorkerSlot, seconds: float | None, status: int) -> None:
+        """Backpressure: send `slot` no new request for `seconds` (its Retry-After; the
+        proxy's `retry_after_s` without one); it answered `status`."""
         wait = self.config.retry_after_s if seconds is None else seconds
         slot.spared_until = max(slot.spared_until, self.clock.now() + wait)
+        slot.full_status = status
         log.info("%s is full: spared for %.3g s", slot.name, wait)
+
+    def full_answer(self, model: str | None) -> tuple[int, int] | None:
+        """(status, Retry-After seconds) for a client when workers of `model` are spared by
+        backpressure: 429 when one of them said 429, else 503; None when none is spared."""
+        wait = self.router.spared_for(model)
+        if wait is None:
+            return None
+        now = self.clock.now()
+        said = {s.full_status for s in self.router.slots.values()
+                if (model is None or s.model == model) and s.spared_until > now}
+        return (429 if 429 in said else 503), max(1, math.ceil(wait))
 
     def mark_absent(self, slot: WorkerSlot, evidence: str) -> None:
         """`slot` does not serve its model now: out of routing until a scrape's probe finds it."""

@@ -150,7 +150,7 @@ class FrontDoor:
         if decision.admitted:
             return
         self.fleet.metrics.TASKS_REJECTED.labels(decision.reason, priority).inc()
-        status = self.config.reject_status
+        status: int = self.config.reject_status
         if decision.reason == "all_workers_busy":
             body = dict(BUSY_BODY)
         elif decision.reason == "no_healthy_worker":
@@ -159,8 +159,15 @@ class FrontDoor:
         else:
             body = {**BUSY_BODY, "message": f"Service temporarily unavailable: {priority} "
                     f"requests are shed at degradation level {level}, please retry later"}
+        retry_after = self.config.retry_after_s
+        full = self.fleet.full_answer(model)
+        if full is not None and not decision.reason.startswith("degradation_level"):
+            # Workers spared by backpressure: the client hears their status and wait.
+            status, retry_after = full[0], max(retry_after, full[1])
+            body["message"] = ("Service temporarily unavailable: every worker is full, "
+                               f"please retry after {retry_after} s")
         body["code"] = status
-        raise ProxyError(status, body, {"Retry-After": str(self.config.retry_after_s)})
+        raise ProxyError(status, body, {"Retry-After": str(retry_after)})
 
     # ------------------------------------------------------------------ other routes
 

@@ -72,6 +72,11 @@ __all__ = ["MigrationPolicy", "ProxyError", "StreamAborted"]
 
 log = logging.getLogger("ftctl.proxy")
 
+# How long a request that failed before its first token on a worker busy with others
+# waits for their failures before it goes elsewhere (a batch death arrives as many
+# failures within milliseconds; this bounds the wait when the others are fine).
+_SETTLE_S = 0.25
+
 
 class ProxyError(Exception):
     """A failure before any output: answered as an HTTP error."""
@@ -131,7 +136,6 @@ class _Trip:
     serial: int = 0  # this request among the proxy's (the query memory's key)
     print_: str = ""  # its fingerprint (`judgment.fingerprint`)
     held: bool = False  # this attempt runs while the fingerprint is suspected
-    full: Verdict | None = None  # the last backpressure a worker answered
     absent: bool = False  # a worker said it does not serve the model
 
 
@@ -152,6 +156,8 @@ class MigrationPolicy:
         self._serials = itertools.count(1)
         # Suspected fingerprints run one copy at a time: the lock each copy takes.
         self._holds: dict[str, _Hold] = {}
+        # Requests settling after a failure (`_settle`) wait on their worker's event.
+        self._failures: dict[str, asyncio.Event] = {}
 
     async def generate(self, ledger: StreamLedger,
                        lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -279,6 +285,30 @@ class MigrationPolicy:
             trip.retrying = False
             self._retries_in_flight -= 1
 
+    async def _settle(self, trip: _Trip, slot: WorkerSlot) -> None:
+        """Before a request that failed on `slot` before its first token goes elsewhere: let
+        the failures of the requests batched with it arrive, at most `_SETTLE_S`.
+
+        A batch death reaches the proxy as many failures at once, in no set order; if
+        this request is what ended the batch (`QueryMemory`), it must not take its
+        poison to another worker's batch. Alone on the worker, it goes on at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SETTLE_S
+        while slot.outstanding > 1 and not self.memory.suspected(trip.print_):
+            event = self._failures.setdefault(slot.name, asyncio.Event())
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await event.wait()
+            except TimeoutError:
+                return
+
+    def _wake_settling(self, slot: WorkerSlot) -> None:
+        """A failure on `slot` was noted: requests settling there look again."""
+        event = self._failures.pop(slot.name, None)
+        if event is not None:
+            event.set()
+
     def _nowhere(self, trip: _Trip) -> Exception:
         """The error when no worker is left for `trip`: full or absent workers say so."""
         failed = trip.failed_workers
@@ -286,15 +316,12 @@ class MigrationPolicy:
         if trip.yielded:
             return StreamAborted(f"stream broken after {trip.ledger.generated_count} "
                                  f"tokens and {what}")
-        wait = self.fleet.router.spared_for(trip.model)
-        if trip.full is not None or wait is not None:
-            # Backpressure goes on to the client, with the soonest worker's Retry-After.
-            status = 429 if trip.full is not None and "429" in trip.full.evidence else 503
-            seconds = wait if wait is not None else float(self.config.retry_after_s)
+        full = self.fleet.full_answer(trip.model)
+        if full is not None:  # backpressure goes on to the client, with its Retry-After
+            status, seconds = full
             return ProxyError(status, error_body(
-                f"every worker of {trip.model} is full; retry after {seconds:.3g} s",
-                type="overloaded", code=status),
-                {"Retry-After": str(max(1, round(seconds + 0.49)))})
+                f"every worker of {trip.model} is full; retry after {seconds} s",
+                type="overloaded", code=status), {"Retry-After": str(seconds)})
         if trip.absent:
             return ProxyError(503, error_body(
                 f"no worker serves {trip.model} now (they answered that the model is not "
@@ -320,7 +347,7 @@ class MigrationPolicy:
             # Refused here, it failed there: the request's fault, not that worker's.
             log.info("%s not charged: %s refused the request it failed on (HTTP %d)",
                      trip.suspect.slot.name, slot.name, status)
-            self.fleet.router.record_neutral(trip.suspect.slot)
+            self.fleet.verify(trip.suspect.slot, trip.suspect.reason)
             trip.suspect = None
         if not trip.yielded and ledger.generated_count == 0:
             raise ProxyError(status, _refusal_body(status, body)) from None
@@ -329,13 +356,13 @@ class MigrationPolicy:
         raise StreamAborted(f"{what} refused by {slot.name}: "
                             f"HTTP {status} {message}") from None
 
-    def _elsewhere(self, trip: _Trip, slot: WorkerSlot, verdict: Verdict) -> bool:
+    def _elsewhere(self, trip: _Trip, slot: WorkerSlot, verdict: Verdict,
+                   outcome: Outcome) -> bool:
         """`slot` is full or does not serve the model: the request goes to another worker
         as it is (nothing charged, no retry budget: the worker did no work)."""
         if verdict.blame is Blame.BACKPRESSURE:
             self.metrics.BACKPRESSURE.labels(slot.name).inc()
-            self.fleet.spare(slot, verdict.retry_after_s)
-            trip.full = verdict
+            self.fleet.spare(slot, verdict.retry_after_s, outcome.status or 503)
         else:
             self.fleet.mark_absent(slot, verdict.evidence)
             trip.absent = True
@@ -357,7 +384,7 @@ class MigrationPolicy:
         if verdict.blame is Blame.REQUEST:
             return self._refused(trip, slot, outcome)
         if verdict.blame in (Blame.BACKPRESSURE, Blame.ABSENT) and not ledger.attempt_tokens:
-            return self._elsewhere(trip, slot, verdict)
+            return self._elsewhere(trip, slot, verdict, outcome)
         if _import_failed(trip.method, ledger, slot, outcome):
             trip.method, trip.kv_payload = "reprefill", b""
             return True
@@ -367,8 +394,13 @@ class MigrationPolicy:
         if verdict.blame is Blame.UNKNOWN:
             convicted = self.memory.note_failure(slot.name, trip.serial, trip.print_,
                                                  ledger.attempt_tokens, held=trip.held)
-            if trip.print_ in convicted or (trip.held and not ledger.attempt_tokens):
-                # A suspected copy is tried on one worker only.
+            self._wake_settling(slot)
+            if not ledger.attempt_tokens and not trip.held:
+                await self._settle(trip, slot)
+            if trip.print_ in convicted or (
+                    not ledger.attempt_tokens and self.memory.suspected(trip.print_)):
+                # It ended the streams batched with it (or a copy did): not tried on
+                # another worker, whose batch it would end too.
                 trip.suspect = None
                 raise self._convicted(ledger, trip.yielded, slot)
         way = verdict.way
@@ -414,10 +446,12 @@ class MigrationPolicy:
 
         The request, not the fleet, is the suspect: tried on every worker, it would
         open every breaker (issue 22: three such requests took a two-worker cluster
-        down for 60 s). A half-open breaker whose trial it was may try again.
+        down for 60 s). Each worker is still asked the known-good request: one that
+        fails it too counts a failure. A half-open breaker whose trial it was may
+        try again.
         """
-        self.fleet.router.record_neutral(first)
-        self.fleet.router.record_neutral(second)
+        self.fleet.verify(first, f"query of death ({way})")
+        self.fleet.verify(second, f"query of death ({way})")
         self.metrics.QUERY_OF_DEATH.inc()
         log.warning("query of death: request %s failed the same way (%s) on %s and %s; "
                     "not tried on more workers, neither charged",

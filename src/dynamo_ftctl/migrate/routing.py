@@ -66,6 +66,7 @@ class WorkerSlot:
     charges: int = 0  # failures charged, confirmed or not (`Fleet.charge`)
     # Backpressure: no new requests before this time (its Retry-After, `Fleet.spare`).
     spared_until: float = 0.0
+    full_status: int = 503  # what it answered then (429, 503 or 529)
     # The worker said it does not serve its model (now): out until a probe finds it.
     absent: bool = False
     # Whether the worker takes `return_token_ids` on each endpoint (None: not known yet,

@@ -53,10 +53,21 @@ class FakeWorker:
     metrics_status: int = 200
     metrics_calls: int = 0
     # A request whose body holds `poison` gets `poison_answer`: "http500", "reset" (the
-    # connection closed before any answer) or "event<code>" (an SSE error event first).
+    # connection closed before any answer), "event<code>" (an SSE error event first),
+    # "http429" (with Retry-After: 30), "http404" (empty: a frontend without workers) or
+    # "killbatch" (every stream in flight ends with it, as an engine step that fails on
+    # one request ends its whole batch).
     poison: str | None = None
     poison_answer: str = "http500"
     gate: asyncio.Event | None = None  # set: the first token may go
+    # Streams pause after this many tokens until `resume` is set (`paused` counts them).
+    hold_at: int | None = None
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
+    paused: int = 0
+    inflight: set[Any] = field(default_factory=set)  # transports of streams under way
+    # Refuse a request whose X-Request-Id is running already (409), as vLLM does.
+    unique_ids: bool = False
+    running_ids: set[str] = field(default_factory=set)
     sick: bool = False  # the proxy's known-good probe gets a 500 (docs/design.md "Failure
     # attribution": only a worker that fails it has its breaker moved)
     load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
@@ -98,6 +109,27 @@ class FakeWorker:
                            "permitted", "type": "BadRequestError", "code": 400}}, status=400)
         if self.poison is not None and self.poison in json.dumps(body):
             return await self.poisoned(request)
+        if self.mode == "busy429" and not _is_probe(body):
+            return web.json_response({"error": {"message": "busy", "code": 429}}, status=429,
+                                     headers={"Retry-After": "30"})
+        if self.mode == "empty404":  # a frontend whose workers are gone: probes too
+            return web.Response(status=404)
+        if self.unique_ids:
+            rid = request.headers.get("X-Request-Id", "")
+            if rid in self.running_ids:
+                return web.json_response({"error": {
+                    "message": f"request id {rid} is already running", "code": 409}},
+                    status=409)
+            self.running_ids.add(rid)
+            try:
+                return await self.stream_answer(request, body, chat)
+            finally:
+                self.running_ids.discard(rid)
+        return await self.stream_answer(request, body, chat)
+
+    async def stream_answer(self, request: web.Request, body: dict[str, Any],
+                            chat: bool) -> web.StreamResponse:
+        """The streamed completion (or the mode's broken version of it)."""
         if self.mode == "html502":
             return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
                                 content_type="text/html")
@@ -129,6 +161,7 @@ class FakeWorker:
         if self.gate is not None and not _is_probe(body):
             await self.gate.wait()
         n = 0
+        self.inflight.add(request.transport)
         try:
             while True:
                 if self.fail_after is not None and n >= self.fail_after:
@@ -146,6 +179,9 @@ class FakeWorker:
                     elif request.transport is not None:
                         request.transport.close()
                     return resp
+                if self.hold_at is not None and n == self.hold_at and not _is_probe(body):
+                    self.paused += 1
+                    await self.resume.wait()
                 position = len(prompt) + n
                 tid = token_at(seed, position)
                 n += 1
@@ -173,6 +209,8 @@ class FakeWorker:
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
             raise
+        finally:
+            self.inflight.discard(request.transport)
         return resp
 
     async def poisoned(self, request: web.Request) -> web.StreamResponse:
@@ -181,6 +219,17 @@ class FakeWorker:
             return web.json_response({"error": {"message": "Internal Server Error",
                                                 "type": "InternalServerError", "code": 500}},
                                      status=500)
+        if self.poison_answer == "http429":
+            return web.json_response({"error": {"message": "busy", "code": 429}}, status=429,
+                                     headers={"Retry-After": "30"})
+        if self.poison_answer == "http404":
+            return web.Response(status=404)
+        if self.poison_answer == "killbatch":
+            for transport in [*self.inflight, request.transport]:
+                if transport is not None:
+                    transport.close()
+            self.resume.set()
+            return web.Response()
         if self.poison_answer == "reset":
             assert request.transport is not None
             request.transport.close()
