@@ -46,6 +46,9 @@ log = logging.getLogger("ftctl.proxy")
 MIGRATED_HEADER = "x-ftctl-migrated"
 CONTINUATION_HEADER = "x-ftctl-continuation"
 WORKER_HEADER = "x-ftctl-worker"
+# The `X-Request-Id` the serving worker got for this answer (each attempt has its own):
+# what its logs and its KV export name the request by.
+UPSTREAM_ID_HEADER = "x-ftctl-upstream-id"
 # The serving worker's time to first token as the proxy saw it (W3C Server-Timing).
 TIMING_HEADER = "Server-Timing"
 PRIORITY_HEADER = "x-ftctl-priority"
@@ -240,7 +243,7 @@ def _not_found(model: Any) -> Reply:
 
 def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
     headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.trace_id,
-               WORKER_HEADER: ",".join(ledger.workers)}
+               WORKER_HEADER: ",".join(ledger.workers), UPSTREAM_ID_HEADER: ledger.upstream_id}
     if ledger.migrations:
         headers[MIGRATED_HEADER] = str(ledger.migrations)
     if not ledger.exact:
