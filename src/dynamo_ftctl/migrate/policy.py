@@ -356,20 +356,16 @@ class MigrationPolicy:
         raise StreamAborted(f"{what} refused by {slot.name}: "
                             f"HTTP {status} {message}") from None
 
-    def _elsewhere(self, trip: _Trip, slot: WorkerSlot, verdict: Verdict,
-                   outcome: Outcome) -> bool:
-        """`slot` is full or does not serve the model: the request goes to another worker
-        as it is (nothing charged, no retry budget: the worker did no work)."""
+    def _spare_or_drop(self, trip: _Trip, slot: WorkerSlot, verdict: Verdict,
+                       outcome: Outcome) -> None:
+        """`slot` is full (spared for its Retry-After) or does not serve the model (out of
+        routing until a probe finds it there): nothing is charged either way."""
         if verdict.blame is Blame.BACKPRESSURE:
             self.metrics.BACKPRESSURE.labels(slot.name).inc()
             self.fleet.spare(slot, verdict.retry_after_s, outcome.status or 503)
         else:
             self.fleet.mark_absent(slot, verdict.evidence)
             trip.absent = True
-        trip.failed_workers.add(slot.name)
-        if trip.method == "kv":  # the export is spent on it: the next worker re-prefills
-            trip.method, trip.kv_payload = "reprefill", b""
-        return True
 
     async def _after_failure(self, trip: _Trip, slot: WorkerSlot, outcome: Outcome) -> bool:
         """The attempt on `slot` failed: act on the judgment's verdict, choose how the
@@ -383,8 +379,14 @@ class MigrationPolicy:
         verdict = judge(outcome, trip.model, ledger.attempt_tokens)
         if verdict.blame is Blame.REQUEST:
             return self._refused(trip, slot, outcome)
-        if verdict.blame in (Blame.BACKPRESSURE, Blame.ABSENT) and not ledger.attempt_tokens:
-            return self._elsewhere(trip, slot, verdict, outcome)
+        if verdict.blame in (Blame.BACKPRESSURE, Blame.ABSENT):
+            self._spare_or_drop(trip, slot, verdict, outcome)
+            if not ledger.attempt_tokens:  # it did no work: the same request elsewhere
+                trip.failed_workers.add(slot.name)
+                trip.budgeted = False
+                if trip.method == "kv":  # the export is spent: the next worker re-prefills
+                    trip.method, trip.kv_payload = "reprefill", b""
+                return True
         if _import_failed(trip.method, ledger, slot, outcome):
             trip.method, trip.kv_payload = "reprefill", b""
             return True
@@ -412,7 +414,8 @@ class MigrationPolicy:
             self.fleet.charge(suspect.slot, suspect.reason)
             trip.suspect = None
         if way is None:
-            self.fleet.charge(slot, reason)
+            if verdict.blame in (Blame.WORKER, Blame.UNKNOWN):
+                self.fleet.charge(slot, reason)
         else:
             trip.suspect = _Suspect(slot, reason, way)
         trip.failed_workers.add(slot.name)

@@ -348,6 +348,22 @@ def test_backpressure_goes_elsewhere_and_charges_nobody(run: Callable[..., Any])
     run(go())
 
 
+def test_backpressure_in_mid_stream_moves_the_stream_and_charges_nobody(
+        run: Callable[..., Any]) -> None:
+    """A 429 error event after the first tokens: the stream goes on elsewhere, identical,
+    and the full worker is spared, not charged."""
+    async def go() -> None:
+        workers = [FakeWorker(mode="event429", fail_after=4), FakeWorker()]
+        async with Cluster(workers) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            w0 = c.fleet.router.slots["w0"]
+            assert w0.charges == 0 and w0.spared_until > c.fleet.clock.now()
+    run(go())
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_backpressure_with_no_other_worker_reaches_the_client(run: Callable[..., Any],
                                                               stream: bool) -> None:

@@ -168,6 +168,9 @@ class FakeWorker:
                     if self.mode == "error_event":
                         await send({"error": {"message": "engine died", "code": 500}})
                         return resp
+                    if self.mode == "event429":
+                        await send({"error": {"message": "overloaded", "code": 429}})
+                        return resp
                     if self.mode == "bad_json":
                         await resp.write(b"data: {not json\n\n")
                         return resp
