@@ -391,8 +391,8 @@ class MigrationPolicy:
             trip.method, trip.kv_payload = "reprefill", b""
             return True
         reason = f"{verdict.evidence}"
-        log.warning("worker failed: %s (after %d tokens; %s)", reason,
-                    ledger.generated_count, verdict.blame.value)
+        log.warning("worker failed: %s [%s] (after %d tokens)", reason, verdict.blame.value,
+                    ledger.generated_count)
         if verdict.blame is Blame.UNKNOWN:
             convicted = self.memory.note_failure(slot.name, trip.serial, trip.print_,
                                                  ledger.attempt_tokens, held=trip.held)
