@@ -330,16 +330,21 @@ def test_a_request_that_ends_its_batch_is_held_then_refused(run: Callable[..., A
     run(go())
 
 
+async def served_past_w0(c: Cluster, count: int) -> None:
+    """`count` requests, each tried on w0 first while it has a request to serve, all 200."""
+    c.fleet.router.slots["w1"].outstanding = 5
+    for _ in range(count):
+        resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
+        assert resp.status_code == 200
+
+
 def test_backpressure_goes_elsewhere_and_charges_nobody(run: Callable[..., Any]) -> None:
     """Issue 29 case 4: a worker answering 429 with Retry-After: 30 is spared that long and
     the request is served by another; no breaker moves, nothing is charged."""
     async def go() -> None:
         workers = [FakeWorker(mode="busy429"), FakeWorker()]
         async with Cluster(workers) as c:
-            c.fleet.router.slots["w1"].outstanding = 5
-            for _ in range(3):
-                resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
-                assert resp.status_code == 200
+            await served_past_w0(c, 3)
             assert len(workers[0].requests) == 1  # spared after its first 429
             w0 = c.fleet.router.slots["w0"]
             assert c.fleet.router.weight(w0) == 0
@@ -392,10 +397,7 @@ def test_a_frontend_without_the_model_is_out_until_it_has_it_again(
     async def go() -> None:
         workers = [FakeWorker(mode="empty404"), FakeWorker()]
         async with Cluster(workers) as c:
-            c.fleet.router.slots["w1"].outstanding = 5
-            for _ in range(4):
-                resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
-                assert resp.status_code == 200
+            await served_past_w0(c, 4)
             w0 = c.fleet.router.slots["w0"]
             assert w0.absent and w0.breaker == "closed" and w0.charges == 0
             assert len(workers[0].requests) == 1
