@@ -365,7 +365,8 @@ def test_backpressure_in_mid_stream_moves_the_stream_and_charges_nobody(
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
             w0 = c.fleet.router.slots["w0"]
-            assert w0.charges == 0 and w0.spared_until > c.fleet.clock.now()
+            assert w0.charges == 0
+            assert w0.spared_until > c.fleet.clock.now()
     run(go())
 
 
@@ -399,7 +400,9 @@ def test_a_frontend_without_the_model_is_out_until_it_has_it_again(
         async with Cluster(workers) as c:
             await served_past_w0(c, 4)
             w0 = c.fleet.router.slots["w0"]
-            assert w0.absent and w0.breaker == "closed" and w0.charges == 0
+            assert w0.absent
+            assert w0.breaker == "closed"
+            assert w0.charges == 0
             assert len(workers[0].requests) == 1
             workers[0].mode = "ok"  # its workers are back
             await until(lambda: not w0.absent)
@@ -458,7 +461,8 @@ def test_no_interleaving_opens_a_breaker_on_a_worker_that_answers_the_probe(
                     if worker.requests:
                         assert slot.breaker == "open", name
                 else:
-                    assert slot.failures == 0 and slot.breaker == "closed", name
+                    assert slot.failures == 0, name
+                    assert slot.breaker == "closed", name
             healthy_ok = "ok" in kinds
             for r, resp in zip(requests, answers, strict=True):
                 if r == "healthy" and healthy_ok:

@@ -122,7 +122,8 @@ def test_a_batch_death_suspects_the_request_that_failed_before_its_first_token()
     assert mem.note_failure("w0", 2, "victim-a", 12) == []
     assert mem.note_failure("w0", 3, "victim-b", 30) == []
     assert mem.suspected("poison")
-    assert not mem.suspected("victim-a") and not mem.suspected("victim-b")
+    assert not mem.suspected("victim-a")
+    assert not mem.suspected("victim-b")
     assert not mem.convicted("poison")
 
 
@@ -140,7 +141,8 @@ def test_no_batch_death_without_a_stream_cut_mid_way() -> None:
     mem, _ = memory()
     mem.note_failure("w0", 1, "a", 0)
     mem.note_failure("w0", 2, "b", 0)
-    assert not mem.suspected("a") and not mem.suspected("b")
+    assert not mem.suspected("a")
+    assert not mem.suspected("b")
 
 
 def test_failures_further_apart_than_the_window_are_separate() -> None:
@@ -151,7 +153,8 @@ def test_failures_further_apart_than_the_window_are_separate() -> None:
     clock.advance(2.0)
     mem.note_failure("w0", 2, "late", 0)
     mem.note_failure("w1", 3, "other", 0)
-    assert not mem.suspected("late") and not mem.suspected("other")
+    assert not mem.suspected("late")
+    assert not mem.suspected("other")
 
 
 def test_a_held_copy_that_kills_again_is_convicted_until_the_memory_expires() -> None:
@@ -165,7 +168,8 @@ def test_a_held_copy_that_kills_again_is_convicted_until_the_memory_expires() ->
     assert mem.note_failure("w1", 4, "poison", 0, held=True) == ["poison"]
     assert mem.convicted("poison")
     clock.advance(601.0)
-    assert not mem.convicted("poison") and not mem.suspected("poison")
+    assert not mem.convicted("poison")
+    assert not mem.suspected("poison")
 
 
 def test_one_batch_death_is_counted_once_per_candidate() -> None:
