@@ -105,6 +105,7 @@ class Fleet:
         # Known-good probes (`confirm`): the one running per worker, and their order.
         self._confirming: dict[str, _Probe] = {}
         self._probe_seq = itertools.count()
+        self._rechecking: set[str] = set()  # absent workers being probed (a scrape's)
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -192,9 +193,9 @@ class Fleet:
                     length = entry.get("max_model_len")
                     if entry.get("id") == slot.model and isinstance(length, int):
                         slot.max_model_len = length
-        if slot.absent and await self.confirm(slot) is None:
-            log.info("%s serves %s again", slot.name, slot.model)
-            slot.absent = False
+        if slot.absent and slot.name not in self._rechecking:
+            self._rechecking.add(slot.name)
+            self._spawn(self._recheck_absent(slot))
         try:
             page = await self._get(f"{slot.url}/metrics")
             slot.kv_blocks_at_scrape = slot.kv_blocks + self._others_load(slot)[0]
@@ -329,6 +330,15 @@ class Fleet:
         slot.spared_until = max(slot.spared_until, self.clock.now() + wait)
         slot.full_status = status
         log.info("%s is full: spared for %.3g s", slot.name, wait)
+
+    async def _recheck_absent(self, slot: WorkerSlot) -> None:
+        """Probe a worker that said it lacks its model; back in routing once it answers."""
+        try:
+            if await self.confirm(slot) is None:
+                log.info("%s serves %s again", slot.name, slot.model)
+                slot.absent = False
+        finally:
+            self._rechecking.discard(slot.name)
 
     def full_answer(self, model: str | None) -> tuple[int, int] | None:
         """(status, Retry-After seconds) for a client when workers of `model` are spared by
