@@ -212,7 +212,7 @@ def _scan_events(parser: Any, path: Path) -> None:
         expanded += size
         if expanded > MAX_EXPANDED_BYTES:
             at = f" (at *{name}, {size:,} bytes)" if name is not None else ""
-            msg = (f"YAML aliases expand the document past {MAX_EXPANDED_BYTES >> 20} MiB"
+            msg = (f"YAML aliases expand the document past {_size_text(MAX_EXPANDED_BYTES)}"
                    f"{at}; write the values out")
             raise InventoryError(msg, path=path, line=line)
         if frames:
