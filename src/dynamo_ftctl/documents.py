@@ -151,10 +151,6 @@ def check_yaml_bounds(text: str, path: Path) -> None:
         parser.dispose()
 
 
-def _scalar_bytes(value: str) -> int:
-    return len(value) if value.isascii() else len(value.encode())
-
-
 def _scan_events(parser: Any, path: Path) -> None:
     """Depth, tags and alias expansion over `parser`'s events (see `check_yaml_bounds`)."""
     import yaml
@@ -167,37 +163,36 @@ def _scan_events(parser: Any, path: Path) -> None:
     repeated = 0  # nodes that aliases repeat
     expanded = 0  # the document's bytes so far, aliases expanded
     while (event := parser.get_event()) is not None:
-        line = event.start_mark.line + 1
-        name = None
-        if isinstance(event, yaml.DocumentStartEvent):
-            sizes.clear()
-            repeated = expanded = 0
-            continue
-        if isinstance(event, yaml.AliasEvent):
-            name = str(event.anchor)
-            if any(frame[0] == name for frame in frames):
-                msg = f"alias *{name} refers to a node that contains it"
-                raise InventoryError(msg, path=path, line=line)
+        alias: str | None = None
+        # Scalars first: most events are.
+        if isinstance(event, yaml.ScalarEvent):
+            if event.tag not in _TAGS:
+                _refuse_tag(event, path)
+            value = event.value
+            nodes, size = 1, NODE_BYTES + (len(value) if value.isascii() else
+                                           len(value.encode()))
+            if event.anchor is not None:
+                sizes[event.anchor] = (nodes, size)
+        elif isinstance(event, yaml.AliasEvent):
+            alias = str(event.anchor)
+            if any(frame[0] == alias for frame in frames):
+                msg = f"alias *{alias} refers to a node that contains it"
+                raise InventoryError(msg, path=path, line=_line(event))
             # An unknown one counts as a node: the composer says it is unknown.
-            nodes, size = sizes.get(name, (1, NODE_BYTES))
+            nodes, size = sizes.get(alias, (1, NODE_BYTES))
             repeated += nodes
             if repeated > MAX_ALIAS_NODES:
                 msg = (f"YAML aliases repeat more than {MAX_ALIAS_NODES:,} nodes "
-                       f"(at *{name}); write the values out")
-                raise InventoryError(msg, path=path, line=line)
-        elif isinstance(event, yaml.ScalarEvent):
-            _check_tag(event.tag, path, line)
-            nodes, size = 1, NODE_BYTES + _scalar_bytes(event.value)
-            if event.anchor is not None:
-                sizes[event.anchor] = (nodes, size)
+                       f"(at *{alias}); write the values out")
+                raise InventoryError(msg, path=path, line=_line(event))
         elif isinstance(event, yaml.CollectionStartEvent):
-            _check_tag(event.tag, path, line)
+            if event.tag not in _TAGS:
+                _refuse_tag(event, path)
             frames.append([event.anchor, 1, NODE_BYTES])
             if len(frames) > MAX_DEPTH:
                 msg = f"nested more than {MAX_DEPTH} levels deep"
-                raise InventoryError(msg, path=path, line=line)
-            expanded += NODE_BYTES
-            continue
+                raise InventoryError(msg, path=path, line=_line(event))
+            nodes, size = 0, NODE_BYTES  # its own node; the frame adds it to its parent
         elif isinstance(event, yaml.CollectionEndEvent):
             # Its contents were counted into `expanded` as they came.
             anchor, nodes, size = frames.pop()
@@ -207,17 +202,25 @@ def _scan_events(parser: Any, path: Path) -> None:
                 frames[-1][1] += nodes
                 frames[-1][2] += size
             continue
+        elif isinstance(event, yaml.DocumentStartEvent):
+            sizes.clear()
+            repeated = expanded = 0
+            continue
         else:  # stream and document ends
             continue
         expanded += size
         if expanded > MAX_EXPANDED_BYTES:
-            at = f" (at *{name}, {size:,} bytes)" if name is not None else ""
+            at = f" (at *{alias}, {size:,} bytes)" if alias is not None else ""
             msg = (f"YAML aliases expand the document past {_size_text(MAX_EXPANDED_BYTES)}"
                    f"{at}; write the values out")
-            raise InventoryError(msg, path=path, line=line)
-        if frames:
+            raise InventoryError(msg, path=path, line=_line(event))
+        if frames and nodes:
             frames[-1][1] += nodes
             frames[-1][2] += size
+
+
+def _line(event: Any) -> int:
+    return int(event.start_mark.line) + 1
 
 
 # Explicit tags that build only what a plain document holds, whatever their value:
@@ -228,11 +231,10 @@ _TAGS = frozenset((None, "!", "tag:yaml.org,2002:str", "tag:yaml.org,2002:seq",
                    "tag:yaml.org,2002:map"))
 
 
-def _check_tag(tag: str | None, path: Path, line: int) -> None:
-    if tag not in _TAGS:
-        shown = str(tag).replace("tag:yaml.org,2002:", "!!")
-        msg = f"YAML tag {shown} is not supported; write the plain value"
-        raise InventoryError(msg, path=path, line=line)
+def _refuse_tag(event: Any, path: Path) -> None:
+    shown = str(event.tag).replace("tag:yaml.org,2002:", "!!")
+    msg = f"YAML tag {shown} is not supported; write the plain value"
+    raise InventoryError(msg, path=path, line=_line(event))
 
 
 def parse_json(text: str | bytes, path: Path, *, line: int | None = None) -> Any:
