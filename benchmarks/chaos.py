@@ -403,27 +403,58 @@ def attack_sleep(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its temp
                f"{asked}; stream {len(tokens)} tokens; asleep: {asleep.get('is_sleeping')}", ok)
 
 
+YAML_BOMB_COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "inventory check": lambda p, _tmp: ["-i", str(p), "inventory", "check"],
+    "canary --set": lambda p, _tmp: ["canary", "--url", "http://127.0.0.1:9", "--set", str(p),
+                                     "--no-state"],
+    "drill": lambda p, tmp: ["drill", str(p), "--out", str(tmp / "report"), "--no-plot"],
+}
+
+
+def yaml_bomb_rows(tmp: Path) -> list[Row]:
+    """One row per alias bomb of `tests/unit/foundation/bombs.py` (issue 22's billion laughs,
+    issue 30's large scalars repeated flat and through nested lists): each command that
+    reads user YAML, with the parse cache on (twice: the second would hit what the first
+    stored) and off; every run must exit 2 with one line, fast and small, caching nothing."""
+    from tests.unit.foundation.bombs import ALIAS_BOMBS
+
+    rows = []
+    for name, (text, words) in ALIAS_BOMBS.items():
+        bomb = tmp / f"{name}.yaml"
+        bomb.write_text(text())
+        cache = tmp / f"cache-{name}"
+        runs = []
+        for command, argv in YAML_BOMB_COMMANDS.items():
+            for env in ({"XDG_CACHE_HOME": str(cache)}, {"XDG_CACHE_HOME": str(cache)},
+                        {"FTCTL_NO_CACHE": "1"}):
+                code, _, err, wall, rss = ftctl(*argv(bomb, tmp), env={**env,
+                                                "FTCTL_INVENTORY": ""}, timeout_s=20)
+                runs.append((command, code, err.strip().splitlines(), wall, rss))
+        cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) \
+            if cache.exists() else 0
+        codes = sorted({r[1] for r in runs})
+        lines = sorted({len(r[2]) for r in runs})
+        worded = all(len(r[2]) == 1 and words in r[2][0] for r in runs)
+        wall = max(r[3] for r in runs)
+        rss = max(r[4] for r in runs)
+        ok = codes == [2] and lines == [1] and worded and wall < 5 and rss < 400 and not cached
+        size = bomb.stat().st_size
+        rows.append(Row(
+            f"YAML {name} ({size / 1000:,.0f} KB): {len(runs)} runs",
+            "exit 2, one line naming the bound, < 5 s, < 400 MiB, nothing cached",
+            f"exit {codes}, {lines} lines, bound named: {worded}, max {wall:.2f} s,"
+            f" {rss:.0f} MiB, cache {cached} B", ok))
+    return rows
+
+
 def attack_yaml_bomb(tmp: Path) -> Row:
-    """3. A 409-byte billion-laughs inventory, checked twice (the second run hits the cache)."""
-    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]"
-               for i in range(8)]
-    bomb = tmp / "bomb.yaml"
-    bomb.write_text("\n".join(levels) + "\ncluster: *i\nworkers: []\n")
-    cache = tmp / "cache"
-    env = {"XDG_CACHE_HOME": str(cache)}
-    runs = [ftctl("inventory", "check", str(bomb), env=env, timeout_s=20) for _ in range(2)]
-    cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
-    codes = [r[0] for r in runs]
-    walls = [r[3] for r in runs]
-    lines = [len(r[2].strip().splitlines()) for r in runs]
-    rss = max(r[4] for r in runs)
-    ok = (codes == [2, 2] and max(walls) < 5 and rss < 400 and cached < 64 * 1024
-          and lines == [1, 1])
-    return Row(f"YAML alias bomb ({bomb.stat().st_size} B, 9 levels), twice",
-               "exit 2, one line, < 5 s, < 400 MiB, nothing cached",
-               f"exit {codes}, {lines} lines, {max(walls):.2f} s, {rss:.0f} MiB,"
-               f" cache {cached} B", ok)
+    """3. YAML alias bombs at inventories, canary sets and drills (see `yaml_bomb_rows`)."""
+    rows = yaml_bomb_rows(tmp)
+    return Row(f"YAML alias bombs ({len(rows)} kinds x inventory/canary/drill, cache on/off)",
+               rows[0].expected,
+               "; ".join(f"{r.attack.split(' (')[0].removeprefix('YAML ')}:"
+                         f" {'ok' if r.ok else r.observed}" for r in rows),
+               all(r.ok for r in rows))
 
 
 def attack_out_targets(tmp: Path) -> Row:
