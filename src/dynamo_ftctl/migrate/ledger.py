@@ -247,7 +247,11 @@ class StreamLedger:
             message = error.get("message", error) if isinstance(error, dict) else error
             raise ErrorEvent(f"error event from worker: {message}", doc)
         choice = choice_of(doc)
-        if self.migrations == 0:  # what the first worker says of the prompt (once)
+        # What a worker says of the client's prompt (once), from any attempt sent with that
+        # prompt alone: the first, or a retry before any token. Only the first attempt's
+        # counted before (`migrations == 0`), so after a retry the prompt's ids were
+        # never known and a cut stream went on as text: other ids, other tokens.
+        if self.generated_count == self.attempt_tokens:
             if self.prompt_ids is None:
                 prompt_ids = doc.get("prompt_token_ids")
                 if choice is not None and prompt_ids is None:

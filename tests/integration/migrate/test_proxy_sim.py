@@ -720,3 +720,38 @@ def test_bad_calibration_file_exits_2_naming_the_file_and_key(tmp_path: Path) ->
     assert f"{bad}:5" in lines[0]
     assert "layers" in lines[0]
     assert "serving" not in done.stderr
+
+
+PROMISE_PROMPTS = ("Tokens must not be lost", "A stream that survives",
+                   "Grüße, ça va? 日本語のテキスト")
+
+
+def test_streams_cut_at_any_point_after_a_dead_worker_continue_identically(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """Issue 29's promise on the BPE sim: three workers (seed 11), one dead, then the serving
+    one cuts every stream after k tokens, for k across the whole answer: each greedy
+    text-only stream (ASCII and multi-byte prompts) is the uninterrupted run, character for
+    character, as it goes on from token ids, never from re-sent text."""
+    workers = [sim_worker_factory(name=f"t{i}", seed=11) for i in range(3)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers], breaker_threshold=100000)
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    expected = {p: reference(workers[1], "/v1/completions",
+                             {**body, "prompt": p, "return_token_ids": True})[1]
+                for p in PROMISE_PROMPTS}
+    workers[0].kill()  # the dead one is tried first by some requests: a retry, then the cut
+    retried = 0
+    for cut in (1, 2, 3, 5, 8, 13, 20, 31, 47, 63):
+        set_fault(workers[1], {"kind": "disconnect", "after_tokens": cut})
+        for prompt in PROMISE_PROMPTS:
+            for _ in range(6):  # until t1, which cuts, serves the start (routing rotates)
+                got = stream(proxy, "/v1/completions", {**body, "prompt": prompt})
+                assert got.error is None, (cut, prompt, got.error)
+                assert got.text == expected[prompt], (cut, prompt)
+                served = got.headers.get("x-ftctl-worker", "").split(",")
+                if served[-1] == "t1":
+                    retried += served[0] == "t0"
+                    break
+            else:
+                pytest.fail(f"no stream began on t1 in 6 tries (cut {cut})")
+    assert retried, "no stream was retried from the dead worker before the cut"

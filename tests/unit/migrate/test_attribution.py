@@ -468,3 +468,26 @@ def test_no_interleaving_opens_a_breaker_on_a_worker_that_answers_the_probe(
                 if r == "healthy" and healthy_ok:
                     assert resp.status_code in (200, 503), resp.text
     run(go())
+
+
+@pytest.mark.parametrize("first", ["reset", "http500", "http429"])
+def test_a_stream_cut_after_a_retry_goes_on_from_token_ids(run: Callable[..., Any],
+                                                           first: str) -> None:
+    """Issue 29's promise: a request retried before its first token (the first worker was
+    gone, failed or full), then cut mid-way, goes on from prompt ids + generated ids, not
+    from re-sent text (the prompt's ids were only taken from the first attempt, so a
+    subword tokenizer continued from other ids)."""
+    async def go() -> None:
+        workers = [FakeWorker(poison="hello", poison_answer=first),
+                   FakeWorker(fail_after=5), FakeWorker()]
+        async with Cluster(workers) as c:
+            c.fleet.router.slots["w1"].outstanding = 1
+            c.fleet.router.slots["w2"].outstanding = 2  # tried in the order w0, w1, w2
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status_code == 200
+            assert "x-ftctl-continuation" not in resp.headers
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            prompt = workers[2].requests[-1]["prompt"]
+            assert prompt == [*b"hello world", *(ord(ch) for ch in
+                                                 expected_text("hello world", 5, 5))]
+    run(go())
