@@ -65,6 +65,7 @@ class FakeWorker:
     resume: asyncio.Event = field(default_factory=asyncio.Event)
     paused: int = 0
     inflight: set[Any] = field(default_factory=set)  # transports of streams under way
+    lie_ids_at: int | None = None  # the n-th token's ids are [-5, 2**70]
     # Refuse a request whose X-Request-Id is running already (409), as vLLM does.
     unique_ids: bool = False
     running_ids: set[str] = field(default_factory=set)
@@ -198,7 +199,7 @@ class FakeWorker:
                 else:
                     choice["text"] = chr(tid)
                 if self.with_ids:
-                    choice["token_ids"] = [tid]
+                    choice["token_ids"] = [tid] if n != self.lie_ids_at else [-5, 2**70]
                     if n == 1 and not chat:
                         choice["prompt_token_ids"] = prompt
                 await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [choice]})
