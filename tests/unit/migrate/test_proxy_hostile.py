@@ -158,3 +158,24 @@ def test_token_ids_out_of_range_never_reach_the_client(run: Callable[..., Any],
                     for i in choice.get("token_ids") or ()]
             assert all(0 <= i < 2**31 for i in seen), seen
     run(go())
+
+
+def test_a_flood_of_stop_strings_is_refused_and_health_stays_fast(
+        run: Callable[..., Any]) -> None:
+    """Issue 29 case 7: 2,000,000 stop strings are a 400 naming 'stop' (the proxy matches
+    stops itself, per token), no worker is asked, and /health answers meanwhile."""
+    async def go() -> None:
+        worker = FakeWorker()
+        async with Cluster([worker]) as c:
+            flood = c.client.post("/v1/completions", json={
+                **BODY, "stream": False, "stop": ["x"] * 2_000_000})
+            health = c.client.get("/health")
+            resp, ok = await asyncio.gather(flood, health)
+            assert ok.status_code == 200
+            assert resp.status_code == 400
+            assert resp.json()["error"]["param"] == "stop"
+            resp = await c.client.post("/v1/completions", json={
+                **BODY, "stream": False, "stop": [f"s{i}" for i in range(64)]})
+            assert resp.status_code == 200
+            assert not [r for r in worker.requests if "stop" in r]
+    run(go())
