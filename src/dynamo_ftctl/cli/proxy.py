@@ -60,7 +60,11 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
              "(default: proxy.procs, 1).")] = None,
     json_: JsonFlag = False,
 ) -> None:
-    """Run the migrating proxy until Ctrl-C.
+    """Run the migrating proxy until Ctrl-C (or SIGTERM: answers in flight finish).
+
+    SIGHUP reloads the inventory: workers added, removed or changed without dropping a
+    stream (streams on a removed worker run to their end); a file that does not load
+    keeps the workers as they were and logs one line.
 
     POST /busy_threshold needs Authorization: Bearer $FTCTL_ADMIN_TOKEN (or the variable
     proxy.admin_token_env names; 403 while it is unset).
@@ -90,5 +94,6 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
                          f"{procs_note}\n")
         sys.stderr.flush()
 
-    result = serve(inventory, config, on_ready=ready)
+    result = serve(inventory, config, on_ready=ready,
+                   reload=lambda: load_inventory_for(ctx))
     finish(ctx, result, json_flag=json_)

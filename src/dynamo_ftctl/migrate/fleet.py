@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers, token_from_env
+from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.migrate.admission import (
     Thresholds,
     degradation_level,
@@ -256,6 +257,40 @@ class Fleet:
                     slot.name, "chat/completions" if endpoint == "chat" else "completions")
         slot.token_ids[endpoint] = False
         return True
+
+    # ------------------------------------------------------------------ reload
+
+    def apply_inventory(self, inventory: Inventory) -> str:
+        """Serve `inventory`'s workers from now on (SIGHUP); what changed, in words.
+
+        A worker whose name, URL, model and group stay keeps its slot (breaker, load,
+        capabilities); one that changed is a new worker; streams on a worker left out
+        run to their end, and no request goes there again. With `--procs N` the workers
+        cannot come or go (the fleet board has a cell per worker): `InvalidInput`.
+        """
+        old = self.router.slots
+        slots = []
+        for w in inventory.workers:
+            slot = old.get(w.name)
+            group = inventory.group_of(w)
+            if slot is None or (slot.url, slot.model, slot.group) != (w.url, w.model, group):
+                slot = WorkerSlot(name=w.name, url=w.url, group=group, model=w.model)
+            slots.append(slot)
+        added = [s.name for s in slots if old.get(s.name) is not s]
+        removed = [name for name in old if name not in {s.name for s in slots}]
+        if self.board is not None and {s.name for s in slots} != set(old):
+            msg = ("with --procs N the workers cannot be added or removed in place; "
+                   "restart the proxy")
+            raise InvalidInput(msg)
+        self.router.replace_slots(slots)
+        default = next(iter(self.thresholds.values()))
+        self.thresholds = {w.model: self.thresholds.get(w.model, default)
+                           for w in inventory.workers}
+        self.loads = {w.name: self.loads.get(w.name) if w.name not in added else None
+                      for w in inventory.workers}
+        self._workers = {w.name: w for w in inventory.workers}
+        return (f"{len(slots)} workers; added or changed: {', '.join(added) or 'none'}; "
+                f"removed: {', '.join(removed) or 'none'}")
 
     # ------------------------------------------------------------------ failures
 

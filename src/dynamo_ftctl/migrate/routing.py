@@ -138,6 +138,12 @@ class Router:
         self._recovery_s = recovery_s
         self._rotation = itertools.count()
 
+    def replace_slots(self, slots: Iterable[WorkerSlot]) -> None:
+        """Route over `slots` from now on (an inventory reload). Requests running on a slot
+        left out keep it to their end; none is sent there again."""
+        self.slots = {s.name: s for s in slots}
+        self._order = list(self.slots)
+
     def weight(self, slot: WorkerSlot) -> float:
         return slot.weight(self._clock.now(), self._recovery_s)
 

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -755,3 +756,40 @@ def test_streams_cut_at_any_point_after_a_dead_worker_continue_identically(
             else:
                 pytest.fail(f"no stream began on t1 in 6 tries (cut {cut})")
     assert retried, "no stream was retried from the dead worker before the cut"
+
+
+def test_sighup_reloads_the_inventory_without_dropping_a_stream(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory, tmp_path: Path,
+) -> None:
+    """Issue 29: SIGHUP cut 12 of 12 streams. Now 12 streams under way all finish whole; an
+    inventory that adds a worker takes effect (requests reach it); a broken file keeps the
+    workers as they were, with one log line."""
+    first, second = (sim_worker_factory(name=n) for n in ("h0", "h1"))
+    set_fault(first, {"kind": "slow", "delay_ms": 20})
+    proxy = proxy_factory([("h0", first.url)])
+    path = tmp_path / "inventory-0.yaml"
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    with ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(stream, proxy, "/v1/completions", body) for _ in range(12)]
+        wait_until(lambda: gauge(first.url, "vllm:num_requests_running") >= 12, 20,
+                   "12 streams under way")
+        proxy.proc.send_signal(signal.SIGHUP)
+        got = [future.result(timeout=60) for future in streams]
+    assert proxy.proc.poll() is None
+    assert all(g.error is None and len(g.text) > 0 and g.done for g in got)
+    assert len({g.text for g in got}) == 1
+    doc = yaml.safe_load(path.read_text())
+    doc["workers"].append({"name": "h1", "url": second.url, "model": MODEL})
+    path.write_text(yaml.safe_dump(doc))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "h1" in httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"],
+               10, "the reloaded inventory")
+    served = [stream(proxy, "/v1/completions", body) for _ in range(4)]
+    assert all(g.error is None for g in served)
+    assert "h1" in {g.headers.get("x-ftctl-worker") for g in served}
+    path.write_text("workers: [unclosed\n")
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "inventory not reloaded" in proxy.log_text(), 10, "the refusal")
+    assert set(httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"]) == {"h0", "h1"}
+    assert proxy.log_text().count("inventory not reloaded") == 1
