@@ -116,12 +116,9 @@ def store(text: str, data: Any, lines: Lines) -> None:
         if len(blob) > MAX_ENTRY_BYTES:
             return
         target = directory / _name(text)
-        partial = directory / f".{target.name}.{os.getpid()}"
-        try:
-            partial.write_bytes(blob)
-            partial.replace(target)
-        finally:
-            partial.unlink(missing_ok=True)
+        from dynamo_ftctl.safefiles import write_atomic
+
+        write_atomic(target, blob, mode=0o600, follow_link=False)  # temp + rename, no link
         _prune(directory)
     except (OSError, TypeError, ValueError, OverflowError):
         return
