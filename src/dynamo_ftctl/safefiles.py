@@ -46,6 +46,7 @@ from dynamo_ftctl.errors import InvalidInput, OutputRefused, WriteFailed
 
 __all__ = [
     "append_log",
+    "check_log",
     "check_output_dir",
     "check_output_path",
     "child_name",
@@ -355,6 +356,28 @@ def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
         os.close(fd)
         raise
     return fd
+
+
+def check_log(path: Path | str) -> Path:
+    """`path` when `append_log` would take it (a regular file with one link, or a new
+    path); `OutputRefused` (exit 2) otherwise, before the work that ends in a log line."""
+    path = Path(path)
+    try:
+        fd = _open_dir(path.parent, named=path, create=False)
+    except WriteFailed:
+        return path  # not there yet (made at the write) or unwritable: said at the write
+    try:
+        info = _entry(fd, path.name)
+    finally:
+        os.close(fd)
+    if info is None:
+        return path
+    if not stat.S_ISREG(info.st_mode):
+        raise OutputRefused(path, f"is {_kind(info.st_mode)}; {_ONLY_REGULAR}")
+    if info.st_nlink > 1:
+        raise OutputRefused(path, f"has {info.st_nlink} hard links; ftctl writes in place "
+                            "only to a file with one")
+    return path
 
 
 def append_log(path: Path | str, *, mode: int = 0o644) -> int:
