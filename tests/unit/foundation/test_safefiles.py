@@ -280,3 +280,25 @@ def test_open_device_wants_a_character_device(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "fifo")
     error = _call_bounded(lambda: open_device(tmp_path / "fifo", or_log=True))
     assert isinstance(error, OutputRefused)
+
+
+def test_the_yaml_cache_skips_a_planted_entry(cache: Path, tmp_path: Path) -> None:
+    """A directory or link planted at a cache entry's name: no error, nothing written
+    through it. (A FIFO there blocks the cache's read, which is not safefiles' to open.)"""
+    from dynamo_ftctl import yamlcache
+    from dynamo_ftctl.documents import load_yaml_document
+
+    doc = tmp_path / "doc.yaml"
+    doc.write_text("a: 1\n")
+    cache.mkdir(parents=True, mode=0o700)
+    entry = cache / yamlcache._name(doc.read_text())
+    entry.mkdir()
+    assert _call_bounded(lambda: load_yaml_document(doc)) is None
+    assert entry.is_dir()
+    entry.rmdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    entry.symlink_to(victim)
+    assert _call_bounded(lambda: load_yaml_document(doc)) is None
+    assert victim.read_text() == "keep\n"
+    assert entry.is_symlink()
