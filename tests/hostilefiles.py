@@ -92,6 +92,9 @@ OPTIONS = (
         "--warmup-timeout", "0", "--out", str(p)]),
     Option("migrate calibrate --output", "file", lambda p, c: [
         "-i", str(_inventory(c)), "migrate", "calibrate", "--worker", "w1", "--output", str(p)]),
+    Option("canary --state-file", "file", lambda p, c: [
+        "canary", "--url", "http://127.0.0.1:9", "--set",
+        str(ROOT / "canaries" / "ftctl-sim-tiny.yaml"), "--state-file", str(p)]),
     Option("sim serve --pid-file", "file", lambda p, c: [
         "sim", "serve", "--port", "0", "--pid-file", str(p)], serves=True),
     Option("load --out", "dir", lambda p, c: [
