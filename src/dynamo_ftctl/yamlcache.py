@@ -147,12 +147,13 @@ def store(text: str, data: Any, lines: Lines) -> None:
         if len(blob) > MAX_ENTRY_BYTES:
             return
         target = directory / _name(text)
-        partial = directory / f".{target.name}.{os.getpid()}"
+        from dynamo_ftctl.errors import FtctlError
+        from dynamo_ftctl.safefiles import write_atomic
+
         try:
-            partial.write_bytes(blob)
-            partial.replace(target)
-        finally:
-            partial.unlink(missing_ok=True)
+            write_atomic(target, blob, mode=0o600, follow_link=False)  # temp + rename
+        except FtctlError:  # a link, FIFO or device planted in the cache: not cached
+            return
         _prune(directory)
     except (OSError, TypeError, ValueError, OverflowError):
         return

@@ -443,9 +443,10 @@ def run_daemon(
     log_file = None
     if config.transition_log:
         path = inventory.resolve(config.transition_log)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = path.open("a", buffering=1, encoding="utf-8")
+        from dynamo_ftctl.safefiles import open_log
+
+        try:  # a link, FIFO or device is refused (exit 2) before the daemon serves
+            log_file = open_log(path)
         except OSError as exc:
             msg = f"{path}: cannot open the transition log: {exc.strerror or exc}"
             raise InvalidInput(msg) from None
