@@ -1,4 +1,5 @@
-"""Issue #22's eight attacks, replayed on loopback against real ftctl processes.
+"""Issue #22's eight attacks, issue #29's judgment attacks and issue #30's hostile files,
+replayed on loopback against real ftctl processes.
 
 `make chaos` runs this (and `make bench` with the other scripts). Each attack starts what
 it needs (`ftctl sim` engines, `ftctl proxy`, the canary daemon, `ftctl lock`), attacks it
@@ -602,6 +603,244 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+# ------------------------------------------------------------------ issue 29: the judgment
+
+POISON_SEED = 666  # the sims' poison fault: a request with this seed ends its whole batch
+
+
+def breakers_open(client: httpx.Client) -> list[str]:
+    """The workers whose breaker the proxy has open (its /health)."""
+    workers = client.get("/health").json().get("workers", {})
+    return [n for n, w in workers.items() if isinstance(w, dict) and w.get("breaker") == "open"]
+
+
+def poison_body(max_tokens: int = 8) -> dict[str, Any]:
+    return {**completion("poison", max_tokens), "seed": POISON_SEED, "temperature": 1}
+
+
+def healthy_statuses(client: httpx.Client, count: int = 5) -> list[int]:
+    return [client.post("/v1/completions", json=completion()).status_code
+            for _ in range(count)]
+
+
+def attack_poison_burst(tmp: Path) -> Row:
+    """9. 30 batch-killing requests at once over 2 sims, then normal traffic."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with sims(2, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
+        bad = sorted(set(pool.map(lambda _: client.post("/v1/completions",
+                                                        json=poison_body()).status_code,
+                                  range(30))))
+        good = healthy_statuses(client)
+        opened = breakers_open(client)
+    ok = set(bad) <= {422, 502, 503} and good == [200] * 5 and not opened
+    return Row("poison burst: 30 batch-killers at once, 2 sims",
+               "each 422/502/503; then 200 x5; no breaker open",
+               f"{bad}; then {good}; open: {opened or 'none'}", ok)
+
+
+def attack_one_worker(tmp: Path) -> Row:
+    """10. Poison on a one-worker fleet: no second opinion."""
+    with sims(1, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        bad = [client.post("/v1/completions", json=poison_body()).status_code
+               for _ in range(5)]
+        good = healthy_statuses(client)
+        opened = breakers_open(client)
+    ok = all(s in (422, 502) for s in bad) and good == [200] * 5 and not opened
+    return Row("poison x5 on a one-worker fleet", "422/502 each; then 200 x5; breaker closed",
+               f"{bad}; then {good}; open: {opened or 'none'}", ok)
+
+
+def attack_batch_kill(tmp: Path) -> Row:
+    """11. A request that ends every stream batched with it, while 6 greedy streams run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "Tokens must not be lost", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with sims(2, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(8) as pool:
+        reference = httpx.post(f"{workers[0].url}/v1/completions",
+                               json={**body, "stream": False}, timeout=60).json()
+        expected = reference["choices"][0]["text"]
+        for worker in workers:
+            httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 30},
+                       headers={"Authorization": f"Bearer {SIM_TOKEN}"}, timeout=5)
+        rounds = []
+        for _ in range(3):
+            victims = [pool.submit(stream_text_of, url, body) for _ in range(6)]
+            wait_until(lambda: sum(gauge(w.url, "vllm:num_requests_running")
+                                   for w in workers) >= 6, 20, "6 streams under way")
+            rounds.append(client.post("/v1/completions", json=poison_body()).status_code)
+            texts = [v.result(timeout=90) for v in victims]
+            rounds.append(sum(t == expected for t in texts))
+        opened = breakers_open(client)
+    statuses, intact = rounds[0::2], rounds[1::2]
+    ok = all(s == 422 for s in statuses) and intact == [6, 6, 6] and not opened
+    return Row("batch-killing request x3 amid 6 greedy streams, 2 sims",
+               "422 each; 6 of 6 streams identical each time; no breaker open",
+               f"{statuses}; identical {intact}; open: {opened or 'none'}", ok)
+
+
+def stream_text_of(url: str, body: dict[str, Any]) -> str:
+    """The text of a streamed completion through `url`."""
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                doc = json.loads(line[6:])
+                for choice in doc.get("choices") or ():
+                    text += choice.get("text") or ""
+    return text
+
+
+class StandIn:
+    """A loopback stand-in worker that answers every generation with `status` (and
+    `Retry-After` when set): an overloaded server (429), or a Dynamo 1.6 frontend whose
+    workers' discovery lease expired (404, empty body). `status` 200 answers one token."""
+
+    def __init__(self, status: int, retry_after: str | None = None) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        stand_in = self
+        self.status, self.retry_after, self.requests = status, retry_after, 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *_: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if b'"ping"' not in body:  # a client's request, not the proxy's probes
+                    stand_in.requests += 1
+                if stand_in.status == 200:
+                    chunk = json.dumps({"id": "s", "object": "text_completion", "model": MODEL,
+                                        "choices": [{"index": 0, "text": "a",
+                                                     "token_ids": [97],
+                                                     "finish_reason": "length"}]})
+                    data = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                else:
+                    data = b""
+                    self.send_response(stand_in.status)
+                    if stand_in.retry_after:
+                        self.send_header("Retry-After", stand_in.retry_after)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.name = "stand-in"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def attack_backpressure(tmp: Path) -> Row:
+    """12. An upstream that answers 429 with Retry-After: 30."""
+    full = StandIn(429, "30")
+    try:
+        with sims(1) as workers:
+            fleet = [full, *workers]
+            with proxy(write_inventory(tmp, fleet), tmp / "proxy.log") as url, \
+                    httpx.Client(base_url=url, timeout=60) as client:
+                two = healthy_statuses(client, 4)
+                opened = breakers_open(client)
+            (tmp / "one").mkdir()
+            with proxy(write_inventory(tmp / "one", [full]), tmp / "proxy1.log") as url, \
+                    httpx.Client(base_url=url, timeout=60) as client:
+                one = client.post("/v1/completions", json=completion())
+                opened += breakers_open(client)
+    finally:
+        full.close()
+    retry = one.headers.get("retry-after")
+    ok = two == [200] * 4 and one.status_code == 429 and retry is not None \
+        and 25 <= int(retry) <= 30 and full.requests <= 2 and not opened
+    return Row("upstream 429 + Retry-After: 30", "2 workers: 200 x4, the full one asked once; "
+               "1 worker: 429 with Retry-After ~30; no breaker open",
+               f"{two}, asked {full.requests}x in all; {one.status_code} Retry-After {retry}; "
+               f"open: {opened or 'none'}", ok)
+
+
+def attack_expired_frontend(tmp: Path) -> Row:
+    """13. A frontend that lost its workers: empty 404 to every generation (Dynamo 1.6)."""
+    empty = StandIn(404)
+    try:
+        with sims(1) as workers, \
+                proxy(write_inventory(tmp, [empty, *workers]), tmp / "proxy.log") as url, \
+                httpx.Client(base_url=url, timeout=60) as client:
+            served = healthy_statuses(client, 6)
+            view = client.get("/health").json()["workers"]["stand-in"]
+            asked = empty.requests
+            empty.status = 200  # its workers are back: the known-good probe passes
+            wait_until(lambda: client.get("/health").json()["workers"]["stand-in"]["weight"]
+                       > 0, 10, "the frontend back in routing")
+    finally:
+        empty.close()
+    ok = served == [200] * 6 and view["weight"] == 0 and view["breaker"] == "closed"
+    return Row("frontend without workers (empty 404; a stand-in, Dynamo not in the suite yet)",
+               "200 x6 from the other; it is out (weight 0, breaker closed), back when it serves",
+               f"{served}; weight {view['weight']}, breaker {view['breaker']}, asked {asked}x; "
+               "back: yes", ok)
+
+
+def attack_request_ids(tmp: Path) -> Row:
+    """14. A client holding a stream under another's X-Request-Id (the sim refuses a running
+    id with 409, as a strict engine does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "ignore_eos": True,
+            "stream": True}
+    with sims(1, "--fault", "slow:delay_ms=30") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            ThreadPoolExecutor(2) as pool:
+        def one() -> int:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+                              headers={"X-Request-Id": "taken"}) as resp:
+                resp.read()
+                return resp.status_code
+        first = pool.submit(one)
+        wait_until(lambda: gauge(workers[0].url, "vllm:num_requests_running") >= 1, 20,
+                   "the first stream")
+        second = one()
+        statuses = [first.result(timeout=60), second]
+    ok = statuses == [200, 200]
+    return Row("two clients, one X-Request-Id, a worker that refuses a running id",
+               "200 both", f"{statuses}", ok)
+
+
+# ------------------------------------------------------------------ issue 30: files
+
+TABLES: list[str] = []  # tables an attack prints after the rows (the hostile-file matrix)
+
+
+def attack_hostile_files(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its folder)
+    """15. Every output and log option against symlinks, FIFOs, devices, sockets, hard links
+    and names that climb out (tests/hostilefiles.py; its table is printed after the rows)."""
+    from tests.hostilefiles import render, run_matrix
+
+    rows = run_matrix()
+    TABLES.append(render(rows))
+    bad = [f"{r.option} {r.kind}: {r.observed}" for r in rows if not r.ok]
+    return Row(f"hostile files: {len(rows)} option x kind cases", "each refused or safe, "
+               "victim unchanged, nothing half-written, no hang",
+               f"{len(rows) - len(bad)} of {len(rows)} as expected" + (f"; {bad}" if bad else ""),
+               not bad)
+
+
 ATTACKS: dict[int, Callable[[Path], Row]] = {
     1: attack_poison,
     2: attack_forged_reports,
@@ -611,6 +850,13 @@ ATTACKS: dict[int, Callable[[Path], Row]] = {
     6: attack_lock_file,
     7: attack_sleep,
     8: attack_caps,
+    9: attack_poison_burst,
+    10: attack_one_worker,
+    11: attack_batch_kill,
+    12: attack_backpressure,
+    13: attack_expired_frontend,
+    14: attack_request_ids,
+    15: attack_hostile_files,
 }
 
 
@@ -635,6 +881,8 @@ def main() -> int:
             mark = "ok  " if r.ok else "FAIL"
             print(f"{mark} {i}. {r.attack:<{width}}  expected: {r.expected}\n"
                   f"     {'':<{width + 3}}  observed: {r.observed}")
+        for table in TABLES:
+            print(f"\n{table}")
     return 0 if all(r.ok for r in rows) else 1
 
 
