@@ -50,9 +50,10 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
              "4096).")] = None,
     max_buffered_mib: Annotated[int | None, typer.Option(
         "--max-buffered-mib", min=1,
-        help="MiB of requests not yet answered (partial bodies included) held across all "
-             "clients; the request that would go over is answered 503 (default: "
-             "proxy.max_buffered_mib, 256).")] = None,
+        help="MiB of requests not yet answered (partial bodies included, and what each "
+             "generation's body is parsed into: 7 bytes more for each of its bytes) held "
+             "across all clients; the request that would go over is answered 503 with "
+             "Retry-After (default: proxy.max_buffered_mib, 256).")] = None,
     procs: Annotated[int | None, typer.Option(
         "--procs", min=1, max=256,
         help="Processes serving the port (SO_REUSEPORT; a parent restarts any that dies), "

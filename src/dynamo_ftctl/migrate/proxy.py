@@ -228,6 +228,7 @@ def _serve_one(inventory: Inventory, config: ProxyConfig, *,
                     reuse_port=port is not None)
             except OSError as exc:
                 raise _cannot_listen(config, exc) from None
+            proxy.front_door.budget = server  # parsed requests count in max_buffered too
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, on_signal, signum)
             loop.add_signal_handler(signal.SIGHUP, _reload_inventory, proxy, reload)

@@ -793,3 +793,66 @@ def test_sighup_reloads_the_inventory_without_dropping_a_stream(
     wait_until(lambda: "inventory not reloaded" in proxy.log_text(), 10, "the refusal")
     assert set(httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"]) == {"h0", "h1"}
     assert proxy.log_text().count("inventory not reloaded") == 1
+
+
+def _vm(pid: int, key: str) -> float:
+    """A /proc/PID/status figure (VmRSS, VmHWM) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _SlowRefusal(BaseHTTPRequestHandler):
+    """A worker that reads a generation, waits 2 s, and refuses it (400); no /metrics."""
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if b"ping" not in self.path.encode():
+            time.sleep(2.0)
+        data = b'{"error": {"message": "prompt too long", "code": 400}}'
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_parsed_requests_count_in_the_buffer_budget(proxy_factory: ProxyFactory) -> None:
+    """Issue 29 case 7: 17 concurrent 14 MiB token-id prompts took a proxy with
+    max_buffered_mib 256 to 825 MB: a request's parsed form (~7x its bytes) was not counted.
+    Now it is: with a 64 MiB budget, 17 concurrent 2 MiB id prompts to a slow worker get
+    503 + Retry-After past the budget, and the proxy's peak memory grows by about the
+    budget, not by all 17 parsed prompts (~250 MiB)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowRefusal)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proxy = proxy_factory([("m0", url)], max_buffered_mib=64, stall_timeout_s=10.0,
+                              busy={"active_prefill_tokens_threshold": 10**9})
+        ids = list(range(100_000, 100_000 + 300_000))  # ~2.1 MiB of JSON
+        body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
+        base = _vm(proxy.proc.pid, "VmRSS")
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{proxy.url}/v1/completions", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+
+        with ThreadPoolExecutor(17) as pool:
+            answers = list(pool.map(lambda _: post(), range(17)))
+        grown = _vm(proxy.proc.pid, "VmHWM") - base
+    finally:
+        server.shutdown()
+        server.server_close()
+    refused = [r for r in answers if r.status_code == 503]
+    assert {r.status_code for r in answers} == {400, 503}, [r.status_code for r in answers]
+    assert all(r.headers.get("retry-after") for r in refused)
+    assert grown < 64 * 1.6, f"the proxy grew {grown:.0f} MiB past its 64 MiB budget"
