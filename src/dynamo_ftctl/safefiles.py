@@ -37,7 +37,6 @@ import errno
 import fcntl
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -401,6 +400,8 @@ def open_sink(path: Path, *, append: bool) -> IO[bytes]:
 def temp_log(prefix: str, suffix: str = ".log") -> Path:
     """A new, empty file in the system's temporary directory (`mkstemp`: `O_EXCL`, mode
     0600, a random name), for a log nobody named."""
+    import tempfile  # only here: ftctl lock imports this module on its fast path
+
     handle, raw = tempfile.mkstemp(prefix=prefix, suffix=suffix)
     os.close(handle)
     return Path(raw)
@@ -431,6 +432,13 @@ def open_device(path: Path | str, *, or_log: bool = False) -> int:
         kind = "a new path" if info is None else _kind(info.st_mode)
         raise OutputRefused(path, f"is {kind}; ftctl writes here only to a character device")
     return append_log(path)
+
+
+def reopen_rw(fd: int) -> int:
+    """A second, read-write description of a file this process holds open as `fd` (a
+    shell's `exec 9>P` lock descriptor is write-only): through `/proc/self/fd`, which
+    names this process's own descriptor, so no link or FIFO can be planted there."""
+    return os.open(f"/proc/self/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def open_proc_self(name: str) -> int:

@@ -75,6 +75,7 @@ from dynamo_ftctl.lock.protocol import (
     record_released,
 )
 from dynamo_ftctl.lock.watch import FILE_WATCH, WATCH_INTERVAL_S, FileIdentity, lock_file_gone
+from dynamo_ftctl.safefiles import open_regular, reopen_rw
 
 if TYPE_CHECKING:
     import asyncio
@@ -240,8 +241,10 @@ class FlockLock:
             callback(lost)
 
     def _open(self) -> int:
+        """The lock file, made if missing; never through a link, and only a regular file
+        with one name (a planted link, FIFO or device is `OutputRefused`, exit 2)."""
         try:
-            return os.open(self._path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            return open_regular(self._path, os.O_CREAT | os.O_RDWR)
         except OSError as exc:
             raise InvalidInput(f"{self._path}: cannot open lock file: {exc.strerror}") from exc
 
@@ -533,7 +536,7 @@ def flock_descriptor(
     # `exec 9>P` opens write-only: read and write the owner data through a
     # second description of the same file (the lock stays on the shell's).
     readable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
-    data_fd = fd if readable else os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    data_fd = fd if readable else reopen_rw(fd)
     try:
         acquired_at = clock.wall()
         token = write_owner(data_fd, floor, str(path or f"fd:{fd}"), locked=locked,

@@ -23,6 +23,7 @@ from typing import Any
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
+from dynamo_ftctl.safefiles import open_regular
 
 __all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "release_reservation",
            "reserve_token", "write_owner"]
@@ -116,7 +117,7 @@ def _open_floor(floor: Path) -> int:
     """The floor, created if missing and flocked: issuers take turns on it for microseconds."""
     while True:
         try:
-            fd = os.open(floor, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            fd = open_regular(floor, os.O_CREAT | os.O_RDWR)  # not through a planted link
         except OSError as exc:
             msg = f"{floor}: cannot open the token floor: {exc.strerror}"
             raise InvalidInput(msg) from exc

@@ -165,7 +165,9 @@ def _name_process(name: bytes) -> None:
     """Best effort: show the watcher as `name` in ps/top (what prctl PR_SET_NAME does,
     without importing ctypes: ~10 ms of CPU on a core the handoff may need)."""
     with contextlib.suppress(OSError):
-        fd = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)
+        from dynamo_ftctl.safefiles import open_proc_self
+
+        fd = open_proc_self("comm")
         try:
             os.write(fd, name)
         finally:

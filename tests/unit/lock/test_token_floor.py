@@ -4,6 +4,7 @@ or forged (issue 22, finding 6): the token floor `P.floor` beside it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -175,17 +176,50 @@ def test_floor_records_the_token_before_it_is_handed_out(lock_path: Path) -> Non
     lock.release()
 
 
-def test_symlinked_lock_path_and_fd_form_share_one_floor(tmp_path: Path) -> None:
-    """A lock path that is a symbolic link: `-p LINK` and `exec 9<>LINK; --fd 9` (which sees
-    the target through /proc) keep one floor, beside the target."""
-    target = tmp_path / "real.lock"
+def test_a_symlinked_lock_path_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """Issue 30 case 1: a lock path replaced by a link to a file elsewhere is refused (exit
+    2, one line naming it); the target keeps its bytes and gets no floor beside it. A shell
+    that opens the link itself (`exec 9<>LINK; --fd 9`) chose to follow it: that works."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
     link = tmp_path / "link.lock"
-    link.symlink_to(target)
-    assert token(link) == 1
-    script = f"exec 9<>{link}\n{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n"
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+    link.symlink_to(victim)
+    proc = subprocess.run([*FTCTL, "lock", "acquire", "-p", str(link), "-t", "5", "--",
+                           "true"], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert str(link) in proc.stderr
+    assert victim.read_bytes() == b"precious\n"
+    assert not (tmp_path / "victim.floor").exists()
+    target = tmp_path / "real.lock"
+    (tmp_path / "fd.lock").symlink_to(target)
+    script = f"exec 9<>{tmp_path / 'fd.lock'}\n{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                           check=False, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["token"] == 2
-    assert floor_path(link) == tmp_path / "real.lock.floor"
-    assert not (tmp_path / "link.lock.floor").exists()
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["token"] >= 1
+    assert (tmp_path / "real.lock.floor").exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink"])
+def test_a_planted_floor_is_refused_and_its_target_untouched(tmp_path: Path,
+                                                            kind: str) -> None:
+    """Issue 30 case 1: a link (or FIFO, or second name) planted at P.floor is refused;
+    nothing is written to what it points at, and nothing hangs."""
+    lock = tmp_path / "failover.lock"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    floor = tmp_path / "failover.lock.floor"
+    if kind == "symlink":
+        floor.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(floor)
+    else:
+        os.link(victim, floor)
+    proc = subprocess.run([*FTCTL, "lock", "acquire", "-p", str(lock), "-t", "5", "--",
+                           "true"], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert str(floor) in proc.stderr
+    assert victim.read_bytes() == b"precious\n"
