@@ -183,6 +183,10 @@ class Fleet:
         # What a worker's probe found missing is not asked for every scrape (a server
         # without /metrics, or whose /v1/models gives no max_model_len, answered every
         # 0.1 s with a 404 or a 500 that dropped the connection).
+        if slot.absent and slot.name not in self._rechecking:
+            # First: a worker without /metrics returns below, and would never come back.
+            self._rechecking.add(slot.name)
+            self._spawn(self._recheck_absent(slot))
         caps = self.capabilities.get(slot.name) if self.capabilities is not None else None
         if caps is not None and caps.metrics is False:
             self._watch_capabilities(slot, b"")
@@ -194,9 +198,6 @@ class Fleet:
                     length = entry.get("max_model_len")
                     if entry.get("id") == slot.model and isinstance(length, int):
                         slot.max_model_len = length
-        if slot.absent and slot.name not in self._rechecking:
-            self._rechecking.add(slot.name)
-            self._spawn(self._recheck_absent(slot))
         try:
             page = await self._get(f"{slot.url}/metrics")
             slot.kv_blocks_at_scrape = slot.kv_blocks + self._others_load(slot)[0]
