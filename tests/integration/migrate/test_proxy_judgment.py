@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -66,3 +72,92 @@ def test_poison_on_a_one_worker_fleet_leaves_its_breaker_closed(
         assert all(s in (422, 502) for s in bad), bad
         assert good == [200] * 5
         assert breakers_open(client) == []
+
+
+class StandIn:
+    """A loopback upstream answering every generation with `status` (empty body), or one
+    token once `status` is 200; `requests` counts clients' requests (not the proxy's probes)."""
+
+    def __init__(self, status: int, retry_after: str | None = None) -> None:
+        self.status = status
+        self.retry_after = retry_after
+        self.requests = 0
+
+
+@contextmanager
+def stand_in(status: int, retry_after: str | None = None) -> Iterator[tuple[StandIn, str]]:
+    state = StandIn(status, retry_after)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *_: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if b'"hello"' in body:
+                state.requests += 1
+            if state.status == 200:
+                chunk = json.dumps({"id": "s", "object": "text_completion", "model": MODEL,
+                                    "choices": [{"index": 0, "text": "a", "token_ids": [97],
+                                                 "finish_reason": "length"}]})
+                data = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+            else:
+                data = b""
+                self.send_response(state.status)
+                if state.retry_after:
+                    self.send_header("Retry-After", state.retry_after)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_429_with_retry_after_goes_elsewhere_or_reaches_the_client_and_moves_no_breaker(
+        sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory) -> None:
+    """2 workers: 200s from the other; 1 worker: 429 with Retry-After; no breaker open."""
+    sim = sim_worker_factory(name="sim")
+    with stand_in(429, "30") as (_full, full_url):
+        two = proxy_factory([("full", full_url), ("sim", sim.url)])
+        with httpx.Client(base_url=two.url, timeout=60) as client:
+            assert [client.post("/v1/completions", json=healthy()).status_code
+                    for _ in range(4)] == [200] * 4
+            assert breakers_open(client) == []
+        one = proxy_factory([("full", full_url)])
+        with httpx.Client(base_url=one.url, timeout=60) as client:
+            answer = client.post("/v1/completions", json=healthy())
+            assert answer.status_code == 429
+            assert 25 <= int(answer.headers["retry-after"]) <= 30
+            assert breakers_open(client) == []
+
+
+def test_a_frontend_answering_empty_404s_is_out_of_routing_and_back_once_it_serves(
+        sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory) -> None:
+    """Dynamo 1.6's lease-expired frontend (a stand-in): all 200 from the sim, weight 0, back."""
+    sim = sim_worker_factory(name="sim")
+    with stand_in(404) as (empty, empty_url):
+        url = proxy_factory([("empty", empty_url), ("sim", sim.url)]).url
+        with httpx.Client(base_url=url, timeout=60) as client:
+            assert [client.post("/v1/completions", json=healthy()).status_code
+                    for _ in range(6)] == [200] * 6
+            view = client.get("/health").json()["workers"]["empty"]
+            assert view["weight"] == 0
+            assert view["breaker"] == "closed"
+            empty.status = 200
+            end = time.monotonic() + 10
+            while client.get("/health").json()["workers"]["empty"]["weight"] == 0:
+                assert time.monotonic() < end, "the frontend never came back"
+                time.sleep(0.05)
