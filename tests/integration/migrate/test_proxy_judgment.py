@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.integration.migrate.test_proxy_sim import MODEL, proxy_factory
+from tests.conftest import SIM_ADMIN_TOKEN
+from tests.integration.migrate.test_proxy_sim import MODEL, gauge, proxy_factory, wait_until
 
 if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
@@ -161,3 +162,36 @@ def test_a_frontend_answering_empty_404s_is_out_of_routing_and_back_once_it_serv
             while client.get("/health").json()["workers"]["empty"]["weight"] == 0:
                 assert time.monotonic() < end, "the frontend never came back"
                 time.sleep(0.05)
+
+
+def streamed_text(url: str, body: dict[str, Any]) -> str:
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or ():
+                    text += choice.get("text") or ""
+    return text
+
+
+def test_a_batch_killing_request_is_refused_and_the_streams_it_ended_continue_identically(
+        sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory) -> None:
+    """3 batch-killers amid 6 greedy streams on 2 sims: 422 each, 6 of 6 identical, no breaker."""
+    workers = [sim_worker_factory(name=f"sim{i}", args=("--fault", f"poison:seed={POISON_SEED}"))
+               for i in range(2)]
+    url = proxy_factory([(w.name, w.url) for w in workers]).url
+    body = {"model": MODEL, "prompt": "Tokens must not be lost", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    expected = httpx.post(f"{workers[0].url}/v1/completions", json={**body, "stream": False},
+                          timeout=60).json()["choices"][0]["text"]
+    for worker in workers:
+        httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 30},
+                   headers={"Authorization": f"Bearer {SIM_ADMIN_TOKEN}"}, timeout=5)
+    with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
+        for _ in range(3):
+            victims = [pool.submit(streamed_text, url, body) for _ in range(6)]
+            wait_until(lambda: sum(gauge(w.url, "vllm:num_requests_running")
+                                   for w in workers) >= 6, 20, "6 streams under way")
+            assert client.post("/v1/completions", json=poison()).status_code == 422
+            assert [v.result(timeout=90) for v in victims] == [expected] * 6
+        assert breakers_open(client) == []
