@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.http1 import Unreachable
 from dynamo_ftctl.migrate.admission import (
     Thresholds,
     degradation_level,
@@ -60,6 +61,10 @@ log = logging.getLogger("ftctl.proxy")
 _SYNC_S = 0.05
 # A one-token answer is small; more is read no further.
 _PROBE_LIMIT = 256 * 1024
+# A known-good probe that gets an error is asked again, this many times in all, this far
+# apart: past the 0.25 s a batch death takes to reach the proxy (`policy._SETTLE_S`).
+_PROBE_TRIES = 3
+_PROBE_GAP_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,16 +353,31 @@ class Fleet:
             del self._confirming[name]
 
     async def _probe_known_good(self, slot: WorkerSlot) -> str | None:
+        """One known-good request, asked again (`_PROBE_TRIES` in all, `_PROBE_GAP_S` apart)
+        while the worker answers it with an error: a probe batched with a request that
+        ends its batch dies with it, and says nothing of the worker. A worker that cannot
+        be reached or does not answer in time is not asked twice."""
         from dynamo_ftctl.capabilities import known_good_failure, known_good_request
 
-        try:
-            status, body = await self.http.fetch(
-                "POST", f"{slot.url}/v1/completions", dumps(known_good_request(slot.model)),
-                {"Content-Type": "application/json"},
-                timeout_s=self.config.stall_timeout_s, limit=_PROBE_LIMIT)
-        except (OSError, TimeoutError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}".rstrip(": ")
-        return known_good_failure(status, body)
+        body = dumps(known_good_request(slot.model))
+        failure: str | None = None
+        for attempt in range(_PROBE_TRIES):
+            if attempt:
+                await self.clock.asleep(_PROBE_GAP_S)
+            try:
+                status, answer = await self.http.fetch(
+                    "POST", f"{slot.url}/v1/completions", body,
+                    {"Content-Type": "application/json"},
+                    timeout_s=self.config.stall_timeout_s, limit=_PROBE_LIMIT)
+            except (Unreachable, TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}".rstrip(": ")
+            except (OSError, ValueError) as exc:  # dropped mid-answer: maybe a batch death
+                failure = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                continue
+            failure = known_good_failure(status, answer)
+            if failure is None:
+                return None
+        return failure
 
     def spare(self, slot: WorkerSlot, seconds: float | None, status: int) -> None:
         """Backpressure: send `slot` no new request for `seconds` (its Retry-After; the
