@@ -822,6 +822,67 @@ def attack_request_ids(tmp: Path) -> Row:
                "200 both", f"{statuses}", ok)
 
 
+def attack_vllm(tmp: Path) -> Row:
+    """16. On real vLLM (the suite's tiny Llama, CPU): 30 requests vLLM refuses (400) at once
+    over two servers, then one server SIGKILLed: the refusals reach the clients and move no
+    breaker; the dead server, which fails the known-good probe, is taken out and the live
+    one serves. Skipped (ok) without the vLLM venv (`make vllm`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.vllm.server import (
+        spawn_vllm,
+        tiny_llama_dir,
+        vllm_python,
+        wait_healthy,
+    )
+
+    python = vllm_python()
+    if not python.exists():
+        return Row("vLLM: refusals, then a killed server", "skipped without `make vllm`",
+                   f"no vLLM venv at {python}", True)
+    model = tiny_llama_dir(python)
+    cpus = sorted(os.sched_getaffinity(0))
+    servers = [spawn_vllm(python, model, tmp / f"vllm{i}.log", name=f"vllm{i}",
+                          cpu=cpus[i % len(cpus)]) for i in range(2)]
+    try:
+        began = time.monotonic()
+        for server in servers:
+            wait_healthy(server, began)
+        import yaml
+
+        doc = {"cluster": "chaos-vllm",
+               "workers": [{"name": s.name, "url": s.url, "model": str(model)}
+                           for s in servers],
+               "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
+                         "breaker_threshold": 1, "stall_timeout_s": 10}}
+        inventory = tmp / "inventory.yaml"
+        inventory.write_text(yaml.safe_dump(doc))
+        refused = {"model": str(model), "prompt": "hello", "max_tokens": 4,
+                   "stop_token_ids": ["x"]}
+        ok_body = {"model": str(model), "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        with proxy(inventory, tmp / "proxy.log") as url, \
+                httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
+            bad = sorted(set(pool.map(lambda _: client.post("/v1/completions",
+                                                            json=refused).status_code,
+                                      range(30))))
+            open_after_refusals = breakers_open(client)
+            os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine core
+            after = [client.post("/v1/completions", json=ok_body).status_code
+                     for _ in range(4)]
+            wait_until(lambda: breakers_open(client) == [servers[0].name], 20,
+                       "the dead server's breaker")
+            opened = breakers_open(client)
+    finally:
+        for server in servers:
+            server.stop()
+    ok = bad == [400] and not open_after_refusals and after == [200] * 4 \
+        and opened == [servers[0].name]
+    return Row("vLLM: 30 refused requests at once, then one server SIGKILLed",
+               "400 x30, no breaker; then 200 x4, only the dead server's breaker open",
+               f"{bad}, open: {open_after_refusals or 'none'}; then {after}, open: {opened}",
+               ok)
+
+
 # ------------------------------------------------------------------ issue 30: files
 
 TABLES: list[str] = []  # tables an attack prints after the rows (the hostile-file matrix)
@@ -857,6 +918,7 @@ ATTACKS: dict[int, Callable[[Path], Row]] = {
     13: attack_expired_frontend,
     14: attack_request_ids,
     15: attack_hostile_files,
+    16: attack_vllm,
 }
 
 

@@ -239,6 +239,12 @@ class QueryMemory:
             self._remember(self._suspected, failure.print_, now)
         return convicted
 
+    def forgive(self, print_: str) -> None:
+        """Forget a fingerprint: the batch death it was a candidate in was a worker that
+        died (it fails the known-good probe), which no request is blamed for."""
+        self._suspected.pop(print_, None)
+        self._convicted.pop(print_, None)
+
     def suspected(self, print_: str) -> bool:
         """Whether requests with this fingerprint killed a batch within `ttl_s`."""
         return self._fresh(self._suspected, print_)

@@ -401,10 +401,14 @@ class MigrationPolicy:
                 await self._settle(trip, slot)
             if trip.print_ in convicted or (
                     not ledger.attempt_tokens and self.memory.suspected(trip.print_)):
-                # It ended the streams batched with it (or a copy did): not tried on
-                # another worker, whose batch it would end too.
-                trip.suspect = None
-                raise self._convicted(ledger, trip.yielded, slot)
+                if await self.fleet.confirm(slot) is None:
+                    # The worker lives on, and this request ended the streams batched
+                    # with it (or a copy did): not tried on another worker, whose batch
+                    # it would end too.
+                    trip.suspect = None
+                    raise self._convicted(ledger, trip.yielded, slot)
+                # The worker died (a crash, a kill): no request is to blame for that.
+                self.memory.forgive(trip.print_)
         way = verdict.way
         suspect = trip.suspect
         if way is not None and suspect is not None and suspect.way == way:
