@@ -851,15 +851,15 @@ def attack_vllm(tmp: Path) -> Row:
         import yaml
 
         doc = {"cluster": "chaos-vllm",
-               "workers": [{"name": s.name, "url": s.url, "model": str(model)}
+               "workers": [{"name": s.name, "url": s.url, "model": s.model}
                            for s in servers],
                "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
                          "breaker_threshold": 1, "stall_timeout_s": 10}}
         inventory = tmp / "inventory.yaml"
         inventory.write_text(yaml.safe_dump(doc))
-        refused = {"model": str(model), "prompt": "hello", "max_tokens": 4,
-                   "stop_token_ids": ["x"]}
-        ok_body = {"model": str(model), "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        served = servers[0].model
+        refused = {"model": served, "prompt": "hello", "max_tokens": 4, "stop_token_ids": ["x"]}
+        ok_body = {"model": served, "prompt": "hello", "max_tokens": 4, "temperature": 0}
         with proxy(inventory, tmp / "proxy.log") as url, \
                 httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
             bad = sorted(set(pool.map(lambda _: client.post("/v1/completions",
