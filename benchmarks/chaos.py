@@ -44,6 +44,7 @@ import httpx  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # the proxy tests' helpers, as benchmarks/vllm.py does
 from tests.integration.migrate.test_proxy_admission import cut_stream  # noqa: E402
+from tests.integration.migrate.test_proxy_judgment import stand_in  # noqa: E402
 from tests.integration.migrate.test_proxy_sim import gauge  # noqa: E402
 
 from dynamo_ftctl.engine.launcher import SimWorker, start_worker  # noqa: E402
@@ -698,98 +699,45 @@ def stream_text_of(url: str, body: dict[str, Any]) -> str:
     return text
 
 
-class StandIn:
-    """A loopback stand-in worker that answers every generation with `status` (and
-    `Retry-After` when set): an overloaded server (429), or a Dynamo 1.6 frontend whose
-    workers' discovery lease expired (404, empty body). `status` 200 answers one token."""
+def upstream(url: str) -> Any:
+    """A stand-in upstream as `write_inventory` takes a worker (a name and a URL)."""
+    from types import SimpleNamespace
 
-    def __init__(self, status: int, retry_after: str | None = None) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        stand_in = self
-        self.status, self.retry_after, self.requests = status, retry_after, 0
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *_: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self.send_response(404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if b'"ping"' not in body:  # a client's request, not the proxy's probes
-                    stand_in.requests += 1
-                if stand_in.status == 200:
-                    chunk = json.dumps({"id": "s", "object": "text_completion", "model": MODEL,
-                                        "choices": [{"index": 0, "text": "a",
-                                                     "token_ids": [97],
-                                                     "finish_reason": "length"}]})
-                    data = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                else:
-                    data = b""
-                    self.send_response(stand_in.status)
-                    if stand_in.retry_after:
-                        self.send_header("Retry-After", stand_in.retry_after)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.name = "stand-in"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return SimpleNamespace(name="stand-in", url=url)
 
 
 def attack_backpressure(tmp: Path) -> Row:
-    """12. An upstream that answers 429 with Retry-After: 30."""
-    full = StandIn(429, "30")
-    try:
-        with sims(1) as workers:
-            fleet = [full, *workers]
-            with proxy(write_inventory(tmp, fleet), tmp / "proxy.log") as url, \
-                    httpx.Client(base_url=url, timeout=60) as client:
-                two = healthy_statuses(client, 4)
-                opened = breakers_open(client)
-            (tmp / "one").mkdir()
-            with proxy(write_inventory(tmp / "one", [full]), tmp / "proxy1.log") as url, \
-                    httpx.Client(base_url=url, timeout=60) as client:
-                one = client.post("/v1/completions", json=completion())
-                opened += breakers_open(client)
-    finally:
-        full.close()
+    """12. An upstream that answers 429 with Retry-After: 30 (a loopback stand-in)."""
+    with stand_in(429, "30") as (full, url), sims(1) as workers:
+        with proxy(write_inventory(tmp, [upstream(url), *workers]), tmp / "proxy.log") as at, \
+                httpx.Client(base_url=at, timeout=60) as client:
+            two = healthy_statuses(client, 4)
+            opened = breakers_open(client)
+        (tmp / "one").mkdir()
+        with proxy(write_inventory(tmp / "one", [upstream(url)]), tmp / "proxy1.log") as at, \
+                httpx.Client(base_url=at, timeout=60) as client:
+            one = client.post("/v1/completions", json=completion())
+            opened += breakers_open(client)
     retry = one.headers.get("retry-after")
     ok = two == [200] * 4 and one.status_code == 429 and retry is not None \
         and 25 <= int(retry) <= 30 and full.requests <= 2 and not opened
-    return Row("upstream 429 + Retry-After: 30", "2 workers: 200 x4, the full one asked once; "
-               "1 worker: 429 with Retry-After ~30; no breaker open",
+    return Row("upstream 429 + Retry-After: 30", "2 workers: 200 x4, the full one asked once "
+               "(then spared); 1 worker: 429 with Retry-After ~30; no breaker open",
                f"{two}, asked {full.requests}x in all; {one.status_code} Retry-After {retry}; "
                f"open: {opened or 'none'}", ok)
 
 
 def attack_expired_frontend(tmp: Path) -> Row:
     """13. A frontend that lost its workers: empty 404 to every generation (Dynamo 1.6)."""
-    empty = StandIn(404)
-    try:
-        with sims(1) as workers, \
-                proxy(write_inventory(tmp, [empty, *workers]), tmp / "proxy.log") as url, \
-                httpx.Client(base_url=url, timeout=60) as client:
-            served = healthy_statuses(client, 6)
-            view = client.get("/health").json()["workers"]["stand-in"]
-            asked = empty.requests
-            empty.status = 200  # its workers are back: the known-good probe passes
-            wait_until(lambda: client.get("/health").json()["workers"]["stand-in"]["weight"]
-                       > 0, 10, "the frontend back in routing")
-    finally:
-        empty.close()
+    with stand_in(404) as (empty, url), sims(1) as workers, \
+            proxy(write_inventory(tmp, [upstream(url), *workers]), tmp / "proxy.log") as at, \
+            httpx.Client(base_url=at, timeout=60) as client:
+        served = healthy_statuses(client, 6)
+        view = client.get("/health").json()["workers"]["stand-in"]
+        asked = empty.requests
+        empty.status = 200  # its workers are back: the known-good probe passes
+        wait_until(lambda: client.get("/health").json()["workers"]["stand-in"]["weight"]
+                   > 0, 10, "the frontend back in routing")
     ok = served == [200] * 6 and view["weight"] == 0 and view["breaker"] == "closed"
     return Row("frontend without workers (empty 404; a stand-in, Dynamo not in the suite yet)",
                "200 x6 from the other; it is out (weight 0, breaker closed), back when it serves",
