@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,7 +57,10 @@ def test_vllm_worker_crash_drill_continues_every_stream_token_exactly(
         # and the clients share the other core). Said loudly, with the proxy's routing
         # view, and the drill runs once more on a restarted vllm2 (an unexplained skew
         # would show as this warning in every CI log, and fail the second time).
-        warnings.warn(f"vLLM drill: the kill found no witness on vllm2: {kill}", stacklevel=1)
+        # Printed, not warned: the suite runs with filterwarnings=error, under which a
+        # warning failed the test before its second run (CI at b9aa3dd).
+        print(f"vLLM drill: the kill cut no witness on vllm2, running it again: {kill}",
+              file=sys.stderr)
         vllm_pair[1].restart()
         running_inventory(vllm_pair, tmp_path / "vllm.yaml")
         shutil.rmtree(tmp_path / "out")
