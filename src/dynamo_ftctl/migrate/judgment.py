@@ -245,6 +245,11 @@ class QueryMemory:
         self._suspected.pop(print_, None)
         self._convicted.pop(print_, None)
 
+    def remembers(self) -> bool:
+        """Whether any fingerprint is suspected or convicted (else no request need be
+        fingerprinted to be looked up)."""
+        return bool(self._suspected or self._convicted)
+
     def suspected(self, print_: str) -> bool:
         """Whether requests with this fingerprint killed a batch within `ttl_s`."""
         return self._fresh(self._suspected, print_)

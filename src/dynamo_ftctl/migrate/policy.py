@@ -134,9 +134,17 @@ class _Trip:
     retrying: bool = False  # this attempt holds a place in the retry budget
     budgeted: bool = False  # the next attempt is a retry the budget caps
     serial: int = 0  # this request among the proxy's (the query memory's key)
-    print_: str = ""  # its fingerprint (`judgment.fingerprint`)
+    _print: str = ""  # its fingerprint, once asked for (`print_`)
     held: bool = False  # this attempt runs while the fingerprint is suspected
     absent: bool = False  # a worker said it does not serve the model
+
+    @property
+    def print_(self) -> str:
+        """The request's fingerprint (`judgment.fingerprint`), worked out on first use: a
+        JSON encoding of the body that only a failure or a non-empty memory needs."""
+        if not self._print:
+            self._print = fingerprint(self.ledger.body)
+        return self._print
 
 
 class MigrationPolicy:
@@ -171,8 +179,8 @@ class MigrationPolicy:
         trip = _Trip(ledger, first_request(ledger),
                      estimate_prompt_tokens(ledger.endpoint, ledger.body),
                      model if isinstance(model, str) else None,
-                     serial=next(self._serials), print_=fingerprint(ledger.body))
-        if self.memory.convicted(trip.print_):
+                     serial=next(self._serials))
+        if self.memory.remembers() and self.memory.convicted(trip.print_):
             raise self._convicted(ledger, trip.yielded)
         self.fleet.queued += 1
         self._in_flight += 1
@@ -224,7 +232,7 @@ class MigrationPolicy:
     @contextlib.asynccontextmanager
     async def _hold(self, trip: _Trip) -> AsyncIterator[None]:
         """One attempt; while the request's fingerprint is suspected, one copy at a time."""
-        trip.held = self.memory.suspected(trip.print_)
+        trip.held = self.memory.remembers() and self.memory.suspected(trip.print_)
         if not trip.held:
             yield
             return

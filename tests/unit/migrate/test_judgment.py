@@ -118,10 +118,12 @@ def test_a_batch_death_suspects_the_request_that_failed_before_its_first_token()
     """Victims cut mid-stream and one request failing before any token, on one worker at
     once: that request is suspected (not convicted); the victims are not."""
     mem, _ = memory()
+    assert not mem.remembers()  # the proxy fingerprints no request until it does
     assert mem.note_failure("w0", 1, "poison", 0) == []
     assert mem.note_failure("w0", 2, "victim-a", 12) == []
     assert mem.note_failure("w0", 3, "victim-b", 30) == []
     assert mem.suspected("poison")
+    assert mem.remembers()
     assert not mem.suspected("victim-a")
     assert not mem.suspected("victim-b")
     assert not mem.convicted("poison")
