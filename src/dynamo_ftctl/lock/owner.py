@@ -6,26 +6,36 @@ create a new inode and with it a second lock). Tokens come from the token floor
 `P.floor` beside the lock file `P`; the rules for whose claim counts are in
 `flock.py`'s docstring. This module issues tokens and reads and writes the
 records; it never takes the lock itself (`flock.py` does, and calls it while held).
+
+Tokens are a hybrid logical clock: the wall clock's milliseconds times 2**16 plus a
+counter, and never below the floor (`next_token`), so a directory wiped of both files
+still issues above every earlier token, as long as the wall clock has not gone back by
+more than the time since the last one was issued.
+
+Every file here is opened by `_open_lock_file`: never through a symbolic link, never a
+FIFO, device, socket or directory, never a file with a second hard link.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, OutputRefused
 from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
 
-__all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "release_reservation",
-           "reserve_token", "write_owner"]
+__all__ = ["BACKEND", "COUNTER_BITS", "FLOOR_SUFFIX", "clock_token", "floor_knows",
+           "floor_path", "read_owner", "reserve_token", "write_owner"]
 
 BACKEND = "flock"
 # Owner data is ~150 bytes of JSON; anything past this is not ours.
@@ -36,9 +46,63 @@ FLOOR_SUFFIX = ".floor"
 FLOOR_RECORD = 128
 # Fencing tokens stay within a signed 64-bit integer, what storage usually keeps.
 _TOKEN_MAX = 2**63 - 1
+# A token is wall-clock milliseconds << COUNTER_BITS, plus a counter for the tokens issued
+# within one millisecond (a handoff takes far longer): 2**47 ms lasts until the year 6400.
+COUNTER_BITS = 16
 _log = logging.getLogger("ftctl.lock")
 # Read once, not on the handoff (a pod's host name does not change under it).
 _HOST = socket.gethostname()
+
+
+# What a path that is not a regular file is, for the one-line refusal.
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _refuse(path: Path, what: str, why: str) -> OutputRefused:
+    return OutputRefused(path, f"refusing the {what}: it is {why} (it must be a regular "
+                               "file with one name; remove it)")
+
+
+def _open_lock_file(path: Path, flags: int, mode: int = 0o644, *,
+                    what: str = "lock file") -> int:
+    """`os.open(path, flags)` that never follows a symbolic link at `path`, never blocks
+    on a FIFO, and returns only a regular file with one name; `OutputRefused` (exit 2)
+    for anything else, `InvalidInput` when it cannot be opened, `FileNotFoundError` as
+    is (callers decide whether a missing file matters). The one opener of `lock/`."""
+    # to be safefiles.open_regular once merged (plus the hard-link check, kept here)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                     | os.O_NOCTTY, mode)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno in {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV,
+                         errno.EOPNOTSUPP}:
+            try:
+                kind = _kind(os.lstat(path).st_mode)
+            except OSError:
+                kind = "not a regular file"
+            raise _refuse(path, what, kind) from exc
+        msg = f"{path}: cannot open the {what}: {exc.strerror}"
+        raise InvalidInput(msg) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse(path, what, _kind(st.st_mode))
+        if st.st_nlink > 1:
+            # Another name for this inode could be any file of this file system (an
+            # engine's data, /etc/shadow): the owner data would be written into it.
+            raise _refuse(path, what, f"a file with {st.st_nlink} hard links")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def parse_owner(data: bytes) -> dict[str, Any]:
@@ -66,10 +130,15 @@ def owner_from(doc: dict[str, Any], *, lock: str, live: bool) -> OwnerInfo:
 
 
 def floor_path(lock_path: Path) -> Path:
-    """The token floor kept beside the lock file `lock_path` (`P.floor`; beside the file a
-    symbolic link points to, as `--fd` users see it through /proc)."""
-    real = Path(os.path.realpath(lock_path))
-    return real.with_name(real.name + FLOOR_SUFFIX)
+    """The token floor kept beside the lock file `lock_path`: `P.floor`, in the same
+    directory (a lock file that is a symbolic link is refused, never followed)."""
+    return lock_path.with_name(lock_path.name + FLOOR_SUFFIX)
+
+
+def clock_token(wall_s: float) -> int:
+    """The lowest token the wall clock allows at `wall_s` (seconds since the epoch):
+    its milliseconds shifted above the counter bits."""
+    return max(0, int(wall_s * 1000)) << COUNTER_BITS
 
 
 @dataclass(frozen=True)
@@ -116,8 +185,8 @@ def _open_floor(floor: Path) -> int:
     """The floor, created if missing and flocked: issuers take turns on it for microseconds."""
     while True:
         try:
-            fd = os.open(floor, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
+            fd = _open_lock_file(floor, os.O_CREAT | os.O_RDWR, what="token floor")
+        except FileNotFoundError as exc:  # the directory is gone
             msg = f"{floor}: cannot open the token floor: {exc.strerror}"
             raise InvalidInput(msg) from exc
         try:
@@ -141,7 +210,8 @@ def _sync_directory(path: Path) -> None:
 
 
 def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: str) -> int:
-    """The token to issue: see the module docstring for whose word counts."""
+    """The lowest token the records allow (one above the last issued): see `flock.py`'s
+    docstring for whose word counts. The wall clock's floor is the caller's."""
     if floor is None:
         token = claimed + 1
     elif floor.locked == locked:
@@ -150,18 +220,18 @@ def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: 
         token = floor.token + 1
         if claimed > floor.token:
             _log.warning("%s: the lock file was replaced and claims token %d, above the "
-                         "floor's %d: ignored (not issued here); token %d",
-                         name, claimed, floor.token, token)
+                         "floor's %d: ignored (not issued here)", name, claimed, floor.token)
     if token > _TOKEN_MAX:
         msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
         raise InvalidInput(msg)
     return token
 
 
-def reserve_token(floor: Path) -> int | None:
+def reserve_token(floor: Path, wall_s: float) -> int | None:
     """Reserve the next token durably (floor rewritten and fsynced) before blocking for the
-    lock, so that the handoff itself needs no fsync; None when there is no floor yet (the
-    lock file's own claim may then count: the grant issues with an fsync)."""
+    lock, so that the handoff itself needs no fsync: above the floor's high-water mark
+    and at least `clock_token(wall_s)`. None when there is no floor yet (the lock file's
+    own claim may then count: the grant issues with an fsync)."""
     try:
         if not floor.exists():
             return None
@@ -170,9 +240,11 @@ def reserve_token(floor: Path) -> int | None:
         return None  # the grant tries again and reports what is wrong
     try:
         record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
-        if record is None or record.high >= _TOKEN_MAX:
+        if record is None:
             return None
-        reserved = record.high + 1
+        reserved = max(record.high + 1, clock_token(wall_s))
+        if reserved > _TOKEN_MAX:
+            return None
         _write_in_place(floor_fd, _floor_record(reserved, record.token, record.locked))
         os.fsync(floor_fd)
     except OSError:
@@ -182,30 +254,12 @@ def reserve_token(floor: Path) -> int | None:
     return reserved
 
 
-def release_reservation(floor: Path, reserved: int | None) -> None:
-    """Give back a reservation whose wait ended without the lock (timeout, cancel), when
-    it is still the floor's high-water mark (nobody reserved or issued above it), so the
-    next token continues without a gap. Best effort: a waiter killed while it waits
-    leaves a gap (tokens are unique and rising, not consecutive)."""
-    if reserved is None:
-        return
-    with contextlib.suppress(OSError, InvalidInput):
-        floor_fd = _open_floor(floor)
-        try:
-            record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
-            if record is not None and record.high == reserved > record.token:
-                _write_in_place(floor_fd, _floor_record(reserved - 1, record.token,
-                                                        record.locked))
-                os.fsync(floor_fd)
-        finally:
-            os.close(floor_fd)
-
-
-def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str,
-           reserved: int | None) -> int:
+def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str, *,
+           reserved: int | None, wall_s: float) -> int:
     """The next token, recorded in the floor: a still valid reservation (above every token
-    issued, under the durable high-water mark) costs no fsync; otherwise the floor's new
-    high-water mark is fsynced before the token is returned."""
+    issued, under the durable high-water mark) costs no fsync; otherwise a token above
+    the high-water mark and at least `clock_token(wall_s)`, fsynced before it is
+    returned."""
     floor_fd = _open_floor(floor)
     try:
         data = os.pread(floor_fd, OWNER_MAX, 0)
@@ -216,11 +270,10 @@ def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str,
             # cannot let a later token repeat or undercut this one.
             _write_in_place(floor_fd, _floor_record(record.high, reserved, locked))
             return reserved
-        if record is not None:
-            token = max(token, record.high + 1)
-            if token > _TOKEN_MAX:
-                msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
-                raise InvalidInput(msg)
+        token = max(token, clock_token(wall_s), record.high + 1 if record else 0)
+        if token > _TOKEN_MAX:
+            msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
+            raise InvalidInput(msg)
         _write_in_place(floor_fd, _floor_record(token, token, locked))
         os.fsync(floor_fd)
     finally:
@@ -238,14 +291,15 @@ def write_owner(data_fd: int, floor: Path | None, name: str, *, locked: FileIden
     Must be called while holding the lock on the inode `locked`. `data_fd` reads and
     writes the owner data (the locked descriptor unless that is write-only); `floor`
     None: no floor (the lock file's path is not known); `name` is the lock's, for messages;
+    `acquired_at`: the wall clock now (it sets the token's lowest value, `clock_token`);
     `reserved`: what `reserve_token` gave before the wait, used when still valid.
     """
     claimed = _int_or_none(parse_owner(os.pread(data_fd, OWNER_MAX, 0)).get("token"))
     claimed = min(max(claimed or 0, 0), _TOKEN_MAX)
     if floor is None:
-        token = _next_token(None, locked, claimed, name)
+        token = max(_next_token(None, locked, claimed, name), clock_token(acquired_at))
     else:
-        token = _issue(floor, locked, claimed, name, reserved)
+        token = _issue(floor, locked, claimed, name, reserved=reserved, wall_s=acquired_at)
     _write_in_place(data_fd, json.dumps({
         "engine_id": engine_id, "pid": pid, "host": _HOST,
         "acquired_at": acquired_at, "token": token,
@@ -262,11 +316,9 @@ def read_owner(path: Path) -> OwnerInfo | None:
     holder can be rewriting the data while it is read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _open_lock_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot open lock file: {exc.strerror}") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -283,3 +335,18 @@ def read_owner(path: Path) -> OwnerInfo | None:
     if not doc and not live:
         return None
     return owner_from(doc, lock=str(path), live=live)
+
+
+def floor_knows(floor: Path, locked: FileIdentity) -> bool:
+    """True when the floor's last token was issued for the inode `locked`: the lock file
+    is the one the last holder locked, not a new or replacing one (a holder of the old
+    file may still run: see `bound.py`). False without a floor or a readable record."""
+    try:
+        fd = _open_lock_file(floor, os.O_RDONLY, what="token floor")
+    except FileNotFoundError:
+        return False
+    try:
+        record = _read_floor(os.pread(fd, OWNER_MAX, 0))
+    finally:
+        os.close(fd)
+    return record is not None and record.locked == locked
