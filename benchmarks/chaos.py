@@ -1,4 +1,5 @@
-"""Issue #22's eight attacks, replayed on loopback against real ftctl processes.
+"""Issue #22's eight attacks, issue #29's judgment attacks and issue #30's hostile files,
+replayed on loopback against real ftctl processes.
 
 `make chaos` runs this (and `make bench` with the other scripts). Each attack starts what
 it needs (`ftctl sim` engines, `ftctl proxy`, the canary daemon, `ftctl lock`), attacks it
@@ -43,6 +44,7 @@ import httpx  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # the proxy tests' helpers, as benchmarks/vllm.py does
 from tests.integration.migrate.test_proxy_admission import cut_stream  # noqa: E402
+from tests.integration.migrate.test_proxy_judgment import stand_in  # noqa: E402
 from tests.integration.migrate.test_proxy_sim import gauge  # noqa: E402
 
 from dynamo_ftctl.engine.launcher import SimWorker, start_worker  # noqa: E402
@@ -403,27 +405,58 @@ def attack_sleep(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its temp
                f"{asked}; stream {len(tokens)} tokens; asleep: {asleep.get('is_sleeping')}", ok)
 
 
+YAML_BOMB_COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "inventory check": lambda p, _tmp: ["-i", str(p), "inventory", "check"],
+    "canary --set": lambda p, _tmp: ["canary", "--url", "http://127.0.0.1:9", "--set", str(p),
+                                     "--no-state"],
+    "drill": lambda p, tmp: ["drill", str(p), "--out", str(tmp / "report"), "--no-plot"],
+}
+
+
+def yaml_bomb_rows(tmp: Path) -> list[Row]:
+    """One row per alias bomb of `tests/unit/foundation/bombs.py` (issue 22's billion laughs,
+    issue 30's large scalars repeated flat and through nested lists): each command that
+    reads user YAML, with the parse cache on (twice: the second would hit what the first
+    stored) and off; every run must exit 2 with one line, fast and small, caching nothing."""
+    from tests.unit.foundation.bombs import ALIAS_BOMBS
+
+    rows = []
+    for name, (text, words) in ALIAS_BOMBS.items():
+        bomb = tmp / f"{name}.yaml"
+        bomb.write_text(text())
+        cache = tmp / f"cache-{name}"
+        runs = []
+        for command, argv in YAML_BOMB_COMMANDS.items():
+            for env in ({"XDG_CACHE_HOME": str(cache)}, {"XDG_CACHE_HOME": str(cache)},
+                        {"FTCTL_NO_CACHE": "1"}):
+                code, _, err, wall, rss = ftctl(*argv(bomb, tmp), env={**env,
+                                                "FTCTL_INVENTORY": ""}, timeout_s=20)
+                runs.append((command, code, err.strip().splitlines(), wall, rss))
+        cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) \
+            if cache.exists() else 0
+        codes = sorted({r[1] for r in runs})
+        lines = sorted({len(r[2]) for r in runs})
+        worded = all(len(r[2]) == 1 and words in r[2][0] for r in runs)
+        wall = max(r[3] for r in runs)
+        rss = max(r[4] for r in runs)
+        ok = codes == [2] and lines == [1] and worded and wall < 5 and rss < 400 and not cached
+        size = bomb.stat().st_size
+        rows.append(Row(
+            f"YAML {name} ({size / 1000:,.0f} KB): {len(runs)} runs",
+            "exit 2, one line naming the bound, < 5 s, < 400 MiB, nothing cached",
+            f"exit {codes}, {lines} lines, bound named: {worded}, max {wall:.2f} s,"
+            f" {rss:.0f} MiB, cache {cached} B", ok))
+    return rows
+
+
 def attack_yaml_bomb(tmp: Path) -> Row:
-    """3. A 409-byte billion-laughs inventory, checked twice (the second run hits the cache)."""
-    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"]
-    levels += [f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 9)}]"
-               for i in range(8)]
-    bomb = tmp / "bomb.yaml"
-    bomb.write_text("\n".join(levels) + "\ncluster: *i\nworkers: []\n")
-    cache = tmp / "cache"
-    env = {"XDG_CACHE_HOME": str(cache)}
-    runs = [ftctl("inventory", "check", str(bomb), env=env, timeout_s=20) for _ in range(2)]
-    cached = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file()) if cache.exists() else 0
-    codes = [r[0] for r in runs]
-    walls = [r[3] for r in runs]
-    lines = [len(r[2].strip().splitlines()) for r in runs]
-    rss = max(r[4] for r in runs)
-    ok = (codes == [2, 2] and max(walls) < 5 and rss < 400 and cached < 64 * 1024
-          and lines == [1, 1])
-    return Row(f"YAML alias bomb ({bomb.stat().st_size} B, 9 levels), twice",
-               "exit 2, one line, < 5 s, < 400 MiB, nothing cached",
-               f"exit {codes}, {lines} lines, {max(walls):.2f} s, {rss:.0f} MiB,"
-               f" cache {cached} B", ok)
+    """3. YAML alias bombs at inventories, canary sets and drills (see `yaml_bomb_rows`)."""
+    rows = yaml_bomb_rows(tmp)
+    return Row(f"YAML alias bombs ({len(rows)} kinds x inventory/canary/drill, cache on/off)",
+               rows[0].expected,
+               "; ".join(f"{r.attack.split(' (')[0].removeprefix('YAML ')}:"
+                         f" {'ok' if r.ok else r.observed}" for r in rows),
+               all(r.ok for r in rows))
 
 
 def attack_out_targets(tmp: Path) -> Row:
@@ -571,6 +604,252 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+# ------------------------------------------------------------------ issue 29: the judgment
+
+POISON_SEED = 666  # the sims' poison fault: a request with this seed ends its whole batch
+
+
+def breakers_open(client: httpx.Client) -> list[str]:
+    """The workers whose breaker the proxy has open (its /health)."""
+    workers = client.get("/health").json().get("workers", {})
+    return [n for n, w in workers.items() if isinstance(w, dict) and w.get("breaker") == "open"]
+
+
+def poison_body(max_tokens: int = 8) -> dict[str, Any]:
+    return {**completion("poison", max_tokens), "seed": POISON_SEED, "temperature": 1}
+
+
+def healthy_statuses(client: httpx.Client, count: int = 5) -> list[int]:
+    return [client.post("/v1/completions", json=completion()).status_code
+            for _ in range(count)]
+
+
+def attack_poison_burst(tmp: Path) -> Row:
+    """9. 30 batch-killing requests at once over 2 sims, then normal traffic."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with sims(2, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
+        bad = sorted(set(pool.map(lambda _: client.post("/v1/completions",
+                                                        json=poison_body()).status_code,
+                                  range(30))))
+        good = healthy_statuses(client)
+        opened = breakers_open(client)
+    ok = set(bad) <= {422, 502, 503} and good == [200] * 5 and not opened
+    return Row("poison burst: 30 batch-killers at once, 2 sims",
+               "each 422/502/503; then 200 x5; no breaker open",
+               f"{bad}; then {good}; open: {opened or 'none'}", ok)
+
+
+def attack_one_worker(tmp: Path) -> Row:
+    """10. Poison on a one-worker fleet: no second opinion."""
+    with sims(1, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client:
+        bad = [client.post("/v1/completions", json=poison_body()).status_code
+               for _ in range(5)]
+        good = healthy_statuses(client)
+        opened = breakers_open(client)
+    ok = all(s in (422, 502) for s in bad) and good == [200] * 5 and not opened
+    return Row("poison x5 on a one-worker fleet", "422/502 each; then 200 x5; breaker closed",
+               f"{bad}; then {good}; open: {opened or 'none'}", ok)
+
+
+def attack_batch_kill(tmp: Path) -> Row:
+    """11. A request that ends every stream batched with it, while 6 greedy streams run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "Tokens must not be lost", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with sims(2, "--fault", f"poison:seed={POISON_SEED}") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(8) as pool:
+        reference = httpx.post(f"{workers[0].url}/v1/completions",
+                               json={**body, "stream": False}, timeout=60).json()
+        expected = reference["choices"][0]["text"]
+        for worker in workers:
+            httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 30},
+                       headers={"Authorization": f"Bearer {SIM_TOKEN}"}, timeout=5)
+        rounds = []
+        for _ in range(3):
+            victims = [pool.submit(stream_text_of, url, body) for _ in range(6)]
+            wait_until(lambda: sum(gauge(w.url, "vllm:num_requests_running")
+                                   for w in workers) >= 6, 20, "6 streams under way")
+            rounds.append(client.post("/v1/completions", json=poison_body()).status_code)
+            texts = [v.result(timeout=90) for v in victims]
+            rounds.append(sum(t == expected for t in texts))
+        opened = breakers_open(client)
+    statuses, intact = rounds[0::2], rounds[1::2]
+    ok = all(s == 422 for s in statuses) and intact == [6, 6, 6] and not opened
+    return Row("batch-killing request x3 amid 6 greedy streams, 2 sims",
+               "422 each; 6 of 6 streams identical each time; no breaker open",
+               f"{statuses}; identical {intact}; open: {opened or 'none'}", ok)
+
+
+def stream_text_of(url: str, body: dict[str, Any]) -> str:
+    """The text of a streamed completion through `url`."""
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                doc = json.loads(line[6:])
+                for choice in doc.get("choices") or ():
+                    text += choice.get("text") or ""
+    return text
+
+
+def upstream(url: str) -> Any:
+    """A stand-in upstream as `write_inventory` takes a worker (a name and a URL)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="stand-in", url=url)
+
+
+def attack_backpressure(tmp: Path) -> Row:
+    """12. An upstream that answers 429 with Retry-After: 30 (a loopback stand-in)."""
+    with stand_in(429, "30") as (full, url), sims(1) as workers:
+        with proxy(write_inventory(tmp, [upstream(url), *workers]), tmp / "proxy.log") as at, \
+                httpx.Client(base_url=at, timeout=60) as client:
+            two = healthy_statuses(client, 4)
+            opened = breakers_open(client)
+        (tmp / "one").mkdir()
+        with proxy(write_inventory(tmp / "one", [upstream(url)]), tmp / "proxy1.log") as at, \
+                httpx.Client(base_url=at, timeout=60) as client:
+            one = client.post("/v1/completions", json=completion())
+            opened += breakers_open(client)
+    retry = one.headers.get("retry-after")
+    ok = two == [200] * 4 and one.status_code == 429 and retry is not None \
+        and 25 <= int(retry) <= 30 and full.requests <= 2 and not opened
+    return Row("upstream 429 + Retry-After: 30", "2 workers: 200 x4, the full one asked once "
+               "(then spared); 1 worker: 429 with Retry-After ~30; no breaker open",
+               f"{two}, asked {full.requests}x in all; {one.status_code} Retry-After {retry}; "
+               f"open: {opened or 'none'}", ok)
+
+
+def attack_expired_frontend(tmp: Path) -> Row:
+    """13. A frontend that lost its workers: empty 404 to every generation (Dynamo 1.6)."""
+    with stand_in(404) as (empty, url), sims(1) as workers, \
+            proxy(write_inventory(tmp, [upstream(url), *workers]), tmp / "proxy.log") as at, \
+            httpx.Client(base_url=at, timeout=60) as client:
+        served = healthy_statuses(client, 6)
+        view = client.get("/health").json()["workers"]["stand-in"]
+        asked = empty.requests
+        empty.status = 200  # its workers are back: the known-good probe passes
+        wait_until(lambda: client.get("/health").json()["workers"]["stand-in"]["weight"]
+                   > 0, 10, "the frontend back in routing")
+    ok = served == [200] * 6 and view["weight"] == 0 and view["breaker"] == "closed"
+    return Row("frontend without workers (empty 404; a stand-in, Dynamo not in the suite yet)",
+               "200 x6 from the other; it is out (weight 0, breaker closed), back when it serves",
+               f"{served}; weight {view['weight']}, breaker {view['breaker']}, asked {asked}x; "
+               "back: yes", ok)
+
+
+def attack_request_ids(tmp: Path) -> Row:
+    """14. A client holding a stream under another's X-Request-Id (the sim refuses a running
+    id with 409, as a strict engine does)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "ignore_eos": True,
+            "stream": True}
+    with sims(1, "--fault", "slow:delay_ms=30") as workers, \
+            proxy(write_inventory(tmp, workers), tmp / "proxy.log") as url, \
+            ThreadPoolExecutor(2) as pool:
+        def one() -> int:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+                              headers={"X-Request-Id": "taken"}) as resp:
+                resp.read()
+                return resp.status_code
+        first = pool.submit(one)
+        wait_until(lambda: gauge(workers[0].url, "vllm:num_requests_running") >= 1, 20,
+                   "the first stream")
+        second = one()
+        statuses = [first.result(timeout=60), second]
+    ok = statuses == [200, 200]
+    return Row("two clients, one X-Request-Id, a worker that refuses a running id",
+               "200 both", f"{statuses}", ok)
+
+
+def attack_vllm(tmp: Path) -> Row:
+    """16. On real vLLM (the suite's tiny Llama, CPU): 30 requests vLLM refuses (400) at once
+    over two servers, then one server SIGKILLed: the refusals reach the clients and move no
+    breaker; the dead server, which fails the known-good probe, is taken out and the live
+    one serves. Skipped (ok) without the vLLM venv (`make vllm`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.vllm.server import (
+        spawn_vllm,
+        tiny_llama_dir,
+        vllm_python,
+        wait_healthy,
+    )
+
+    python = vllm_python()
+    if not python.exists():
+        return Row("vLLM: refusals, then a killed server", "skipped without `make vllm`",
+                   f"no vLLM venv at {python}", True)
+    model = tiny_llama_dir(python)
+    cpus = sorted(os.sched_getaffinity(0))
+    servers = [spawn_vllm(python, model, tmp / f"vllm{i}.log", name=f"vllm{i}",
+                          cpu=cpus[i % len(cpus)]) for i in range(2)]
+    try:
+        began = time.monotonic()
+        for server in servers:
+            wait_healthy(server, began)
+        import yaml
+
+        doc = {"cluster": "chaos-vllm",
+               "workers": [{"name": s.name, "url": s.url, "model": s.model}
+                           for s in servers],
+               "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
+                         "breaker_threshold": 1, "stall_timeout_s": 10}}
+        inventory = tmp / "inventory.yaml"
+        inventory.write_text(yaml.safe_dump(doc))
+        served = servers[0].model
+        refused = {"model": served, "prompt": "hello", "max_tokens": 4, "stop_token_ids": ["x"]}
+        ok_body = {"model": served, "prompt": "hello", "max_tokens": 4, "temperature": 0}
+        with proxy(inventory, tmp / "proxy.log") as url, \
+                httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
+            bad = sorted(set(pool.map(lambda _: client.post("/v1/completions",
+                                                            json=refused).status_code,
+                                      range(30))))
+            open_after_refusals = breakers_open(client)
+            os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine core
+            after = [client.post("/v1/completions", json=ok_body).status_code
+                     for _ in range(4)]
+            wait_until(lambda: breakers_open(client) == [servers[0].name], 20,
+                       "the dead server's breaker")
+            opened = breakers_open(client)
+    finally:
+        for server in servers:
+            server.stop()
+    ok = bad == [400] and not open_after_refusals and after == [200] * 4 \
+        and opened == [servers[0].name]
+    return Row("vLLM: 30 refused requests at once, then one server SIGKILLed",
+               "400 x30, no breaker; then 200 x4, only the dead server's breaker open",
+               f"{bad}, open: {open_after_refusals or 'none'}; then {after}, open: {opened}",
+               ok)
+
+
+# ------------------------------------------------------------------ issue 30: files
+
+TABLES: list[str] = []  # tables an attack prints after the rows (the hostile-file matrix)
+
+
+def attack_hostile_files(tmp: Path) -> Row:  # noqa: ARG001 (every attack takes its folder)
+    """15. Every output and log option against symlinks, FIFOs, devices, sockets, hard links
+    and names that climb out (tests/hostilefiles.py; its table is printed after the rows)."""
+    from tests.hostilefiles import render, run_matrix
+
+    rows = run_matrix()
+    TABLES.append(render(rows))
+    bad = [f"{r.option} {r.kind}: {r.observed}" for r in rows if not r.ok]
+    return Row(f"hostile files: {len(rows)} option x kind cases", "each refused or safe, "
+               "victim unchanged, nothing half-written, no hang",
+               f"{len(rows) - len(bad)} of {len(rows)} as expected" + (f"; {bad}" if bad else ""),
+               not bad)
+
+
 ATTACKS: dict[int, Callable[[Path], Row]] = {
     1: attack_poison,
     2: attack_forged_reports,
@@ -580,6 +859,14 @@ ATTACKS: dict[int, Callable[[Path], Row]] = {
     6: attack_lock_file,
     7: attack_sleep,
     8: attack_caps,
+    9: attack_poison_burst,
+    10: attack_one_worker,
+    11: attack_batch_kill,
+    12: attack_backpressure,
+    13: attack_expired_frontend,
+    14: attack_request_ids,
+    15: attack_hostile_files,
+    16: attack_vllm,
 }
 
 
@@ -604,6 +891,8 @@ def main() -> int:
             mark = "ok  " if r.ok else "FAIL"
             print(f"{mark} {i}. {r.attack:<{width}}  expected: {r.expected}\n"
                   f"     {'':<{width + 3}}  observed: {r.observed}")
+        for table in TABLES:
+            print(f"\n{table}")
     return 0 if all(r.ok for r in rows) else 1
 
 

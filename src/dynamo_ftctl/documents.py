@@ -10,10 +10,14 @@ errors (`InventoryError`, exit 2, naming the file and line):
 - nesting: at most `MAX_DEPTH` levels of lists and mappings;
 - YAML tags: only `!!str` (and `!!seq`, `!!map`); a value is what it reads as;
 - YAML aliases: all the nodes that aliases (`*name`, and `<<: *name` merges) repeat
-  come to at most `MAX_ALIAS_NODES`. A "billion laughs" document is a few hundred
-  bytes whose aliases repeat aliases: its events are counted here, one pass over the
-  parser's event stream that builds nothing, before PyYAML composes a node tree or
-  anything walks, validates or caches the expanded document.
+  come to at most `MAX_ALIAS_NODES`, and the document as its aliases expand it counts
+  at most `MAX_EXPANDED_BYTES` (the UTF-8 bytes of every scalar plus `NODE_BYTES` for
+  every node, an alias counted as all it repeats, aliases inside it included). A
+  "billion laughs" document is a few hundred bytes whose aliases repeat aliases; one
+  large anchored scalar repeated a few thousand times repeats few nodes but gigabytes.
+  Both are counted here, one pass over the parser's event stream that builds nothing,
+  before PyYAML composes a node tree or anything walks, validates, caches or encodes
+  the expanded document.
 
 JSON has no aliases: its bounds are the size and Python's own recursion limit,
 which ends up as the same one-line error.
@@ -37,6 +41,8 @@ __all__ = [
     "MAX_ALIAS_NODES",
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
+    "MAX_EXPANDED_BYTES",
+    "NODE_BYTES",
     "Located",
     "check_yaml_bounds",
     "decode_text",
@@ -55,6 +61,19 @@ MAX_DEPTH = 64
 # Anchors that share a header block among a few hundred workers repeat a few thousand
 # nodes; the 409-byte bomb of issue 22 repeated 9**8 (43 million).
 MAX_ALIAS_NODES = 10_000
+# What a node costs in the expanded count besides its scalar's bytes: at least what it
+# takes in msgpack (a header or a number: at most 9 bytes, and a number is one byte of
+# text or more) and in compact JSON (quotes and a comma, `null`, brackets), so that the
+# cache's entry and `--json` output of a document are no larger than its count.
+NODE_BYTES = 8
+# The expanded count of a whole document. Real files count 0.7-1.5 times their text
+# (examples/, drills/, canaries/). A 1 MiB file without aliases counts at most about
+# 12 MiB (`[?,?,...]`: an empty pair in a mapping for every 2 bytes of text), so no
+# file is refused for its text alone, and a real one keeps 15 MiB for what its aliases
+# repeat; everything after the parser (conversion, the cache's msgpack, `--json`)
+# walks at most this much. A 500 KB scalar repeated by 4,000 aliases counts 2 GB
+# (issue 30): it is refused at its 33rd alias.
+MAX_EXPANDED_BYTES = 16 * 1024 * 1024
 
 
 def _size_text(limit: int) -> str:
@@ -107,9 +126,12 @@ def decode_text(raw: bytes, path: Path, *, what: str = "YAML text") -> str:
 
 def check_yaml_bounds(text: str, path: Path) -> None:
     """Refuse YAML `text` (named `path` in errors) that is too large, nests too deeply or
-    whose aliases repeat too much, from its event stream alone (nothing is built).
+    whose aliases repeat too much (nodes, or the bytes of the expanded document), from
+    its event stream alone: nothing is built, and time and memory stay linear in `text`.
 
-    Syntax errors are PyYAML's `MarkedYAMLError`, for the caller to word.
+    Raises `InventoryError` naming `path` and the line of the event that went past a
+    bound (for aliases, the alias). Syntax errors are PyYAML's `MarkedYAMLError`, for
+    the caller to word.
     """
     try:
         size = len(text.encode())
@@ -130,51 +152,75 @@ def check_yaml_bounds(text: str, path: Path) -> None:
 
 
 def _scan_events(parser: Any, path: Path) -> None:
-    """Depth and alias expansion over `parser`'s events (see `check_yaml_bounds`)."""
+    """Depth, tags and alias expansion over `parser`'s events (see `check_yaml_bounds`)."""
     import yaml
 
-    # Nodes in each anchored node, aliases counted expanded; an anchor names the
-    # latest node that took it, and each document has its own.
-    sizes: dict[str, int] = {}
-    # Open collections: [anchor, nodes so far].
+    # (nodes, bytes) of each anchored node, aliases counted expanded; an anchor names
+    # the latest node that took it, and each document has its own.
+    sizes: dict[str, tuple[int, int]] = {}
+    # Open collections: [anchor, nodes so far, bytes so far].
     frames: list[list[Any]] = []
-    repeated = 0
+    repeated = 0  # nodes that aliases repeat
+    expanded = 0  # the document's bytes so far, aliases expanded
     while (event := parser.get_event()) is not None:
-        line = event.start_mark.line + 1
-        if isinstance(event, yaml.DocumentStartEvent):
-            sizes.clear()
-            continue
-        if isinstance(event, yaml.AliasEvent):
-            name = str(event.anchor)
-            if any(anchor == name for anchor, _ in frames):
-                msg = f"alias *{name} refers to a node that contains it"
-                raise InventoryError(msg, path=path, line=line)
-            size = sizes.get(name, 1)  # an unknown one: the composer says so
-            repeated += size
+        alias: str | None = None
+        # Scalars first: most events are.
+        if isinstance(event, yaml.ScalarEvent):
+            if event.tag not in _TAGS:
+                _refuse_tag(event, path)
+            value = event.value
+            nodes, size = 1, NODE_BYTES + (len(value) if value.isascii() else
+                                           len(value.encode()))
+            if event.anchor is not None:
+                sizes[event.anchor] = (nodes, size)
+        elif isinstance(event, yaml.AliasEvent):
+            alias = str(event.anchor)
+            if any(frame[0] == alias for frame in frames):
+                msg = f"alias *{alias} refers to a node that contains it"
+                raise InventoryError(msg, path=path, line=_line(event))
+            # An unknown one counts as a node: the composer says it is unknown.
+            nodes, size = sizes.get(alias, (1, NODE_BYTES))
+            repeated += nodes
             if repeated > MAX_ALIAS_NODES:
                 msg = (f"YAML aliases repeat more than {MAX_ALIAS_NODES:,} nodes "
-                       f"(at *{name}); write the values out")
-                raise InventoryError(msg, path=path, line=line)
-        elif isinstance(event, yaml.ScalarEvent):
-            _check_tag(event.tag, path, line)
-            size = 1
-            if event.anchor is not None:
-                sizes[event.anchor] = 1
+                       f"(at *{alias}); write the values out")
+                raise InventoryError(msg, path=path, line=_line(event))
         elif isinstance(event, yaml.CollectionStartEvent):
-            _check_tag(event.tag, path, line)
-            frames.append([event.anchor, 1])
+            if event.tag not in _TAGS:
+                _refuse_tag(event, path)
+            frames.append([event.anchor, 1, NODE_BYTES])
             if len(frames) > MAX_DEPTH:
                 msg = f"nested more than {MAX_DEPTH} levels deep"
-                raise InventoryError(msg, path=path, line=line)
-            continue
+                raise InventoryError(msg, path=path, line=_line(event))
+            nodes, size = 0, NODE_BYTES  # its own node; the frame adds it to its parent
         elif isinstance(event, yaml.CollectionEndEvent):
-            anchor, size = frames.pop()
+            # Its contents were counted into `expanded` as they came.
+            anchor, nodes, size = frames.pop()
             if anchor is not None:
-                sizes[anchor] = size
+                sizes[anchor] = (nodes, size)
+            if frames:
+                frames[-1][1] += nodes
+                frames[-1][2] += size
+            continue
+        elif isinstance(event, yaml.DocumentStartEvent):
+            sizes.clear()
+            repeated = expanded = 0
+            continue
         else:  # stream and document ends
             continue
-        if frames:
-            frames[-1][1] += size
+        expanded += size
+        if expanded > MAX_EXPANDED_BYTES:
+            at = f" (at *{alias}, {size:,} bytes)" if alias is not None else ""
+            msg = (f"YAML aliases expand the document past {_size_text(MAX_EXPANDED_BYTES)}"
+                   f"{at}; write the values out")
+            raise InventoryError(msg, path=path, line=_line(event))
+        if frames and nodes:
+            frames[-1][1] += nodes
+            frames[-1][2] += size
+
+
+def _line(event: Any) -> int:
+    return int(event.start_mark.line) + 1
 
 
 # Explicit tags that build only what a plain document holds, whatever their value:
@@ -185,11 +231,10 @@ _TAGS = frozenset((None, "!", "tag:yaml.org,2002:str", "tag:yaml.org,2002:seq",
                    "tag:yaml.org,2002:map"))
 
 
-def _check_tag(tag: str | None, path: Path, line: int) -> None:
-    if tag not in _TAGS:
-        shown = str(tag).replace("tag:yaml.org,2002:", "!!")
-        msg = f"YAML tag {shown} is not supported; write the plain value"
-        raise InventoryError(msg, path=path, line=line)
+def _refuse_tag(event: Any, path: Path) -> None:
+    shown = str(event.tag).replace("tag:yaml.org,2002:", "!!")
+    msg = f"YAML tag {shown} is not supported; write the plain value"
+    raise InventoryError(msg, path=path, line=_line(event))
 
 
 def parse_json(text: str | bytes, path: Path, *, line: int | None = None) -> Any:
@@ -376,7 +421,8 @@ def _parse_yaml_text(text: str, path: Path) -> Located:
 
 def load_yaml_document(path: Path, *, what: str = "a mapping") -> tuple[Any, Located]:
     """Read a YAML file within `documents`' bounds (1 MiB, 64 levels, aliases repeating
-    at most 10,000 nodes) and return (data, line map).
+    at most 10,000 nodes and expanding the document to at most 16 MiB) and return
+    (data, line map).
 
     Every YAML file format goes through here (see `structs.load_struct`), so all
     give the same one-line errors. The document must be a mapping.

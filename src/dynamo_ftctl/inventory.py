@@ -384,7 +384,8 @@ class ProxyConfig(StrictStruct, frozen=True):
         float, doc("Seconds between scrapes of workers' /metrics and the daemon.", gt=0),
     ] = 1.0
     breaker_threshold: Annotated[
-        int, doc("Consecutive failures that open a worker's breaker (no daemon).", ge=1),
+        int, doc("Consecutive failures, each confirmed by a failed known-good probe, that "
+                 "open a worker's breaker (no daemon).", ge=1),
     ] = 3
     breaker_recovery_s: Annotated[
         float, doc("Seconds an open breaker waits before one trial request.", gt=0),

@@ -31,6 +31,7 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 
 __all__ = [
+    "BACKPRESSURE",
     "CIRCUIT_BREAKER_STATE",
     "DEGRADATION_LEVEL",
     "DYNAMO_MIGRATION_TOTAL",
@@ -46,6 +47,7 @@ __all__ = [
     "REGISTRY",
     "RETRY_BUDGET_EXHAUSTED",
     "TASKS_REJECTED",
+    "UNCONFIRMED_CHARGES",
     "WORKER_BUSY",
     "WORKER_STATUS",
     "XID_EVENTS",
@@ -123,8 +125,20 @@ QUEUED_REQUESTS = Gauge(
 )
 QUERY_OF_DEATH = Counter(
     "ftctl_proxy_query_of_death_total",
-    "Requests that failed the same way on two workers and were not tried on more.",
+    "Requests that failed the same way on two workers, or were remembered for ending "
+    "other requests' streams, and were not tried on more.",
     registry=_DEFINED,
+)
+UNCONFIRMED_CHARGES = Counter(
+    "ftctl_proxy_unconfirmed_charges_total",
+    "Failures charged to a worker that then answered the known-good probe (no breaker "
+    "moved, nothing reported).",
+    ["worker"], registry=_DEFINED,
+)
+BACKPRESSURE = Counter(
+    "ftctl_proxy_backpressure_total",
+    "Answers 429, 503 or 529 from a worker: spared for its Retry-After, nothing charged.",
+    ["worker"], registry=_DEFINED,
 )
 RETRY_BUDGET_EXHAUSTED = Counter(
     "ftctl_proxy_retry_budget_exhausted_total",
@@ -165,6 +179,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_proxy_rejected_requests_total",
     "ftctl_proxy_queued_requests",
     "ftctl_proxy_query_of_death_total",
+    "ftctl_proxy_unconfirmed_charges_total",
+    "ftctl_proxy_backpressure_total",
     "ftctl_proxy_retry_budget_exhausted_total",
     "ftctl_worker_busy",
     "ftctl_lock_holder",

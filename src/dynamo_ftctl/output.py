@@ -22,13 +22,11 @@ import enum
 import json
 import math
 import os
-import stat
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.errors import OutputRefused, WriteFailed
 from dynamo_ftctl.redact import redact_text
 
 if TYPE_CHECKING:
@@ -306,124 +304,11 @@ def warn(message: str) -> None:
     sys.stderr.flush()
 
 
-# What `check_output_path` names when it refuses a path, by file type.
-_NOT_REGULAR = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFLNK: "a symbolic link loop",
-}
-
-
-def _lstat(path: Path) -> os.stat_result | None:
-    try:
-        return os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:  # a parent that is a file, or that we may not search
-        raise WriteFailed(path, f"cannot write: {exc.strerror or exc}") from None
-
-
-def check_output_path(path: Path) -> Path:
-    """The file that writing to `path` replaces; `OutputRefused` (exit 2) when there is none.
-
-    ftctl writes only to a regular file or a new path: a rename over a device node, a
-    FIFO or a socket would replace the node itself (as root, `--out /dev/null` would
-    leave a regular file there), and over a directory it fails. A symbolic link is
-    followed only to a file in its own directory (`current.yaml -> v3.yaml`), and the
-    link is kept; one pointing elsewhere is refused, as ftctl cannot tell who owns its
-    target. Checked before the work (`canary record`) and again at the write; a path
-    swapped in between by someone who may write the directory is not guarded against.
-    """
-    info = _lstat(path)
-    if info is None:
-        return path
-    target = path
-    if stat.S_ISLNK(info.st_mode):
-        target = Path(os.path.realpath(path))
-        if target.parent != Path(os.path.realpath(path.parent)):
-            reason = (f"is a symbolic link to {target}, outside its directory; "
-                      "name the file itself")
-            raise OutputRefused(path, reason)
-        info = _lstat(target)
-        if info is None:
-            return target
-    if stat.S_ISREG(info.st_mode):
-        return target
-    kind = _NOT_REGULAR.get(stat.S_IFMT(info.st_mode), "not a regular file")
-    raise OutputRefused(path, f"is {kind}; ftctl writes only to a regular file or a new path")
-
-
-def check_output_dir(path: Path) -> Path:
-    """`path` when it can hold ftctl's output files: a directory (or a link to one) or a
-    new path; `OutputRefused` (exit 2) otherwise. The files in it get `check_output_path`."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        return path
-    except OSError as exc:
-        raise WriteFailed(path, f"cannot write: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(info.st_mode):
-        return path
-    kind = "a file" if stat.S_ISREG(info.st_mode) else _NOT_REGULAR.get(
-        stat.S_IFMT(info.st_mode), "not a directory")
-    raise OutputRefused(path, f"is {kind}; ftctl writes its files into a directory or a new path")
-
-
-def make_output_dir(path: Path) -> Path:
-    """`check_output_dir`, then create `path` with its parents; `WriteFailed` (exit 1)
-    naming it when the system refuses."""
-    check_output_dir(path)
-    _make_dir(path, named=path)
-    return path
-
-
-def _make_dir(folder: Path, *, named: Path) -> None:
-    """Create `folder` and its parents for a write to `named` (the path the user gave)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:  # a file where a directory should be, on the way to `folder`
-        raise WriteFailed(named, f"cannot write: {folder} is not a directory") from None
-    except OSError as exc:
-        reason = f"cannot create the directory {exc.filename or folder}: {exc.strerror or exc}"
-        raise WriteFailed(named, reason) from None
-
-
-def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
-    """Write `data` to `path` through a temporary file and a rename, never half-written.
-
-    `path` is checked by `check_output_path` (a device, FIFO, socket or directory is
-    `OutputRefused`, exit 2); a failed write is `WriteFailed` naming the path (exit 1)
-    and leaves the previous file, if any, as it was.
-    """
-    payload = data.encode() if isinstance(data, str) else data
-    target = check_output_path(path)
-    _make_dir(target.parent, named=path)
-    # A random name, created exclusively and not through a link: a file planted under
-    # a predictable name cannot redirect the write.
-    tmp = target.with_name(f".{target.name}.{os.urandom(4).hex()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     mode)
-    except OSError as exc:
-        raise WriteFailed(path, f"cannot write: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(target)
-    except OSError as exc:
-        _discard(tmp)
-        raise WriteFailed(path, f"cannot write: {exc.strerror or exc}") from None
-    except BaseException:
-        _discard(tmp)
-        raise
-
-
-def _discard(tmp: Path) -> None:
-    """Remove a temporary file after a failed write (what removal itself fails on is moot)."""
-    with contextlib.suppress(OSError):
-        tmp.unlink(missing_ok=True)
+# Output paths are safefiles' (every file ftctl writes is opened there); these names stay
+# here for the callers that import them with the rest of the output seam.
+from dynamo_ftctl.safefiles import (  # noqa: E402 - re-exported, after the renderers
+    check_output_dir,
+    check_output_path,
+    make_output_dir,
+    write_atomic,
+)

@@ -232,8 +232,9 @@ class ForkedChild(Child):
 @contextlib.contextmanager
 def _opened(sink: Sink, append: bool) -> Iterator[int | IO[bytes] | None]:
     if isinstance(sink, Path):
-        sink.parent.mkdir(parents=True, exist_ok=True)
-        with sink.open("ab" if append else "wb") as handle:
+        from dynamo_ftctl.safefiles import open_sink
+
+        with open_sink(sink, append=append) as handle:
             yield handle
     else:
         yield sink

@@ -33,6 +33,8 @@ __all__ = [
     "Capabilities",
     "LoadMetric",
     "admin_token_of",
+    "known_good_failure",
+    "known_good_request",
     "load_metric_from_metrics",
     "probe_capabilities",
     "start_time_from_metrics",
@@ -176,6 +178,26 @@ def _token_ids_in(data: bytes) -> tuple[bool, bool] | None:
         prompt = prompt or _int_list(first.get("prompt_token_ids")) or _int_list(
             event.get("prompt_token_ids"))
     return (ids, prompt) if completion else None
+
+
+def known_good_request(model: str) -> dict[str, Any]:
+    """A request every healthy worker of `model` serves: one greedy token of `PROBE_PROMPT`."""
+    return {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "temperature": 0,
+            "stream": True}
+
+
+def known_good_failure(status: int, body: bytes) -> str | None:
+    """Why an answer to `known_good_request` is not a healthy one; None when it is.
+
+    Healthy: HTTP 200 and a streamed completion (a chunk with `choices`), no error event.
+    """
+    if status != 200:
+        return f"HTTP {status}"
+    if _token_ids_in(body) is None:
+        return "not a completion"
+    if any(isinstance(e, dict) and "error" in e for e in _events(body)):
+        return "an error event"
+    return None
 
 
 @dataclass

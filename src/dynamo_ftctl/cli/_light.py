@@ -118,6 +118,8 @@ def _silence_stdout() -> None:
     import contextlib
 
     with contextlib.suppress(OSError, ValueError, AttributeError):  # no real stdout
-        null = os.open(os.devnull, os.O_WRONLY)
+        from dynamo_ftctl.safefiles import open_device
+
+        null = open_device(os.devnull)
         os.dup2(null, sys.stdout.fileno())
         os.close(null)

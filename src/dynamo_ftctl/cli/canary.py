@@ -151,8 +151,10 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option("--out", "-o", help="Where to write (default: canaries/<model>.yaml): a "
-                     "regular file or a new path, checked before recording.",
+        typer.Option("--out", "-o", help="Where to write (default: canaries/<model>.yaml, "
+                     "each '/' of the model id written '--': one name inside canaries/): a "
+                     "regular file or a new path, not in a directory named through a link, "
+                     "checked before recording.",
                      show_default=False),
     ] = None,
     repeats: Annotated[

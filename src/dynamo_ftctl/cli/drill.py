@@ -29,7 +29,8 @@ def drill(  # noqa: PLR0917 - typer passes every option positionally
         "any OpenAI server, e.g. vLLM; none: used as running), fault proxies and the "
         "migrating proxy on loopback first; stop what it started after.")] = False,
     out: Annotated[Path | None, typer.Option(
-        "--out", help="Report folder (default: reports/drills/<scenario>-<time>).")] = None,
+        "--out", help="Report folder (default: reports/drills/<scenario>-<time>); not a "
+        "symbolic link, and a link in it is refused, not followed.")] = None,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Skip timeline.png.")] = False,
     json_: JsonFlag = False,
 ) -> None:

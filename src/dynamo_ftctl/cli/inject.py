@@ -58,7 +58,8 @@ app = typer.Typer(
 AuditOpt = Annotated[
     Path | None,
     typer.Option("--audit-log", help="Audit log (JSON lines; default "
-                 "$XDG_STATE_HOME/ftctl/audit.jsonl).", show_default=False),
+                 "$XDG_STATE_HOME/ftctl/audit.jsonl): appended to a regular file with one link "
+                 "or made new; a link, FIFO or device is refused.", show_default=False),
 ]
 StateOpt = Annotated[
     Path | None,

@@ -135,7 +135,8 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     ] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write summary.json, requests.csv/.jsonl and load.png into this "
-        "directory (made if new; checked before the run).")] = None,
+        "directory (made if new; checked before the run; not a symbolic link, and a "
+        "link in it is refused, not followed).")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write load.png with --out.")
     ] = True,
     spin_us: Annotated[int, typer.Option(

@@ -50,9 +50,10 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
              "4096).")] = None,
     max_buffered_mib: Annotated[int | None, typer.Option(
         "--max-buffered-mib", min=1,
-        help="MiB of requests not yet answered (partial bodies included) held across all "
-             "clients; the request that would go over is answered 503 (default: "
-             "proxy.max_buffered_mib, 256).")] = None,
+        help="MiB of requests not yet answered (partial bodies included, and what each "
+             "generation's body is parsed into: 7 bytes more for each of its bytes) held "
+             "across all clients; the request that would go over is answered 503 with "
+             "Retry-After (default: proxy.max_buffered_mib, 256).")] = None,
     procs: Annotated[int | None, typer.Option(
         "--procs", min=1, max=256,
         help="Processes serving the port (SO_REUSEPORT; a parent restarts any that dies), "
@@ -60,7 +61,11 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
              "(default: proxy.procs, 1).")] = None,
     json_: JsonFlag = False,
 ) -> None:
-    """Run the migrating proxy until Ctrl-C.
+    """Run the migrating proxy until Ctrl-C (or SIGTERM: answers in flight finish).
+
+    SIGHUP reloads the inventory: workers added, removed or changed without dropping a
+    stream (streams on a removed worker run to their end); a file that does not load
+    keeps the workers as they were and logs one line.
 
     POST /busy_threshold needs Authorization: Bearer $FTCTL_ADMIN_TOKEN (or the variable
     proxy.admin_token_env names; 403 while it is unset).
@@ -90,5 +95,6 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
                          f"{procs_note}\n")
         sys.stderr.flush()
 
-    result = serve(inventory, config, on_ready=ready)
+    result = serve(inventory, config, on_ready=ready,
+                   reload=lambda: load_inventory_for(ctx))
     finish(ctx, result, json_flag=json_)

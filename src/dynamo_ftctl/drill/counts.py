@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.loadgen.record import SHED_STATUSES
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -29,7 +31,7 @@ def _counts(measured: list[tuple[RequestRecord, int]]) -> dict[str, Any]:
     ok = [(r, n) for r, n in measured if r.ok]
     lost = sum(max(0, n - r.output_tokens) for r, n in ok)
     duplicated = sum(max(0, r.output_tokens - n) for r, n in ok)
-    shed = [r for r, _ in measured if r.status in (503, 529)]
+    shed = [r for r, _ in measured if r.status in SHED_STATUSES]
     return {"sent": len(measured), "completed": len(ok), "failed": len(measured) - len(ok),
             "migrated": sum(1 for r, _ in measured if r.migrated), "rejected": len(shed),
             "shed_with_retry_after": sum(1 for r in shed if r.retry_after_s is not None),

@@ -98,8 +98,11 @@ def _load_config(run: DrillRun, load: LoadProfile) -> LoadConfig:
                else tuple(w.url for w in run.inventory.workers))
     return LoadConfig(
         targets=targets,
-        schedule=Schedule(rate=load.rate, arrival="poisson", seed=load.seed,
-                          concurrency=load.concurrency),
+        # Closed-loop users wait out a shed answer's Retry-After, as clients do: without
+        # it every refused user asked again at once (5,000 refusals/s on two cores).
+        schedule=Schedule(rate=load.open_rate, users=load.users, arrival="poisson",
+                          seed=load.seed, concurrency=load.concurrency,
+                          honor_retry_after=load.users is not None),
         workload=Workload(model=run.inventory.workers[0].model,
                           prompt_tokens=Length.fixed(load.prompt_tokens),
                           max_tokens=Length.fixed(load.max_tokens), stream=load.stream,

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.output import redact_doc, to_jsonable, write_atomic
+from dynamo_ftctl.output import redact_doc, to_jsonable
 from dynamo_ftctl.redact import redact_text
+from dynamo_ftctl.safefiles import write_into
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -271,7 +272,7 @@ def plot_timeline(report: DrillReport, path: Path) -> None:
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=90)
     plt.close(fig)
-    write_atomic(path, png.getvalue())
+    write_into(path.parent, path.name, png.getvalue())
 
 
 def write_report(report: DrillReport, *, plot: bool = True) -> DrillReport:
@@ -286,7 +287,7 @@ def write_report(report: DrillReport, *, plot: bool = True) -> DrillReport:
         except ImportError:
             warn("matplotlib is not installed (pip install 'dynamo-ftctl[plot]'): no timeline.png")
     report = replace(report, files=tuple(files))
-    write_atomic(report.out_dir / "report.md", redact_text(render_markdown(report)))
-    write_atomic(report.out_dir / "report.json",
-                 json.dumps(redact_doc(to_jsonable(report.to_json())), indent=2) + "\n")
+    write_into(report.out_dir, "report.md", redact_text(render_markdown(report)))
+    write_into(report.out_dir, "report.json",
+               json.dumps(redact_doc(to_jsonable(report.to_json())), indent=2) + "\n")
     return report

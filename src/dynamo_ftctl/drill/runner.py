@@ -28,7 +28,7 @@ from dynamo_ftctl.drill.rollback import run_rollbacks
 from dynamo_ftctl.drill.state import DrillRun
 from dynamo_ftctl.errors import FtctlError, Unreachable, require_extra
 from dynamo_ftctl.faults.scenario import METRIC_KINDS, load_scenario
-from dynamo_ftctl.output import check_output_path, make_output_dir
+from dynamo_ftctl.safefiles import check_output_path, make_output_dir
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -58,7 +58,7 @@ def run_drill(
     out = out_dir or Path("reports") / "drills" / f"{path.stem}-{stamp}"
     make_output_dir(out)
     for name in REPORT_FILES:  # refused before the drill runs, not after
-        check_output_path(out / name)
+        check_output_path(out / name, follow_link=False)  # ftctl named it: no link
     env = local_secrets(inventory, secrets.token_hex(16)) if local else {}
     run = DrillRun(scenario=scenario, inventory=inventory, out_dir=out, clock=clock, env=env,
                    target_url=f"http://{inventory.proxy.listen}", local=local)

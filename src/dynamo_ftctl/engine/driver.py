@@ -91,6 +91,7 @@ class AsyncEngine:
             if not self.faults.serving.is_set():  # the hang fault: stall, loop stays free
                 await self.faults.serving.wait()
             self.engine.corrupt_logits = self.faults.sdc
+            self.engine.poison_seed = self.faults.poison_seed
             self._deliver(self.faults.take_contained(self.engine))
             try:
                 async with self.lock:

@@ -1,4 +1,5 @@
-"""Faults the engine can play: crash (Xid), contained (Xid), hang, slow, disconnect, sdc, clear.
+"""Faults the engine can play: crash (Xid), contained (Xid), hang, slow, disconnect, sdc,
+poison, clear.
 
 `parse_fault` reads the admin endpoint's JSON body or a start-up flag
 (`--fault slow:delay_ms=50`) into a `FaultSpec`; `FaultState` holds what is
@@ -8,7 +9,10 @@ and ends only the one request that was running on the faulty context, at the
 next step that has one (the engine keeps serving); `hang` stalls the step loop
 and every HTTP route but `/admin/fault` without blocking the event loop, until
 `clear` or its `duration_s`; `slow` delays every step, `disconnect` drops each
-stream after N of its own tokens, `sdc` corrupts logits inside the engine.
+stream after N of its own tokens, `sdc` corrupts logits inside the engine, and
+`poison` (`poison:seed=N`) makes a request whose `seed` is N end its whole batch at its
+first step, every stream batched with it included, as a request that kills vLLM's
+engine core does (`EngineDeadError`); the engine serves on afterwards.
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ __all__ = [
     "xid_crash_lines",
 ]
 
-FaultKind = Literal["crash", "contained", "hang", "slow", "disconnect", "sdc", "clear"]
-_KINDS: tuple[str, ...] = ("crash", "contained", "hang", "slow", "disconnect", "sdc", "clear")
+FaultKind = Literal["crash", "contained", "hang", "slow", "disconnect", "sdc", "poison",
+                    "clear"]
+_KINDS: tuple[str, ...] = ("crash", "contained", "hang", "slow", "disconnect", "sdc", "poison",
+                           "clear")
 
 # What PyTorch prints when the CUDA call after the Xid fails (the engine's last words).
 CUDA_ERRORS: dict[int, str] = {
@@ -66,6 +72,7 @@ class FaultSpec:
     after_s: float = 0.0  # crash/hang: wait this long first
     duration_s: float | None = None  # hang: unblock after this long (None: forever)
     exit_code: int = 1
+    seed: int = 0  # poison: the request seed that ends its batch
 
 
 def _number(body: dict[str, Any], key: str, default: float, minimum: float) -> float:
@@ -85,7 +92,8 @@ def parse_fault(body: Any) -> FaultSpec:
     if kind not in _KINDS:
         msg = f"unknown fault kind {kind!r}; expected one of {', '.join(_KINDS)}"
         raise InvalidInput(msg)
-    allowed = {"kind", "xid", "delay_ms", "after_tokens", "after_s", "duration_s", "exit_code"}
+    allowed = {"kind", "xid", "delay_ms", "after_tokens", "after_s", "duration_s", "exit_code",
+               "seed"}
     extra = sorted(set(body) - allowed)
     if extra:
         msg = f"unknown fault field {extra[0]!r}"
@@ -101,6 +109,9 @@ def parse_fault(body: Any) -> FaultSpec:
     if kind == "disconnect" and "after_tokens" not in body:
         msg = "a disconnect fault needs 'after_tokens'"
         raise InvalidInput(msg)
+    if kind == "poison" and "seed" not in body:
+        msg = "a poison fault needs 'seed'"
+        raise InvalidInput(msg)
     duration = body.get("duration_s")
     return FaultSpec(
         kind=kind, xid=xid, delay_ms=_number(body, "delay_ms", 0, 0),
@@ -108,6 +119,7 @@ def parse_fault(body: Any) -> FaultSpec:
         after_s=_number(body, "after_s", 0, 0),
         duration_s=None if duration is None else _number(body, "duration_s", 0, 0),
         exit_code=int(_number(body, "exit_code", 1, 1)),
+        seed=int(_number(body, "seed", 0, 0)),
     )
 
 
@@ -140,6 +152,7 @@ class FaultState:
         self.disconnect_after: int | None = None
         self.sdc = False
         self.contained_xid: int | None = None
+        self.poison_seed: int | None = None
         self.pci_bus_id = pci_bus_id
         self.serving = asyncio.Event()
         self.serving.set()
@@ -184,6 +197,7 @@ class FaultState:
             self.disconnect_after = None
             self.sdc = False
             self.contained_xid = None
+            self.poison_seed = None
             self._resume()
         elif spec.kind == "hang":
             self.hang(spec.duration_s)
@@ -195,12 +209,15 @@ class FaultState:
             self.disconnect_after = spec.after_tokens
         elif spec.kind == "sdc":
             self.sdc = True
+        elif spec.kind == "poison":
+            self.poison_seed = spec.seed
 
     def to_json(self) -> dict[str, Any]:
         """The active faults, for `GET /admin/fault`."""
         return {"slow_delay_ms": self.delay_s * 1000.0,
                 "disconnect_after_tokens": self.disconnect_after, "sdc": self.sdc,
-                "hung": not self.serving.is_set(), "contained_xid": self.contained_xid}
+                "hung": not self.serving.is_set(), "contained_xid": self.contained_xid,
+                "poison_seed": self.poison_seed}
 
 
 def xid_crash_lines(xid: int, pci_bus_id: str) -> list[str]:

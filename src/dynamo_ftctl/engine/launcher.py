@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from dynamo_ftctl import procfs
 from dynamo_ftctl.errors import InvalidInput, Unreachable, require_extra
 from dynamo_ftctl.process import PIPE, SPAWNER, Child, Identity, OwnsChild
+from dynamo_ftctl.safefiles import temp_log
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory, Worker
@@ -137,9 +138,7 @@ def _spawn(
     require_extra("torch")
     own_log = log_path is None
     if log_path is None:
-        handle, raw = tempfile.mkstemp(prefix=f"ftctl-sim-{name}-", suffix=".log")
-        os.close(handle)
-        log_path = Path(raw)
+        log_path = temp_log(f"ftctl-sim-{name}-")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if pid_file is not None:
         pid_file.parent.mkdir(parents=True, exist_ok=True)

@@ -128,7 +128,8 @@ async def _respond(state: ServerState, job: Job) -> Reply | Stream:
     try:
         body = await whole_answer(state, job)
     except StreamFailed as exc:
-        return _error(str(exc), 503, kind="service_unavailable", headers=rid)
+        kind = "service_unavailable" if exc.status == 503 else "InternalServerError"
+        return _error(str(exc), exc.status, kind=kind, headers=rid)
     return _json(body, headers=rid)
 
 

@@ -13,6 +13,7 @@ called by one thread at a time (the async driver serializes them).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -39,6 +40,8 @@ __all__ = ["Engine", "EngineRequest", "RequestParams", "RequestState", "TokenEve
 # They lapse on a timer (`expire_retained`, from the driver while idle), not only when
 # the engine steps, and they are not load: `kv_usage` leaves them out.
 RETAIN_S = 60.0
+
+_log = logging.getLogger("ftctl.sim")
 
 
 class RequestState(Enum):
@@ -109,6 +112,10 @@ class TokenEvent:
     error: str | None = None
 
 
+class BatchDeath(RuntimeError):
+    """A step that ends every request of its batch (the poison fault), not one alone."""
+
+
 class Engine:
     """The model, the paged cache and the continuous-batching scheduler."""
 
@@ -137,6 +144,8 @@ class Engine:
         self.retain_s = RETAIN_S
         self._retained_blocks = 0  # blocks held by `retained`
         self.corrupt_logits = False
+        # The poison fault: a request with this seed ends its whole batch (`BatchDeath`).
+        self.poison_seed: int | None = None
         self.asleep = 0  # sleep level, 0 = awake
         self._inbox: deque[EngineRequest] = deque()
         self._aborts: deque[tuple[str, bool]] = deque()
@@ -331,17 +340,16 @@ class Engine:
         scheduled = self._schedule()
         if not scheduled:
             return events
-        with torch.inference_mode():
-            logits = self._forward(scheduled)
-            if self.corrupt_logits:
-                # Silent data corruption: plausible-looking but wrong tokens and logprobs.
-                logits = logits.flip(-1) * 0.7
-            params = [
-                SampleParams(r.params.temperature, r.params.top_p, r.params.top_k, r.seed,
-                             len(r.token_ids), r.params.num_top)
-                for r in scheduled
-            ]
-            sampled = sample_batch(logits, params)
+        poisoned = self.poison_seed
+        if poisoned is not None and any(r.seed == poisoned for r in scheduled):
+            msg = f"engine core died on a request with seed {poisoned} (poison fault)"
+            raise BatchDeath(msg)
+        try:
+            sampled = self._compute(scheduled)
+        except Exception:  # one request's doing, or the engine's: find out which
+            _log.exception("a batched step of %d requests failed; stepping each alone",
+                           len(scheduled))
+            scheduled, sampled = self._compute_each(scheduled, events)
         max_len = self.config.max_model_len
         for request, token in zip(scheduled, sampled, strict=True):
             request.num_cached = len(request.token_ids)
@@ -360,6 +368,42 @@ class Engine:
                 self._finish(request, reason)
             events.append(TokenEvent(request.request_id, token, reason))
         return events
+
+    def _compute(self, scheduled: list[EngineRequest]) -> list[SampledToken]:
+        """The next token of each scheduled request: one batched forward, then sampling."""
+        with torch.inference_mode():
+            logits = self._forward(scheduled)
+            if self.corrupt_logits:
+                # Silent data corruption: plausible-looking but wrong tokens and logprobs.
+                logits = logits.flip(-1) * 0.7
+            params = [
+                SampleParams(r.params.temperature, r.params.top_p, r.params.top_k, r.seed,
+                             len(r.token_ids), r.params.num_top)
+                for r in scheduled
+            ]
+            return sample_batch(logits, params)
+
+    def _compute_each(self, scheduled: list[EngineRequest], events: list[TokenEvent],
+                      ) -> tuple[list[EngineRequest], list[SampledToken]]:
+        """After a failed batched step: each request's token computed alone. One that fails
+        alone is finished with an error event; the others go on as if batched (a
+        request's tokens do not depend on its batch: the forward is per row, sampling
+        keyed by seed and position, and the KV it writes is the same)."""
+        kept: list[EngineRequest] = []
+        sampled: list[SampledToken] = []
+        for request in scheduled:
+            try:
+                token = self._compute([request])[0]
+            except Exception as exc:
+                _log.warning("request %s fails the engine step alone: %s",
+                             request.request_id, exc)
+                self._finish(request, "abort")
+                events.append(TokenEvent(request.request_id, None, "abort",
+                                         f"the engine step failed on this request: {exc}"))
+                continue
+            kept.append(request)
+            sampled.append(token)
+        return kept, sampled
 
     def _forward(self, scheduled: list[EngineRequest]) -> torch.Tensor:
         assert self.pool is not None

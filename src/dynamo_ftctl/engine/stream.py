@@ -68,7 +68,10 @@ async def step_batches(state: ServerState, request: EngineRequest, options: Opti
             if event.error is not None:
                 if steps:
                     yield steps
-                raise StreamFailed(event.error)
+                # Asleep: the server is unavailable now (503, come back later); anything
+                # else (a failed step, a contained Xid) is an internal error (500), as on
+                # vLLM, which a proxy must not take for backpressure.
+                raise StreamFailed(event.error, 503 if state.engine.asleep else 500)
             token = event.token
             if token is None:
                 continue
@@ -96,8 +99,16 @@ async def step_batches(state: ServerState, request: EngineRequest, options: Opti
             yield steps
 
 
+_ERROR_TYPES = {500: "InternalServerError", 503: "service_unavailable"}
+
+
 class StreamFailed(Exception):
-    """The engine ended a request with an error (aborted, engine asleep)."""
+    """The engine ended a request with an error (aborted, engine asleep); `status` is the
+    answer's (500, or 503 while asleep)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _completion_logprobs(state: ServerState, steps: Sequence[Step], offset: int) -> dict[str, Any]:
@@ -262,7 +273,7 @@ async def sse(state: ServerState, job: Job) -> AsyncGenerator[bytes, None]:
             if ttft_ms is None:  # resumed once the first token's chunk went to the socket
                 ttft_ms = round((time.monotonic() - arrival) * 1000, 3)
     except StreamFailed as exc:
-        yield format_sse(error_body(str(exc), type="service_unavailable", code=503))
+        yield format_sse(error_body(str(exc), type=_ERROR_TYPES[exc.status], code=exc.status))
         return
     # Ended without a finish reason (the request was aborted without an error).
     if options.include_usage:

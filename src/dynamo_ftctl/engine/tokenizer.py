@@ -372,7 +372,9 @@ def main(argv: Sequence[str]) -> int:
                          "--train OUT [--repo DIR]\n")
         return 2
     repo = Path(args[3]) if len(args) == 4 else Path.cwd()
-    Path(args[1]).write_text(train_bpe(_corpus(repo)), encoding="utf-8")
+    from dynamo_ftctl.safefiles import write_atomic
+
+    write_atomic(Path(args[1]), train_bpe(_corpus(repo)))
     return 0
 
 

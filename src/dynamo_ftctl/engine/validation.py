@@ -119,35 +119,59 @@ def check_fields(body: Mapping[str, Any], *, chat: bool) -> None:
             raise ParamError(msg, name)
 
 
+# Bounds of what the engine can run (vLLM refuses the same values with a 400): ids and
+# top_k within the vocabulary, a 64-bit seed, counts that fit a C long. Below this
+# temperature, sampling divides logits into infinities: vLLM treats it as greedy too.
+_MAX_COUNT = 2**31 - 1
+_MIN_TEMPERATURE = 1e-5
+_MAX_TEMPERATURE = 1e4
+_MAX_STOP_IDS = 1024
+
+
+def _bounded(body: Mapping[str, Any], key: str, lo: int, hi: int, default: Any) -> Any:
+    """An integer field within [lo, hi], or its default when absent; a `ParamError` else."""
+    value = _get(body, key, (int,), default)
+    if value is not default and not lo <= value <= hi:
+        msg = f"'{key}' must be between {lo} and {hi}, got {value}"
+        raise ParamError(msg, key)
+    return value
+
+
 def _sampling(body: Mapping[str, Any], prompt_len: int, max_len: int,
-              default_max: int | None, num_top: int) -> RequestParams:
+              default_max: int | None, num_top: int, *, vocab: int) -> RequestParams:
     from dynamo_ftctl.engine.scheduler import RequestParams
 
     if _get(body, "n", (int,), 1) != 1:
         msg = "only n=1 is supported"
         raise ParamError(msg, "n")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _bounded(body, key, 1, _MAX_COUNT, None)
     if max_tokens is None:
         max_tokens = default_max if default_max is not None else max(max_len - prompt_len, 1)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        msg = f"'max_tokens' must be a positive integer, got {max_tokens!r}"
-        raise ParamError(msg, "max_tokens")
     temperature = float(_get(body, "temperature", (int, float), 1.0))
     top_p = float(_get(body, "top_p", (int, float), 1.0))
-    top_k = int(_get(body, "top_k", (int,), 0))
-    if temperature < 0 or not 0 < top_p <= 1:
-        msg = "temperature must be >= 0 and top_p in (0, 1]"
+    if not 0 <= temperature <= _MAX_TEMPERATURE:
+        msg = f"'temperature' must be between 0 and {_MAX_TEMPERATURE:g}, got {temperature}"
         raise ParamError(msg, "temperature")
-    seed = _get(body, "seed", (int,), None)
+    if not 0 < top_p <= 1:
+        msg = f"'top_p' must be in (0, 1], got {top_p}"
+        raise ParamError(msg, "top_p")
+    top_k = _bounded(body, "top_k", -1, vocab, 0)
+    seed = _bounded(body, "seed", -(2**63), 2**64 - 1, None)
     stop_ids = _get(body, "stop_token_ids", (list,), [])
-    min_tokens = _get(body, "min_tokens", (int,), 0)
-    if min_tokens < 0:
-        msg = f"'min_tokens' must be >= 0, got {min_tokens}"
-        raise ParamError(msg, "min_tokens")
+    if len(stop_ids) > _MAX_STOP_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
+        msg = (f"'stop_token_ids' must be at most {_MAX_STOP_IDS} token ids in "
+               f"[0, {vocab})")
+        raise ParamError(msg, "stop_token_ids")
+    min_tokens = _bounded(body, "min_tokens", 0, max_tokens, 0)
     return RequestParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-        seed=seed, ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)), num_top=num_top,
-        stop_token_ids=tuple(int(t) for t in stop_ids), min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        temperature=temperature if temperature >= _MIN_TEMPERATURE else 0.0,
+        top_p=top_p, top_k=max(top_k, 0), seed=seed,
+        ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)), num_top=num_top,
+        stop_token_ids=tuple(stop_ids), min_tokens=min_tokens,
     )
 
 
@@ -195,7 +219,7 @@ def _check_encodable(tok: SimTokenizer, text: str, param: str) -> None:
         raise ParamError(f"'{param}': {exc}", param) from None
 
 
-def _prompt_ids(tok: SimTokenizer, prompt: Any) -> list[int]:
+def _prompt_ids(tok: SimTokenizer, prompt: Any, vocab: int) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -203,6 +227,10 @@ def _prompt_ids(tok: SimTokenizer, prompt: Any) -> list[int]:
         return tok.encode(prompt)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            msg = f"'prompt': token id {bad} is out of range [0, {vocab})"
+            raise ParamError(msg, "prompt")
         return list(prompt)
     msg = "'prompt' must be a string or a non-empty list of token ids (one prompt)"
     raise ParamError(msg, "prompt")
@@ -233,13 +261,14 @@ def parse_generation(body: Mapping[str, Any], config: EngineConfig, tok: SimToke
                      chat: bool) -> Generation:
     """A completion (or chat) body, checked field by field (`ParamError` on the first fault;
     `InvalidInput` from the tokenizer)."""
+    vocab = config.vocab_size or tok.vocab_size
     if chat:
         prompt_ids = _chat_prompt(tok, body)
-        logprobs = (int(_get(body, "top_logprobs", (int,), 0))
+        logprobs = (_bounded(body, "top_logprobs", 0, 20, 0)
                     if _get(body, "logprobs", (bool,), False) else None)
         default_max = None
     else:
-        prompt_ids = _prompt_ids(tok, body.get("prompt"))
+        prompt_ids = _prompt_ids(tok, body.get("prompt"), vocab)
         if _get(body, "echo", (bool,), False):
             msg = "echo is not supported"
             raise ParamError(msg, "echo")
@@ -248,5 +277,6 @@ def parse_generation(body: Mapping[str, Any], config: EngineConfig, tok: SimToke
     if logprobs is not None and not 0 <= logprobs <= 20:
         msg = "logprobs must be between 0 and 20"
         raise ParamError(msg, "logprobs")
-    params = _sampling(body, len(prompt_ids), config.max_model_len, default_max, logprobs or 0)
+    params = _sampling(body, len(prompt_ids), config.max_model_len, default_max, logprobs or 0,
+                       vocab=vocab)
     return Generation(prompt_ids, params, _options(body, logprobs, tok))

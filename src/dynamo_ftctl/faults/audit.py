@@ -21,7 +21,8 @@ from typing import Any
 
 from dynamo_ftctl.documents import parse_json, read_document
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.output import to_jsonable, write_atomic
+from dynamo_ftctl.output import to_jsonable
+from dynamo_ftctl.safefiles import append_log, write_atomic
 
 __all__ = [
     "AuditRecord",
@@ -76,9 +77,9 @@ class AuditRecord:
 
 def append_audit(path: Path, record: AuditRecord) -> None:
     """Append one JSON line (one `write` on an O_APPEND descriptor)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(to_jsonable(record), separators=(",", ":")) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # A link, FIFO, device or hard-linked file is refused (exit 2), before the fault runs.
+    fd = append_log(path, mode=0o600)
     try:
         os.write(fd, line.encode())
     finally:

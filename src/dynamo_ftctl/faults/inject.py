@@ -40,6 +40,7 @@ from dynamo_ftctl.faults.plan import (
     plan_injection,
     text_block,
 )
+from dynamo_ftctl.safefiles import check_log, child_name
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -168,7 +169,7 @@ def run_injection(
     from dynamo_ftctl.metrics import FAULTS_INJECTED
 
     injectors = injectors or Injectors()
-    audit_log = audit_log or default_audit_path()
+    audit_log = check_log(audit_log or default_audit_path())  # refused before the fault
     state_dir = state_dir or default_state_dir()
     ident = f"{int(clock.wall() * 1000)}-{os.getpid()}-{plan.worker}-{plan.fault}"
     record: Path | None = None
@@ -176,7 +177,8 @@ def run_injection(
                            "created": clock.wall(), "duration_s": plan.duration_s,
                            "reverts": [s.to_json() for s in plan.reverts]}
     if plan.reverts:
-        record = _reverts_dir(state_dir) / f"{ident}.json"
+        # The worker's name is data: one file name in the reverts folder, or exit 2.
+        record = _reverts_dir(state_dir) / child_name(f"{ident}.json", what="revert record")
         write_record(record, doc)
     outcomes: list[str] = []
     try:
@@ -239,7 +241,7 @@ def revert_pending(
         msg = "name the injections to revert, or pass --all"
         raise InvalidInput(msg)
     injectors = injectors or Injectors()
-    audit_log = audit_log or default_audit_path()
+    audit_log = check_log(audit_log or default_audit_path())
     records = pending_reverts(state_dir)
     if ids:
         known = {r["id"] for r in records}

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.process import SPAWNER, Spawner
+from dynamo_ftctl.safefiles import open_device
 
 __all__ = ["Fetch", "InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
 
@@ -184,8 +185,8 @@ class Injectors:
         # /dev/kmsg takes one record per write; "<4>" is KERN_WARNING, the driver's level.
         record = (f"<4>{line}\n" if is_device else f"{line}\n").encode()
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | (0 if is_device else os.O_CREAT),
-                         0o644)
+            # The kernel log, or a regular file standing in for it (tests): nothing else.
+            fd = open_device(path, or_log=True)
             try:
                 os.write(fd, record)
             finally:

@@ -97,12 +97,21 @@ class Hypothesis(StrictStruct, frozen=True, kw_only=True):
 
 
 class LoadProfile(StrictStruct, frozen=True, kw_only=True):
-    """Open-loop load from the load generator while the timeline runs.
+    """Load from the load generator while the timeline runs.
 
-    `priority` sends `x-ftctl-priority` on every request (the proxy's tiers).
+    Open loop at `rate` (Poisson; 8 req/s when neither is given), or closed loop
+    with `users`: N users, each sending its next request when its last one is
+    answered, or, when it was shed with a `Retry-After`, once that has passed.
+    A closed loop offers whatever the workers serve and more, however fast the
+    machine: an overload drill's load (a fixed rate is an overload only on a
+    machine too slow to serve it). `priority` sends `x-ftctl-priority` on every
+    request (the proxy's tiers).
     """
 
-    rate: Annotated[float, doc("Requests per second (Poisson).", gt=0, le=10_000)] = 8.0
+    rate: Annotated[float, doc("Open loop: requests per second (Poisson).", gt=0,
+                               le=10_000)] | None = None
+    users: Annotated[int, doc("Closed loop: users, each one request at a time.", ge=1,
+                              le=4096)] | None = None
     duration_s: Annotated[float, Meta(gt=0, le=3600)] = 15.0
     prompt_tokens: Annotated[int, Meta(ge=1, le=32_768)] = 16
     max_tokens: Annotated[int, Meta(ge=1, le=32_768)] = 48
@@ -112,6 +121,19 @@ class LoadProfile(StrictStruct, frozen=True, kw_only=True):
     priority: Priority | None = None
     concurrency: Annotated[int, Meta(ge=1)] | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rate is not None and self.users is not None:
+            raise KeyedValueError(("users",), "give 'rate' (open loop) or 'users' "
+                                              "(closed loop), not both")
+
+    @property
+    def open_rate(self) -> float | None:
+        """Requests per second of an open loop; None for a closed loop."""
+        if self.users is not None:
+            return None
+        return 8.0 if self.rate is None else self.rate
 
 
 class Witness(StrictStruct, frozen=True, kw_only=True):

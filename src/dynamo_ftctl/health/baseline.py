@@ -129,8 +129,10 @@ class BaselineStore:
 
     def _open_lock(self) -> int:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            from dynamo_ftctl.safefiles import check_output_path, open_regular
+
+            check_output_path(self.path)  # a FIFO would block the read: refused, exit 2
+            return open_regular(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             msg = f"{self.path}: cannot open the canary state file: {exc.strerror or exc}"
             raise InvalidInput(msg) from None

@@ -29,6 +29,7 @@ import collections
 import contextlib
 import gc
 import json
+import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ __all__ = [
     "split_listen",
     "watched_workers",
 ]
+
+_log = logging.getLogger("ftctl.canary")
 
 
 # At most one report-triggered probe per worker per second: a stream of reports once
@@ -440,9 +443,10 @@ def run_daemon(
     log_file = None
     if config.transition_log:
         path = inventory.resolve(config.transition_log)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = path.open("a", buffering=1, encoding="utf-8")
+        from dynamo_ftctl.safefiles import open_log
+
+        try:  # a link, FIFO or device is refused (exit 2) before the daemon serves
+            log_file = open_log(path)
         except OSError as exc:
             msg = f"{path}: cannot open the transition log: {exc.strerror or exc}"
             raise InvalidInput(msg) from None
@@ -468,6 +472,10 @@ def run_daemon(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        # SIGHUP (a closed terminal, a log rotation's kick) must not end the probes.
+        loop.add_signal_handler(signal.SIGHUP, _log.warning,
+                                "SIGHUP: the canary daemon keeps its workers and goes on; "
+                                "restart it to change them")
         url = server.address  # known while it listens, not after the shutdown
         if on_ready is not None:
             on_ready(url)

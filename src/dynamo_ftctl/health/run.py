@@ -140,7 +140,7 @@ def record_set(
         DEFAULT_WARMUP_TIMEOUT_S,
         record_canary_set,
     )
-    from dynamo_ftctl.output import check_output_path
+    from dynamo_ftctl.safefiles import check_output_path, file_name_for
 
     targets = _targets(inventory, [worker] if worker else [], False, url)
     target = targets[0]
@@ -151,7 +151,9 @@ def record_set(
     if repeats < 2:
         msg = "--repeats must be at least 2 (a golden answer must repeat)"
         raise InvalidInput(msg)
-    path = out or Path("canaries") / f"{served}.yaml"
+    # A model id is data: `Qwen/Qwen2.5` becomes canaries/Qwen--Qwen2.5.yaml, one name
+    # that stays in canaries/ whatever the id holds ('..', '/').
+    path = out or Path("canaries") / file_name_for(served, ".yaml")
     check_output_path(path)  # a bad --out is refused before the worker is asked anything
     config = canary_config(inventory, timeout_s=timeout_s)
     recorded = record_canary_set(target, model=served, prompts=prompts or DEFAULT_PROMPTS,

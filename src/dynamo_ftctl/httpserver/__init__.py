@@ -144,6 +144,19 @@ class Server:
         self.stopping = False
         self._server: asyncio.Server | None = None
 
+    def hold(self, size: int) -> bool:
+        """Count `size` more bytes a handler keeps for a request (what it parsed the body
+        into) against `max_buffered`, the one budget; False (nothing counted) when they do
+        not fit. The handler gives them back with `release` when the request ends."""
+        if self.buffered + size > self.max_buffered:
+            return False
+        self.buffered += size
+        return True
+
+    def release(self, size: int) -> None:
+        """Give back bytes counted by `hold`."""
+        self.buffered -= size
+
     async def listen(self, host: str, port: int, *, reuse_port: bool = False) -> None:
         """Bind and listen on `host:port` (port 0: a free one, see `address`).
 

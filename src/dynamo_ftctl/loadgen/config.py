@@ -173,7 +173,10 @@ class Schedule:
     more even). `ramp_to` ramps the rate linearly (or in `ramp_steps` equal
     steps) over the duration; `concurrency` caps requests in flight, and time
     spent waiting for a slot counts as latency. Closed loop (`users` set): N
-    users each send their next request when the previous one ends.
+    users each send their next request when the previous one ends; with
+    `honor_retry_after`, a user whose request was shed (429/503/529 with a
+    `Retry-After`) first waits that long, as a client does (without it, it asks
+    again at once, and a shedding server gets a tight loop of refusals).
     """
 
     rate: float | None = None
@@ -184,6 +187,7 @@ class Schedule:
     ramp_steps: int = 0
     concurrency: int | None = None
     seed: int = 0
+    honor_retry_after: bool = False
 
     def __post_init__(self) -> None:
         if (self.rate is None) == (self.users is None):
@@ -206,6 +210,9 @@ class Schedule:
             raise InvalidInput(msg)
         if self.concurrency is not None and self.concurrency < 1:
             msg = f"concurrency: must be at least 1, got {self.concurrency}"
+            raise InvalidInput(msg)
+        if self.honor_retry_after and self.users is None:
+            msg = "honor_retry_after: needs a closed loop (users); open-loop arrivals are planned"
             raise InvalidInput(msg)
 
     @property

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.output import check_output_dir, check_output_path, write_atomic
+from dynamo_ftctl.safefiles import check_output_dir, check_output_path, write_into
 
 if TYPE_CHECKING:
     from dynamo_ftctl.loadgen.record import RequestRecord
@@ -54,7 +54,7 @@ def report_paths(out: Path, *, plot: bool = True, table: bool = True) -> tuple[P
              *(("load.png",) if plot else ()))
     check_output_dir(out)
     for name in names:
-        check_output_path(out / name)
+        check_output_path(out / name, follow_link=False)  # ftctl named it: no link
     return tuple(out / name for name in names)
 
 
@@ -78,12 +78,12 @@ def write_report(report: LoadReport, out: Path, *, plot: bool = True,
         lines.append(json.dumps(row, separators=(",", ":")))
     # summary.json first: a write that fails (a full disk) fails on it, named, and the
     # previous summary stays whole (tests/unit/foundation/test_output_paths.py).
-    write_atomic(out / "summary.json", json.dumps(report.to_json(), indent=2) + "\n")
+    write_into(out, "summary.json", json.dumps(report.to_json(), indent=2) + "\n")
     if table:
-        write_atomic(out / "requests.csv", table_text)
-    write_atomic(out / "requests.jsonl", "\n".join(lines) + ("\n" if lines else ""))
+        write_into(out, "requests.csv", table_text)
+    write_into(out, "requests.jsonl", "\n".join(lines) + ("\n" if lines else ""))
     if plot:
-        write_atomic(out / "load.png", plot_report(report))
+        write_into(out, "load.png", plot_report(report))
     return paths
 
 

@@ -81,7 +81,8 @@ def config_from_json(doc: dict[str, Any], *, model: str | None = None) -> LoadCo
         rate=doc["rate_per_s"] if doc["loop"] == "open" else None, users=doc["users"],
         arrival=doc["arrival"] or "poisson", burstiness=doc["burstiness"],
         ramp_to=doc["ramp_to_per_s"], ramp_steps=doc["ramp_steps"],
-        concurrency=doc["concurrency"], seed=doc["seed"])
+        concurrency=doc["concurrency"], seed=doc["seed"],
+        honor_retry_after=bool(doc.get("honor_retry_after", False)))  # older reports lack it
     wl = Workload(
         api=doc["api"], model=model, stream=doc["stream"],
         prompt_tokens=parse_length(doc["prompt_tokens"], what="prompt_tokens"),

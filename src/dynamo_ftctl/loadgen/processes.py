@@ -69,9 +69,10 @@ def _run_share(config: LoadConfig, out: Path, tally: SharedTally) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:  # whatever it is reaches the parent as text
-        out.mkdir(parents=True, exist_ok=True)
-        (out / _ERROR_FILE).write_text(str(exc) if isinstance(exc, FtctlError)
-                                       else f"{type(exc).__name__}: {exc}")
+        from dynamo_ftctl.safefiles import write_into
+
+        write_into(out, _ERROR_FILE, str(exc) if isinstance(exc, FtctlError)
+                   else f"{type(exc).__name__}: {exc}")
         # Bad input stays bad input (exit 2) in the parent; anything else fails the run.
         return int(exc.exit_code) if isinstance(exc, FtctlError) else 1
     return 0

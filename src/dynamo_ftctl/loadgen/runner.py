@@ -125,6 +125,7 @@ def describe_config(config: LoadConfig) -> dict[str, Any]:
         "arrival": sched.arrival if sched.open_loop else None,
         "burstiness": sched.burstiness,
         "concurrency": sched.concurrency,
+        "honor_retry_after": sched.honor_retry_after,
         "seed": sched.seed,
         "duration_s": config.duration_s,
         "requests": config.requests,
@@ -356,9 +357,21 @@ async def _closed_loop(run: _Run, factory: RequestFactory, sender: Sender) -> No
             finally:
                 run.in_flight -= 1
             run.record(rec)
+            if honor and rec.retry_after_s:
+                await clock.asleep(_backoff(rec.retry_after_s, clock.now() - t0,
+                                            config.duration_s))
 
+    honor = config.schedule.honor_retry_after
     tasks = {asyncio.create_task(user()) for _ in range(users)}
     await _drain(run, tasks)
+
+
+def _backoff(retry_after_s: float, elapsed_s: float, duration_s: float | None) -> float:
+    """How long a closed-loop user waits after a shed answer: its Retry-After, cut at the
+    end of the run (a user that would wake after it has nothing left to send)."""
+    if duration_s is None:
+        return retry_after_s
+    return max(0.0, min(retry_after_s, duration_s - elapsed_s))
 
 
 async def _drain(run: _Run, tasks: set[asyncio.Task[None]]) -> None:

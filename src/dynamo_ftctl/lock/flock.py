@@ -45,7 +45,7 @@ for `settle_s` (the stop bound, `bound.py`) before its token is issued, so the
 holder of a deleted or replaced file has stopped before the new holder runs.
 
 Files: the lock file and the floor are opened only as regular files of one name
-(`owner._open_lock_file`: no symbolic link followed, no FIFO, device, socket or
+(`safefiles.open_regular`: no symbolic link followed, no FIFO, device, socket or
 hard-linked file; exit 2), and after the flock the path must still name the
 inode locked (`lstat`), else the new file is locked instead.
 """
@@ -71,7 +71,6 @@ from dynamo_ftctl.lock.bound import stop_bound_s, term_grace_from_env, watch_int
 from dynamo_ftctl.lock.owner import (
     BACKEND,
     FLOOR_SUFFIX,
-    _open_lock_file,
     floor_knows,
     floor_path,
     read_owner,
@@ -86,6 +85,7 @@ from dynamo_ftctl.lock.protocol import (
     record_released,
 )
 from dynamo_ftctl.lock.watch import FILE_WATCH, FileIdentity, lock_file_gone
+from dynamo_ftctl.safefiles import open_regular, reopen_rw
 
 if TYPE_CHECKING:
     import asyncio
@@ -263,9 +263,11 @@ class FlockLock:
             callback(lost)
 
     def _open(self) -> int:
+        """The lock file, made if missing; never through a link, and only a regular file
+        with one name (a planted link, FIFO or device is `OutputRefused`, exit 2)."""
         try:
-            return _open_lock_file(self._path, os.O_CREAT | os.O_RDWR)
-        except FileNotFoundError as exc:  # its directory is missing
+            return open_regular(self._path, os.O_CREAT | os.O_RDWR)
+        except OSError as exc:
             raise InvalidInput(f"{self._path}: cannot open lock file: {exc.strerror}") from exc
 
     def _still_linked(self, fd: int) -> bool:
@@ -562,7 +564,7 @@ def flock_descriptor(
     if not stat.S_ISREG(st.st_mode):
         msg = f"--fd {fd}: not a regular file (open the lock file: exec {fd}<>PATH)"
         raise InvalidInput(msg)
-    if st.st_nlink > 1:  # as `owner._open_lock_file` refuses it: the data would go there too
+    if st.st_nlink > 1:  # as `safefiles.open_regular` refuses it: the data would go there too
         raise OutputRefused(f"--fd {fd}", f"refusing the lock file: it has {st.st_nlink} "
                                           "hard links (a lock file must have one name)")
     path = _descriptor_path(fd)
@@ -604,7 +606,7 @@ def flock_descriptor(
     # `exec 9>P` opens write-only: read and write the owner data through a
     # second description of the same file (the lock stays on the shell's).
     readable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY
-    data_fd = fd if readable else os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    data_fd = fd if readable else reopen_rw(fd)
     try:
         acquired_at = clock.wall()
         token = write_owner(data_fd, floor, str(path or f"fd:{fd}"), locked=locked,

@@ -36,7 +36,7 @@ class InodeEvents:
     """One inotify instance watching a lock file's inode and its name in its directory.
 
     `fd` is readable when something happened that may concern the lock file; `drain`
-    empties it and says whether it did. `open` returns None where inotify is missing
+    empties it and says whether it did. `for_directory` returns None where inotify is missing
     (no libc symbol, ENOSYS, too many instances): the caller polls instead.
     """
 
@@ -46,7 +46,7 @@ class InodeEvents:
         self._name = b""
 
     @classmethod
-    def open(cls, directory: Path) -> InodeEvents | None:
+    def for_directory(cls, directory: Path) -> InodeEvents | None:
         """An instance already watching `directory` for names coming and going."""
         import ctypes
 

@@ -12,27 +12,26 @@ counter, and never below the floor (`next_token`), so a directory wiped of both 
 still issues above every earlier token, as long as the wall clock has not gone back by
 more than the time since the last one was issued.
 
-Every file here is opened by `_open_lock_file`: never through a symbolic link, never a
-FIFO, device, socket or directory, never a file with a second hard link.
+Every file here is opened by `safefiles.open_regular`: never through a symbolic link,
+never a FIFO, device, socket or directory, never written with a second hard link.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import socket
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo_ftctl.errors import InvalidInput, OutputRefused
+from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
+from dynamo_ftctl.safefiles import open_regular
 
 __all__ = ["BACKEND", "COUNTER_BITS", "FLOOR_SUFFIX", "clock_token", "floor_knows",
            "floor_path", "read_owner", "reserve_token", "write_owner"]
@@ -52,57 +51,6 @@ COUNTER_BITS = 16
 _log = logging.getLogger("ftctl.lock")
 # Read once, not on the handoff (a pod's host name does not change under it).
 _HOST = socket.gethostname()
-
-
-# What a path that is not a regular file is, for the one-line refusal.
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
-
-def _refuse(path: Path, what: str, why: str) -> OutputRefused:
-    return OutputRefused(path, f"refusing the {what}: it is {why} (it must be a regular "
-                               "file with one name; remove it)")
-
-
-def _open_lock_file(path: Path, flags: int, mode: int = 0o644, *,
-                    what: str = "lock file") -> int:
-    """`os.open(path, flags)` that never follows a symbolic link at `path`, never blocks
-    on a FIFO, and returns only a regular file with one name; `OutputRefused` (exit 2)
-    for anything else, `InvalidInput` when it cannot be opened, `FileNotFoundError` as
-    is (callers decide whether a missing file matters). The one opener of `lock/`."""
-    # to be safefiles.open_regular once merged (plus the hard-link check, kept here)
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-                     | os.O_NOCTTY, mode)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        if exc.errno in {errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.ENODEV,
-                         errno.EOPNOTSUPP}:
-            try:
-                kind = _kind(os.lstat(path).st_mode)
-            except OSError:
-                kind = "not a regular file"
-            raise _refuse(path, what, kind) from exc
-        msg = f"{path}: cannot open the {what}: {exc.strerror}"
-        raise InvalidInput(msg) from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, what, _kind(st.st_mode))
-        if st.st_nlink > 1:
-            # Another name for this inode could be any file of this file system (an
-            # engine's data, /etc/shadow): the owner data would be written into it.
-            raise _refuse(path, what, f"a file with {st.st_nlink} hard links")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def parse_owner(data: bytes) -> dict[str, Any]:
@@ -185,8 +133,8 @@ def _open_floor(floor: Path) -> int:
     """The floor, created if missing and flocked: issuers take turns on it for microseconds."""
     while True:
         try:
-            fd = _open_lock_file(floor, os.O_CREAT | os.O_RDWR, what="token floor")
-        except FileNotFoundError as exc:  # the directory is gone
+            fd = open_regular(floor, os.O_CREAT | os.O_RDWR)  # not through a planted link
+        except OSError as exc:
             msg = f"{floor}: cannot open the token floor: {exc.strerror}"
             raise InvalidInput(msg) from exc
         try:
@@ -315,8 +263,10 @@ def read_owner(path: Path) -> OwnerInfo | None:
     refused means a live holder. Reading under that shared lock also means no
     holder can be rewriting the data while it is read.
     """
+    if not path.parent.is_dir():
+        return None  # (open_regular would say "cannot write" of a missing directory)
     try:
-        fd = _open_lock_file(path, os.O_RDONLY)
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
@@ -342,7 +292,7 @@ def floor_knows(floor: Path, locked: FileIdentity) -> bool:
     is the one the last holder locked, not a new or replacing one (a holder of the old
     file may still run: see `bound.py`). False without a floor or a readable record."""
     try:
-        fd = _open_lock_file(floor, os.O_RDONLY, what="token floor")
+        fd = open_regular(floor, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:

@@ -173,7 +173,9 @@ def _name_process(name: bytes) -> None:
     """Best effort: show the watcher as `name` in ps/top (what prctl PR_SET_NAME does,
     without importing ctypes: ~10 ms of CPU on a core the handoff may need)."""
     with contextlib.suppress(OSError):
-        fd = os.open("/proc/self/comm", os.O_WRONLY | os.O_CLOEXEC)
+        from dynamo_ftctl.safefiles import open_proc_self
+
+        fd = open_proc_self("comm")
         try:
             os.write(fd, name)
         finally:
@@ -335,7 +337,7 @@ def watcher_main() -> None:
         # Before the grant, while the old holder still runs: ctypes costs ~10 ms of CPU.
         from dynamo_ftctl.lock.inotify import InodeEvents
 
-        events = InodeEvents.open(path.parent)
+        events = InodeEvents.for_directory(path.parent)
         order = _read_order(_PIPE_FD)
         if order is not None:
             locked, token = order

@@ -33,6 +33,7 @@ from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, Unre
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.migrate.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.migrate.codec import dumps, loads, sse_batch
+from dynamo_ftctl.migrate.judgment import Outcome, OutcomeKind
 from dynamo_ftctl.sse import DONE, SseDecoder
 
 if TYPE_CHECKING:
@@ -42,8 +43,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.migrate.ledger import Endpoint, StreamLedger
     from dynamo_ftctl.migrate.routing import WorkerSlot
 
-__all__ = ["Lane", "Reader", "Upstream", "UpstreamFailure", "UpstreamRefused",
-           "estimate_prompt_tokens"]
+__all__ = ["Lane", "Reader", "Upstream", "UpstreamFailure", "estimate_prompt_tokens"]
 
 # A worker that streams this many events in a row without a token is babbling.
 _MAX_EVENTS_WITHOUT_TOKEN = 1000
@@ -52,37 +52,25 @@ _DRAIN_S = 0.1
 # Bytes a worker may send without completing one event: more is garbage, not a token.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
 _DONE = DONE.encode()  # the data of the last event of an OpenAI stream
-# Statuses that say the worker is loaded, unavailable or lost behind a gateway, not
-# that the request is bad: worth a try elsewhere, and no sign of a query of death.
-_UNAVAILABLE_STATUSES = frozenset({408, 429, 502, 503, 504})
+# An error answer's body is read for the judgment (and a 4xx's for the client) up to this.
+_ERROR_BODY_LIMIT = 64 * 1024
 # Tokens per KV block until a worker's vllm:cache_config_info says (vLLM's default on GPUs).
 _DEFAULT_BLOCK_SIZE = 16
 
 
 class UpstreamFailure(Exception):
-    """The worker failed this attempt (the request may go on elsewhere).
+    """The attempt ended without a whole answer; `outcome` says how, for `judgment.judge`.
 
-    `way` names how when the request itself may be the cause ("HTTP 500", "error
-    event", "connection lost"): the same way on two workers is a query of death.
-    None when the failure says nothing about the request (a refused connection, a
-    timeout, garbage, a load status). `gone`: the worker went away (refused or dropped
-    the connection) rather than answered; retrying such a request moves load and does
-    not multiply it, so the retry budget does not cap it.
+    This room does not decide whose fault it was: the policy asks the judgment.
     """
 
-    def __init__(self, message: str, way: str | None = None, *, gone: bool = False) -> None:
-        super().__init__(message)
-        self.way = way
-        self.gone = gone
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.message)
+        self.outcome = outcome
 
 
-@dataclass(frozen=True)
-class UpstreamRefused(Exception):
-    """The worker refused the request itself (4xx): the client's problem, passed through."""
-
-    status: int
-    body: bytes
-    content_type: str
+def _failed(kind: OutcomeKind, message: str, **found: Any) -> UpstreamFailure:
+    return UpstreamFailure(Outcome(kind, message, **found))
 
 
 def estimate_prompt_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
@@ -179,10 +167,10 @@ class Reader:
         if not events:
             self._unparsed += len(piece)
             if self._unparsed > _MAX_EVENT_BYTES:
-                self.failure = UpstreamFailure(
-                    f"{self._name}: {self._unparsed:,} bytes without a complete event")
+                self.failure = _failed(
+                    "garbage", f"{self._name}: {self._unparsed:,} bytes without a complete event")
             elif self._now() - self._last_token > self._stall:
-                self.failure = UpstreamFailure(f"{self._name}: no token for {self._stall:g} s")
+                self.failure = _failed("stalled", f"{self._name}: no token for {self._stall:g} s")
             return batch
         self._unparsed = 0
         now = self._now()  # the events of one read arrived together: one clock read
@@ -204,8 +192,8 @@ class Reader:
                 self._idle_events += 1
                 if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
                         or now - self._last_token > self._stall:
-                    self.failure = UpstreamFailure(
-                        f"{self._name}: events but no token for {self._stall:g} s")
+                    self.failure = _failed(
+                        "stalled", f"{self._name}: events but no token for {self._stall:g} s")
                     break
             if chunk is not None:
                 batch.append(chunk)
@@ -277,18 +265,16 @@ class Upstream:
                                            connect_timeout_s=self.connect_timeout_s,
                                            head_timeout_s=stall)
             status = resp.status or 0
-            if status >= 500 or status in _UNAVAILABLE_STATUSES:
-                msg = f"HTTP {status} from {slot.name}"
-                raise UpstreamFailure(msg, None if status in _UNAVAILABLE_STATUSES
-                                      else f"HTTP {status}")
-            if status >= 400:
-                raise UpstreamRefused(status, await resp.read(timeout_s=stall),
-                                      resp.header("content-type") or "application/json")
             content_type = resp.header("content-type") or ""
-            if status != 200 or not content_type.startswith("text/event-stream"):
+            if status != 200:
+                raise _failed("status", f"HTTP {status} from {slot.name}", status=status,
+                              body=await _error_body(resp, stall),
+                              content_type=content_type or "application/json",
+                              retry_after=resp.header("retry-after"))
+            if not content_type.startswith("text/event-stream"):
                 msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
                       "not an event stream"
-                raise UpstreamFailure(msg)
+                raise _failed("garbage", msg)
             reader = Reader(slot.name, ledger, stall, self.now, kv)
             token_out = False  # the policy has seen a batch with this attempt's first token
             while piece := await resp.next_chunk(stall):
@@ -315,32 +301,41 @@ class Upstream:
             if reader.done and not ledger.stopped and not resp.complete:
                 await resp.wait_complete(_DRAIN_S)
             if not ledger.finished:
-                msg = f"{slot.name}: stream ended without a finish reason"
-                raise UpstreamFailure(msg)
-        except (UpstreamFailure, UpstreamRefused):
+                raise _failed("garbage", f"{slot.name}: stream ended without a finish reason")
+        except UpstreamFailure:
             raise
         except ErrorEvent as exc:
-            code = exc.status
-            if code is not None and 400 <= code < 500 and code not in _UNAVAILABLE_STATUSES:
-                raise UpstreamRefused(code, dumps(exc.doc), "application/json") from None
-            msg = f"{slot.name}: {exc}"
-            raise UpstreamFailure(msg, None if code in _UNAVAILABLE_STATUSES
-                                  else f"error event {code or ''}".rstrip()) from None
-        except MalformedChunk as exc:
-            msg = f"{slot.name}: {exc}"
-            raise UpstreamFailure(msg) from None
-        except (OSError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
+            raise _failed("event", f"{slot.name}: {exc}", status=exc.status,
+                          body=dumps(exc.doc)) from None
+        except (MalformedChunk, ValueError, UnicodeDecodeError) as exc:
+            raise _failed("garbage", f"{slot.name}: {exc}") from None
+        except (OSError, TimeoutError) as exc:
             # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
             kind = type(exc).__name__
             msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
-            # Lost once the request went out: perhaps a worker that crashes on it. A
-            # connection never made, a timeout or garbage says nothing of the request.
-            lost = isinstance(exc, ConnectError | ConnectionBroken) \
-                and not isinstance(exc, Unreachable)
-            raise UpstreamFailure(msg, "connection lost" if lost else None,
-                                  gone=isinstance(exc, ConnectError | ConnectionBroken)) from None
+            raise _failed(_transport_kind(exc), msg) from None
         finally:
             kv.release()
             if resp is not None:
                 resp.close()
+
+
+def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:
+    """How a transport error ended an attempt: a connection never made says nothing of the
+    request; one lost once the request went out may be a worker that crashes on it."""
+    if isinstance(exc, Unreachable):
+        return "unreachable"
+    if isinstance(exc, ConnectError | ConnectionBroken):
+        return "lost"
+    if isinstance(exc, TimeoutError):
+        return "stalled"
+    return "garbage"  # not HTTP, a body past its limit
+
+
+async def _error_body(resp: AnyResponse, stall_s: float) -> bytes:
+    """An error answer's body, at most `_ERROR_BODY_LIMIT` bytes; b"" when it cannot be read."""
+    try:
+        return await resp.read(_ERROR_BODY_LIMIT, timeout_s=stall_s)
+    except (OSError, TimeoutError, ValueError):
+        return b""
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ErrorEvent", "MalformedChunk", "chat_choice", "chat_logprobs", "choice_of",
-           "int_list"]
+__all__ = ["MAX_TOKEN_ID", "ErrorEvent", "MalformedChunk", "chat_choice", "chat_logprobs",
+           "choice_of", "int_list", "token_ids"]
+
+# Token ids are at most this (exclusive): engines keep them in 32-bit integers (vLLM's
+# int32 tensors), and no vocabulary comes near it.
+MAX_TOKEN_ID = 2**31
 
 
 class MalformedChunk(ValueError):
@@ -60,6 +64,16 @@ def choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 _INT = {int}
+
+
+def token_ids(value: Any, what: str) -> list[int] | None:
+    """A worker's token ids, or None when one is out of [0, `MAX_TOKEN_ID`): a worker that
+    lies about ids is read as one without ids (text), never relayed. `MalformedChunk` when
+    `value` is not a list of integers at all."""
+    ids = int_list(value, what)
+    if ids and (min(ids) < 0 or max(ids) >= MAX_TOKEN_ID):
+        return None
+    return ids
 
 
 def int_list(value: Any, what: str) -> list[int]:

@@ -88,6 +88,11 @@ class RequestRejected(ValueError):
         self.param = param
 
 
+# Stop strings a request may carry (OpenAI allows 4; vLLM does not bound them).
+MAX_STOPS = 64
+MAX_STOP_CHARS = 4096
+
+
 def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
     """Validate a client body and return a copy ready for the ledger.
 
@@ -116,6 +121,17 @@ def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
     ):
         msg = "'stop' must be a string or a list of strings"
         raise RequestRejected(msg, "stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOPS or sum(map(len, stops)) > MAX_STOP_CHARS:
+        # The proxy matches stop strings itself, each against the text held back per
+        # token: bounded here, the cost per token is too.
+        msg = (f"'stop' may hold at most {MAX_STOPS} strings of {MAX_STOP_CHARS} "
+               "characters in all")
+        raise RequestRejected(msg, "stop")
+    stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOPS * 16:
+        msg = f"'stop_token_ids' may hold at most {MAX_STOPS * 16} ids"
+        raise RequestRejected(msg, "stop_token_ids")
     for key in ("n", "best_of"):
         value = body.get(key)
         if value is not None and value != 1:

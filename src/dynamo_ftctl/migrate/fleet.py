@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers, token_from_env
+from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.http1 import Unreachable
 from dynamo_ftctl.migrate.admission import (
     Thresholds,
     degradation_level,
@@ -53,6 +59,20 @@ log = logging.getLogger("ftctl.proxy")
 # How often a process of `--procs N` reads the board: a breaker opened in one process
 # opens in the others within this, and their load estimates lag by as much.
 _SYNC_S = 0.05
+# A one-token answer is small; more is read no further.
+_PROBE_LIMIT = 256 * 1024
+# A known-good probe that gets an error is asked again, this many times in all, this far
+# apart: past the 0.25 s a batch death takes to reach the proxy (`policy._SETTLE_S`).
+_PROBE_TRIES = 3
+_PROBE_GAP_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class _Probe:
+    """A known-good probe of one worker, and when it started (`Fleet._probe_seq`)."""
+
+    started: int
+    task: asyncio.Future[str | None]
 
 
 class ScrapeFailed(Exception):
@@ -88,6 +108,10 @@ class Fleet:
         self._workers = {w.name: w for w in inventory.workers}
         self.capabilities: CapabilityCache | None = None
         self._learning: set[str] = set()  # workers whose capability probe is running
+        # Known-good probes (`confirm`): the one running per worker, and their order.
+        self._confirming: dict[str, _Probe] = {}
+        self._probe_seq = itertools.count()
+        self._rechecking: set[str] = set()  # absent workers being probed (a scrape's)
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -116,10 +140,11 @@ class Fleet:
         if self.capabilities is not None:
             await self.capabilities.aclose()
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _sync_forever(self, router: SharedRouter) -> None:
         while True:
@@ -163,6 +188,10 @@ class Fleet:
         # What a worker's probe found missing is not asked for every scrape (a server
         # without /metrics, or whose /v1/models gives no max_model_len, answered every
         # 0.1 s with a 404 or a 500 that dropped the connection).
+        if slot.absent and slot.name not in self._rechecking:
+            # First: a worker without /metrics returns below, and would never come back.
+            self._rechecking.add(slot.name)
+            self._spawn(self._recheck_absent(slot))
         caps = self.capabilities.get(slot.name) if self.capabilities is not None else None
         if caps is not None and caps.metrics is False:
             self._watch_capabilities(slot, b"")
@@ -235,14 +264,154 @@ class Fleet:
         slot.token_ids[endpoint] = False
         return True
 
+    # ------------------------------------------------------------------ reload
+
+    def apply_inventory(self, inventory: Inventory) -> str:
+        """Serve `inventory`'s workers from now on (SIGHUP); what changed, in words.
+
+        A worker whose name, URL, model and group stay keeps its slot (breaker, load,
+        capabilities); one that changed is a new worker; streams on a worker left out
+        run to their end, and no request goes there again. With `--procs N` the workers
+        cannot come or go (the fleet board has a cell per worker): `InvalidInput`.
+        """
+        old = self.router.slots
+        slots = []
+        for w in inventory.workers:
+            slot = old.get(w.name)
+            group = inventory.group_of(w)
+            if slot is None or (slot.url, slot.model, slot.group) != (w.url, w.model, group):
+                slot = WorkerSlot(name=w.name, url=w.url, group=group, model=w.model)
+            slots.append(slot)
+        added = [s.name for s in slots if old.get(s.name) is not s]
+        removed = [name for name in old if name not in {s.name for s in slots}]
+        if self.board is not None and {s.name for s in slots} != set(old):
+            msg = ("with --procs N the workers cannot be added or removed in place; "
+                   "restart the proxy")
+            raise InvalidInput(msg)
+        self.router.replace_slots(slots)
+        default = next(iter(self.thresholds.values()))
+        self.thresholds = {w.model: self.thresholds.get(w.model, default)
+                           for w in inventory.workers}
+        self.loads = {w.name: self.loads.get(w.name) if w.name not in added else None
+                      for w in inventory.workers}
+        self._workers = {w.name: w for w in inventory.workers}
+        return (f"{len(slots)} workers; added or changed: {', '.join(added) or 'none'}; "
+                f"removed: {', '.join(removed) or 'none'}")
+
     # ------------------------------------------------------------------ failures
 
     def charge(self, slot: WorkerSlot, reason: str) -> None:
-        """Count a failure against `slot`: its breaker, the canary daemon, its capabilities."""
+        """Charge a failure to `slot`; it counts once the worker fails a known-good probe too.
+
+        Only then does it move the breaker, reach the canary daemon and make the
+        capabilities be probed again: a worker that answers the probe is never taken
+        out for a failure that may have been its request's (docs/design.md "Failure
+        attribution"). The probe runs apart from the request that charged.
+        """
+        slot.charges += 1
+        self._spawn(self._verify(slot, reason, charged=True))
+
+    def verify(self, slot: WorkerSlot, reason: str) -> None:
+        """Probe `slot` after a failure that is not its own (a query of death): a worker
+        that fails the known-good probe counts a failure all the same."""
+        self._spawn(self._verify(slot, reason, charged=False))
+
+    async def _verify(self, slot: WorkerSlot, reason: str, *, charged: bool) -> None:
+        failure = await self.confirm(slot)
+        if failure is None:
+            if charged:
+                self.metrics.UNCONFIRMED_CHARGES.labels(slot.name).inc()
+                log.info("%s not charged: it answers the known-good probe (%s)",
+                         slot.name, reason)
+            self.router.record_neutral(slot)
+            return
         self.router.record_failure(slot)
-        self._report_failure(slot, reason)
+        self._report_failure(slot, f"{reason}; known-good probe: {failure}")
         if self.capabilities is not None:
             self.capabilities.invalidate(slot.name)  # probed again once it answers
+
+    async def confirm(self, slot: WorkerSlot) -> str | None:
+        """Why `slot` fails the known-good request now; None when it answers it.
+
+        The answer always comes from a probe that started after the call, so a worker
+        that broke a moment ago is not excused by an older probe; callers that arrive
+        while one runs share the next (a burst of charges costs at most two probes).
+        """
+        asked = next(self._probe_seq)
+        while True:
+            probe = self._confirming.get(slot.name)
+            if probe is None:
+                probe = _Probe(next(self._probe_seq), self._spawn(self._probe_known_good(slot)))
+                self._confirming[slot.name] = probe
+                probe.task.add_done_callback(functools.partial(self._probed, slot.name, probe))
+            failure = await asyncio.shield(probe.task)
+            if probe.started > asked:
+                return failure
+
+    def _probed(self, name: str, probe: _Probe, _: object) -> None:
+        if self._confirming.get(name) is probe:
+            del self._confirming[name]
+
+    async def _probe_known_good(self, slot: WorkerSlot) -> str | None:
+        """One known-good request, asked again (`_PROBE_TRIES` in all, `_PROBE_GAP_S` apart)
+        while the worker answers it with an error: a probe batched with a request that
+        ends its batch dies with it, and says nothing of the worker. A worker that cannot
+        be reached or does not answer in time is not asked twice."""
+        from dynamo_ftctl.capabilities import known_good_failure, known_good_request
+
+        body = dumps(known_good_request(slot.model))
+        failure: str | None = None
+        for attempt in range(_PROBE_TRIES):
+            if attempt:
+                await self.clock.asleep(_PROBE_GAP_S)
+            try:
+                status, answer = await self.http.fetch(
+                    "POST", f"{slot.url}/v1/completions", body,
+                    {"Content-Type": "application/json"},
+                    timeout_s=self.config.stall_timeout_s, limit=_PROBE_LIMIT)
+            except (Unreachable, TimeoutError) as exc:
+                return f"{type(exc).__name__}: {exc}".rstrip(": ")
+            except (OSError, ValueError) as exc:  # dropped mid-answer: maybe a batch death
+                failure = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                continue
+            failure = known_good_failure(status, answer)
+            if failure is None:
+                return None
+        return failure
+
+    def spare(self, slot: WorkerSlot, seconds: float | None, status: int) -> None:
+        """Backpressure: send `slot` no new request for `seconds` (its Retry-After; the
+        proxy's `retry_after_s` without one); it answered `status`."""
+        wait = self.config.retry_after_s if seconds is None else seconds
+        slot.spared_until = max(slot.spared_until, self.clock.now() + wait)
+        slot.full_status = status
+        log.info("%s is full: spared for %.3g s", slot.name, wait)
+
+    async def _recheck_absent(self, slot: WorkerSlot) -> None:
+        """Probe a worker that said it lacks its model; back in routing once it answers."""
+        try:
+            if await self.confirm(slot) is None:
+                log.info("%s serves %s again", slot.name, slot.model)
+                slot.absent = False
+        finally:
+            self._rechecking.discard(slot.name)
+
+    def full_answer(self, model: str | None) -> tuple[int, int] | None:
+        """(status, Retry-After seconds) for a client when workers of `model` are spared by
+        backpressure: 429 when one of them said 429, else 503; None when none is spared."""
+        wait = self.router.spared_for(model)
+        if wait is None:
+            return None
+        now = self.clock.now()
+        said = {s.full_status for s in self.router.slots.values()
+                if (model is None or s.model == model) and s.spared_until > now}
+        return (429 if 429 in said else 503), max(1, math.ceil(wait))
+
+    def mark_absent(self, slot: WorkerSlot, evidence: str) -> None:
+        """`slot` does not serve its model now: out of routing until a scrape's probe finds it."""
+        if not slot.absent:
+            log.warning("%s out of routing for %s: %s", slot.name, slot.model, evidence)
+        slot.absent = True
 
     def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
         base = self.config.health_url

@@ -69,7 +69,7 @@ class KvHandoff:
 
         context = (*ledger.prompt_ids, *ledger.generated_ids)
         state = RequestState(
-            request_id=ledger.trace_id, model=self.calibration.model, token_ids=context,
+            request_id=ledger.upstream_id, model=self.calibration.model, token_ids=context,
             prompt_len=len(ledger.prompt_ids), num_cached=len(context), sampling={},
             kv_bytes_per_token=self.calibration.kv_bytes_per_token, payload_bytes=0,
         )
@@ -89,7 +89,7 @@ class KvHandoff:
         try:
             async with asyncio.timeout(budget_s):
                 state, payload, _ = await export_request(
-                    self._client, endpoint_for(self.inventory, slot.name), ledger.trace_id,
+                    self._client, endpoint_for(self.inventory, slot.name), ledger.upstream_id,
                     abort=True, clock=self.clock,
                     timeout_s=min(self.config.stall_timeout_s, budget_s),
                 )
@@ -110,6 +110,6 @@ class KvHandoff:
         from dynamo_ftctl.migrate.transfer import endpoint_for
 
         target = endpoint_for(self.inventory, slot.name)
-        headers = {**target.admin_headers(), "X-Request-Id": ledger.trace_id,
+        headers = {**target.admin_headers(), "X-Request-Id": ledger.upstream_id,
                    "Content-Type": "application/octet-stream"}
         return f"{target.admin_url}/admin/kv/import", payload, headers

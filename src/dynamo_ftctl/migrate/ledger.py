@@ -21,21 +21,25 @@ the migration policy reads it and builds the next body from it
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dynamo_ftctl.migrate.chunk import (
+    MAX_TOKEN_ID,
     ErrorEvent,
     MalformedChunk,
     chat_choice,
     choice_of,
-    int_list,
+    token_ids,
 )
 from dynamo_ftctl.openai import StopFinder
 
 __all__ = ["LENGTH_KEYS", "Endpoint", "StreamLedger", "Usage", "new_request_id"]
+
+log = logging.getLogger("ftctl.proxy")
 
 Endpoint = Literal["completions", "chat"]
 
@@ -94,15 +98,21 @@ class StreamLedger:
     body: dict[str, Any]
     migration_limit: int = 3
     max_model_len: int | None = None
-    # The client's `X-Request-Id`, passed to every worker and echoed back; a fresh UUID
-    # when the client sent none. The answer's `id` is the endpoint's prefix and this.
+    # The client's `X-Request-Id`, echoed back (and sent to workers as
+    # `X-Ftctl-Trace-Id`); a fresh UUID when the client sent none. The answer's `id`
+    # is the endpoint's prefix and this.
     trace_id: str = ""
     request_id: str = ""
+    # The `X-Request-Id` of the current attempt: a fresh UUID per attempt, never the
+    # client's, so no client can make two attempts share an id on a worker (a worker
+    # that refuses a running id, 409, would fail the other's request).
+    upstream_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_ids: list[int] | None = None
     generated_ids: list[int] = field(default_factory=list)
     generated_count: int = 0
     ids_mode: bool = True
+    ids_distrusted: bool = False  # a worker sent ids out of range: none is used or relayed
     finish_reason: str | None = None
     migrations: int = 0
     attempt_tokens: int = 0
@@ -216,6 +226,7 @@ class StreamLedger:
     def start_attempt(self, worker: str = "") -> None:
         """A new upstream stream begins on `worker` (first try, retry or continuation)."""
         self.attempt_tokens = 0
+        self.upstream_id = new_request_id()
         if worker:
             self.workers.append(worker)
 
@@ -241,13 +252,21 @@ class StreamLedger:
             message = error.get("message", error) if isinstance(error, dict) else error
             raise ErrorEvent(f"error event from worker: {message}", doc)
         choice = choice_of(doc)
-        if self.migrations == 0:  # what the first worker says of the prompt (once)
+        # What a worker says of the client's prompt (once), from any attempt sent with that
+        # prompt alone: the first, or a retry before any token. Only the first attempt's
+        # counted before (`migrations == 0`), so after a retry the prompt's ids were
+        # never known and a cut stream went on as text: other ids, other tokens.
+        if self.generated_count == self.attempt_tokens:
             if self.prompt_ids is None:
                 prompt_ids = doc.get("prompt_token_ids")
                 if choice is not None and prompt_ids is None:
                     prompt_ids = choice.get("prompt_token_ids")
                 if prompt_ids is not None:
-                    self.prompt_ids = list(int_list(prompt_ids, "prompt_token_ids"))
+                    checked = token_ids(prompt_ids, "prompt_token_ids")
+                    if checked is None:
+                        self._distrust_ids("prompt_token_ids")
+                    else:
+                        self.prompt_ids = list(checked)
             if self.prompt_tokens_reported is None:
                 usage = doc.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
@@ -272,7 +291,11 @@ class StreamLedger:
         if text is not None and not isinstance(text, str):
             raise MalformedChunk("chunk text is not a string")
         ids = choice.get("token_ids")
-        new_ids = int_list(ids, "token_ids") if ids is not None else None
+        new_ids = token_ids(ids, "token_ids") if ids is not None else None
+        if ids is not None and (new_ids is None or self.ids_distrusted):
+            new_ids = None
+            self._distrust_ids("token_ids")
+            choice = {k: v for k, v in choice.items() if k != "token_ids"}
         if new_ids is None and text:
             self.ids_mode = False
         count = len(new_ids) if new_ids is not None else (1 if text else 0)
@@ -308,6 +331,16 @@ class StreamLedger:
         if not render:
             return self._unrendered_chunk(choice, text, new_ids)
         return self._client_chunk(doc, choice, text, new_ids)
+
+    def _distrust_ids(self, what: str) -> None:
+        """The worker sent ids out of range: from now on this request goes on as text, and
+        no id of the worker's reaches the client."""
+        self.ids_distrusted = True
+        if self.ids_mode:
+            log.warning("request %s: %s sent %s out of [0, %d): continuing as text",
+                        self.trace_id, self.workers[-1] if self.workers else "a worker",
+                        what, MAX_TOKEN_ID)
+        self.ids_mode = False
 
     def _with_text(self, choice: dict[str, Any], text: str,
                    finish: str | None) -> dict[str, Any]:

@@ -8,23 +8,29 @@ before the first token (`method="retry"`), re-prefill of prompt + generated ids
 (`"reprefill"`), text continuation for servers without token ids (`"text"`,
 docs/design.md "Continuation"), or a KV handoff (`"kv"`, `migrate/handoff.py`).
 
-Failure attribution: a 4xx (but 408 and 429, which say the worker is loaded),
-as an answer or as an SSE error event's code, is the request's fault: it goes
-to the client, and the worker counts it as an answer, not a failure. A 5xx
-(but 502-504), an error event without such a code, or a connection lost after
-the request went out and before the attempt's first token may be either's
-fault: the request goes to another worker, and the failure is charged (breaker,
-canary daemon report) once that worker's outcome says whose it was. If the
-request fails there the same way (same status, same kind of event, or its
-connection lost again before a token), it is a query of death: the client
-gets a 502 of type `query_of_death`, no further worker is tried, and neither
-worker is charged (`ftctl_proxy_query_of_death_total`). A stream cut after its
-first tokens (a killed worker) is charged at once and never counts towards a
-query of death. Retries of requests with no output yet are capped by
-`proxy.retry_budget` (Envoy's retry budget): past it the request fails with a
-503 of type `retry_budget_exhausted` (`ftctl_proxy_retry_budget_exhausted_total`);
-a worker that went away (refused or dropped the connection) did no work a retry
-repeats, so its retries are not capped.
+Failure attribution is `migrate/judgment.py`'s: every failed attempt becomes a
+`Verdict` there, and this module only acts on it. The request's fault (a 4xx): it
+goes to the client, the worker is charged nothing. Backpressure (429, 503, 529):
+the worker is spared for its Retry-After and the request goes elsewhere; with no
+other worker, the client gets 429 or 503 with Retry-After. A worker that does not
+serve the model now: out of routing for it until a probe finds it, the request goes
+elsewhere. The worker's fault: charged (`Fleet.charge`, which moves a breaker only
+once the worker fails a known-good probe too). Unknown: the request goes to another
+worker, and that worker's outcome decides. Served there: the first worker is
+charged. Failed the same way there (`Verdict.way`): a query of death, a 502 of type
+`query_of_death`, no further worker, nobody charged
+(`ftctl_proxy_query_of_death_total`). A stream cut after its first tokens is
+charged at once (the probe decides) and never counts towards a query of death.
+
+Requests that ended other requests' streams (a batch death, `judgment.QueryMemory`)
+are remembered by fingerprint: a suspected copy runs on one worker at a time and is
+not retried elsewhere; one that kills a second batch is convicted, and copies are
+refused with 422 `query_of_death` until the memory forgets them. Retries of requests
+with no output yet are capped by `proxy.retry_budget` (Envoy's retry budget): past it
+the request fails with a 503 of type `retry_budget_exhausted`
+(`ftctl_proxy_retry_budget_exhausted_total`); a worker that went away (refused or
+dropped the connection) or is full did no work a retry repeats, so those retries are
+not capped.
 
 A failure before any output is `ProxyError` (an HTTP error for the front door to
 answer), after it `StreamAborted` (the stream ends with an error event).
@@ -32,13 +38,16 @@ answer), after it `StreamAborted` (the stream ends with an error event).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import logging
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.migrate.attempt import UpstreamFailure, UpstreamRefused, estimate_prompt_tokens
+from dynamo_ftctl.migrate.attempt import UpstreamFailure, estimate_prompt_tokens
 from dynamo_ftctl.migrate.codec import dumps
 from dynamo_ftctl.migrate.continuation import (
     NotContinuable,
@@ -46,6 +55,7 @@ from dynamo_ftctl.migrate.continuation import (
     first_request,
     retry_request,
 )
+from dynamo_ftctl.migrate.judgment import Blame, QueryMemory, Verdict, fingerprint, judge
 from dynamo_ftctl.openai import error_body
 
 if TYPE_CHECKING:
@@ -54,12 +64,18 @@ if TYPE_CHECKING:
     from dynamo_ftctl.migrate.attempt import Lane, Upstream
     from dynamo_ftctl.migrate.fleet import Fleet
     from dynamo_ftctl.migrate.handoff import KvHandoff
+    from dynamo_ftctl.migrate.judgment import Outcome
     from dynamo_ftctl.migrate.ledger import StreamLedger
     from dynamo_ftctl.migrate.routing import WorkerSlot
 
 __all__ = ["MigrationPolicy", "ProxyError", "StreamAborted"]
 
 log = logging.getLogger("ftctl.proxy")
+
+# How long a request that failed before its first token on a worker busy with others
+# waits for their failures before it goes elsewhere (a batch death arrives as many
+# failures within milliseconds; this bounds the wait when the others are fine).
+_SETTLE_S = 0.25
 
 
 class ProxyError(Exception):
@@ -91,6 +107,14 @@ class _Suspect:
 
 
 @dataclass(slots=True)
+class _Hold:
+    """The lock the copies of one suspected request take in turn, and how many want it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+@dataclass(slots=True)
 class _Trip:
     """One request's way through the fleet so far: what the policy decides the next step from."""
 
@@ -109,6 +133,10 @@ class _Trip:
     suspect: _Suspect | None = None  # a failure charged once another worker tells whose
     retrying: bool = False  # this attempt holds a place in the retry budget
     budgeted: bool = False  # the next attempt is a retry the budget caps
+    serial: int = 0  # this request among the proxy's (the query memory's key)
+    print_: str = ""  # its fingerprint (`judgment.fingerprint`)
+    held: bool = False  # this attempt runs while the fingerprint is suspected
+    absent: bool = False  # a worker said it does not serve the model
 
 
 class MigrationPolicy:
@@ -124,6 +152,12 @@ class MigrationPolicy:
         self.metrics = fleet.metrics
         self._in_flight = 0  # requests in `generate`
         self._retries_in_flight = 0  # their retries before a first token (the retry budget)
+        self.memory = QueryMemory(clock)
+        self._serials = itertools.count(1)
+        # Suspected fingerprints run one copy at a time: the lock each copy takes.
+        self._holds: dict[str, _Hold] = {}
+        # Requests settling after a failure (`_settle`) wait on their worker's event.
+        self._failures: dict[str, asyncio.Event] = {}
 
     async def generate(self, ledger: StreamLedger,
                        lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
@@ -136,54 +170,80 @@ class MigrationPolicy:
         model = ledger.body.get("model")
         trip = _Trip(ledger, first_request(ledger),
                      estimate_prompt_tokens(ledger.endpoint, ledger.body),
-                     model if isinstance(model, str) else None)
+                     model if isinstance(model, str) else None,
+                     serial=next(self._serials), print_=fingerprint(ledger.body))
+        if self.memory.convicted(trip.print_):
+            raise self._convicted(ledger, trip.yielded)
         self.fleet.queued += 1
         self._in_flight += 1
         try:
             while True:
                 slot = self._pick(trip)
-                ledger.start_attempt(slot.name)
-                self.fleet.router.start(slot, trip.prompt_estimate)
-                pending = trip.prompt_estimate
-                if trip.method == "retry" and trip.budgeted:
-                    trip.retrying = True
-                    self._retries_in_flight += 1
-                if trip.method == "kv":
-                    url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
-                else:
-                    url, data, headers = _upstream_request(slot, trip.body, ledger)
-                try:
-                    async for batch in self.upstream.attempt(
-                            slot, url, data, headers, ledger,
-                            load=self.fleet.loads.get(slot.name), lane=lane):
-                        if pending:
-                            self._first_batch(trip, slot, pending)
-                            pending = 0
-                        if ledger.attempt_tokens and (trip.suspect or trip.retrying):
-                            self._runs_here(trip)
-                        trip.yielded = True
-                        yield batch
-                    self.fleet.router.record_success(slot)
-                    if ledger.prompt_ids is not None:
-                        self.fleet.note_prompt(len(ledger.prompt_ids))
-                    return
-                except UpstreamRefused as exc:
-                    self._after_refusal(trip, slot, exc)  # raises unless it goes on
-                except UpstreamFailure as exc:
-                    if not await self._after_failure(trip, slot, exc):
-                        yield [ledger.finish_chunk("length")]
+                async with self._hold(trip):
+                    ledger.start_attempt(slot.name)
+                    self.fleet.router.start(slot, trip.prompt_estimate)
+                    pending = trip.prompt_estimate
+                    if trip.method == "retry" and trip.budgeted:
+                        trip.retrying = True
+                        self._retries_in_flight += 1
+                    if trip.method == "kv":
+                        url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
+                    else:
+                        url, data, headers = _upstream_request(slot, trip.body, ledger)
+                    try:
+                        async for batch in self.upstream.attempt(
+                                slot, url, data, headers, ledger,
+                                load=self.fleet.loads.get(slot.name), lane=lane):
+                            if pending:
+                                self._first_batch(trip, slot, pending)
+                                pending = 0
+                            if ledger.attempt_tokens and (trip.suspect or trip.retrying):
+                                self._runs_here(trip)
+                            trip.yielded = True
+                            yield batch
+                        self.fleet.router.record_success(slot)
+                        if ledger.prompt_ids is not None:
+                            self.fleet.note_prompt(len(ledger.prompt_ids))
                         return
-                finally:
-                    self.fleet.router.finish(slot, pending)
-                    if trip.retrying:
-                        trip.retrying = False
-                        self._retries_in_flight -= 1
+                    except UpstreamFailure as exc:
+                        if not await self._after_failure(trip, slot, exc.outcome):
+                            yield [ledger.finish_chunk("length")]
+                            return
+                    finally:
+                        self.fleet.router.finish(slot, pending)
+                        if trip.retrying:
+                            trip.retrying = False
+                            self._retries_in_flight -= 1
         finally:
             if trip.queued:
                 self.fleet.queued -= 1
             self._in_flight -= 1
             if trip.suspect is not None:  # no other worker told (none left, the client left)
                 self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, trip: _Trip) -> AsyncIterator[None]:
+        """One attempt; while the request's fingerprint is suspected, one copy at a time."""
+        trip.held = self.memory.suspected(trip.print_)
+        if not trip.held:
+            yield
+            return
+        hold = self._holds.setdefault(trip.print_, _Hold())
+        hold.users += 1
+        try:
+            try:
+                async with asyncio.timeout(self.config.stall_timeout_s):
+                    await hold.lock.acquire()
+            except TimeoutError:
+                raise self._held_too_long(trip) from None
+            try:
+                yield
+            finally:
+                hold.lock.release()
+        finally:
+            hold.users -= 1
+            if not hold.users:
+                del self._holds[trip.print_]
 
     def _pick(self, trip: _Trip) -> WorkerSlot:
         """The worker for the next attempt; raises when there is none left."""
@@ -193,13 +253,7 @@ class MigrationPolicy:
             avoid_busy=not failed, last_resort=bool(failed),
         )
         if slot is None:
-            what = "no other healthy worker to continue on" if failed else "no worker available"
-            if not trip.yielded:
-                raise ProxyError(502 if failed else 503, error_body(
-                    f"Service unavailable: {what}", type="service_unavailable",
-                    code=502 if failed else 503))
-            raise StreamAborted(f"stream broken after {trip.ledger.generated_count} "
-                                f"tokens and {what}")
+            raise self._nowhere(trip)
         ledger = trip.ledger
         if slot.max_model_len is not None:
             ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
@@ -231,44 +285,131 @@ class MigrationPolicy:
             trip.retrying = False
             self._retries_in_flight -= 1
 
-    def _after_refusal(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamRefused) -> None:
-        """A 4xx from `slot`: try again (a KV import, token ids it refuses) or end the request."""
+    async def _settle(self, trip: _Trip, slot: WorkerSlot) -> None:
+        """Before a request that failed on `slot` before its first token goes elsewhere: let
+        the failures of the requests batched with it arrive, at most `_SETTLE_S`.
+
+        A batch death reaches the proxy as many failures at once, in no set order; if
+        this request is what ended the batch (`QueryMemory`), it must not take its
+        poison to another worker's batch. Alone on the worker, it goes on at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SETTLE_S
+        while slot.outstanding > 1 and not self.memory.suspected(trip.print_):
+            event = self._failures.setdefault(slot.name, asyncio.Event())
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await event.wait()
+            except TimeoutError:
+                return
+
+    def _wake_settling(self, slot: WorkerSlot) -> None:
+        """A failure on `slot` was noted: requests settling there look again."""
+        event = self._failures.pop(slot.name, None)
+        if event is not None:
+            event.set()
+
+    def _nowhere(self, trip: _Trip) -> Exception:
+        """The error when no worker is left for `trip`: full or absent workers say so."""
+        failed = trip.failed_workers
+        what = "no other healthy worker to continue on" if failed else "no worker available"
+        if trip.yielded:
+            return StreamAborted(f"stream broken after {trip.ledger.generated_count} "
+                                 f"tokens and {what}")
+        full = self.fleet.full_answer(trip.model)
+        if full is not None:  # backpressure goes on to the client, with its Retry-After
+            status, seconds = full
+            return ProxyError(status, error_body(
+                f"every worker of {trip.model} is full; retry after {seconds} s",
+                type="overloaded", code=status), {"Retry-After": str(seconds)})
+        if trip.absent:
+            return ProxyError(503, error_body(
+                f"no worker serves {trip.model} now (they answered that the model is not "
+                "there); retry later", type="service_unavailable", code=503),
+                {"Retry-After": str(self.config.retry_after_s)})
+        status = 502 if failed else 503
+        return ProxyError(status, error_body(f"Service unavailable: {what}",
+                                             type="service_unavailable", code=status))
+
+    def _refused(self, trip: _Trip, slot: WorkerSlot, outcome: Outcome) -> bool:
+        """The request's fault on `slot` (a 4xx): go on (a KV import, token ids it refuses)
+        or end the request with the worker's answer (raises)."""
         ledger = trip.ledger
+        status, body = outcome.status or 400, outcome.body
         self.fleet.router.record_success(slot)  # it answered: a 4xx is not its failure
-        if _import_failed(trip.method, ledger, slot, exc):
+        if _import_failed(trip.method, ledger, slot, outcome):
             trip.method, trip.kv_payload = "reprefill", b""
-            return
+            return True
         if trip.method != "kv" and self.fleet.note_refused_ids(
-                slot, ledger.upstream_endpoint, exc.status, exc.body):
-            return  # the same body again, without the field
+                slot, ledger.upstream_endpoint, status, body):
+            return True  # the same body again, without the field
         if trip.suspect is not None:
             # Refused here, it failed there: the request's fault, not that worker's.
             log.info("%s not charged: %s refused the request it failed on (HTTP %d)",
-                     trip.suspect.slot.name, slot.name, exc.status)
-            self.fleet.router.record_neutral(trip.suspect.slot)
+                     trip.suspect.slot.name, slot.name, status)
+            self.fleet.verify(trip.suspect.slot, trip.suspect.reason)
             trip.suspect = None
         if not trip.yielded and ledger.generated_count == 0:
-            raise ProxyError(exc.status, _refusal_body(exc)) from None
-        message = exc.body.decode("utf-8", "replace")[:200]
+            raise ProxyError(status, _refusal_body(status, body)) from None
+        message = body.decode("utf-8", "replace")[:200]
         what = "continuation" if ledger.migrations else "request"
         raise StreamAborted(f"{what} refused by {slot.name}: "
-                            f"HTTP {exc.status} {message}") from None
+                            f"HTTP {status} {message}") from None
 
-    async def _after_failure(self, trip: _Trip, slot: WorkerSlot, exc: UpstreamFailure) -> bool:
-        """`slot` failed: charge it or suspect the request, choose how the request goes on.
+    def _spare_or_drop(self, trip: _Trip, slot: WorkerSlot, verdict: Verdict,
+                       outcome: Outcome) -> None:
+        """`slot` is full (spared for its Retry-After) or does not serve the model (out of
+        routing until a probe finds it there): nothing is charged either way."""
+        if verdict.blame is Blame.BACKPRESSURE:
+            self.metrics.BACKPRESSURE.labels(slot.name).inc()
+            self.fleet.spare(slot, verdict.retry_after_s, outcome.status or 503)
+        else:
+            self.fleet.mark_absent(slot, verdict.evidence)
+            trip.absent = True
+
+    async def _after_failure(self, trip: _Trip, slot: WorkerSlot, outcome: Outcome) -> bool:
+        """The attempt on `slot` failed: act on the judgment's verdict, choose how the
+        request goes on.
 
         False when the output is complete by length (the caller ends it cleanly);
-        raises when the request must end (query of death, retry budget, limits).
+        raises when the request must end (its own fault, query of death, retry budget,
+        limits).
         """
         ledger = trip.ledger
-        if _import_failed(trip.method, ledger, slot, exc):
+        verdict = judge(outcome, trip.model, ledger.attempt_tokens)
+        if verdict.blame is Blame.REQUEST:
+            return self._refused(trip, slot, outcome)
+        if verdict.blame in (Blame.BACKPRESSURE, Blame.ABSENT):
+            self._spare_or_drop(trip, slot, verdict, outcome)
+            if not ledger.attempt_tokens:  # it did no work: the same request elsewhere
+                trip.failed_workers.add(slot.name)
+                trip.budgeted = False
+                if trip.method == "kv":  # the export is spent: the next worker re-prefills
+                    trip.method, trip.kv_payload = "reprefill", b""
+                return True
+        if _import_failed(trip.method, ledger, slot, outcome):
             trip.method, trip.kv_payload = "reprefill", b""
             return True
-        reason = str(exc)
-        log.warning("worker failed: %s (after %d tokens)", reason, ledger.generated_count)
-        # Only a failure before the attempt's first token may be the request's:
-        # a stream cut after it (a killed worker) is the worker's.
-        way = exc.way if not ledger.attempt_tokens else None
+        reason = f"{verdict.evidence}"
+        log.warning("worker failed: %s [%s] (after %d tokens)", reason, verdict.blame.value,
+                    ledger.generated_count)
+        if verdict.blame is Blame.UNKNOWN:
+            convicted = self.memory.note_failure(slot.name, trip.serial, trip.print_,
+                                                 ledger.attempt_tokens, held=trip.held)
+            self._wake_settling(slot)
+            if not ledger.attempt_tokens and not trip.held:
+                await self._settle(trip, slot)
+            if trip.print_ in convicted or (
+                    not ledger.attempt_tokens and self.memory.suspected(trip.print_)):
+                if await self.fleet.confirm(slot) is None:
+                    # The worker lives on, and this request ended the streams batched
+                    # with it (or a copy did): not tried on another worker, whose batch
+                    # it would end too.
+                    trip.suspect = None
+                    raise self._convicted(ledger, trip.yielded, slot)
+                # The worker died (a crash, a kill): no request is to blame for that.
+                self.memory.forgive(trip.print_)
+        way = verdict.way
         suspect = trip.suspect
         if way is not None and suspect is not None and suspect.way == way:
             trip.suspect = None
@@ -277,7 +418,8 @@ class MigrationPolicy:
             self.fleet.charge(suspect.slot, suspect.reason)
             trip.suspect = None
         if way is None:
-            self.fleet.charge(slot, reason)
+            if verdict.blame in (Blame.WORKER, Blame.UNKNOWN):
+                self.fleet.charge(slot, reason)
         else:
             trip.suspect = _Suspect(slot, reason, way)
         trip.failed_workers.add(slot.name)
@@ -290,7 +432,7 @@ class MigrationPolicy:
         # A worker that went away did no work a retry repeats: the load moves (issue
         # 22's drill: a SIGKILLed vLLM's queued requests got 503 past the budget).
         # Answered failures and timeouts are capped.
-        trip.budgeted = trip.method == "retry" and not exc.gone
+        trip.budgeted = trip.method == "retry" and outcome.kind not in ("unreachable", "lost")
         if trip.budgeted and not self._retry_allowed():
             raise self._retry_refused(reason, trip.yielded) from None
         # Dynamo's mirror counts the decision to go on (its frontend counts before
@@ -311,10 +453,12 @@ class MigrationPolicy:
 
         The request, not the fleet, is the suspect: tried on every worker, it would
         open every breaker (issue 22: three such requests took a two-worker cluster
-        down for 60 s). A half-open breaker whose trial it was may try again.
+        down for 60 s). Each worker is still asked the known-good request: one that
+        fails it too counts a failure. A half-open breaker whose trial it was may
+        try again.
         """
-        self.fleet.router.record_neutral(first)
-        self.fleet.router.record_neutral(second)
+        self.fleet.verify(first, f"query of death ({way})")
+        self.fleet.verify(second, f"query of death ({way})")
         self.metrics.QUERY_OF_DEATH.inc()
         log.warning("query of death: request %s failed the same way (%s) on %s and %s; "
                     "not tried on more workers, neither charged",
@@ -325,6 +469,28 @@ class MigrationPolicy:
         if yielded:
             return StreamAborted(message, "query_of_death")
         return ProxyError(502, error_body(message, type="query_of_death", code=502))
+
+    def _convicted(self, ledger: StreamLedger, yielded: bool,
+                   slot: WorkerSlot | None = None) -> Exception:
+        """The error for a request whose copies ended other requests' streams (422)."""
+        self.metrics.QUERY_OF_DEATH.inc()
+        where = f" (last on {slot.name})" if slot is not None else ""
+        log.warning("query of death: request %s ended other requests' streams%s; refused",
+                    ledger.trace_id, where)
+        message = ("this request ended the streams of other requests batched with it"
+                   f"{where}; it is refused for a while, as it may be what breaks workers")
+        if yielded:
+            return StreamAborted(message, "query_of_death")
+        return ProxyError(422, error_body(message, type="query_of_death", code=422))
+
+    def _held_too_long(self, trip: _Trip) -> Exception:
+        """The error for a suspected copy that waited `stall_timeout_s` for its turn."""
+        message = ("a copy of this request is running, and such copies run one at a time "
+                   "(they ended other requests' streams); please retry later")
+        if trip.yielded:
+            return StreamAborted(message, "query_of_death")
+        return ProxyError(503, error_body(message, type="query_of_death", code=503),
+                          {"Retry-After": str(self.config.retry_after_s)})
 
     def _retry_allowed(self) -> bool:
         """Whether one more retry fits the retry budget (Envoy's `retry_budget`)."""
@@ -371,29 +537,34 @@ class MigrationPolicy:
 
 def _upstream_request(slot: WorkerSlot, body: dict[str, Any],
                       ledger: StreamLedger) -> tuple[str, bytes, dict[str, str]]:
-    """URL, body and headers of a generation on `slot` (without ids where it refuses them)."""
+    """URL, body and headers of a generation on `slot` (without ids where it refuses them).
+
+    `X-Request-Id` is the attempt's own id (`StreamLedger.upstream_id`), never the
+    client's: the client's goes as `X-Ftctl-Trace-Id`.
+    """
     if not slot.sends_token_ids(ledger.upstream_endpoint):
         body = {k: v for k, v in body.items() if k != "return_token_ids"}
     return (f"{slot.url}{ledger.upstream_path}", dumps(body),
-            {"Content-Type": "application/json", "X-Request-Id": ledger.trace_id})
+            {"Content-Type": "application/json", "X-Request-Id": ledger.upstream_id,
+             "X-Ftctl-Trace-Id": ledger.trace_id})
 
 
 def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,
-                   exc: Exception) -> bool:
+                   outcome: Outcome) -> bool:
     """A KV import that failed before its first token (the caller re-prefills)."""
     if method != "kv" or ledger.attempt_tokens:
         return False
-    log.warning("KV import on %s failed (%s); re-prefilling", slot.name, exc)
+    log.warning("KV import on %s failed (%s); re-prefilling", slot.name, outcome.message)
     return True
 
 
-def _refusal_body(exc: UpstreamRefused) -> dict[str, Any]:
+def _refusal_body(status: int, body: bytes) -> dict[str, Any]:
     """The client's answer to a 4xx: the worker's JSON error, or its text in one."""
     try:
-        doc = json.loads(exc.body)
+        doc = json.loads(body)
     except ValueError:
         doc = None
     if isinstance(doc, dict):
         return doc
-    return error_body(exc.body.decode("utf-8", "replace")[:500],
-                      type="invalid_request_error", code=exc.status)
+    return error_body(body.decode("utf-8", "replace")[:500],
+                      type="invalid_request_error", code=status)

@@ -49,7 +49,7 @@ __all__ = ["ChildCrashed", "ChildRun", "ProcsResult", "reserve_port", "serve_pro
 # prometheus_client's variable (not imported from `metrics`: the parent must not load
 # prometheus_client's metrics before it is set; each child loads them afresh).
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP}
 _MIN_UPTIME_S = 1.0  # a child that dies sooner is crashing at start-up: not restarted
 _READY_TIMEOUT_S = 60.0  # a child that does not listen in this long has failed to start
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -169,6 +169,11 @@ class _Children:
                 out.append((index, code, time.monotonic() - started, child.pid))
         return out
 
+    def forward(self, signum: int) -> None:
+        """`signum` to every child, waiting for none."""
+        for child, _ in self.alive.values():
+            child.signal(signum)
+
     def stop(self, signum: int, deadline_s: float) -> None:
         """`signum` to every child, once, then SIGKILL to those alive past `deadline_s`.
 
@@ -211,6 +216,9 @@ def serve_procs(procs: int, host: str, port: int, workers: list[str],
         on_ready(port)
         while True:
             info = signal.sigwaitinfo(_SIGNALS)
+            if info.si_signo == signal.SIGHUP:  # each child reloads the inventory itself
+                children.forward(signal.SIGHUP)
+                continue
             if info.si_signo != signal.SIGCHLD:
                 children.stop(info.si_signo, shutdown_deadline_s + _KILL_GRACE_S)
                 return ProcsResult(signum=info.si_signo, restarts=restarts)

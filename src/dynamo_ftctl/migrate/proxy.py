@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.http1 import Client
 from dynamo_ftctl.httpserver import (
     default_max_connections,
@@ -120,8 +121,13 @@ def _cannot_listen(config: ProxyConfig, exc: OSError) -> Exception:
 
 def serve(inventory: Inventory, config: ProxyConfig, *,
           on_ready: Callable[[str], None] | None = None,
-          shutdown_deadline_s: float = 5.0) -> ServeResult:
+          shutdown_deadline_s: float = 5.0,
+          reload: Callable[[], Inventory] | None = None) -> ServeResult:
     """Run the proxy on `config.listen` until SIGTERM or SIGINT (blocking).
+
+    SIGHUP calls `reload` for the inventory and serves its workers from then on
+    (`Fleet.apply_inventory`), dropping no stream; a file that does not load keeps the
+    old workers and logs one line. Without `reload`, SIGHUP is logged and ignored.
 
     With `config.procs` above 1, as many processes serve the port (`migrate/procs.py`):
     SIGTERM or SIGINT stops them all within the shutdown deadline, a child that dies
@@ -138,21 +144,35 @@ def serve(inventory: Inventory, config: ProxyConfig, *,
     """
     if config.procs > 1:
         return _serve_procs(inventory, config, on_ready=on_ready,
-                            shutdown_deadline_s=shutdown_deadline_s)
+                            shutdown_deadline_s=shutdown_deadline_s, reload=reload)
     return _serve_one(inventory, config, on_ready=on_ready,
-                      shutdown_deadline_s=shutdown_deadline_s)
+                      shutdown_deadline_s=shutdown_deadline_s, reload=reload)
+
+
+def _reload_inventory(proxy: MigratingProxy, reload: Callable[[], Inventory] | None) -> None:
+    """SIGHUP: the inventory again; a file that does not load keeps the workers as they are."""
+    if reload is None:
+        log.warning("SIGHUP: no inventory file to reload; serving on as before")
+        return
+    try:
+        summary = proxy.fleet.apply_inventory(reload())
+    except FtctlError as exc:
+        log.warning("SIGHUP: inventory not reloaded, serving on as before: %s", exc)
+        return
+    log.warning("SIGHUP: inventory reloaded: %s", summary)
 
 
 def _serve_procs(inventory: Inventory, config: ProxyConfig, *,
                  on_ready: Callable[[str], None] | None,
-                 shutdown_deadline_s: float) -> ServeResult:
+                 shutdown_deadline_s: float,
+                 reload: Callable[[], Inventory] | None) -> ServeResult:
     host, port = _split_listen(config.listen)
     started = time.monotonic()
 
     def run(child: ChildRun) -> int:
         _serve_one(inventory, config, on_ready=lambda _: child.ready(),
                    shutdown_deadline_s=shutdown_deadline_s, board=child.board,
-                   port=child.port)
+                   port=child.port, reload=reload)
         return 0
 
     def ready(bound: int) -> None:
@@ -173,7 +193,8 @@ def _serve_procs(inventory: Inventory, config: ProxyConfig, *,
 
 def _serve_one(inventory: Inventory, config: ProxyConfig, *,
                on_ready: Callable[[str], None] | None, shutdown_deadline_s: float,
-               board: FleetBoard | None = None, port: int | None = None) -> ServeResult:
+               board: FleetBoard | None = None, port: int | None = None,
+               reload: Callable[[], Inventory] | None = None) -> ServeResult:
     """One proxy process (`board`/`port`: a child of `--procs N`, on the reserved port)."""
     host, listen_port = _split_listen(config.listen)
     install_log_redaction()
@@ -207,8 +228,10 @@ def _serve_one(inventory: Inventory, config: ProxyConfig, *,
                     reuse_port=port is not None)
             except OSError as exc:
                 raise _cannot_listen(config, exc) from None
+            proxy.front_door.budget = server  # parsed requests count in max_buffered too
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, on_signal, signum)
+            loop.add_signal_handler(signal.SIGHUP, _reload_inventory, proxy, reload)
             try:
                 if on_ready is not None:
                     on_ready(server.address)
@@ -221,7 +244,7 @@ def _serve_one(inventory: Inventory, config: ProxyConfig, *,
                 hurried.cancel()
                 await shutdown
             finally:
-                for signum in (signal.SIGINT, signal.SIGTERM):
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     loop.remove_signal_handler(signum)
         finally:
             await proxy.stop()

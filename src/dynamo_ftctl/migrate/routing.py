@@ -61,8 +61,14 @@ class WorkerSlot:
     daemon_weight: float | None = None
     busy: bool = False
     max_model_len: int | None = None
-    failures: int = 0
+    failures: int = 0  # confirmed: the worker failed a known-good probe too
     successes: int = 0
+    charges: int = 0  # failures charged, confirmed or not (`Fleet.charge`)
+    # Backpressure: no new requests before this time (its Retry-After, `Fleet.spare`).
+    spared_until: float = 0.0
+    full_status: int = 503  # what it answered then (429, 503 or 529)
+    # The worker said it does not serve its model (now): out until a probe finds it.
+    absent: bool = False
     # Whether the worker takes `return_token_ids` on each endpoint (None: not known yet,
     # sent; False: it refused the field or returns no ids, never sent). From its
     # capability probe, or learnt from a refusal that names the field.
@@ -74,7 +80,10 @@ class WorkerSlot:
         return self.token_ids.get(endpoint) is not False
 
     def weight(self, now: float, recovery_s: float) -> float:
-        """Routing weight: the daemon's when known, else the breaker's."""
+        """Routing weight: the daemon's when known, else the breaker's; 0 while spared or
+        absent."""
+        if self.absent or now < self.spared_until:
+            return 0.0
         if self.breaker == "open" and now - self.opened_at >= recovery_s:
             self.breaker = "half_open"
         if self.breaker == "open":
@@ -129,6 +138,12 @@ class Router:
         self._recovery_s = recovery_s
         self._rotation = itertools.count()
 
+    def replace_slots(self, slots: Iterable[WorkerSlot]) -> None:
+        """Route over `slots` from now on (an inventory reload). Requests running on a slot
+        left out keep it to their end; none is sent there again."""
+        self.slots = {s.name: s for s in slots}
+        self._order = list(self.slots)
+
     def weight(self, slot: WorkerSlot) -> float:
         return slot.weight(self._clock.now(), self._recovery_s)
 
@@ -138,6 +153,14 @@ class Router:
             s for s in self.slots.values()
             if (model is None or s.model == model) and self.weight(s) > 0
         ]
+
+    def spared_for(self, model: str | None) -> float | None:
+        """Seconds until the first worker of `model` spared by backpressure takes requests
+        again; None when none is spared."""
+        now = self._clock.now()
+        left = [s.spared_until - now for s in self.slots.values()
+                if (model is None or s.model == model) and s.spared_until > now]
+        return min(left) if left else None
 
     def healthy_capacity(self) -> float:
         """Sum of weights over the number of workers (1.0 when all are healthy)."""
@@ -174,7 +197,9 @@ class Router:
                 continue
             weight = self.weight(slot)
             if weight <= 0:
-                if last_resort and fallback is None:
+                # Not one that is full or does not serve the model: it would only say so again.
+                if last_resort and fallback is None and not slot.absent \
+                        and slot.spared_until <= self._clock.now():
                     fallback = slot
                 continue
             score = (slot.outstanding + 1) / weight

@@ -147,3 +147,12 @@ def test_probes_alone_find_a_corrupting_worker(daemon: Any) -> None:
     w1 = next(w for w in doc["workers"] if w["name"] == "w1")
     assert w1["weight"] == 0.0
     assert w1["last"]["kind"] == "token_mismatch"
+
+
+def test_sighup_does_not_end_the_daemon(daemon: Any) -> None:
+    """Issue 29: SIGHUP (a closed terminal, a log rotation) killed the daemon; it goes on
+    probing and answering, and says so once."""
+    url, proc, _, _ = daemon
+    proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: states(url) == {"w1": "healthy", "w2": "healthy"}, 30, "healthy workers")
+    assert proc.poll() is None

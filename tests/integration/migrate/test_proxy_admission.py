@@ -32,8 +32,9 @@ SMALL_CACHE = "ftctl-sim-tiny-small-cache"  # 24 blocks of 16 tokens, 8 sequence
 PROMPT_IDS = list(range(65, 97))  # 32 tokens: two blocks
 
 
-def cut_stream(url: str, request_id: str, after_tokens: int) -> None:
-    """Stream a long completion and hang up after `after_tokens` token events."""
+def cut_stream(url: str, request_id: str, after_tokens: int) -> str:
+    """Stream a long completion and hang up after `after_tokens` token events; the id the
+    worker knows the request by (the proxy's `x-ftctl-upstream-id`)."""
     body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "ignore_eos": True,
             "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
@@ -43,7 +44,8 @@ def cut_stream(url: str, request_id: str, after_tokens: int) -> None:
         for line in resp.iter_lines():
             seen += line.startswith("data: {")
             if seen >= after_tokens:
-                return  # leaving the block closes the connection: the client is gone
+                break  # leaving the block closes the connection: the client is gone
+    return resp.headers["x-ftctl-upstream-id"]
 
 
 def retained(worker: SimWorker, request_id: str) -> bool:
@@ -62,10 +64,9 @@ def test_retained_kv_of_gone_clients_does_not_lock_the_proxy_into_shedding(
     proxy = proxy_factory([("r0", worker.url)])  # default thresholds (0.85)
     # Two clients leave after 135 tokens: 2 x (32 + 135..176) tokens = 2 x 11..12 of the
     # pool's 24 blocks are retained, 92-100% of it, above the threshold.
-    ids = ["cut-0", "cut-1"]
     with ThreadPoolExecutor(2) as pool:
-        for future in [pool.submit(cut_stream, proxy.url, i, 135) for i in ids]:
-            future.result(timeout=60)
+        ids = [future.result(timeout=60) for future in
+               [pool.submit(cut_stream, proxy.url, i, 135) for i in ("cut-0", "cut-1")]]
     wait_until(lambda: gauge(worker.url, "vllm:num_requests_running") == 0, 10,
                "the worker to drop the cut streams")
     assert all(retained(worker, i) for i in ids)  # what retention is for: the KV is there

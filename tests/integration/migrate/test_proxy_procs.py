@@ -158,6 +158,18 @@ def test_sigterm_stops_every_process_and_removes_the_metrics_dir(
     assert not metrics_dir.exists()
 
 
+def test_sighup_keeps_the_parent_and_every_child(proxy_factory: ProxyFactory) -> None:
+    """SIGHUP to the parent (it killed it, and its children with it): it is forwarded, each
+    child reloads the inventory, and the same two children go on serving."""
+    proxy = _dead_worker_proxy(proxy_factory)
+    children = set(_health_by_pid(proxy.url, 2))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: proxy.log_text().count("inventory reloaded") == 2, 10.0,
+               "both children to reload")
+    assert set(_health_by_pid(proxy.url, 2)) == children
+    assert proxy.proc.poll() is None
+
+
 def test_a_child_that_dies_is_restarted(proxy_factory: ProxyFactory) -> None:
     """SIGKILL to one child: the parent forks another; two processes serve again."""
     proxy = _dead_worker_proxy(proxy_factory)

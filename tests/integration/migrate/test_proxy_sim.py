@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -720,3 +721,138 @@ def test_bad_calibration_file_exits_2_naming_the_file_and_key(tmp_path: Path) ->
     assert f"{bad}:5" in lines[0]
     assert "layers" in lines[0]
     assert "serving" not in done.stderr
+
+
+PROMISE_PROMPTS = ("Tokens must not be lost", "A stream that survives",
+                   "Grüße, ça va? 日本語のテキスト")
+
+
+def test_streams_cut_at_any_point_after_a_dead_worker_continue_identically(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory,
+) -> None:
+    """Issue 29's promise on the BPE sim: three workers (seed 11), one dead, then the serving
+    one cuts every stream after k tokens, for k across the whole answer: each greedy
+    text-only stream (ASCII and multi-byte prompts) is the uninterrupted run, character for
+    character, as it goes on from token ids, never from re-sent text."""
+    workers = [sim_worker_factory(name=f"t{i}", seed=11) for i in range(3)]
+    proxy = proxy_factory([(w.name, w.url) for w in workers], breaker_threshold=100000)
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    expected = {p: reference(workers[1], "/v1/completions",
+                             {**body, "prompt": p, "return_token_ids": True})[1]
+                for p in PROMISE_PROMPTS}
+    workers[0].kill()  # the dead one is tried first by some requests: a retry, then the cut
+    retried = 0
+    for cut in (1, 2, 3, 5, 8, 13, 20, 31, 47, 63):
+        set_fault(workers[1], {"kind": "disconnect", "after_tokens": cut})
+        for prompt in PROMISE_PROMPTS:
+            for _ in range(6):  # until t1, which cuts, serves the start (routing rotates)
+                got = stream(proxy, "/v1/completions", {**body, "prompt": prompt})
+                assert got.error is None, (cut, prompt, got.error)
+                assert got.text == expected[prompt], (cut, prompt)
+                served = got.headers.get("x-ftctl-worker", "").split(",")
+                if served[-1] == "t1":
+                    retried += served[0] == "t0"
+                    break
+            else:
+                pytest.fail(f"no stream began on t1 in 6 tries (cut {cut})")
+    assert retried, "no stream was retried from the dead worker before the cut"
+
+
+def test_sighup_reloads_the_inventory_without_dropping_a_stream(
+    sim_worker_factory: Any, proxy_factory: ProxyFactory, tmp_path: Path,
+) -> None:
+    """Issue 29: SIGHUP cut 12 of 12 streams. Now 12 streams under way all finish whole; an
+    inventory that adds a worker takes effect (requests reach it); a broken file keeps the
+    workers as they were, with one log line."""
+    first, second = (sim_worker_factory(name=n) for n in ("h0", "h1"))
+    set_fault(first, {"kind": "slow", "delay_ms": 20})
+    proxy = proxy_factory([("h0", first.url)])
+    path = tmp_path / "inventory-0.yaml"
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    with ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(stream, proxy, "/v1/completions", body) for _ in range(12)]
+        wait_until(lambda: gauge(first.url, "vllm:num_requests_running") >= 12, 20,
+                   "12 streams under way")
+        proxy.proc.send_signal(signal.SIGHUP)
+        got = [future.result(timeout=60) for future in streams]
+    assert proxy.proc.poll() is None
+    assert all(g.error is None and len(g.text) > 0 and g.done for g in got)
+    assert len({g.text for g in got}) == 1
+    doc = yaml.safe_load(path.read_text())
+    doc["workers"].append({"name": "h1", "url": second.url, "model": MODEL})
+    path.write_text(yaml.safe_dump(doc))
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "h1" in httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"],
+               10, "the reloaded inventory")
+    served = [stream(proxy, "/v1/completions", body) for _ in range(4)]
+    assert all(g.error is None for g in served)
+    assert "h1" in {g.headers.get("x-ftctl-worker") for g in served}
+    path.write_text("workers: [unclosed\n")
+    proxy.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "inventory not reloaded" in proxy.log_text(), 10, "the refusal")
+    assert set(httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"]) == {"h0", "h1"}
+    assert proxy.log_text().count("inventory not reloaded") == 1
+
+
+def _vm(pid: int, key: str) -> float:
+    """A /proc/PID/status figure (VmRSS, VmHWM) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class _SlowRefusal(BaseHTTPRequestHandler):
+    """A worker that reads a generation, waits 2 s, and refuses it (400); no /metrics."""
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if b"ping" not in self.path.encode():
+            time.sleep(2.0)
+        data = b'{"error": {"message": "prompt too long", "code": 400}}'
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_parsed_requests_count_in_the_buffer_budget(proxy_factory: ProxyFactory) -> None:
+    """Issue 29 case 7: 17 concurrent 14 MiB token-id prompts took a proxy with
+    max_buffered_mib 256 to 825 MB: a request's parsed form (~7x its bytes) was not counted.
+    Now it is: with a 64 MiB budget, 17 concurrent 2 MiB id prompts to a slow worker get
+    503 + Retry-After past the budget, and the proxy's peak memory grows by about the
+    budget, not by all 17 parsed prompts (~250 MiB)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowRefusal)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        proxy = proxy_factory([("m0", url)], max_buffered_mib=64, stall_timeout_s=10.0,
+                              busy={"active_prefill_tokens_threshold": 10**9})
+        ids = list(range(100_000, 100_000 + 300_000))  # ~2.1 MiB of JSON
+        body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
+        base = _vm(proxy.proc.pid, "VmRSS")
+
+        def post() -> httpx.Response:
+            return httpx.post(f"{proxy.url}/v1/completions", content=body, timeout=60,
+                              headers={"Content-Type": "application/json"})
+
+        with ThreadPoolExecutor(17) as pool:
+            answers = list(pool.map(lambda _: post(), range(17)))
+        grown = _vm(proxy.proc.pid, "VmHWM") - base
+    finally:
+        server.shutdown()
+        server.server_close()
+    refused = [r for r in answers if r.status_code == 503]
+    assert {r.status_code for r in answers} == {400, 503}, [r.status_code for r in answers]
+    assert all(r.headers.get("retry-after") for r in refused)
+    assert grown < 64 * 1.6, f"the proxy grew {grown:.0f} MiB past its 64 MiB budget"

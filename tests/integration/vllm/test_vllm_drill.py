@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,12 +47,20 @@ def test_vllm_worker_crash_drill_continues_every_stream_token_exactly(
     scenario.write_text(SCENARIO.read_text())
     report = run_drill(scenario, local=True, out_dir=tmp_path / "out", plot=False)
     kill = report.events[0].result if report.events else ""
-    if " 0 of 6 mid-stream on vllm2 " in kill:
+    seen = report.counts.get("witness") or {}
+    cut_none = not (seen.get("cut", 0) + seen.get("cut_failed", 0))
+    if " 0 of 6 mid-stream on vllm2 " in kill or cut_none:
         # The premise failed, not the proxy: no witness stream was on vllm2 when it was
-        # killed (CI, once: 0 of 6 cut). Said loudly, with the proxy's routing view, and
-        # the drill runs once more on a restarted vllm2 (an unexplained skew would show
-        # as this warning in every CI log, and fail the second time).
-        warnings.warn(f"vLLM drill: the kill found no witness on vllm2: {kill}", stacklevel=1)
+        # killed (CI, once: 0 of 6 cut), or those on it had been written whole before the
+        # SIGKILL and were still being read (CI, once more: "3 of 6 mid-stream on vllm2",
+        # none cut; the tiny model writes 2,000 tokens in under a second while the proxy
+        # and the clients share the other core). Said loudly, with the proxy's routing
+        # view, and the drill runs once more on a restarted vllm2 (an unexplained skew
+        # would show as this warning in every CI log, and fail the second time).
+        # Printed, not warned: the suite runs with filterwarnings=error, under which a
+        # warning failed the test before its second run (CI at b9aa3dd).
+        print(f"vLLM drill: the kill cut no witness on vllm2, running it again: {kill}",
+              file=sys.stderr)
         vllm_pair[1].restart()
         running_inventory(vllm_pair, tmp_path / "vllm.yaml")
         shutil.rmtree(tmp_path / "out")

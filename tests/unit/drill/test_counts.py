@@ -27,6 +27,16 @@ def test_load_counts_tokens_lost_and_duplicated() -> None:
     assert counts["tokens_duplicated"] == 2
 
 
+def test_every_shed_status_counts_as_a_refusal_not_a_failure() -> None:
+    """429 (a worker's backpressure passed on by the proxy), 503 and 529 are refusals: an
+    admitted request that failed is none of them."""
+    records = [record(i, 0, outcome="http_error", status=status)
+               for i, status in enumerate((429, 503, 529, 500))]
+    counts = load_counts(LoadRun(records), 48)  # type: ignore[arg-type]
+    assert counts["rejected"] == 3
+    assert counts["admitted_error_rate"] == 1.0
+
+
 def test_loads_counts_per_priority_and_admitted_error_rate() -> None:
     """Several profiles: totals plus sent/failed/shed per priority; sheds (with Retry-After)
     are failures but not failures of admitted requests."""

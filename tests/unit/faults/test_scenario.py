@@ -101,11 +101,13 @@ def test_bad_scenario_exits_2_from_the_cli(tmp_path: Path) -> None:
      "s.yaml:8: method.loads"),
     (GOOD.replace("timeline:\n", "timeline:\n    - {at_s: 0, probe: {name: s, kind: shed}}\n"),
      "s.yaml:8: method.timeline[0].probe.priority"),
+    (GOOD.replace("method:\n", "method:\n  load: {rate: 1, users: 8}\n"),
+     "s.yaml:7: method.load.users"),
 ])
 def test_overload_scenario_errors_name_file_line_and_key(tmp_path: Path, text: str,
                                                          where: str) -> None:
     """A shed probe in the hypothesis, load and loads together, a shed probe without a
-    priority: each is a file:line: key error."""
+    priority, a load with both a rate and users: each is a file:line: key error."""
     with pytest.raises(InventoryError) as info:
         load_scenario(_write(tmp_path, text))
     assert where in str(info.value)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynamo_ftctl.clock import FakeClock
+from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.loadgen.config import LoadConfig, Schedule
 from dynamo_ftctl.loadgen.record import RequestRecord
 from dynamo_ftctl.loadgen.runner import LoadEvent, run_load_async
@@ -152,3 +156,79 @@ def test_spin_and_client_are_checked_and_described():
             LoadConfig(**base, **bad)
     doc = describe_config(LoadConfig(**base, spin_s=0.0025, client="http1"))
     assert (doc["spin_us"], doc["client"]) == (2500, "http1")
+
+
+class SheddingSender(FakeSender):
+    """Sheds the requests whose index is in `shed` with that Retry-After (None: no header);
+    notes which user (task) sent each request, and when it was sent and answered."""
+
+    def __init__(self, clock: FakeClock, shed: dict[int, float | None],
+                 took_s: float = 0.01) -> None:
+        super().__init__(clock)
+        self.shed = shed
+        self.took_s = took_s
+        self.by_user: dict[int, list[tuple[float, float, float | None]]] = {}
+
+    async def send(self, spec: RequestSpec, planned: float, *, warmup: bool,
+                   t0: float) -> RequestRecord:
+        sent = self.clock.now() - t0
+        await self.clock.asleep(self.took_s)
+        done = self.clock.now() - t0
+        user = id(asyncio.current_task())
+        if spec.index not in self.shed:
+            self.by_user.setdefault(user, []).append((sent, done, None))
+            return RequestRecord(index=spec.index, target=spec.target, planned=planned,
+                                 sent=sent, done=done, first_token=done, output_tokens=1,
+                                 itl=(), status=200, outcome="ok", warmup=warmup)
+        wait = self.shed[spec.index]
+        self.by_user.setdefault(user, []).append((sent, done, wait))
+        return RequestRecord(index=spec.index, target=spec.target, planned=planned, sent=sent,
+                             done=done, first_token=None, output_tokens=0, itl=(),
+                             status=503, outcome="5xx_503", warmup=warmup, retry_after_s=wait)
+
+
+@settings(max_examples=60, deadline=None)
+@given(users=st.integers(1, 4),
+       shed=st.dictionaries(st.integers(0, 39), st.one_of(st.none(), st.sampled_from(
+           [0.0, 0.5, 1.0, 3.0])), max_size=30),
+       honor=st.booleans())
+def test_closed_loop_users_wait_out_retry_after(users: int, shed: dict[int, float | None],
+                                                honor: bool) -> None:
+    """With honor_retry_after a user sends its next request no sooner than the Retry-After
+    of its last shed answer (without it, or without the header, at once); never after the
+    run's end."""
+    clock = FakeClock()
+    sender = SheddingSender(clock, shed)
+    config = LoadConfig(targets=("http://a",),
+                        schedule=Schedule(users=users, honor_retry_after=honor),
+                        requests=40, duration_s=30.0)
+    report = _run(config, sender, clock)
+    assert len(report.records) == 40
+    assert len(sender.by_user) <= users
+    for answers in sender.by_user.values():
+        for (_, done, wait), (sent_next, _, _) in itertools.pairwise(answers):
+            gap = sent_next - done
+            if honor and wait:
+                assert gap >= wait - 1e-9
+            else:
+                assert gap == pytest.approx(0, abs=1e-9)
+        assert all(sent < 30.0 for sent, _, _ in answers)
+
+
+def test_a_shed_user_does_not_wait_past_the_run() -> None:
+    """A Retry-After longer than what is left of the run ends the user at the run's end,
+    not after the wait."""
+    clock = FakeClock()
+    sender = SheddingSender(clock, {0: 3600.0})
+    config = LoadConfig(targets=("http://a",),
+                        schedule=Schedule(users=1, honor_retry_after=True), duration_s=5.0)
+    started = clock.now()
+    report = _run(config, sender, clock)
+    assert len(report.records) == 1
+    assert clock.now() - started < 10
+
+
+def test_honor_retry_after_needs_a_closed_loop() -> None:
+    """honor_retry_after on an open loop (planned arrivals) is refused, naming the field."""
+    with pytest.raises(InvalidInput, match="honor_retry_after: needs a closed loop"):
+        Schedule(rate=10, honor_retry_after=True)

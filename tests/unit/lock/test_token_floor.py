@@ -5,6 +5,7 @@ under both (issue 30)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -185,3 +186,52 @@ def test_floor_records_the_token_before_it_is_handed_out(lock_path: Path) -> Non
 def test_floor_is_beside_the_path_as_named(tmp_path: Path) -> None:
     """The floor of P is P.floor in P's directory, never beside what a link points to."""
     assert floor_path(tmp_path / "x.lock") == tmp_path / "x.lock.floor"
+
+
+def test_a_symlinked_lock_path_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    """Issue 30 case 1: a lock path replaced by a link to a file elsewhere is refused (exit
+    2, one line naming it); the target keeps its bytes and gets no floor beside it. A shell
+    that opens the link itself (`exec 9<>LINK; --fd 9`) chose to follow it: that works."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    link = tmp_path / "link.lock"
+    link.symlink_to(victim)
+    proc = subprocess.run([*FTCTL, "lock", "acquire", "-p", str(link), "-t", "5", "--",
+                           "true"], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert str(link) in proc.stderr
+    assert victim.read_bytes() == b"precious\n"
+    assert not (tmp_path / "victim.floor").exists()
+    target = tmp_path / "real.lock"
+    (tmp_path / "fd.lock").symlink_to(target)
+    script = f"exec 9<>{tmp_path / 'fd.lock'}\n{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n"
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["token"] > 0
+    assert (tmp_path / "real.lock.floor").exists()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "hardlink"])
+def test_a_planted_floor_is_refused_and_its_target_untouched(tmp_path: Path,
+                                                            kind: str) -> None:
+    """Issue 30 case 1: a link (or FIFO, or second name) planted at P.floor is refused;
+    nothing is written to what it points at, and nothing hangs."""
+    lock = tmp_path / "failover.lock"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious\n")
+    floor = tmp_path / "failover.lock.floor"
+    if kind == "symlink":
+        floor.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(floor)
+    else:
+        os.link(victim, floor)
+    proc = subprocess.run([*FTCTL, "lock", "acquire", "-p", str(lock), "-t", "5", "--",
+                           "true"], capture_output=True, text=True, timeout=60, check=False,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert str(floor) in proc.stderr
+    assert victim.read_bytes() == b"precious\n"

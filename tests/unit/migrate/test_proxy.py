@@ -53,10 +53,24 @@ class FakeWorker:
     metrics_status: int = 200
     metrics_calls: int = 0
     # A request whose body holds `poison` gets `poison_answer`: "http500", "reset" (the
-    # connection closed before any answer) or "event<code>" (an SSE error event first).
+    # connection closed before any answer), "event<code>" (an SSE error event first),
+    # "http429" (with Retry-After: 30), "http404" (empty: a frontend without workers) or
+    # "killbatch" (every stream in flight ends with it, as an engine step that fails on
+    # one request ends its whole batch).
     poison: str | None = None
     poison_answer: str = "http500"
     gate: asyncio.Event | None = None  # set: the first token may go
+    # Streams pause after this many tokens until `resume` is set (`paused` counts them).
+    hold_at: int | None = None
+    resume: asyncio.Event = field(default_factory=asyncio.Event)
+    paused: int = 0
+    inflight: set[Any] = field(default_factory=set)  # transports of streams under way
+    lie_ids_at: int | None = None  # the n-th token's ids are [-5, 2**70]
+    # Refuse a request whose X-Request-Id is running already (409), as vLLM does.
+    unique_ids: bool = False
+    running_ids: set[str] = field(default_factory=set)
+    sick: bool = False  # the proxy's known-good probe gets a 500 (docs/design.md "Failure
+    # attribution": only a worker that fails it has its breaker moved)
     load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
@@ -79,6 +93,8 @@ class FakeWorker:
         body = await request.json()
         if _is_probe(body):  # the proxy's capability probe, not a client's request
             self.probes += 1
+            if self.sick:
+                return web.json_response({"error": {"message": "sick"}}, status=500)
         else:
             self.requests.append(body)
             self.paths.append(request.path)
@@ -94,6 +110,27 @@ class FakeWorker:
                            "permitted", "type": "BadRequestError", "code": 400}}, status=400)
         if self.poison is not None and self.poison in json.dumps(body):
             return await self.poisoned(request)
+        if self.mode == "busy429" and not _is_probe(body):
+            return web.json_response({"error": {"message": "busy", "code": 429}}, status=429,
+                                     headers={"Retry-After": "30"})
+        if self.mode == "empty404":  # a frontend whose workers are gone: probes too
+            return web.Response(status=404)
+        if self.unique_ids:
+            rid = request.headers.get("X-Request-Id", "")
+            if rid in self.running_ids:
+                return web.json_response({"error": {
+                    "message": f"request id {rid} is already running", "code": 409}},
+                    status=409)
+            self.running_ids.add(rid)
+            try:
+                return await self.stream_answer(request, body, chat)
+            finally:
+                self.running_ids.discard(rid)
+        return await self.stream_answer(request, body, chat)
+
+    async def stream_answer(self, request: web.Request, body: dict[str, Any],
+                            chat: bool) -> web.StreamResponse:
+        """The streamed completion (or the mode's broken version of it)."""
         if self.mode == "html502":
             return web.Response(status=502, text="<html><body>Bad Gateway</body></html>",
                                 content_type="text/html")
@@ -125,11 +162,15 @@ class FakeWorker:
         if self.gate is not None and not _is_probe(body):
             await self.gate.wait()
         n = 0
+        self.inflight.add(request.transport)
         try:
             while True:
                 if self.fail_after is not None and n >= self.fail_after:
                     if self.mode == "error_event":
                         await send({"error": {"message": "engine died", "code": 500}})
+                        return resp
+                    if self.mode == "event429":
+                        await send({"error": {"message": "overloaded", "code": 429}})
                         return resp
                     if self.mode == "bad_json":
                         await resp.write(b"data: {not json\n\n")
@@ -142,6 +183,9 @@ class FakeWorker:
                     elif request.transport is not None:
                         request.transport.close()
                     return resp
+                if self.hold_at is not None and n == self.hold_at and not _is_probe(body):
+                    self.paused += 1
+                    await self.resume.wait()
                 position = len(prompt) + n
                 tid = token_at(seed, position)
                 n += 1
@@ -155,7 +199,7 @@ class FakeWorker:
                 else:
                     choice["text"] = chr(tid)
                 if self.with_ids:
-                    choice["token_ids"] = [tid]
+                    choice["token_ids"] = [tid] if n != self.lie_ids_at else [-5, 2**70]
                     if n == 1 and not chat:
                         choice["prompt_token_ids"] = prompt
                 await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [choice]})
@@ -169,6 +213,8 @@ class FakeWorker:
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
             raise
+        finally:
+            self.inflight.discard(request.transport)
         return resp
 
     async def poisoned(self, request: web.Request) -> web.StreamResponse:
@@ -177,6 +223,17 @@ class FakeWorker:
             return web.json_response({"error": {"message": "Internal Server Error",
                                                 "type": "InternalServerError", "code": 500}},
                                      status=500)
+        if self.poison_answer == "http429":
+            return web.json_response({"error": {"message": "busy", "code": 429}}, status=429,
+                                     headers={"Retry-After": "30"})
+        if self.poison_answer == "http404":
+            return web.Response(status=404)
+        if self.poison_answer == "killbatch":
+            for transport in [*self.inflight, request.transport]:
+                if transport is not None:
+                    transport.close()
+            self.resume.set()
+            return web.Response()
         if self.poison_answer == "reset":
             assert request.transport is not None
             request.transport.close()
@@ -439,19 +496,26 @@ def test_non_streaming_request_is_migrated(run: Callable[..., Any]) -> None:
 
 @pytest.mark.parametrize("mode", ["html502", "html200", "bad_json", "error_event", "no_finish",
                                   "endless", "stall"])
-def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str) -> None:
+@pytest.mark.parametrize("sick", [False, True])
+def test_garbage_from_a_worker_is_a_failure(run: Callable[..., Any], mode: str,
+                                            sick: bool) -> None:
     """Bad JSON, HTML pages, error events, endless or stalled streams never reach the client
-    (over the lean front door, after the first tokens they reach the proxy's fast lane)."""
+    (over the lean front door, after the first tokens they reach the proxy's fast lane); the
+    worker is charged, and its breaker counts the failure only when it fails the known-good
+    probe too (the HTML pages fail it whatever)."""
     async def go() -> None:
         # An endless worker streams past max_tokens and never hangs up by itself.
-        bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3)
+        bad = FakeWorker(mode=mode, fail_after=None if mode == "endless" else 3, sick=sick)
         async with Cluster([bad, FakeWorker()], stall_timeout_s=0.3) as c:
             c.fleet.router.slots["w1"].outstanding = 5
             resp, events = await c.stream("/v1/completions", BODY)
             assert resp.status_code == 200
             assert stream_text(events) == expected_text("hello world", 5, 20)
             assert all("error" not in e for e in events if isinstance(e, dict))
-            assert c.fleet.router.slots["w0"].failures == 1
+            w0 = c.fleet.router.slots["w0"]
+            assert w0.charges == 1
+            confirmed = sick or mode.startswith("html") or mode == "endless"  # no end: fails it
+            await until(lambda: w0.failures == int(confirmed) and not c.fleet._confirming)
     run(go())
 
 
@@ -765,7 +829,7 @@ def test_canary_daemon_weights_route_and_failures_are_reported(
 
     async def go() -> None:
         async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
-            fakes = [FakeWorker(fail_after=3), FakeWorker(), FakeWorker()]
+            fakes = [FakeWorker(fail_after=3, sick=True), FakeWorker(), FakeWorker()]
             async with Cluster(fakes, health_url=url) as c:
                 assert c.fleet.router.healthy_capacity() == pytest.approx(2 / 3)
                 c.fleet.router.slots["w1"].outstanding = 5
@@ -864,8 +928,9 @@ def test_kv_preferred_but_not_exportable_falls_back_to_reprefill(
 
 def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
         run: Callable[..., Any]) -> None:
-    """The client's X-Request-Id goes to each worker of a migrated stream and back; without
-    one the proxy sends a UUID (servers that validate the id refuse anything else)."""
+    """The client's X-Request-Id comes back and reaches each worker of a migrated stream as
+    X-Ftctl-Trace-Id; each attempt's own X-Request-Id is a fresh UUID (servers that validate
+    the id refuse anything else), never the client's."""
     import uuid
 
     async def go() -> None:
@@ -874,14 +939,18 @@ def test_request_id_of_the_client_reaches_every_worker_and_comes_back(
             resp, events = await c.stream("/v1/completions", BODY,
                                           headers={"X-Request-Id": "trace-7"})
             assert resp.headers["x-request-id"] == "trace-7"
-            sent = [h["x-request-id"] for w in c.workers for h in w.headers]
-            assert sent == ["trace-7", "trace-7"]
+            heads = [h for w in c.workers for h in w.headers]
+            assert [h["x-ftctl-trace-id"] for h in heads] == ["trace-7", "trace-7"]
+            ids = [h["x-request-id"] for h in heads]
+            assert len(set(ids)) == 2
+            assert all(uuid.UUID(i).version == 4 for i in ids)
             assert {e["id"] for e in events if isinstance(e, dict)} == {"cmpl-trace-7"}
             c.fleet.router.slots["w1"].outstanding = 0
             resp = await c.client.post("/v1/completions", json={**BODY, "stream": False})
-            made = c.workers[0].headers[-1]["x-request-id"]
-            assert uuid.UUID(made).version == 4
-            assert resp.headers["x-request-id"] == made
+            head = c.workers[0].headers[-1]
+            assert uuid.UUID(head["x-request-id"]).version == 4
+            assert resp.headers["x-request-id"] == head["x-ftctl-trace-id"]
+            assert uuid.UUID(resp.headers["x-request-id"]).version == 4
     run(go())
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,17 @@ from hypothesis import strategies as st
 
 from dynamo_ftctl.openai import MAX_JSON_DEPTH, parse_request_json
 from tests import hostile
-from tests.unit.migrate.test_proxy import MODEL, Cluster, FakeWorker
+from tests.unit.migrate.test_proxy import (
+    BODY,
+    MODEL,
+    Cluster,
+    FakeWorker,
+    expected_text,
+    run,
+    stream_text,
+)
+
+__all__ = ["run"]  # the fixture
 
 BAD_JSON = [
     (b"[" * 100_000, "nested deeper than 64"),
@@ -123,3 +134,48 @@ def test_random_json_at_the_front_door_never_gets_a_500(live_proxy: LiveProxy, d
     except ValueError:
         assert hostile.status_of(answer) == 400, answer[:300]
     hostile.assert_alive(live_proxy.port)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_out_of_range_never_reach_the_client(run: Callable[..., Any],
+                                                       stream: bool) -> None:
+    """Issue 29 case 7: a worker that answers ids [-5, 2**70] is read as one without ids from
+    then on (text): the client gets the text and no id of the lie."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(lie_ids_at=4)]) as c:
+            body = {**BODY, "return_token_ids": True}
+            if stream:
+                resp, events = await c.stream("/v1/completions", body)
+                chunks = [e for e in events if isinstance(e, dict)]
+                text = stream_text(events)
+            else:
+                resp = await c.client.post("/v1/completions", json={**body, "stream": False})
+                chunks = [resp.json()]
+                text = resp.json()["choices"][0]["text"]
+            assert resp.status_code == 200
+            assert text == expected_text("hello world", 5, 20)
+            seen = [i for chunk in chunks for choice in chunk.get("choices", ())
+                    for i in choice.get("token_ids") or ()]
+            assert all(0 <= i < 2**31 for i in seen), seen
+    run(go())
+
+
+def test_a_flood_of_stop_strings_is_refused_and_health_stays_fast(
+        run: Callable[..., Any]) -> None:
+    """Issue 29 case 7: 2,000,000 stop strings are a 400 naming 'stop' (the proxy matches
+    stops itself, per token), no worker is asked, and /health answers meanwhile."""
+    async def go() -> None:
+        worker = FakeWorker()
+        async with Cluster([worker]) as c:
+            flood = c.client.post("/v1/completions", json={
+                **BODY, "stream": False, "stop": ["x"] * 2_000_000})
+            health = c.client.get("/health")
+            resp, ok = await asyncio.gather(flood, health)
+            assert ok.status_code == 200
+            assert resp.status_code == 400
+            assert resp.json()["error"]["param"] == "stop"
+            resp = await c.client.post("/v1/completions", json={
+                **BODY, "stream": False, "stop": [f"s{i}" for i in range(64)]})
+            assert resp.status_code == 200
+            assert not [r for r in worker.requests if "stop" in r]
+    run(go())
