@@ -71,6 +71,11 @@ class FakeClock:
     def wall(self) -> float:
         return self._now + self._wall_offset
 
+    def step_wall(self, seconds: float) -> None:
+        """Step the wall clock by `seconds`, back when negative (what NTP or an operator
+        does); the monotonic clock is not moved."""
+        self._wall_offset += seconds
+
     def advance(self, seconds: float) -> None:
         """Move time forward by `seconds` (never backwards)."""
         if seconds < 0:

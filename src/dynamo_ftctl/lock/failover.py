@@ -209,9 +209,9 @@ def _start_engine(argv: Sequence[str], env: Mapping[str, str]) -> Child:
         raise InvalidInput(msg) from exc
 
 
-def _stop_engine(engine: Child | None) -> None:
+def _stop_engine(engine: Child | None, grace_s: float = _TERM_GRACE_S) -> None:
     if engine is not None and engine.alive:
-        engine.stop(_TERM_GRACE_S)
+        engine.stop(grace_s)
 
 
 class _Run:
@@ -519,6 +519,11 @@ def run_failover(
                 loop.add_signal_handler(signum, request_stop, code)
         try:
             return await run.run(stop)
+        except LeaseLost:
+            # Within the lock's grace: the next engine runs once the stop bound has passed
+            # (lock/bound.py), and this one must have stopped by then.
+            _stop_engine(run.engine, getattr(lock, "term_grace_s", _TERM_GRACE_S))
+            raise
         finally:
             # Before asyncio.run joins its executor: the thread waiting on the engine.
             _stop_engine(run.engine)

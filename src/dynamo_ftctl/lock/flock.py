@@ -39,7 +39,15 @@ fsynced (only `owner`/`status` read it, and the floor does not depend on it).
 A held lock is watched (`watch.py`): every `watch_interval_s` the path is
 compared with the locked inode; when it was deleted or replaced the lock is
 lost: `is_held` turns False, `ensure_held` raises `LeaseLost` and the
-`on_lost` callback is told.
+`on_lost` callback is told. The other side of that watch: a lock file the floor
+has not seen (new, or replacing the one the last token was issued for) is held
+for `settle_s` (the stop bound, `bound.py`) before its token is issued, so the
+holder of a deleted or replaced file has stopped before the new holder runs.
+
+Files: the lock file and the floor are opened only as regular files of one name
+(`safefiles.open_regular`: no symbolic link followed, no FIFO, device, socket or
+hard-linked file; exit 2), and after the flock the path must still name the
+inode locked (`lstat`), else the new file is locked instead.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import signal
 import stat
@@ -57,13 +66,14 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.errors import InvalidInput, LeaseLost, LockTimeout
+from dynamo_ftctl.errors import InvalidInput, LeaseLost, LockTimeout, OutputRefused
+from dynamo_ftctl.lock.bound import stop_bound_s, term_grace_from_env, watch_interval_from_env
 from dynamo_ftctl.lock.owner import (
     BACKEND,
     FLOOR_SUFFIX,
+    floor_knows,
     floor_path,
     read_owner,
-    release_reservation,
     reserve_token,
     write_owner,
 )
@@ -74,7 +84,7 @@ from dynamo_ftctl.lock.protocol import (
     record_acquired,
     record_released,
 )
-from dynamo_ftctl.lock.watch import FILE_WATCH, WATCH_INTERVAL_S, FileIdentity, lock_file_gone
+from dynamo_ftctl.lock.watch import FILE_WATCH, FileIdentity, lock_file_gone
 from dynamo_ftctl.safefiles import open_regular, reopen_rw
 
 if TYPE_CHECKING:
@@ -85,6 +95,7 @@ __all__ = [
     "unlock_descriptor",
 ]
 
+_log = logging.getLogger("ftctl.lock")
 
 
 class _Waiter:
@@ -159,12 +170,19 @@ class FlockLock:
     descriptor (close-on-exec unless made inheritable for `exec`). While held,
     the lock file is checked every `watch_interval_s` (0: never); when it was
     deleted or replaced, `on_lost` is called (from a helper thread) with a
-    `LeaseLost`, and the holder must stop serving at once.
+    `LeaseLost`, and the holder must stop serving within `term_grace_s`.
+
+    `watch_interval_s` and `term_grace_s` default to `$FTCTL_LOCK_WATCH_INTERVAL`
+    (0.5 s) and `$FTCTL_LOCK_TERM_GRACE` (5 s): every holder of one lock must use the
+    same. `settle_s` (default: their stop bound, `bound.stop_bound_s`; 0 with the
+    watch off) is how long an acquisition holds a lock file the floor has not seen
+    before it issues the token and returns.
     """
 
     def __init__(
         self, path: Path | str, engine_id: int = 0, *, clock: Clock = SYSTEM_CLOCK,
-        metrics: bool = False, watch_interval_s: float = WATCH_INTERVAL_S,
+        metrics: bool = False, watch_interval_s: float | None = None,
+        term_grace_s: float | None = None, settle_s: float | None = None,
         on_lost: Callable[[LeaseLost], None] | None = None,
     ) -> None:
         self._path = Path(path)
@@ -172,7 +190,11 @@ class FlockLock:
         self._engine_id = engine_id
         self._clock = clock
         self._metrics = metrics
-        self._watch_interval_s = watch_interval_s
+        self._watch_interval_s = (watch_interval_from_env() if watch_interval_s is None
+                                  else watch_interval_s)
+        self.term_grace_s = term_grace_from_env() if term_grace_s is None else term_grace_s
+        self.settle_s = (stop_bound_s(self._watch_interval_s, self.term_grace_s)
+                         if settle_s is None else settle_s)
         self._on_lost = on_lost
         self._guard = threading.Lock()
         self._lease: Lease | None = None
@@ -252,6 +274,17 @@ class FlockLock:
         """False when the file was unlinked or replaced while we waited (a different lock)."""
         return lock_file_gone(self._path, FileIdentity.of_fd(fd)) is None
 
+    def _ready(self, fd: int) -> bool:
+        """After the flock: True once `fd` is the file at the path and settled (see
+        `_settle`); False when the path names another file now (lock that one). Closes
+        `fd` on an error."""
+        try:
+            return self._still_linked(fd) and _settle(self._path, self._floor, fd,
+                                                      self.settle_s, self._clock)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _take(self, fd: int, started: float, reserved: int | None) -> Lease:
         acquired_at = self._clock.wall()
         locked = FileIdentity.of_fd(fd)
@@ -329,24 +362,20 @@ class FlockLock:
                     wait: Callable[[int, float | None, float | None], None]) -> Lease:
         """Lock the file at the path, blocking in `wait(fd, seconds left, timeout)` when it
         is held; the token is reserved before the first wait (fsynced while the holder
-        runs) and given back when the wait times out."""
+        runs). `timeout` bounds the wait for the lock, not the settle wait after it."""
         self._check_free()
         started = self._clock.now()
         reserved: int | None = None
-        try:
-            while True:
-                fd, held = self._open_and_try(timeout)
-                if not held:
-                    if reserved is None:
-                        reserved = reserve_token(self._floor)
-                    left = None if timeout is None else timeout - (self._clock.now() - started)
-                    wait(fd, None if left is None else max(0.0, left), timeout)
-                if self._still_linked(fd):
-                    return self._take(fd, started, reserved)
-                os.close(fd)  # the file was replaced under us: lock the new one
-        except LockTimeout:
-            release_reservation(self._floor, reserved)
-            raise
+        while True:
+            fd, held = self._open_and_try(timeout)
+            if not held:
+                if reserved is None:
+                    reserved = reserve_token(self._floor, self._clock.wall())
+                left = None if timeout is None else timeout - (self._clock.now() - started)
+                wait(fd, None if left is None else max(0.0, left), timeout)
+            if self._ready(fd):
+                return self._take(fd, started, reserved)
+            os.close(fd)  # the file was replaced under us: lock the new one
 
     def _wait_in_thread(self, fd: int, left: float | None, timeout: float | None) -> None:
         """Wait in a `_Waiter` thread (any thread may call `acquire` with a timeout)."""
@@ -384,7 +413,7 @@ class FlockLock:
             fd, held = self._open_and_try(timeout)
             if not held:
                 if reserved is None:
-                    reserved = reserve_token(self._floor)
+                    reserved = reserve_token(self._floor, self._clock.wall())
                 waiter = _Waiter(fd)
                 granted: asyncio.Future[None] = loop.create_future()
 
@@ -404,20 +433,27 @@ class FlockLock:
                                            None if remaining is None else max(0.0, remaining))
                 except TimeoutError:
                     if not waiter.cancel():
-                        release_reservation(self._floor, reserved)
                         raise self._timeout_error(timeout) from None
                 except asyncio.CancelledError:
                     if waiter.cancel():  # granted just as we were cancelled: give it back
                         fcntl.flock(fd, fcntl.LOCK_UN)
                         os.close(fd)
-                    release_reservation(self._floor, reserved)
                     raise
                 try:
                     waiter.result()
                 except OSError as exc:
                     os.close(fd)
                     raise InvalidInput(f"{self.name}: flock failed: {exc.strerror}") from exc
-            if self._still_linked(fd):
+            try:
+                ready = self._still_linked(fd)
+                if ready and _must_settle(self._floor, fd, self.settle_s):
+                    _log.info(_SETTLING, self._path, self.settle_s)
+                    await self._clock.asleep(self.settle_s)
+                    ready = self._still_linked(fd)
+            except BaseException:  # cancelled while settling: the lock goes with `fd`
+                os.close(fd)
+                raise
+            if ready:
                 return self._take(fd, started, reserved)
             os.close(fd)
 
@@ -462,6 +498,27 @@ class FlockLock:
                           held=owner is not None and owner.live, owner=owner)
 
 
+_SETTLING = ("%s: a lock file the token floor has not seen: waiting %.1f s, the bound "
+             "within which a holder of a deleted or replaced lock file stops")
+
+
+def _must_settle(floor: Path, fd: int, settle_s: float) -> bool:
+    """True when the lock on `fd` must be held `settle_s` before use: the floor has not
+    seen its inode (a new lock file, or one replacing the file of the last token)."""
+    return settle_s > 0 and not floor_knows(floor, FileIdentity.of_fd(fd))
+
+
+def _settle(path: Path, floor: Path, fd: int, settle_s: float, clock: Clock) -> bool:
+    """Hold the lock on `fd` for `settle_s` when `_must_settle`: a holder of a deleted or
+    replaced file stops within that bound (`bound.py`), so it has stopped when this
+    returns. True when `fd` is still the file at `path` afterwards."""
+    if not _must_settle(floor, fd, settle_s):
+        return True
+    _log.info(_SETTLING, path, settle_s)
+    clock.sleep(settle_s)
+    return lock_file_gone(path, FileIdentity.of_fd(fd)) is None
+
+
 class _AlarmExpired(Exception):
     pass
 
@@ -487,7 +544,7 @@ def _alarm(timeout: float | None) -> Iterator[None]:
 
 def flock_descriptor(
     fd: int, engine_id: int = 0, *, timeout: float | None = None, holder_pid: int | None = None,
-    clock: Clock = SYSTEM_CLOCK,
+    clock: Clock = SYSTEM_CLOCK, settle_s: float | None = None,
 ) -> Lease:
     """Lock an already open descriptor (`exec 9<>P; ftctl lock acquire --fd 9`).
 
@@ -495,7 +552,9 @@ def flock_descriptor(
     so the lock outlives this process. The wait runs in the main thread and a
     timeout interrupts it with SIGALRM: an interrupted flock is never granted,
     whereas a helper thread granted the lock just before this process exits
-    would leave the shell holding a lock it was told it did not get.
+    would leave the shell holding a lock it was told it did not get. A file the
+    floor has not seen is held `settle_s` first (default: the stop bound of the
+    pod-wide settings, `bound.py`).
     """
     started = clock.now()
     try:
@@ -505,6 +564,9 @@ def flock_descriptor(
     if not stat.S_ISREG(st.st_mode):
         msg = f"--fd {fd}: not a regular file (open the lock file: exec {fd}<>PATH)"
         raise InvalidInput(msg)
+    if st.st_nlink > 1:  # as `safefiles.open_regular` refuses it: the data would go there too
+        raise OutputRefused(f"--fd {fd}", f"refusing the lock file: it has {st.st_nlink} "
+                                          "hard links (a lock file must have one name)")
     path = _descriptor_path(fd)
     floor = None if path is None else floor_path(path)
     reserved: int | None = None
@@ -515,18 +577,26 @@ def flock_descriptor(
             if timeout is not None and timeout <= 0:
                 raise _AlarmExpired from None
             if floor is not None:  # fsynced now, while the holder runs
-                reserved = reserve_token(floor)
+                reserved = reserve_token(floor, clock.wall())
             with _alarm(None if timeout is None else timeout - (clock.now() - started)):
                 fcntl.flock(fd, fcntl.LOCK_EX)
     except _AlarmExpired:
-        if floor is not None:
-            release_reservation(floor, reserved)
         raise LockTimeout(f"--fd {fd}: lock not acquired within {timeout:g} s") from None
     except OSError as exc:
         raise InvalidInput(f"--fd {fd}: flock failed: {exc.strerror}") from exc
     locked = FileIdentity(st.st_dev, st.st_ino)
     if path is not None:
-        reason = lock_file_gone(path, locked)
+        if settle_s is None:
+            settle_s = stop_bound_s(watch_interval_from_env(), term_grace_from_env())
+        try:
+            reason = lock_file_gone(path, locked)
+            if reason is None and floor is not None and not _settle(path, floor, fd,
+                                                                    settle_s, clock):
+                reason = lock_file_gone(path, locked) or "replaced by another file"
+        except BaseException:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            raise
         if reason is not None:  # the shell opened a file no other engine will lock
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)

@@ -5,8 +5,9 @@ the command (like `flock(1)`): the lock lives until the command's last copy of
 the descriptor closes, with no supervisor in between. A watcher forked before
 the wait (`watch.prepare_watcher`, which holds no lock) checks the lock file meanwhile and,
 when it is deleted or replaced, sends the command SIGTERM with one line on
-stderr, then SIGKILL after `TERM_GRACE_S`; the command's exit status is then
-its own (143 for a default SIGTERM), since ftctl has become the command.
+stderr, then SIGKILL after the grace (`$FTCTL_LOCK_TERM_GRACE`, 5 s); the command's
+exit status is then its own (143 for a default SIGTERM), since ftctl has become the
+command. The next holder of a new lock file waits out that bound (`bound.py`).
 
 With etcd, a lease needs a keep-alive, so the command runs as a child and is
 killed the same way (SIGTERM, SIGKILL after `TERM_GRACE_S`) if the lease is lost,
@@ -29,10 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, LeaseLost
+from dynamo_ftctl.lock.bound import TERM_GRACE_S, WATCH_INTERVAL_S, stop_bound_s
 from dynamo_ftctl.lock.flock import FlockLock
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease
 from dynamo_ftctl.lock.settings import LockSettings, open_lock
-from dynamo_ftctl.lock.watch import WATCH_INTERVAL_S, prepare_watcher
+from dynamo_ftctl.lock.watch import prepare_watcher
 
 if TYPE_CHECKING:
     # Loaded by `run_holding` only: the exec form stays small (it execs faster).
@@ -46,8 +48,6 @@ __all__ = [
 # The command learns which descriptor holds the lock and its fencing token.
 LOCK_FD_ENV = "FTCTL_LOCK_FD"
 LOCK_TOKEN_ENV = "FTCTL_LOCK_TOKEN"  # noqa: S105 (a fencing token, not a secret)
-# How long a command gets to exit after SIGTERM when its lock is lost.
-TERM_GRACE_S = 5.0
 # What a supervised command is sent on when this process receives it.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2, signal.SIGINT)
@@ -154,10 +154,11 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
     """Acquire `lock`, run `argv` as a child while holding it, release; the child's exit code.
 
     A lock lost while the child runs (etcd lease, flock file deleted or replaced)
-    terminates the child (SIGTERM, then SIGKILL after `TERM_GRACE_S`) and raises
-    `LeaseLost`. `spawner`: `process.SPAWNER` unless given.
+    terminates the child (SIGTERM, then SIGKILL after the lock's `term_grace_s`, else
+    `TERM_GRACE_S`) and raises `LeaseLost`. `spawner`: `process.SPAWNER` unless given.
     """
     _check_command(argv)
+    grace_s = getattr(lock, "term_grace_s", TERM_GRACE_S)
     if spawner is None:
         from dynamo_ftctl.process import SPAWNER
 
@@ -192,7 +193,7 @@ def run_holding(lock: FailoverLock, argv: Sequence[str], timeout: float | None =
             threading.Thread(target=reap, daemon=True).start()
             lost.wait()
         if child.poll() is None:
-            child.stop(TERM_GRACE_S)
+            child.stop(grace_s)
             reason = str(why[0]) if why else f"{lock.name}: lease lost"
             msg = f"{reason}; stopped {argv[0]!r}"
             raise LeaseLost(msg)
@@ -208,6 +209,11 @@ def hold_for_command(settings: LockSettings, argv: Sequence[str],
     """`ftctl lock acquire -- CMD`: exec CMD holding a flock, or supervise it holding etcd."""
     if settings.backend == "flock":
         assert settings.path is not None
-        exec_holding(FlockLock(settings.path, settings.engine_id, watch_interval_s=0), argv,
-                     timeout, watch_interval_s=settings.watch_interval_s)
+        # The lock itself does not watch (its thread would not survive the exec), but it
+        # settles a new lock file for the bound the watcher process keeps.
+        bound = stop_bound_s(settings.watch_interval_s, settings.term_grace_s)
+        exec_holding(FlockLock(settings.path, settings.engine_id, watch_interval_s=0,
+                               term_grace_s=settings.term_grace_s, settle_s=bound),
+                     argv, timeout, watch_interval_s=settings.watch_interval_s,
+                     term_grace_s=settings.term_grace_s)
     return run_holding(open_lock(settings), argv, timeout)

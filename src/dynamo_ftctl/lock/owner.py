@@ -6,6 +6,14 @@ create a new inode and with it a second lock). Tokens come from the token floor
 `P.floor` beside the lock file `P`; the rules for whose claim counts are in
 `flock.py`'s docstring. This module issues tokens and reads and writes the
 records; it never takes the lock itself (`flock.py` does, and calls it while held).
+
+Tokens are a hybrid logical clock: the wall clock's milliseconds times 2**16 plus a
+counter, and never below the floor (`next_token`), so a directory wiped of both files
+still issues above every earlier token, as long as the wall clock has not gone back by
+more than the time since the last one was issued.
+
+Every file here is opened by `safefiles.open_regular`: never through a symbolic link,
+never a FIFO, device, socket or directory, never written with a second hard link.
 """
 
 from __future__ import annotations
@@ -25,8 +33,8 @@ from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
 from dynamo_ftctl.safefiles import open_regular
 
-__all__ = ["BACKEND", "FLOOR_SUFFIX", "floor_path", "read_owner", "release_reservation",
-           "reserve_token", "write_owner"]
+__all__ = ["BACKEND", "COUNTER_BITS", "FLOOR_SUFFIX", "clock_token", "floor_knows",
+           "floor_path", "read_owner", "reserve_token", "write_owner"]
 
 BACKEND = "flock"
 # Owner data is ~150 bytes of JSON; anything past this is not ours.
@@ -37,6 +45,9 @@ FLOOR_SUFFIX = ".floor"
 FLOOR_RECORD = 128
 # Fencing tokens stay within a signed 64-bit integer, what storage usually keeps.
 _TOKEN_MAX = 2**63 - 1
+# A token is wall-clock milliseconds << COUNTER_BITS, plus a counter for the tokens issued
+# within one millisecond (a handoff takes far longer): 2**47 ms lasts until the year 6400.
+COUNTER_BITS = 16
 _log = logging.getLogger("ftctl.lock")
 # Read once, not on the handoff (a pod's host name does not change under it).
 _HOST = socket.gethostname()
@@ -67,10 +78,15 @@ def owner_from(doc: dict[str, Any], *, lock: str, live: bool) -> OwnerInfo:
 
 
 def floor_path(lock_path: Path) -> Path:
-    """The token floor kept beside the lock file `lock_path` (`P.floor`; beside the file a
-    symbolic link points to, as `--fd` users see it through /proc)."""
-    real = Path(os.path.realpath(lock_path))
-    return real.with_name(real.name + FLOOR_SUFFIX)
+    """The token floor kept beside the lock file `lock_path`: `P.floor`, in the same
+    directory (a lock file that is a symbolic link is refused, never followed)."""
+    return lock_path.with_name(lock_path.name + FLOOR_SUFFIX)
+
+
+def clock_token(wall_s: float) -> int:
+    """The lowest token the wall clock allows at `wall_s` (seconds since the epoch):
+    its milliseconds shifted above the counter bits."""
+    return max(0, int(wall_s * 1000)) << COUNTER_BITS
 
 
 @dataclass(frozen=True)
@@ -142,7 +158,8 @@ def _sync_directory(path: Path) -> None:
 
 
 def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: str) -> int:
-    """The token to issue: see the module docstring for whose word counts."""
+    """The lowest token the records allow (one above the last issued): see `flock.py`'s
+    docstring for whose word counts. The wall clock's floor is the caller's."""
     if floor is None:
         token = claimed + 1
     elif floor.locked == locked:
@@ -151,18 +168,18 @@ def _next_token(floor: _Floor | None, locked: FileIdentity, claimed: int, name: 
         token = floor.token + 1
         if claimed > floor.token:
             _log.warning("%s: the lock file was replaced and claims token %d, above the "
-                         "floor's %d: ignored (not issued here); token %d",
-                         name, claimed, floor.token, token)
+                         "floor's %d: ignored (not issued here)", name, claimed, floor.token)
     if token > _TOKEN_MAX:
         msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
         raise InvalidInput(msg)
     return token
 
 
-def reserve_token(floor: Path) -> int | None:
+def reserve_token(floor: Path, wall_s: float) -> int | None:
     """Reserve the next token durably (floor rewritten and fsynced) before blocking for the
-    lock, so that the handoff itself needs no fsync; None when there is no floor yet (the
-    lock file's own claim may then count: the grant issues with an fsync)."""
+    lock, so that the handoff itself needs no fsync: above the floor's high-water mark
+    and at least `clock_token(wall_s)`. None when there is no floor yet (the lock file's
+    own claim may then count: the grant issues with an fsync)."""
     try:
         if not floor.exists():
             return None
@@ -171,9 +188,11 @@ def reserve_token(floor: Path) -> int | None:
         return None  # the grant tries again and reports what is wrong
     try:
         record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
-        if record is None or record.high >= _TOKEN_MAX:
+        if record is None:
             return None
-        reserved = record.high + 1
+        reserved = max(record.high + 1, clock_token(wall_s))
+        if reserved > _TOKEN_MAX:
+            return None
         _write_in_place(floor_fd, _floor_record(reserved, record.token, record.locked))
         os.fsync(floor_fd)
     except OSError:
@@ -183,30 +202,12 @@ def reserve_token(floor: Path) -> int | None:
     return reserved
 
 
-def release_reservation(floor: Path, reserved: int | None) -> None:
-    """Give back a reservation whose wait ended without the lock (timeout, cancel), when
-    it is still the floor's high-water mark (nobody reserved or issued above it), so the
-    next token continues without a gap. Best effort: a waiter killed while it waits
-    leaves a gap (tokens are unique and rising, not consecutive)."""
-    if reserved is None:
-        return
-    with contextlib.suppress(OSError, InvalidInput):
-        floor_fd = _open_floor(floor)
-        try:
-            record = _read_floor(os.pread(floor_fd, OWNER_MAX, 0))
-            if record is not None and record.high == reserved > record.token:
-                _write_in_place(floor_fd, _floor_record(reserved - 1, record.token,
-                                                        record.locked))
-                os.fsync(floor_fd)
-        finally:
-            os.close(floor_fd)
-
-
-def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str,
-           reserved: int | None) -> int:
+def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str, *,
+           reserved: int | None, wall_s: float) -> int:
     """The next token, recorded in the floor: a still valid reservation (above every token
-    issued, under the durable high-water mark) costs no fsync; otherwise the floor's new
-    high-water mark is fsynced before the token is returned."""
+    issued, under the durable high-water mark) costs no fsync; otherwise a token above
+    the high-water mark and at least `clock_token(wall_s)`, fsynced before it is
+    returned."""
     floor_fd = _open_floor(floor)
     try:
         data = os.pread(floor_fd, OWNER_MAX, 0)
@@ -217,11 +218,10 @@ def _issue(floor: Path, locked: FileIdentity, claimed: int, name: str,
             # cannot let a later token repeat or undercut this one.
             _write_in_place(floor_fd, _floor_record(record.high, reserved, locked))
             return reserved
-        if record is not None:
-            token = max(token, record.high + 1)
-            if token > _TOKEN_MAX:
-                msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
-                raise InvalidInput(msg)
+        token = max(token, clock_token(wall_s), record.high + 1 if record else 0)
+        if token > _TOKEN_MAX:
+            msg = f"{name}: the next fencing token would pass 2**63 - 1; the floor is corrupt"
+            raise InvalidInput(msg)
         _write_in_place(floor_fd, _floor_record(token, token, locked))
         os.fsync(floor_fd)
     finally:
@@ -239,14 +239,15 @@ def write_owner(data_fd: int, floor: Path | None, name: str, *, locked: FileIden
     Must be called while holding the lock on the inode `locked`. `data_fd` reads and
     writes the owner data (the locked descriptor unless that is write-only); `floor`
     None: no floor (the lock file's path is not known); `name` is the lock's, for messages;
+    `acquired_at`: the wall clock now (it sets the token's lowest value, `clock_token`);
     `reserved`: what `reserve_token` gave before the wait, used when still valid.
     """
     claimed = _int_or_none(parse_owner(os.pread(data_fd, OWNER_MAX, 0)).get("token"))
     claimed = min(max(claimed or 0, 0), _TOKEN_MAX)
     if floor is None:
-        token = _next_token(None, locked, claimed, name)
+        token = max(_next_token(None, locked, claimed, name), clock_token(acquired_at))
     else:
-        token = _issue(floor, locked, claimed, name, reserved)
+        token = _issue(floor, locked, claimed, name, reserved=reserved, wall_s=acquired_at)
     _write_in_place(data_fd, json.dumps({
         "engine_id": engine_id, "pid": pid, "host": _HOST,
         "acquired_at": acquired_at, "token": token,
@@ -262,12 +263,12 @@ def read_owner(path: Path) -> OwnerInfo | None:
     refused means a live holder. Reading under that shared lock also means no
     holder can be rewriting the data while it is read.
     """
+    if not path.parent.is_dir():
+        return None  # (open_regular would say "cannot write" of a missing directory)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise InvalidInput(f"{path}: cannot open lock file: {exc.strerror}") from exc
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -284,3 +285,18 @@ def read_owner(path: Path) -> OwnerInfo | None:
     if not doc and not live:
         return None
     return owner_from(doc, lock=str(path), live=live)
+
+
+def floor_knows(floor: Path, locked: FileIdentity) -> bool:
+    """True when the floor's last token was issued for the inode `locked`: the lock file
+    is the one the last holder locked, not a new or replacing one (a holder of the old
+    file may still run: see `bound.py`). False without a floor or a readable record."""
+    try:
+        fd = open_regular(floor, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        record = _read_floor(os.pread(fd, OWNER_MAX, 0))
+    finally:
+        os.close(fd)
+    return record is not None and record.locked == locked

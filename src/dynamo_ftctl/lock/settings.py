@@ -2,7 +2,9 @@
 
 `--path` / `$FAILOVER_LOCK_PATH` / `lock.path`; `--endpoint`, `--key`, `--ttl`
 / `lock.etcd`; `--engine-id` / `$ENGINE_ID` (0 may be primary, >= 1 shadow);
-`--watch-interval` / `$FTCTL_LOCK_WATCH_INTERVAL` (flock only, default 0.5 s).
+`--watch-interval` / `$FTCTL_LOCK_WATCH_INTERVAL` (flock only, default 0.5 s);
+`$FTCTL_LOCK_TERM_GRACE` (flock, default 5 s: SIGTERM to SIGKILL of a holder whose
+lock file went; with the interval, the stop bound of `bound.py`).
 The inventory (PyYAML and msgspec with it) is read only when a flag or variable
 is missing, so `ftctl lock status --path P` stays fast in probes.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.lock.bound import TERM_GRACE_S, WATCH_INTERVAL_S, term_grace_from_env
 
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import LockConfig
@@ -31,8 +34,7 @@ WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:2379",)
 DEFAULT_KEY = "/ftctl/locks/failover"
 DEFAULT_TTL_S = 5.0
-# The same as watch.WATCH_INTERVAL_S, without importing the watch machinery.
-DEFAULT_WATCH_INTERVAL_S = 0.5
+DEFAULT_WATCH_INTERVAL_S = WATCH_INTERVAL_S
 
 Backend = Literal["flock", "etcd"]
 
@@ -49,6 +51,8 @@ class LockSettings:
     ttl_s: float = DEFAULT_TTL_S
     # flock: how often the holder checks its lock file was not deleted or replaced (0: never).
     watch_interval_s: float = DEFAULT_WATCH_INTERVAL_S
+    # flock: SIGTERM to SIGKILL of a command whose lock file was deleted or replaced.
+    term_grace_s: float = TERM_GRACE_S
 
 
 def engine_id_from_env(explicit: int | None) -> int:
@@ -114,7 +118,8 @@ def resolve_lock_settings(
             msg = (f"no lock file: pass --path, set ${PATH_ENV}, "
                    "or set lock.path in the inventory")
             raise InvalidInput(msg)
-        return LockSettings(backend="flock", engine_id=eid, path=path, watch_interval_s=watch)
+        return LockSettings(backend="flock", engine_id=eid, path=path, watch_interval_s=watch,
+                            term_grace_s=term_grace_from_env())
     if not endpoints or key is None or ttl_s is None:
         config = inventory()
         if config is not None:
@@ -134,7 +139,8 @@ def open_lock(settings: LockSettings, *, metrics: bool = False) -> FailoverLock:
 
         assert settings.path is not None
         return FlockLock(settings.path, settings.engine_id, metrics=metrics,
-                         watch_interval_s=settings.watch_interval_s)
+                         watch_interval_s=settings.watch_interval_s,
+                         term_grace_s=settings.term_grace_s)
     from dynamo_ftctl.lock.etcd import EtcdLock
 
     return EtcdLock(settings.endpoints, settings.key, settings.engine_id,

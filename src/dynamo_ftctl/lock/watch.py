@@ -1,22 +1,26 @@
 """Noticing that a held flock lock file was deleted or replaced, and telling the holder.
 
 An flock lives on an inode, not on a name: once the file at the lock path is
-unlinked or renamed over, the next engine creates or opens a new inode, locks
-it at once and holds "the" lock too. The kernel tells nobody, so the holder
-checks: every `interval` seconds it compares the path's device and inode with
-its locked descriptor's (one `stat`, a few microseconds). A periodic check was
-chosen over inotify: inotify needs ctypes here (no new dependency), sees
-nothing on network file systems, and a stat every 0.5 s costs nothing.
+unlinked or renamed over, the next engine creates or opens a new inode and locks
+it. The kernel tells nobody, so the holder checks: it compares the path's device
+and inode (`lstat`: a symbolic link put there is a replacement too) with its
+locked descriptor's (`lock_file_gone`, the one verdict). The next engine, for its
+part, holds a lock file the floor has not seen for the stop bound before it runs
+(`bound.py`, `flock.py`), so the old holder has stopped first.
 
 Two forms, for the two ways a lock is held:
 
 - `FileWatch`: one daemon thread per process checks every watched `FlockLock`
-  held in it (a thread per acquisition would cost ~0.2 ms on the hot path);
+  held in it every `interval` seconds (a thread per acquisition would cost
+  ~0.2 ms on the hot path);
 - `prepare_watcher`: for `ftctl lock acquire -- CMD`, which execs CMD, a
   watcher process started before the wait (off the handoff) and armed with the
   locked inode and token after the grant outlives the exec, signals CMD
   (SIGTERM, then SIGKILL after a grace period) when the file is gone, and exits
-  with CMD.
+  with CMD. It is woken by inotify (`inotify.py`: the inode unlinked or renamed,
+  a name created or moved in its directory), so it tells CMD within milliseconds,
+  and checks every `interval` seconds as well, where inotify is missing or blind
+  (network file systems).
 """
 
 from __future__ import annotations
@@ -34,15 +38,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dynamo_ftctl.lock.bound import WATCH_INTERVAL_S
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.lock.inotify import InodeEvents
 
 __all__ = [
     "WATCH_INTERVAL_S", "FileIdentity", "FileWatch", "PendingWatcher", "lock_file_gone",
     "prepare_watcher", "spawn_watcher", "watcher_main",
 ]
 
-# How often a holder checks its lock file by default: the longest two holders can
-# overlap before the old one is told, when someone deletes or replaces the file.
-WATCH_INTERVAL_S = 0.5
 _log = logging.getLogger("ftctl.lock")
 
 
@@ -61,9 +68,10 @@ class FileIdentity:
 
 def lock_file_gone(path: Path, locked: FileIdentity) -> str | None:
     """Why the file at `path` is no longer the `locked` inode ("deleted", "replaced by
-    another file"), or None while it still is (or when it cannot be told: no permission)."""
+    another file", a symbolic link included), or None while it still is (or when it
+    cannot be told: no permission)."""
     try:
-        st = path.stat()
+        st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return "deleted"
     except OSError:
@@ -179,18 +187,28 @@ def _say(line: str) -> None:
         os.write(2, f"ftctl lock: {line}\n".encode())
 
 
-def _wait_exit(holder: int, pidfd: int, timeout: float) -> bool:
-    """True once `holder` (our parent) has exited, waiting at most `timeout` s."""
+def _wait_exit(holder: int, pidfd: int, timeout: float,
+               events: InodeEvents | None = None) -> bool:
+    """True once `holder` (our parent) has exited, waiting at most `timeout` s, or less
+    when `events` says something happened to the lock file (drained here)."""
+    poller = select.poll()
     if pidfd >= 0:
-        poller = select.poll()
         poller.register(pidfd, select.POLLIN)
-        return bool(poller.poll(max(0, round(timeout * 1000))))
+    if events is not None:
+        poller.register(events.fd, select.POLLIN)
     deadline = time.monotonic() + timeout
-    while os.getppid() == holder:  # no pidfd (Linux < 5.3): reparenting says it
-        if time.monotonic() >= deadline:
+    while True:
+        if pidfd < 0 and os.getppid() != holder:  # no pidfd (Linux < 5.3): reparenting
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
             return False
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    return True
+        step = left if pidfd >= 0 else min(0.05, left)
+        ready = {fd for fd, _ in poller.poll(max(0, math.ceil(step * 1000)))}
+        if pidfd in ready:
+            return True
+        if events is not None and events.fd in ready and events.drain():
+            return False
 
 
 def _signal(holder: int, pidfd: int, signum: int) -> None:
@@ -202,16 +220,22 @@ def _signal(holder: int, pidfd: int, signum: int) -> None:
 
 
 def _watch_holder(path: Path, locked: FileIdentity, holder: int, pidfd: int, *,
-                  interval_s: float, grace_s: float, token: int) -> None:
-    """The watcher process: until `holder` exits, check the lock file; when it is gone,
-    SIGTERM the holder, then SIGKILL it after `grace_s`."""
-    while not _wait_exit(holder, pidfd, interval_s):
+                  interval_s: float, grace_s: float, token: int,
+                  events: InodeEvents | None = None) -> None:
+    """The watcher process: until `holder` exits, check the lock file (every `interval_s`
+    and whenever `events` wakes it); when it is gone, SIGTERM the holder, then SIGKILL it
+    after `grace_s`."""
+    if events is not None and not events.watch_file(path):
+        events = None  # (gone already: the first check says so) poll
+    while True:
         reason = lock_file_gone(path, locked)
         if reason is None:
+            if _wait_exit(holder, pidfd, interval_s, events):
+                return
             continue
         _say(f"{path} was {reason} while pid {holder} held its lock (token {token}): "
-             "the lock is no longer exclusive (another engine may hold it now, with a "
-             f"higher token); sending SIGTERM to pid {holder}")
+             "the lock is no longer exclusive (the next engine runs once this one is "
+             f"stopped, with a higher token); sending SIGTERM to pid {holder}")
         _signal(holder, pidfd, signal.SIGTERM)
         if not _wait_exit(holder, pidfd, grace_s):
             _say(f"pid {holder} still running {grace_s:g} s after SIGTERM: sending SIGKILL")
@@ -310,11 +334,15 @@ def watcher_main() -> None:
         pidfd = _PIDFD_FD if has_pidfd else -1
         os.closerange(_PIDFD_FD + 1, os.sysconf("SC_OPEN_MAX"))  # inherited ones too
         _name_process(b"ftctl-lockwatch")
+        # Before the grant, while the old holder still runs: ctypes costs ~10 ms of CPU.
+        from dynamo_ftctl.lock.inotify import InodeEvents
+
+        events = InodeEvents.for_directory(path.parent)
         order = _read_order(_PIPE_FD)
         if order is not None:
             locked, token = order
             _watch_holder(path, locked, holder, pidfd, interval_s=interval_s,
-                          grace_s=grace_s, token=token)
+                          grace_s=grace_s, token=token, events=events)
     finally:
         os._exit(0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -64,22 +65,21 @@ def wait_for_waiters(path: Path, count: int) -> None:
 
 
 def test_acquire_release_and_reacquire(lock_path: Path) -> None:
-    """A free lock is acquired at once, released, and acquired again with the next token."""
+    """A free lock is acquired, released, and acquired again at once with a higher token."""
     lock = FlockLock(lock_path, engine_id=0)
-    lease = lock.acquire(timeout=1)
+    lease = lock.acquire(timeout=5)
     assert lock.is_held
-    assert lease.token == 1
     assert lease.engine_id == 0
     lock.release()
     assert not lock.is_held
-    assert lock.acquire(timeout=1).token == 2
+    assert lock.acquire(timeout=1).token > lease.token
     lock.release()
 
 
 def test_contention_times_out_with_lock_timeout(lock_path: Path) -> None:
     """While one object holds the lock another gets LockTimeout (exit 4), with and without waiting."""
     first = FlockLock(lock_path, engine_id=0)
-    first.acquire()
+    held = first.acquire()
     second = FlockLock(lock_path, engine_id=1)
     with pytest.raises(LockTimeout) as info:
         second.acquire(timeout=0)
@@ -88,7 +88,7 @@ def test_contention_times_out_with_lock_timeout(lock_path: Path) -> None:
     with pytest.raises(LockTimeout):
         second.acquire(timeout=0.05)
     first.release()
-    assert second.acquire(timeout=1).token == 2
+    assert second.acquire(timeout=1).token > held.token
     second.release()
 
 
@@ -99,12 +99,16 @@ def test_cross_process_holder_blocks_and_sigkill_hands_over(
     waiter = FlockLock(lock_path, engine_id=1)
     with pytest.raises(LockTimeout):
         waiter.acquire(timeout=0.05)
+    held = read_owner(lock_path)
+    assert held is not None
+    assert held.token is not None
     got: list[float] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10).token))
     thread.start()
     holder.send_signal(signal.SIGKILL)
     thread.join(15)
-    assert got == [2]
+    assert len(got) == 1
+    assert got[0] > held.token
     waiter.release()
 
 
@@ -114,13 +118,15 @@ def test_owner_reports_live_holder_then_stale_data(
     """owner() names the live holder; after its death the same data is reported as stale."""
     live = read_owner(lock_path)
     assert live is not None
-    assert (live.live, live.engine_id, live.pid, live.token) == (True, 7, holder.pid, 1)
+    assert (live.live, live.engine_id, live.pid) == (True, 7, holder.pid)
+    assert live.token is not None
     assert FlockLock(lock_path).status().held
     holder.kill()
     holder.wait(10)
     stale = read_owner(lock_path)
     assert stale is not None
-    assert (stale.live, stale.engine_id, stale.pid, stale.token) == (False, 7, holder.pid, 1)
+    assert (stale.live, stale.engine_id, stale.pid, stale.token) == (False, 7, holder.pid,
+                                                                     live.token)
     assert not FlockLock(lock_path).status().held
 
 
@@ -146,15 +152,15 @@ def test_owner_data_is_json_written_in_place(lock_path: Path) -> None:
     lock.release()
 
 
-def test_fencing_token_grows_by_one_over_1000_handoffs(lock_path: Path) -> None:
-    """1,000 handoffs between two engines issue tokens 1..1000, each exactly one above the last."""
+def test_fencing_token_rises_over_1000_handoffs(lock_path: Path) -> None:
+    """1,000 handoffs between two engines issue 1,000 strictly rising tokens."""
     locks = [FlockLock(lock_path, engine_id=0), FlockLock(lock_path, engine_id=1)]
     tokens = []
     for i in range(1000):
         lock = locks[i % 2]
         tokens.append(lock.acquire(timeout=5).token)
         lock.release()
-    assert tokens == list(range(1, 1001))
+    assert all(later > earlier for earlier, later in itertools.pairwise(tokens))
 
 
 def test_cancelled_sync_waiter_releases_the_lock_it_gets_later(lock_path: Path) -> None:
@@ -173,9 +179,9 @@ def test_cancelled_sync_waiter_releases_the_lock_it_gets_later(lock_path: Path) 
 def test_cancelled_async_waiter_never_keeps_the_lock(lock_path: Path) -> None:
     """Cancelling an aacquire task leaves the lock free for the next engine."""
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         holder = FlockLock(lock_path, engine_id=0)
-        await holder.aacquire(1)
+        held = await holder.aacquire(5)
         task = asyncio.create_task(FlockLock(lock_path, engine_id=1).aacquire(None))
         await asyncio.to_thread(wait_for_waiters, lock_path, 1)
         task.cancel()
@@ -185,17 +191,18 @@ def test_cancelled_async_waiter_never_keeps_the_lock(lock_path: Path) -> None:
         third = FlockLock(lock_path, engine_id=2)
         lease = await third.aacquire(10)
         third.release()
-        return lease.token
+        return held.token, lease.token
 
-    assert asyncio.run(scenario()) == 2
+    first, last = asyncio.run(scenario())
+    assert last > first
 
 
 def test_async_waiter_is_woken_by_release(lock_path: Path) -> None:
     """aacquire blocks while the lock is held and returns once it is released."""
 
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         holder = FlockLock(lock_path, engine_id=0)
-        holder.acquire()
+        held = holder.acquire()
         waiter = FlockLock(lock_path, engine_id=1)
         task = asyncio.create_task(waiter.aacquire(10))
         done, _ = await asyncio.wait({task}, timeout=0.05)
@@ -203,16 +210,17 @@ def test_async_waiter_is_woken_by_release(lock_path: Path) -> None:
         holder.release()
         lease = await task
         waiter.release()
-        return lease.token
+        return held.token, lease.token
 
-    assert asyncio.run(scenario()) == 2
+    first, last = asyncio.run(scenario())
+    assert last > first
 
 
 def test_replaced_lock_file_is_locked_anew(lock_path: Path) -> None:
     """A waiter whose file was unlinked while it waited locks the new file, not the orphan,
-    and its token continues from the floor (2, not a restart at 1)."""
+    and its token continues from the floor (higher, not a restart)."""
     holder = FlockLock(lock_path, engine_id=0)
-    holder.acquire()
+    held = holder.acquire()
     waiter = FlockLock(lock_path, engine_id=1)
     got: list[int] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=10).token))
@@ -221,7 +229,8 @@ def test_replaced_lock_file_is_locked_anew(lock_path: Path) -> None:
     lock_path.unlink()
     holder.release()
     thread.join(10)
-    assert got == [2]  # a fresh file, yet the token goes on; the lock is on the linked inode
+    assert len(got) == 1
+    assert got[0] > held.token  # a fresh file, yet the token goes on; on the linked inode
     lease = waiter.lease
     assert lease is not None
     assert lease.fd is not None

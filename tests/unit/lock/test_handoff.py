@@ -16,7 +16,7 @@ import pytest
 from dynamo_ftctl.cli.lock_fast import parse_acquire
 from dynamo_ftctl.errors import LockTimeout
 from dynamo_ftctl.lock import FlockLock
-from dynamo_ftctl.lock.owner import floor_path, release_reservation, reserve_token, write_owner
+from dynamo_ftctl.lock.owner import floor_path, reserve_token, write_owner
 from dynamo_ftctl.lock.protocol import Lease
 from dynamo_ftctl.lock.watch import FileIdentity, prepare_watcher
 
@@ -48,7 +48,8 @@ def floor_doc(lock_path: Path) -> dict[str, int]:
 
 
 def issue(lock_path: Path, reserved: int | None) -> int:
-    """Issue a token for `lock_path` as a holder does, with `reserved` from before its wait."""
+    """Issue a token for `lock_path` as a holder does, with `reserved` from before its wait
+    (the wall clock at the epoch: the tokens are the counter alone)."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -59,12 +60,17 @@ def issue(lock_path: Path, reserved: int | None) -> int:
         os.close(fd)
 
 
+def reserve(lock_path: Path) -> int | None:
+    """Reserve as a waiter does, the wall clock at the epoch."""
+    return reserve_token(floor_path(lock_path), 0.0)
+
+
 def test_reservation_is_durable_before_the_wait_and_the_grant_needs_no_fsync(
         lock_path: Path, fsyncs: list[int]) -> None:
     """A reservation raises the floor's high-water mark with an fsync; the grant then issues
     that token without one, and leaves the high-water mark's bytes as they were."""
     first = issue(lock_path, None)
-    reserved = reserve_token(floor_path(lock_path))
+    reserved = reserve(lock_path)
     assert reserved == first + 1
     assert floor_doc(lock_path)["token"] == reserved  # on disk before the wait
     before = floor_path(lock_path).read_bytes()
@@ -82,8 +88,8 @@ def test_overtaken_reservation_gets_a_fresh_higher_token_with_an_fsync(
     """Two waiters reserve; the later one is granted first: the earlier one's reservation is
     stale, so it gets a token above the other's, fsynced before it is handed out."""
     issue(lock_path, None)
-    early = reserve_token(floor_path(lock_path))
-    late = reserve_token(floor_path(lock_path))
+    early = reserve(lock_path)
+    late = reserve(lock_path)
     assert early is not None
     assert late is not None
     assert issue(lock_path, late) == late
@@ -97,27 +103,16 @@ def test_overtaken_reservation_gets_a_fresh_higher_token_with_an_fsync(
 def test_no_reservation_without_a_floor(lock_path: Path) -> None:
     """Before the first token there is no floor, and the lock file's own claim may count:
     nothing is reserved (the grant issues with an fsync)."""
-    assert reserve_token(floor_path(lock_path)) is None
+    assert reserve(lock_path) is None
     lock_path.write_text('{"token": 41}')
     assert issue(lock_path, None) == 42
 
 
-def test_released_reservation_leaves_no_gap(lock_path: Path) -> None:
-    """A waiter that gives up returns its reservation when nobody reserved after it."""
+def test_reservation_is_at_least_the_wall_clocks_token(lock_path: Path) -> None:
+    """A reservation is above the floor and at least the wall clock's token (ms << 16)."""
     issue(lock_path, None)
-    reserved = reserve_token(floor_path(lock_path))
-    release_reservation(floor_path(lock_path), reserved)
-    assert issue(lock_path, None) == 2
-
-
-def test_released_reservation_below_a_later_one_stays_taken(lock_path: Path) -> None:
-    """A reservation with another above it is not returned: that one stays valid."""
-    issue(lock_path, None)
-    early = reserve_token(floor_path(lock_path))
-    late = reserve_token(floor_path(lock_path))
-    release_reservation(floor_path(lock_path), early)
-    assert floor_doc(lock_path)["token"] == late
-    assert issue(lock_path, late) == late
+    assert reserve_token(floor_path(lock_path), 1_700_000_000.0) == 1_700_000_000_000 << 16
+    assert reserve_token(floor_path(lock_path), 0.0) == (1_700_000_000_000 << 16) + 1
 
 
 def test_floor_of_an_older_ftctl_is_continued(lock_path: Path) -> None:
@@ -126,12 +121,12 @@ def test_floor_of_an_older_ftctl_is_continued(lock_path: Path) -> None:
     st = lock_path.stat()
     floor_path(lock_path).write_text(json.dumps({"token": 7, "dev": st.st_dev,
                                                  "ino": st.st_ino}))
-    assert issue(lock_path, reserve_token(floor_path(lock_path))) == 8
+    assert issue(lock_path, reserve(lock_path)) == 8
 
 
 def test_blocked_acquire_hands_over_the_reserved_token(lock_path: Path) -> None:
     """A waiter blocked in `acquire_here` gets the lock once the holder releases it, with the
-    token it reserved, one above the holder's."""
+    token it reserved, above the holder's."""
     holder = FlockLock(lock_path, watch_interval_s=0)
     held = holder.acquire()
     code = ("import sys\nfrom dynamo_ftctl.lock import FlockLock\n"
@@ -140,13 +135,14 @@ def test_blocked_acquire_hands_over_the_reserved_token(lock_path: Path) -> None:
                               stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         deadline_reserved(lock_path, held.token + 1)
+        reserved = floor_doc(lock_path)["token"]
         holder.release()
         out, _ = waiter.communicate(timeout=30)
     finally:
         waiter.kill()
         waiter.wait()
-    assert int(out) == held.token + 1
-    assert floor_doc(lock_path)["issued"] == held.token + 1
+    assert int(out) == reserved > held.token
+    assert floor_doc(lock_path)["issued"] == reserved
 
 
 def deadline_reserved(lock_path: Path, high: int, timeout_s: float = 20.0) -> None:
@@ -157,15 +153,16 @@ def deadline_reserved(lock_path: Path, high: int, timeout_s: float = 20.0) -> No
         time.sleep(0.01)
 
 
-def test_acquire_here_times_out_and_returns_its_reservation(lock_path: Path) -> None:
-    """A timed `acquire_here` in the main thread gives up with LockTimeout (SIGALRM) and
-    the next token continues without a gap."""
+def test_acquire_here_times_out_and_the_next_token_is_higher(lock_path: Path) -> None:
+    """A timed `acquire_here` in the main thread gives up with LockTimeout (SIGALRM); the
+    next token is above the holder's and the timed-out waiter's reservation."""
     holder = FlockLock(lock_path, watch_interval_s=0)
     first = holder.acquire().token
     with pytest.raises(LockTimeout):
         FlockLock(lock_path, 1, watch_interval_s=0).acquire_here(0.05)
+    reserved = floor_doc(lock_path)["token"]
     holder.release()
-    assert FlockLock(lock_path, watch_interval_s=0).acquire_here(1).token == first + 1
+    assert FlockLock(lock_path, watch_interval_s=0).acquire_here(1).token > reserved > first
 
 
 def test_cancelled_watcher_exits_and_is_reaped(tmp_path: Path) -> None:

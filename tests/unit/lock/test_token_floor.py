@@ -1,5 +1,6 @@
 """Fencing tokens never go backwards, even when the lock file is deleted, replaced, truncated
-or forged (issue 22, finding 6): the token floor `P.floor` beside it."""
+or forged (issue 22, finding 6): the token floor `P.floor` beside it, and the wall clock
+under both (issue 30)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from dynamo_ftctl.lock import FlockLock
 from dynamo_ftctl.lock.flock import floor_path
+from dynamo_ftctl.lock.owner import clock_token
 
 ROOT = Path(__file__).resolve().parents[3]
 FTCTL = (sys.executable, "-m", "dynamo_ftctl")
@@ -23,7 +25,7 @@ FTCTL = (sys.executable, "-m", "dynamo_ftctl")
 CONTENDER = """
 import sys, time
 from dynamo_ftctl.lock import FlockLock
-lock = FlockLock(sys.argv[1])
+lock = FlockLock(sys.argv[1], settle_s=0)  # about tokens: no settle wait on each new file
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     print(lock.acquire(10).token, flush=True)
@@ -57,71 +59,76 @@ def replace_with(lock_path: Path, content: str) -> None:
 
 
 def test_replacement_claiming_token_1_does_not_restart_the_sequence(lock_path: Path) -> None:
-    """A lock file replaced by one claiming token 1: the next token is still one above the last."""
+    """A lock file replaced by one claiming token 1: the next token is still above the last."""
     tokens = [token(lock_path) for _ in range(3)]
+    assert tokens == sorted(set(tokens))
     replace_with(lock_path, '{"engine_id":0,"token":1}\n')
-    assert token(lock_path) == tokens[-1] + 1
+    assert token(lock_path) > tokens[-1]
 
 
 def test_deleted_lock_file_does_not_restart_the_sequence(lock_path: Path) -> None:
-    """A deleted lock file: the new file's first token is one above the last issued."""
+    """A deleted lock file: the new file's first token is above the last issued."""
     last = [token(lock_path) for _ in range(3)][-1]
     lock_path.unlink()
-    assert token(lock_path) == last + 1
+    assert token(lock_path) > last
 
 
 def test_forged_higher_token_in_a_replaced_file_is_ignored(lock_path: Path) -> None:
-    """A replaced file claiming token 1001 does not move the sequence: next is last + 1, and a
-    warning names the ignored claim."""
+    """A replaced file claiming a token far above the last does not move the sequence: the
+    next token is above the last and below the forged one, and a warning names the claim."""
     last = [token(lock_path) for _ in range(2)][-1]
-    replace_with(lock_path, '{"engine_id":9,"pid":1,"token":1001}\n')
+    forged = last + 2**40  # ~4.6 hours of the wall clock's milliseconds above
+    replace_with(lock_path, f'{{"engine_id":9,"pid":1,"token":{forged}}}\n')
     proc = acquire_cli(lock_path)
-    assert int(proc.stdout) == last + 1
-    assert "claims token 1001" in proc.stderr
+    assert last < int(proc.stdout) < forged
+    assert f"claims token {forged}" in proc.stderr
     assert "ignored" in proc.stderr
-    assert json.loads(lock_path.read_text())["token"] == last + 1
+    assert json.loads(lock_path.read_text())["token"] == int(proc.stdout)
 
 
 def test_truncation_by_a_write_only_fd_does_not_restart_the_sequence(lock_path: Path) -> None:
-    """`exec 9>P` truncates the owner data; `lock acquire --fd 9` still issues last + 1."""
+    """`exec 9>P` truncates the owner data; `lock acquire --fd 9` still issues above the last."""
     last = [token(lock_path) for _ in range(2)][-1]
     script = (f"exec 9>{lock_path}\n"
               f"{sys.executable} -m dynamo_ftctl lock acquire --fd 9 --json\n")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                           check=False, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["token"] == last + 1
+    assert json.loads(proc.stdout)["token"] > last
 
 
 def test_lock_file_without_a_floor_continues_its_own_sequence(lock_path: Path) -> None:
-    """A lock file from before the floor (or whose floor was deleted) continues from its token,
-    and the floor then records the token and the lock file's inode."""
-    lock_path.write_text('{"engine_id":0,"token":41}\n')
-    assert token(lock_path) == 42
+    """A lock file from before the floor (or whose floor was deleted) continues from its token
+    when that is above the wall clock's, and the floor then records the token and the lock
+    file's inode."""
+    claim = clock_token(time.time()) + 2**40
+    lock_path.write_text(f'{{"engine_id":0,"token":{claim}}}\n')
+    assert token(lock_path) == claim + 1
     floor = json.loads(floor_path(lock_path).read_text())
-    assert floor["token"] == 42
+    assert floor["token"] == claim + 1
     assert (floor["dev"], floor["ino"]) == (lock_path.stat().st_dev, lock_path.stat().st_ino)
     floor_path(lock_path).unlink()
-    assert token(lock_path) == 43
+    assert token(lock_path) == claim + 2
 
 
 def test_in_place_higher_claim_continues_the_sequence(lock_path: Path) -> None:
     """A token written in place into the file the floor knows (an older ftctl sharing the lock)
     is a continuation: the next token is above it, never a repeat."""
-    token(lock_path)
+    claim = token(lock_path) + 2**40
     with lock_path.open("r+") as held:  # same inode, as an older version writes it
-        held.write('{"engine_id":1,"token":7}\n')
+        held.write(f'{{"engine_id":1,"token":{claim}}}\n')
         held.truncate()
-    assert token(lock_path) == 8
+    assert token(lock_path) == claim + 1
 
 
-def test_both_files_deleted_start_over_at_1(lock_path: Path) -> None:
-    """Deleting the lock file and its floor resets the sequence (documented; nothing is left)."""
+def test_both_files_deleted_still_issue_a_higher_token(lock_path: Path) -> None:
+    """Deleting the lock file and its floor does not restart the sequence: the wall clock's
+    milliseconds, in the token's high bits, are later than at the last token (issue 30)."""
     token(lock_path)
-    token(lock_path)
+    last = token(lock_path)
     lock_path.unlink()
     floor_path(lock_path).unlink()
-    assert token(lock_path) == 1
+    assert token(lock_path) > last
 
 
 def test_tokens_never_repeat_while_the_file_is_replaced_under_contenders(
@@ -176,6 +183,11 @@ def test_floor_records_the_token_before_it_is_handed_out(lock_path: Path) -> Non
     lock.release()
 
 
+def test_floor_is_beside_the_path_as_named(tmp_path: Path) -> None:
+    """The floor of P is P.floor in P's directory, never beside what a link points to."""
+    assert floor_path(tmp_path / "x.lock") == tmp_path / "x.lock.floor"
+
+
 def test_a_symlinked_lock_path_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
     """Issue 30 case 1: a lock path replaced by a link to a file elsewhere is refused (exit
     2, one line naming it); the target keeps its bytes and gets no floor beside it. A shell
@@ -198,7 +210,7 @@ def test_a_symlinked_lock_path_is_refused_and_its_target_untouched(tmp_path: Pat
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                           check=False, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["token"] >= 1
+    assert json.loads(done.stdout)["token"] > 0
     assert (tmp_path / "real.lock.floor").exists()
 
 

@@ -267,6 +267,7 @@ def test_watch_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
         return resolve_lock_settings(backend=backend, engine_id=0, path=Path("l"),
                                      watch_interval_s=flag).watch_interval_s
 
+    monkeypatch.delenv("FTCTL_LOCK_WATCH_INTERVAL")  # (the lock tests' short bound)
     assert resolve("flock") == 0.5
     monkeypatch.setenv("FTCTL_LOCK_WATCH_INTERVAL", "0.2")
     assert resolve("flock") == 0.2
