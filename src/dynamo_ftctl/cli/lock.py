@@ -26,10 +26,19 @@ app = typer.Typer(
         "(with a command: the command's status), 4 not acquired within --timeout, 5 lock "
         "lost (etcd lease lost, or --fd's file deleted or replaced); owner/status 0 held, "
         "1 free.\n\n"
-        "A flock holder checks every --watch-interval seconds that the lock file is still "
-        "the file it locked; once it is deleted or replaced the command gets SIGTERM (SIGKILL "
-        "5 s later) and a line on stderr. Fencing tokens come from PATH.floor beside the "
-        "lock file and keep rising when the lock file is deleted or replaced."
+        "A flock holder watches its lock file (inotify, and a check every --watch-interval "
+        "seconds); once it is deleted or replaced the command gets SIGTERM, SIGKILL "
+        "$FTCTL_LOCK_TERM_GRACE (5) s later, and a line on stderr. The stop bound is "
+        "interval + grace + 0.5 s: 6 s by default (measured: SIGTERM within milliseconds "
+        "of `rm`, SIGKILL 5.03 s after it). An acquirer that locks a file the token floor "
+        "has not seen (new, deleted or replaced) waits out that bound before its command "
+        "runs, so two commands never overlap: a fresh deployment pays it once. Every "
+        "engine sharing a lock must use the same interval and grace.\n\n"
+        "Fencing tokens are wall-clock milliseconds x 65536 plus a counter, never below "
+        "the last one recorded in PATH.floor: they keep rising across reboots, clock steps "
+        "back, and the deletion of the lock file, of the floor, or of both (both deleted "
+        "and the clock stepped back by more than the time since the last token is the one "
+        "case that can go back). With etcd the token is the key's create revision."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -68,9 +77,11 @@ TtlOpt = Annotated[
 WatchIntervalOpt = Annotated[
     float | None,
     typer.Option("--watch-interval",
-                 help="flock: check the lock file every this many seconds while CMD runs; "
-                 "deleted or replaced: SIGTERM to CMD, SIGKILL 5 s later. 0 turns it off "
-                 "(default: $FTCTL_LOCK_WATCH_INTERVAL, then 0.5).", show_default=False),
+                 help="flock: check the lock file every this many seconds while CMD runs "
+                 "(inotify tells sooner); deleted or replaced: SIGTERM to CMD, SIGKILL "
+                 "$FTCTL_LOCK_TERM_GRACE (5) s later. A new lock file is held interval + "
+                 "grace + 0.5 s before CMD runs. 0 turns both off (default: "
+                 "$FTCTL_LOCK_WATCH_INTERVAL, then 0.5).", show_default=False),
 ]
 TimeoutOpt = Annotated[
     float | None,

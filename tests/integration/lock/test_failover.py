@@ -117,7 +117,7 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     p_port, s_port = free_port(), free_port()
     primary = start_wrapper(0, fake_engine(p_port), f"http://127.0.0.1:{p_port}")
     active = primary.wait_state("ACTIVE")
-    assert active["token"] == 1
+    assert active["token"] > 0
     shadow = start_wrapper(1, fake_engine(s_port), f"http://127.0.0.1:{s_port}")
     shadow.wait_state("STANDBY")
     response = shadow.health()
@@ -132,7 +132,7 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     assert primary.proc.wait(30) == 1
     assert "exited with code -9" in stderr_of(primary)
     taken = shadow.wait_state("ACTIVE", timeout=30)
-    assert taken["token"] == 2
+    assert taken["token"] > active["token"]
     assert shadow.health().json()["state"] == "ACTIVE"
     assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 200
     metrics = httpx.get(f"http://127.0.0.1:{shadow.health_port}/metrics", timeout=5).text

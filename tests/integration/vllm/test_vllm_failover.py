@@ -111,12 +111,12 @@ def complete(url: str) -> httpx.Response:
 def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
     start_wrapper: StartWrapper, vllm_py: Path, tiny_llama: Path,
 ) -> None:
-    """Primary killed (its process group): the cold shadow starts vLLM and serves, token 2."""
+    """Primary killed (its process group): the cold shadow starts vLLM and serves, with a higher token."""
     p_port, s_port = free_port(), free_port()
     primary = start_wrapper(0, vllm_command(vllm_py, tiny_llama, p_port),
                             f"http://127.0.0.1:{p_port}", "--standby", "cold")
     first = primary.wait_state("ACTIVE", timeout=START_DEADLINE_S)
-    assert first["token"] == 1
+    assert first["token"] > 0
     assert complete(primary.engine_url).status_code == 200
 
     # auto: this vLLM starts warm, refuses /sleep (no sleep mode on CPU), and is stopped.
@@ -136,7 +136,6 @@ def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
     assert group_gone(primary.proc.pid, 30)
     taken = shadow.wait_state("ACTIVE", timeout=START_DEADLINE_S)
     took = time.monotonic() - killed
-    assert taken["token"] == 2
     assert taken["token"] > first["token"]
     assert httpx.get(f"{shadow.engine_url}/health", timeout=5).status_code == 200
     served = complete(shadow.engine_url)
