@@ -21,7 +21,10 @@ set -eu
 : "${ENGINE_PORT:=8000}"
 : "${HEALTH_PORT:=8081}"
 : "${MODEL:=meta-llama/Llama-3.1-8B-Instruct}"
-export ENGINE_ID FAILOVER_LOCK_PATH
+# vLLM serves /sleep, /wake_up and /is_sleeping only in its dev mode: without it the
+# shadow cannot sleep, and `failover run` would stop it and start it cold on takeover.
+VLLM_SERVER_DEV_MODE=1
+export ENGINE_ID FAILOVER_LOCK_PATH VLLM_SERVER_DEV_MODE
 
 exec ftctl failover run \
     --health-port "$HEALTH_PORT" --health-host 0.0.0.0 \

@@ -26,9 +26,10 @@ from dynamo_ftctl.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "examples" / "k8s"
-# The oldest Kubernetes release still in upstream support when these examples were written
-# (its schemas ship inside kubernetes-validate, so no network is needed).
-KUBERNETES_VERSION = "1.31"
+# The oldest Kubernetes release in upstream support (2026-11; its schemas ship inside
+# kubernetes-validate, so no network is needed); the failover pod's shared GPU claim
+# (resource.k8s.io/v1) needs >= 1.34.
+KUBERNETES_VERSION = "1.35"
 IMAGE = f"ftctl:{__version__}"  # what docs/container.md builds: docker build -t ftctl:VERSION .
 FTCTL_UID = 10001  # the Dockerfile's USER
 
@@ -77,11 +78,18 @@ def ftctl_invocations() -> list[tuple[str, list[str]]]:
             argv = [*container.get("command", []), *container.get("args", [])]
         if argv[:1] == ["ftctl"]:
             found.append((where, argv[1:]))
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            command = container.get(probe, {}).get("exec", {}).get("command", [])
+        hooks = container.get("lifecycle", {})
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe", "postStart"):
+            command = (hooks if probe == "postStart" else container).get(probe, {}) \
+                .get("exec", {}).get("command", [])
             if command[:1] == ["ftctl"]:
                 found.append((f"{where}:{probe}", command[1:]))
     return found
+
+
+def option_values(argv: list[str], option: str) -> list[str]:
+    """The values of `option` in `argv`."""
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == option]
 
 
 def entrypoint_invocation() -> list[str]:
@@ -184,7 +192,7 @@ def test_every_ftctl_command_line_parses() -> None:
     invocations = ftctl_invocations()
     assert len(invocations) >= 5  # the proxy, the daemon, two canary probes, the load job
     paths = {parse_ftctl(args) for _, args in invocations}
-    assert paths == {"ftctl proxy", "ftctl canary", "ftctl load"}
+    assert paths == {"ftctl proxy", "ftctl canary", "ftctl canary record", "ftctl load"}
 
 
 def _expanded_args(container: dict[str, Any], values: dict[str, str]) -> list[str]:
@@ -245,3 +253,59 @@ def test_parse_rejects_what_ftctl_would(args: list[str]) -> None:
     missing argument."""
     with pytest.raises(click.UsageError):
         parse_ftctl(args)
+
+
+def test_every_canary_set_a_manifest_reads_is_recorded_before_it_is_read() -> None:
+    """A `--set PATH` of a probe or daemon is written by a `canary record --out PATH` of the
+    same pod that runs before it (an init container, or the engine's postStart hook, which
+    the kubelet finishes before it starts probes): no manifest names a set nobody has."""
+    readers = 0
+    for where, spec in pod_specs():
+        before = [[*c.get("command", ["ftctl"]), *c.get("args", [])]
+                  for c in spec.get("initContainers", [])]
+        before += [c.get("lifecycle", {}).get("postStart", {}).get("exec", {})
+                   .get("command", []) for c in spec["containers"]]
+        recorded = {path for argv in before if argv[:3] == ["ftctl", "canary", "record"]
+                    for path in option_values(argv, "--out")}
+        for container in spec["containers"]:
+            lines = [[*container.get("command", []), *container.get("args", [])]]
+            lines += [container.get(probe, {}).get("exec", {}).get("command", [])
+                      for probe in ("startupProbe", "readinessProbe", "livenessProbe")]
+            for argv in lines:
+                for path in option_values(argv, "--set"):
+                    readers += 1
+                    assert path in recorded, f"{where}: --set {path} is recorded by nobody"
+    assert readers >= 3  # the daemon and the two probes
+
+
+def test_sleep_mode_engines_run_in_vllm_dev_mode() -> None:
+    """vLLM serves /sleep only with VLLM_SERVER_DEV_MODE=1: the entrypoint that starts it with
+    --enable-sleep-mode sets and exports it, and no container asks for sleep mode without."""
+    script = (ROOT / "examples" / "entrypoint.sh").read_text()
+    if "--enable-sleep-mode" in script:
+        assert re.search(r"^VLLM_SERVER_DEV_MODE=1$", script, flags=re.MULTILINE)
+        assert re.search(r"^export .*\bVLLM_SERVER_DEV_MODE\b", script, flags=re.MULTILINE)
+    for where, _, container in containers():
+        argv = [*container.get("command", []), *container.get("args", [])]
+        if "--enable-sleep-mode" in argv:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert env.get("VLLM_SERVER_DEV_MODE") == "1", where
+
+
+def test_both_engines_of_the_failover_pod_claim_the_same_gpu() -> None:
+    """Primary and shadow name one pod-level claim, made from a template in the examples
+    that asks for a GPU device: the sleeping shadow wakes on the primary's GPU."""
+    templates = {doc["metadata"]["name"]: doc for _, doc in MANIFESTS
+                 if doc["kind"] == "ResourceClaimTemplate"}
+    pod = next(doc for _, doc in MANIFESTS if doc["metadata"]["name"] == "llm-failover"
+               and doc["kind"] == "Pod")
+    claims = {c["name"]: c["resourceClaimTemplateName"] for c in pod["spec"]["resourceClaims"]}
+    engines = pod["spec"]["containers"]
+    assert len(engines) == 2
+    named = [{c["name"] for c in e["resources"]["claims"]} for e in engines]
+    assert named[0] == named[1] != set()
+    for claim in named[0]:
+        template = templates[claims[claim]]
+        requests = template["spec"]["spec"]["devices"]["requests"]
+        assert any(r["exactly"]["deviceClassName"] == "gpu.nvidia.com" for r in requests)
+        assert all("nvidia.com/gpu" not in e["resources"].get("limits", {}) for e in engines)
