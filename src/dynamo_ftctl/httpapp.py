@@ -62,10 +62,13 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def metrics_reply(registry: Any) -> Reply:
-    """`registry`'s Prometheus exposition (every service's `/metrics`); prometheus_client
-    is imported here, on the first scrape, not at start-up."""
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    """`registry`'s Prometheus exposition (every service's `/metrics`), without the
+    `<name>_created` series prometheus_client adds by default (Dynamo's and other Rust
+    registries have none); prometheus_client is imported here, on the first scrape, not
+    at start-up."""
+    from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     return text_reply(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
 

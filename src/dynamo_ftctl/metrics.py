@@ -3,10 +3,13 @@ docs/design.md, "Metrics").
 
 ftctl's own series are named `ftctl_*`, so that on a Prometheus shared with
 Dynamo they neither collide with Dynamo's `dynamo_*` series nor pass for them.
-The one exception mirrors a Dynamo series on purpose, with Dynamo's exact name
-and labels (`dynamo_frontend_model_migration_total{model, migration_type}`, from
-ai-dynamo/dynamo lib/runtime/src/metrics/prometheus_names.rs), so that Dynamo's
-dashboards count the proxy's migrations too.
+The exceptions mirror Dynamo's frontend migration series on purpose, with Dynamo's
+exact names, types, labels and buckets (`dynamo_frontend_model_migration_total`,
+`dynamo_frontend_model_migration_duration_seconds`,
+`dynamo_frontend_model_migration_limit`, as Dynamo 1.6 defines them in
+lib/runtime/src/metrics/prometheus_names.rs and lib/llm/src/http/service/metrics.rs),
+so that Dynamo's dashboards count the proxy's migrations too. Dynamo exports no
+`_created` series, so neither does ftctl: this module turns them off for the process.
 
 Alert rules in deploy/prometheus/alerts.yml use only these names; a test keeps
 the two in step, and docs/metrics.md lists the same set. Import this module only
@@ -28,12 +31,21 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    values,
+)
 
 __all__ = [
     "BACKPRESSURE",
     "CIRCUIT_BREAKER_STATE",
     "DEGRADATION_LEVEL",
+    "DYNAMO_MIGRATION_DURATION",
+    "DYNAMO_MIGRATION_LIMIT",
     "DYNAMO_MIGRATION_TOTAL",
     "FAULTS_INJECTED",
     "HEALTH_CHECK_DURATION",
@@ -54,6 +66,10 @@ __all__ = [
 ]
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# `<name>_created` series are prometheus_client's own (a Rust `prometheus` registry, as
+# Dynamo's, has none); checked at each exposition, so this covers every registry here.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
@@ -103,6 +119,27 @@ DYNAMO_MIGRATION_TOTAL = Counter(
     "dynamo_frontend_model_migration_total",
     "Total number of request migrations due to worker unavailability",
     ["model", "migration_type"], registry=_DEFINED,
+)
+# Dynamo's histogram of a migration's time from the failure to its end: `outcome` is
+# "success" (the stream went on elsewhere), "failure" (it ended without recovering) or
+# "cancelled" (the client left first). Dynamo registers it with the `prometheus` crate's
+# default buckets (its HistogramOpts sets none: 0.005 to 10 s, the same as
+# prometheus_client's default).
+DYNAMO_MIGRATION_DURATION = Histogram(
+    "dynamo_frontend_model_migration_duration_seconds",
+    "Time from detecting a migratable failure until recovery, terminal failure, or "
+    "cancellation",
+    ["model", "migration_type", "outcome"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    registry=_DEFINED,
+)
+# Dynamo's per-model gauge of the migrations a request may make (its --migration-limit);
+# the proxy's `migration_limit`, set for each model its workers serve.
+DYNAMO_MIGRATION_LIMIT = Gauge(
+    "dynamo_frontend_model_migration_limit",
+    "Maximum number of request migrations allowed for the model",
+    ["model"], registry=_DEFINED,
+    multiprocess_mode="livemax",
 )
 MIGRATION_DURATION = Histogram(
     "ftctl_migration_duration_seconds",
@@ -174,6 +211,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_circuit_breaker_state",
     "ftctl_migrations_total",
     "dynamo_frontend_model_migration_total",
+    "dynamo_frontend_model_migration_duration_seconds",
+    "dynamo_frontend_model_migration_limit",
     "ftctl_migration_duration_seconds",
     "ftctl_proxy_degradation_level",
     "ftctl_proxy_rejected_requests_total",

@@ -163,6 +163,12 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         "--start-at", help="Start at this wall-clock time, epoch seconds or ISO 8601 with "
              "a zone (2026-01-01T00:00:00Z), so that shards on several machines begin "
              "together.")] = None,
+    metrics_url: Annotated[list[str] | None, typer.Option(
+        "--metrics-url", help="Scrape this Prometheus /metrics page (a base URL gets "
+             "/metrics) before and after the run and report its counters' change, summed "
+             "over labels: migrations, preemptions, errors, requests (Dynamo, vLLM, SGLang, "
+             "ftctl proxy). Repeatable. A failed scrape is reported, never fails the run.")
+    ] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Send load and print throughput and latency percentiles.
@@ -173,7 +179,9 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     if ctx.invoked_subcommand is not None:
         return
     from dynamo_ftctl import loadgen as lg
+    from dynamo_ftctl.loadgen.servermetrics import parse_metrics_url
 
+    metrics_urls = [parse_metrics_url(u) for u in metrics_url or ()]
     targets = list(_split(url))
     chosen_model = model
     if workers:
@@ -194,6 +202,9 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     sweep_bounds = _sweep_bounds(sweep) if sweep else None
     if sweep_bounds and (procs > 1 or shard or start_at):
         msg = "--sweep runs in one process: leave out --procs, --shard and --start-at"
+        raise InvalidInput(msg)
+    if sweep_bounds and metrics_urls:
+        msg = "--metrics-url: not with --sweep (it reports one run's counters)"
         raise InvalidInput(msg)
     if sweep_bounds and rate is None:
         rate = sweep_bounds[0]
@@ -229,13 +240,21 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
     if sweep_bounds is not None:
         result: Any = lg.sweep_rate(config, low=sweep_bounds[0], high=sweep_bounds[1])
         finish(ctx, result, json_flag=json_, code=0 if result.best_rate_per_s else 1)
-    if procs > 1:
-        report = lg.run_load_processes(config, procs)
-    elif live is not None:
-        with live:
-            report = lg.run_load(config, on_event=on_event)
+
+    def run() -> Any:
+        if procs > 1:
+            return lg.run_load_processes(config, procs)
+        if live is not None:
+            with live:
+                return lg.run_load(config, on_event=on_event)
+        return lg.run_load(config)
+
+    if metrics_urls:
+        from dynamo_ftctl.loadgen.servermetrics import watch_server_metrics
+
+        report = watch_server_metrics(metrics_urls, run)
     else:
-        report = lg.run_load(config)
+        report = run()
     if out is not None:
         lg.write_report(report, out, plot=plot)
     finish(ctx, report, json_flag=json_, code=_exit_code(report))

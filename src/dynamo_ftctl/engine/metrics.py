@@ -66,7 +66,9 @@ class EngineMetrics:
         return EngineMetrics._Reason(self._success, self._model_name)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        from prometheus_client import generate_latest
+        """The Prometheus text exposition of every metric (no `_created` series, as in
+        every ftctl process: `httpapp.metrics_reply`)."""
+        from prometheus_client import disable_created_metrics, generate_latest
 
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         return generate_latest(self.registry)

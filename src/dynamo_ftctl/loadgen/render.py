@@ -33,6 +33,11 @@ def render_report(report: LoadReport) -> Any:
         "migrated": s.migrated,
         "errors_by_class": s.errors_by_class or "-",
     }
+    if report.server_metrics:
+        from dynamo_ftctl.loadgen.servermetrics import server_migrations
+
+        counted = server_migrations(report.server_metrics)
+        head["migrated (server counters)"] = "-" if counted is None else _count(counted)
     if s.goodput_requests_per_s is not None:
         head["goodput_requests_per_s"] = round(s.goodput_requests_per_s, 2)
         head["slo_met"] = s.slo_met
@@ -45,11 +50,40 @@ def render_report(report: LoadReport) -> Any:
     ]
     rows = [(name, d.count, _ms(d.p50), _ms(d.p90), _ms(d.p95), _ms(d.p99), _ms(d.p99_9),
              _ms(d.max)) for name, d in dists]
-    return Group(
+    parts = [
         kv_table("ftctl load", head),
         table("latency (ms)", ["metric", "n", "p50", "p90", "p95", "p99", "p99.9", "max"],
               rows, styles={"metric": "bold"}),
-    )
+    ]
+    if report.server_metrics:
+        parts.append(_server_table(report))
+    return Group(*parts)
+
+
+def _count(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value == int(value) else f"{value:,.3f}"
+
+
+def _server_table(report: LoadReport) -> Any:
+    """The targets' own counters over the run, one row per family (labels summed)."""
+    from dynamo_ftctl.output import table
+    from dynamo_ftctl.redact import redact_url
+
+    rows: list[tuple[str, ...]] = []
+    for server in report.server_metrics:
+        url = redact_url(server.url)
+        if server.error:
+            rows.append((url, f"scrape failed: {server.error}", "", "-", "-", "-"))
+        elif not server.counters:
+            rows.append((url, "no counters of interest", "", "-", "-", "-"))
+        for c in server.counters:
+            delta = "reset" if c.delta is None and c.after is not None else _count(c.delta)
+            rows.append((url, c.name, c.source, _count(c.before), _count(c.after), delta))
+    return table("server counters over the run (summed over labels)",
+                 ["metrics url", "counter", "source", "before", "after", "delta"], rows,
+                 styles={"counter": "bold"})
 
 
 def render_progress(progress: Progress, *, planned: int | None) -> str:

@@ -19,7 +19,7 @@ import itertools
 import json
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock, MonotonicClock
 from dynamo_ftctl.errors import InvalidInput
@@ -29,6 +29,9 @@ from dynamo_ftctl.loadgen.schedule import plan_arrivals, trace_offsets
 from dynamo_ftctl.loadgen.stats import LoadSummary, percentile, summarize
 from dynamo_ftctl.loadgen.tally import POLL_S, SharedTally
 from dynamo_ftctl.loadgen.workload import PromptItem, RequestFactory, RequestSpec, load_prompts
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.loadgen.servermetrics import ServerMetrics
 
 __all__ = [
     "LoadEvent",
@@ -88,6 +91,8 @@ class LoadReport:
     elapsed_s: float
     model: str | None
     aborted: str | None = None
+    # The targets' own counters over the run (`servermetrics.watch_server_metrics`).
+    server_metrics: tuple[ServerMetrics, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON summary (`--json`, `summary.json`): numbers first, then the setup."""
@@ -95,6 +100,11 @@ class LoadReport:
 
         doc: dict[str, Any] = {"kind": "ftctl-load-report"}
         doc.update(to_jsonable(self.summary))
+        if self.server_metrics:
+            from dynamo_ftctl.loadgen.servermetrics import server_migrations
+
+            doc["server_migrated"] = server_migrations(self.server_metrics)
+            doc["server_metrics"] = [m.to_json() for m in self.server_metrics]
         doc["aborted"] = self.aborted
         doc["started_at"] = self.started_at
         doc["elapsed_s"] = self.elapsed_s

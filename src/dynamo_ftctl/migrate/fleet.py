@@ -479,6 +479,8 @@ class Fleet:
                 self.router.breaker_gauge(slot),
             )
             self.metrics.WORKER_BUSY.labels(slot.name).set(int(slot.busy))
+            self.metrics.DYNAMO_MIGRATION_LIMIT.labels(slot.model).set(
+                self.config.migration_limit)
 
     # ------------------------------------------------------------------ reports
 

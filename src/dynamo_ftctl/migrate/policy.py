@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,9 @@ class _Trip:
     _print: str = ""  # its fingerprint, once asked for (`print_`)
     held: bool = False  # this attempt runs while the fingerprint is suspected
     absent: bool = False  # a worker said it does not serve the model
+    # A counted migration under way (Dynamo's mirror): its migration_type and start.
+    migrating: str = ""
+    migrating_since: float = 0.0
 
     @property
     def print_(self) -> str:
@@ -228,6 +232,9 @@ class MigrationPolicy:
             self._in_flight -= 1
             if trip.suspect is not None:  # no other worker told (none left, the client left)
                 self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+            if trip.migrating:  # never went on: the client left, or the request failed
+                self._migration_ended(trip, "cancelled" if isinstance(
+                    sys.exception(), GeneratorExit | asyncio.CancelledError) else "failure")
 
     @contextlib.asynccontextmanager
     async def _hold(self, trip: _Trip) -> AsyncIterator[None]:
@@ -282,6 +289,15 @@ class MigrationPolicy:
                                                 trip.method).inc()
             self.metrics.MIGRATION_DURATION.observe(gap)
             trip.failed_at = None
+            self._migration_ended(trip, "success")
+
+    def _migration_ended(self, trip: _Trip, outcome: str) -> None:
+        """Dynamo's `model_migration_duration_seconds` for the migration under way."""
+        if trip.migrating:
+            self.metrics.DYNAMO_MIGRATION_DURATION.labels(
+                trip.model or "", trip.migrating, outcome,
+            ).observe(self.clock.now() - trip.migrating_since)
+            trip.migrating = ""
 
     def _runs_here(self, trip: _Trip) -> None:
         """The attempt's first token: an earlier suspect is at fault, the retry is done."""
@@ -445,9 +461,10 @@ class MigrationPolicy:
             raise self._retry_refused(reason, trip.yielded) from None
         # Dynamo's mirror counts the decision to go on (its frontend counts before
         # re-issuing); ftctl_migrations_total counts the stream going on.
-        self.metrics.DYNAMO_MIGRATION_TOTAL.labels(
-            trip.model or "", "new_request" if trip.method == "retry"
-            else "ongoing_request").inc()
+        migration_type = "new_request" if trip.method == "retry" else "ongoing_request"
+        self.metrics.DYNAMO_MIGRATION_TOTAL.labels(trip.model or "", migration_type).inc()
+        if not trip.migrating:  # one duration from the first failure to the end
+            trip.migrating, trip.migrating_since = migration_type, trip.failed_at
         export_s = self.kv.export_budget(ledger) if trip.method == "reprefill" else 0
         if export_s:
             trip.kv_payload = await self.kv.export(slot, ledger, export_s)

@@ -11,12 +11,20 @@ from dynamo_ftctl import metrics
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "metrics.md"
 # Series exported under Dynamo's exact name and labels (docs/metrics.md, "The Dynamo mirror").
-DYNAMO_MIRRORS = {"dynamo_frontend_model_migration_total": ("model", "migration_type")}
+# Dynamo 1.6's lib/llm/src/http/service/metrics.rs: IntCounterVec, HistogramVec, IntGaugeVec.
+DYNAMO_MIRRORS = {
+    "dynamo_frontend_model_migration_total": ("counter", ("model", "migration_type")),
+    "dynamo_frontend_model_migration_duration_seconds":
+        ("histogram", ("model", "migration_type", "outcome")),
+    "dynamo_frontend_model_migration_limit": ("gauge", ("model",)),
+}
+# The `prometheus` crate's DEFAULT_BUCKETS, which Dynamo's migration histogram uses.
+DYNAMO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
-def _registered() -> dict[str, tuple[str, ...]]:
-    """Each series of metrics.py by its exposed name, with its label names."""
-    found: dict[str, tuple[str, ...]] = {}
+def _registered() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Each series of metrics.py by its exposed name, with its type and label names."""
+    found: dict[str, tuple[str, tuple[str, ...]]] = {}
     for collector in vars(metrics).values():
         if not isinstance(collector, MetricWrapperBase):
             continue
@@ -24,7 +32,7 @@ def _registered() -> dict[str, tuple[str, ...]]:
         name = f"{family.name}_total" if family.type == "counter" else family.name
         # prometheus_client shows label names only on samples, and an unused labelled
         # series has none: the wrapper's own record is the one place they are listed.
-        found[name] = tuple(collector._labelnames)
+        found[name] = (family.type, tuple(collector._labelnames))
     return found
 
 
@@ -34,12 +42,21 @@ def test_registry_matches_metric_names() -> None:
 
 
 def test_own_series_are_ftctl_and_mirrors_keep_dynamos_labels() -> None:
-    """Every series is `ftctl_*` but the Dynamo mirrors, which carry Dynamo's exact labels."""
-    for name, labels in _registered().items():
+    """Every series is `ftctl_*` but the Dynamo mirrors, which carry Dynamo's exact type and
+    labels."""
+    registered = _registered()
+    assert set(DYNAMO_MIRRORS) <= set(registered)
+    for name, kind_labels in registered.items():
         if name in DYNAMO_MIRRORS:
-            assert labels == DYNAMO_MIRRORS[name], name
+            assert kind_labels == DYNAMO_MIRRORS[name], name
         else:
             assert name.startswith("ftctl_"), name
+
+
+def test_dynamo_histogram_has_dynamos_buckets() -> None:
+    """The migration duration histogram has the buckets Dynamo's has (and +Inf)."""
+    bounds = metrics.DYNAMO_MIGRATION_DURATION._upper_bounds
+    assert tuple(bounds) == (*DYNAMO_DEFAULT_BUCKETS, float("inf"))
 
 
 def test_every_series_is_documented() -> None:

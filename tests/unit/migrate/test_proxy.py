@@ -716,6 +716,54 @@ def test_migrations_are_mirrored_under_dynamos_name(run: Callable[..., Any]) -> 
     run(go())
 
 
+def dynamo_migration_seconds(migration_type: str, outcome: str) -> float:
+    """How many migrations of MODEL Dynamo's duration histogram holds for these labels."""
+    from dynamo_ftctl import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "dynamo_frontend_model_migration_duration_seconds_count",
+        {"model": MODEL, "migration_type": migration_type, "outcome": outcome}) or 0.0
+
+
+def test_proxy_metrics_mirror_dynamos_migration_series(run: Callable[..., Any]) -> None:
+    """/metrics has Dynamo's three migration families with Dynamo's names, types and label
+    names, a duration per migration by outcome, and no `_created` series at all."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def go() -> None:
+        success = dynamo_migration_seconds("ongoing_request", "success")
+        failure = dynamo_migration_seconds("ongoing_request", "failure")
+        async with Cluster([FakeWorker(fail_after=2), FakeWorker()]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
+            await c.stream("/v1/completions", BODY)
+            assert dynamo_migration_seconds("ongoing_request", "success") == success + 1
+            text = (await c.client.get("/metrics")).text
+        async with Cluster([FakeWorker(fail_after=2)]) as c:  # cut, and nowhere to go
+            await c.stream("/v1/completions", BODY)
+            assert dynamo_migration_seconds("ongoing_request", "failure") == failure + 1
+        assert "_created" not in text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        expected = {
+            "dynamo_frontend_model_migration": ("counter", {"model", "migration_type"}),
+            "dynamo_frontend_model_migration_duration_seconds":
+                ("histogram", {"model", "migration_type", "outcome"}),
+            "dynamo_frontend_model_migration_limit": ("gauge", {"model"}),
+        }
+        for name, (kind, labels) in expected.items():
+            family = families[name]
+            assert family.type == kind, name
+            assert family.samples, name
+            for sample in family.samples:
+                assert set(sample.labels) - {"le"} == labels, sample
+        assert families["dynamo_frontend_model_migration_limit"].samples[0].value == 3
+        buckets = [s.labels["le"] for s in
+                   families["dynamo_frontend_model_migration_duration_seconds"].samples
+                   if s.name.endswith("_bucket")]
+        assert buckets[:12] == ["0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
+                                "1.0", "2.5", "5.0", "10.0", "+Inf"]
+    run(go())
+
+
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_client_hang_up_cancels_the_upstream_request(
