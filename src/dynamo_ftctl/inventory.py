@@ -302,6 +302,12 @@ class CanaryConfig(StrictStruct, frozen=True):
     actions: Annotated[
         tuple[TransitionAction, ...], doc("HTTP calls or commands run on state transitions."),
     ] = ()
+    acting_lock: Annotated[
+        str | None,
+        doc("Lock file on a volume several daemons share: only its holder runs the actions, "
+             "the others probe and serve /workers and take over when it dies (unset: this "
+             "daemon acts alone)."),
+    ] = None
     _checked = (("listen", check_host_port),)
 
 
@@ -360,8 +366,10 @@ class ProxyConfig(StrictStruct, frozen=True):
     ] = 15.0
     connect_timeout_s: Annotated[float, doc("TCP connect timeout per worker.", gt=0)] = 2.0
     health_url: Annotated[
-        str | None,
-        doc("Canary daemon base URL (GET /workers, POST /report); none: own breaker."),
+        str | tuple[str, ...] | None,
+        doc("Canary daemon base URL (GET /workers, POST /report), or a list of them: "
+             "weights from the first that answers, failures reported to each; none "
+             "answering, or none given: the proxy's own breakers."),
     ] = None
     health_token_env: Annotated[
         str,
@@ -413,6 +421,13 @@ class ProxyConfig(StrictStruct, frozen=True):
              ge=1, le=256),
     ] = 1
     _checked = (("listen", check_host_port), ("health_url", check_http_url))
+
+    @property
+    def daemon_urls(self) -> tuple[str, ...]:
+        """The canary daemons' base URLs, in the order they are asked."""
+        if self.health_url is None:
+            return ()
+        return (self.health_url,) if isinstance(self.health_url, str) else self.health_url
 
 
 class Inventory(StrictStruct, frozen=True, dict=True):

@@ -87,6 +87,13 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
         typer.Option("--listen", help="Daemon HOST:PORT (default: canary.listen; port 0: any).",
                      show_default=False),
     ] = None,
+    acting_lock: Annotated[
+        Path | None,
+        typer.Option("--acting-lock", help="Daemon: a lock file on a volume several daemons "
+                     "share; only its holder runs the actions, the others probe, serve "
+                     "/workers and take over when it dies (default: canary.acting_lock).",
+                     show_default=False),
+    ] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Probe workers once (exit 0/1/3), or run the health daemon with --watch.
@@ -98,7 +105,7 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
     as_json = json_mode(ctx, json_)
     if watch:
         _watch(ctx, set_path=set_path, listen=listen, state_file=state_file,
-               use_state=not no_state, as_json=as_json)
+               use_state=not no_state, as_json=as_json, acting_lock=acting_lock)
         return
     from dynamo_ftctl.cli.probe import probe_once
 
@@ -110,7 +117,8 @@ def canary(  # noqa: PLR0917 - typer passes every option positionally
 
 
 def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,
-           state_file: Path | None, use_state: bool, as_json: bool) -> None:
+           state_file: Path | None, use_state: bool, as_json: bool,
+           acting_lock: Path | None = None) -> None:
     from dynamo_ftctl.auth import token_from_env
     from dynamo_ftctl.health.run import watch_fleet
     from dynamo_ftctl.output import warn
@@ -128,7 +136,7 @@ def _watch(ctx: typer.Context, *, set_path: Path | None, listen: str | None,
     summary = watch_fleet(inventory, set_path=set_path, listen=listen, state_file=state_file,
                           use_state=use_state, on_transition=None if live else _print_transition,
                           on_action=None if live else _print_transition, on_ready=ready,
-                          live=live)
+                          live=live, acting_lock=acting_lock)
     sys.stderr.write(f"canary daemon stopped after {summary.rounds} rounds, "
                      f"{summary.probes} probes, {summary.transitions} transitions\n")
 

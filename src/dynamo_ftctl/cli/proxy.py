@@ -32,10 +32,12 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     stall_timeout: Annotated[float | None, typer.Option(
         "--stall-timeout", min=0.001, help="Seconds without a token before a worker has failed.",
     )] = None,
-    health_url: Annotated[str | None, typer.Option(
+    health_url: Annotated[list[str] | None, typer.Option(
         "--health-url", help="Canary daemon base URL (weights from GET /workers; failures "
         "POSTed to /report with the bearer token in $FTCTL_DAEMON_TOKEN, or the variable "
-        "proxy.health_token_env names).")] = None,
+        "proxy.health_token_env names). Repeatable: weights from the first daemon that "
+        "answers, failures reported to each; none answering, the proxy's own breakers.",
+        show_default=False)] = None,
     reject_status: Annotated[int | None, typer.Option(
         "--reject-status", help="503 or 529 when every worker is busy.")] = None,
     calibration: Annotated[Path | None, typer.Option(
@@ -79,7 +81,9 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
     inventory = load_inventory_for(ctx)
     overrides: dict[str, Any] = {
         "listen": listen, "migration_limit": migration_limit, "stall_timeout_s": stall_timeout,
-        "health_url": health_url, "reject_status": reject_status,
+        "health_url": (None if not health_url else health_url[0] if len(health_url) == 1
+                       else tuple(health_url)),
+        "reject_status": reject_status,
         "calibration": str(calibration.resolve()) if calibration is not None else None,
         "max_connections": max_connections, "max_buffered_mib": max_buffered_mib,
         "procs": procs,

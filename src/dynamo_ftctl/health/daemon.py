@@ -33,11 +33,13 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.health.acting import ActingGate
 from dynamo_ftctl.health.actions import ActionOutcome, actions_for, run_action
 from dynamo_ftctl.health.api import create_app, serve_api, split_listen
 from dynamo_ftctl.health.baseline import Baselines, BaselineStore
@@ -146,7 +148,7 @@ class HealthDaemon:
         baselines: Baselines | None = None,
         on_transition: Callable[[Transition], None] | None = None,
         on_action: Callable[[ActionOutcome], None] | None = None,
-        metrics: bool = True,
+        metrics: bool = True, gate: ActingGate | None = None,
     ) -> None:
         if not workers:
             msg = "the canary daemon needs at least one worker"
@@ -162,6 +164,8 @@ class HealthDaemon:
         self.baselines = baselines or Baselines()
         self.on_transition = on_transition
         self.on_action = on_action
+        # Whether this daemon runs the actions (`health/acting.py`): always, alone.
+        self.gate = gate or ActingGate(None)
         machine = MachineConfig.from_canary(config)
         self.entries: dict[str, _Entry] = {
             w.target.name: _Entry(w, WorkerHealth(w.target.name, machine, clock))
@@ -333,11 +337,39 @@ class HealthDaemon:
         self.transitions += 1
         if self.on_transition is not None:
             self.on_transition(transition)
+        self._act_on(transition)
+
+    def _act_on(self, transition: Transition) -> None:
+        """Run the actions of the state `transition` entered, when this daemon acts and no
+        daemon has acted on that state of the worker yet (`ActingGate.acted`)."""
+        gate = self.gate
+        if not gate.acting or gate.acted(transition.worker) == transition.state.value:
+            return
+        gate.record(transition.worker, transition.state.value)
         session = getattr(self.transport, "session", None)
         for action in actions_for(self.config.actions, transition):
             if session is None:
                 continue
             self._spawn(self._act(action, transition, session))
+
+    def catch_up(self) -> None:
+        """On taking the acting lock: act once on each worker whose current state has actions
+        that no daemon ran (the old actor died before, or nobody acted meanwhile)."""
+        for name, entry in self.entries.items():
+            health = entry.health
+            state = health.state
+            acted = self.gate.acted(name)
+            if acted == state.value or not actions_for(self.config.actions, Transition(
+                    name, state, state, health.breaker, "", "probe", 0.0, 0.0)):
+                continue
+            try:
+                previous = HealthState(acted) if acted is not None else state
+            except ValueError:  # a record from another version: what it says is unknown
+                previous = state
+            self._act_on(Transition(
+                worker=name, previous=previous, state=state, breaker=health.breaker,
+                reason=f"taking over as the acting daemon: {health.last_reason or state.value}",
+                source="probe", at=self.clock.wall(), weight=health.weight))
 
     async def _act(self, action: Any, transition: Transition, session: Any) -> None:
         outcome = await run_action(action, transition, session=session)
@@ -378,7 +410,7 @@ class HealthDaemon:
                 },
             })
         return {"updated": self.clock.wall(), "interval_s": self.config.interval_s,
-                "workers": rows}
+                "acting": self.gate.acting, "workers": rows}
 
     def counts(self) -> dict[str, int]:
         """Workers per state."""
@@ -435,8 +467,10 @@ def run_daemon(
     on_transition: Callable[[Transition], None] | None = None,
     on_action: Callable[[ActionOutcome], None] | None = None,
     on_ready: Callable[[str], None] | None = None, live: bool = False,
+    acting_lock: Path | None = None,
 ) -> DaemonSummary:
-    """Run the daemon and its HTTP API until SIGINT/SIGTERM (blocking)."""
+    """Run the daemon and its HTTP API until SIGINT/SIGTERM (blocking). `acting_lock`
+    (default: `config.acting_lock`): the lock whose holder runs the actions."""
     install_log_redaction()
     listen = listen or config.listen
     split_listen(listen)  # a malformed address fails before anything opens
@@ -459,9 +493,14 @@ def run_daemon(
 
     baselines = store.load() if store is not None else Baselines()
 
+    if acting_lock is None and config.acting_lock is not None:
+        acting_lock = inventory.resolve(config.acting_lock)
+    gate = ActingGate(acting_lock)
+
     async def main() -> DaemonSummary:
         daemon = HealthDaemon(watched_workers(inventory), canary_set, config,
-                              baselines=baselines, on_transition=transition, on_action=on_action)
+                              baselines=baselines, on_transition=transition, on_action=on_action,
+                              gate=gate)
         freeze_heap()
         try:
             server = await serve_api(daemon, listen, token=token_from_env(config.token_env))
@@ -480,12 +519,16 @@ def run_daemon(
         if on_ready is not None:
             on_ready(url)
         saver = _every_interval(daemon, store)
+        acting = asyncio.ensure_future(gate.hold(stop, daemon.catch_up))
         try:
             if live:
                 await _run_live(daemon, stop, saver)
             else:
                 await daemon.run(stop, on_round=saver)
         finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await acting  # gives the lock back (a waiting daemon takes it at once)
             await server.shutdown(_SHUTDOWN_S)
             await daemon.aclose()
             if store is not None:

@@ -174,6 +174,7 @@ def watch_fleet(
     on_transition: Callable[[Transition], None] | None = None,
     on_action: Callable[[ActionOutcome], None] | None = None,
     on_ready: Callable[[str], None] | None = None, live: bool = False,
+    acting_lock: Path | None = None,
 ) -> DaemonSummary:
     """`ftctl canary --watch`: run the health daemon over every inventory worker."""
     from dynamo_ftctl.health.daemon import run_daemon
@@ -187,4 +188,4 @@ def watch_fleet(
     return run_daemon(inventory, canary_set, inventory.canary, listen=listen,
                       store=_store(inventory, state_file, use_state),
                       on_transition=on_transition, on_action=on_action, on_ready=on_ready,
-                      live=live)
+                      live=live, acting_lock=acting_lock)

@@ -101,6 +101,8 @@ class Fleet:
         )
         self.thresholds: dict[str, Thresholds] = {w.model: default for w in inventory.workers}
         self.loads: dict[str, WorkerLoad | None] = {w.name: None for w in inventory.workers}
+        # Whether a canary daemon answered the last poll (None: not asked yet, or none set).
+        self.daemon_up: bool | None = None
         self.queued = 0  # requests without a first token yet (the policy counts them)
         self._prompt_tokens_seen = 0
         self._prompts_seen = 0
@@ -122,9 +124,10 @@ class Fleet:
         """Start the scrape loop."""
         from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
 
-        if self.config.health_url and not token_from_env(self.config.health_token_env):
+        if self.config.daemon_urls and not token_from_env(self.config.health_token_env):
             log.warning("$%s is not set: worker failures are not reported to the canary "
-                        "daemon at %s", self.config.health_token_env, self.config.health_url)
+                        "daemon at %s", self.config.health_token_env,
+                        ", ".join(self.config.daemon_urls))
         self.capabilities = CapabilityCache(fetch=fetch_through(self.http), clock=self.clock)
         self._spawn(self._scrape_forever())
         if isinstance(self.router, SharedRouter):
@@ -170,8 +173,8 @@ class Fleet:
         the gauges kept the flag of the last admission, however long ago that was.
         """
         jobs = [self._scrape_worker(slot) for slot in self.router.slots.values()]
-        if self.config.health_url:
-            jobs.append(self._poll_daemon(self.config.health_url))
+        if self.config.daemon_urls:
+            jobs.append(self._poll_daemons(self.config.daemon_urls))
         await asyncio.gather(*jobs, return_exceptions=True)
         self.refresh_busy()
         self.refresh_gauges()
@@ -212,12 +215,26 @@ class Fleet:
             page = b""
         self._watch_capabilities(slot, page)
 
-    async def _poll_daemon(self, base: str) -> None:
-        try:
-            weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
-        except Exception:  # daemon away: fall back on our own breaker
-            weights = {}
-        self.router.apply_daemon_weights(weights)
+    async def _poll_daemons(self, bases: tuple[str, ...]) -> None:
+        """Weights from the first canary daemon that answers, in order (several daemons
+        judge alike, each from its own probes); none answering: the proxy's own breakers
+        alone (fail open), said once in the log when it starts and when it ends."""
+        weights: dict[str, float] | None = None
+        for base in bases:
+            try:
+                weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
+                break
+            except Exception:  # noqa: S112 (this daemon away: ask the next)
+                continue
+        up = weights is not None
+        if up != self.daemon_up:
+            if not up:
+                log.warning("no canary daemon answers (%s): the proxy's own breakers decide "
+                            "alone until one does", ", ".join(bases))
+            elif self.daemon_up is False:
+                log.warning("a canary daemon answers again: its weights apply")
+        self.daemon_up = up
+        self.router.apply_daemon_weights(weights or {})
 
     # ------------------------------------------------------------------ capabilities
 
@@ -414,20 +431,20 @@ class Fleet:
         slot.absent = True
 
     def _report_failure(self, slot: WorkerSlot, reason: str) -> None:
-        base = self.config.health_url
+        bases = self.config.daemon_urls
         # Read per report: a token rotated in the environment of a test or embedder counts.
         token = token_from_env(self.config.health_token_env)
-        if not base or not token:
+        if not bases or not token:
             return  # the daemon refuses unauthenticated reports (start() said so once)
+        body = dumps({"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"})
+        headers = {"Content-Type": "application/json", **bearer_headers(token)}
 
-        async def post() -> None:
-            body = {"worker": slot.name, "ok": False, "reason": reason, "source": "proxy"}
+        async def post(base: str) -> None:
             with contextlib.suppress(Exception):
-                await self.http.fetch("POST", f"{base}/report", dumps(body),
-                                      {"Content-Type": "application/json",
-                                       **bearer_headers(token)}, timeout_s=2.0)
+                await self.http.fetch("POST", f"{base}/report", body, headers, timeout_s=2.0)
 
-        self._spawn(post())
+        for base in bases:  # each daemon keeps its own state machines
+            self._spawn(post(base))
 
     # ------------------------------------------------------------------ busy state
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -898,6 +899,41 @@ def test_canary_daemon_weights_route_and_failures_are_reported(
                 count = next(line for line in text.splitlines()
                              if line.startswith("ftctl_migration_duration_seconds_count"))
                 assert float(count.rsplit(" ", 1)[1]) >= 1
+    run(go())
+
+
+def test_several_daemons_first_answering_gives_weights_and_none_fails_open(
+        run: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two daemons, the first dead: the second's weights route and a failure is reported to
+    it; both dead: the proxy's own breakers decide (every worker routable again), with one
+    log line, and `daemon_up` says so."""
+    monkeypatch.setenv("FTCTL_DAEMON_TOKEN", "d4emon")
+    with socket.socket() as sock:  # a port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+    async def go() -> None:
+        async with fake_daemon({"w0": 1.0, "w1": 1.0, "w2": 0.0}) as (url, reports):
+            fakes = [FakeWorker(fail_after=3, sick=True), FakeWorker(), FakeWorker()]
+            async with Cluster(fakes, health_url=(dead, url)) as c:
+                assert c.fleet.daemon_up is True
+                assert c.fleet.router.healthy_capacity() == pytest.approx(2 / 3)
+                c.fleet.router.slots["w1"].outstanding = 5
+                await c.stream("/v1/completions", BODY)
+                c.fleet.router.slots["w1"].outstanding = 0
+                await until(lambda: bool(reports))
+                assert reports[0]["worker"] == "w0"
+                c.fleet.config = msgspec.structs.replace(c.fleet.config,
+                                                         health_url=(dead, dead))
+                with caplog.at_level("WARNING", logger="ftctl.proxy"):
+                    await c.fleet.scrape_once()
+                    await c.fleet.scrape_once()
+                assert c.fleet.daemon_up is False
+                assert c.fleet.router.slots["w2"].daemon_weight is None
+                said = [r.getMessage() for r in caplog.records
+                        if "no canary daemon answers" in r.getMessage()]
+                assert len(said) == 1
     run(go())
 
 
