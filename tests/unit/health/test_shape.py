@@ -205,3 +205,33 @@ def test_an_answer_outside_the_shape_fails_with_its_reason(
     assert verdict.kind == kind
     assert verdict.reason
     assert "\n" not in verdict.reason
+
+
+def ftctl(*args: str) -> tuple[int, str]:
+    """Run ftctl in a subprocess (bounded): exit code and stderr."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dynamo_ftctl", *args], capture_output=True,
+                          text=True, timeout=60, check=False,
+                          env={**os.environ, "NO_COLOR": "1", "FTCTL_NO_CACHE": "1"})
+    return proc.returncode, proc.stderr
+
+
+def test_a_bad_shape_set_is_exit_two_with_one_line(tmp_path: Path) -> None:
+    """The one-shot probe refuses a shape set missing a key before sending anything."""
+    path = write(tmp_path, SHAPE.replace("    token_count: [8, 8]\n", ""))
+    code, stderr = ftctl("canary", "--url", "http://127.0.0.1:9", "--set", str(path))
+    assert code == 2
+    assert stderr.splitlines() == [
+        f"error: {path}:6: prompts[0]: a shape set's prompt needs finish_reasons, "
+        "token_count, ttft_s, total_s; missing: token_count"]
+
+
+def test_a_latency_tolerance_needs_shape(tmp_path: Path) -> None:
+    """`record --latency-tolerance` without --shape is bad input (exit 2), nothing asked."""
+    code, stderr = ftctl("canary", "record", "--url", "http://127.0.0.1:9", "--model", "m",
+                         "-o", str(tmp_path / "s.yaml"), "--latency-tolerance", "3")
+    assert code == 2
+    assert "add --shape" in stderr
