@@ -20,7 +20,9 @@ app = typer.Typer(
         "Canary requests with known answers: catch workers that look alive but are broken.\n\n"
         "One-shot (Kubernetes exec probe, cron): ftctl canary --worker w3 (or --all, or --url "
         "URL --set FILE without an inventory). Exit 0 healthy, 1 unhealthy (token mismatch, "
-        "logit drift, latency spike, garbage answer), 3 unreachable or timed out, 2 bad input.\n\n"
+        "logit drift, latency spike, garbage answer; with a shape set, an answer off its "
+        "recorded shape), 3 unreachable or timed out, 2 bad input. Reports name the kind of "
+        "set that judged: a shape set detects a dead or broken worker, not wrong answers.\n\n"
         "Daemon: ftctl canary --watch probes every worker each canary.interval_s, keeps the "
         "state machine and breakers, serves GET /workers, POST /report, /metrics, /health. "
         "POST /report needs Authorization: Bearer $FTCTL_DAEMON_TOKEN (or the variable "
@@ -166,8 +168,11 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
                      show_default=False),
     ] = None,
     repeats: Annotated[
-        int, typer.Option("--repeats", min=2, help="Runs per prompt; all must agree."),
-    ] = 3,
+        int | None,
+        typer.Option("--repeats", min=2, help="Runs per prompt, all of which must agree "
+                     "(default 3); with --shape, the answers measured (default 5).",
+                     show_default=False),
+    ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 8,
     prompt: Annotated[
         list[str] | None,
@@ -179,9 +184,23 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
                             help="Seconds the first (warm-up) request may take; a fresh engine "
                             "answers its first request late. 0: no warm-up request."),
     ] = 120.0,
+    shape: Annotated[
+        bool,
+        typer.Option("--shape", help="Record a shape set (kind: shape) for a worker whose "
+                     "greedy answers vary: per prompt a non-empty answer, its finish reasons, "
+                     "a token-count range and latency baselines. Weaker: it detects a dead or "
+                     "broken worker, not wrong answers."),
+    ] = False,
+    latency_tolerance: Annotated[
+        float | None,
+        typer.Option("--latency-tolerance", min=1.0, max=1000.0,
+                     help="With --shape: an answer fails past this many times its recorded "
+                     "time to first token or total latency (default 4).", show_default=False),
+    ] = None,
     json_: JsonFlag = False,
 ) -> None:
-    """Record a golden canary set from a good worker (refuses if answers differ).
+    """Record a golden canary set from a good worker (refuses if answers differ; --shape
+    records the shape of the answers instead).
 
     Example: ftctl -i examples/local.yaml canary record -w w1 -o canaries/ftctl-sim-tiny.yaml
     """
@@ -209,5 +228,6 @@ def record(  # noqa: PLR0917 - typer passes every option positionally
         result = record_set(inventory, worker=worker, url=url, model=model, out=out,
                             repeats=repeats, max_tokens=max_tokens, prompts=prompts or None,
                             warmup_timeout_s=warmup_timeout, on_warmup=warming,
-                            on_progress=asked)
+                            on_progress=asked, shape=shape,
+                            latency_tolerance=latency_tolerance)
     finish(ctx, result, json_flag=json_)

@@ -65,6 +65,10 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     lenient_fields: Annotated[bool, typer.Option(
         "--lenient-fields", help="Ignore unknown request fields (default: 400 naming the "
         "field, as vLLM's strict validation does).")] = False,
+    nondeterministic: Annotated[bool, typer.Option(
+        "--nondeterministic", help="Answer greedy requests with a random pick among the "
+        "likeliest tokens (same length, other text each time), as Dynamo's mocker does; "
+        "the config's nondeterministic: true.")] = False,
     request_timeout_s: Annotated[float, typer.Option(
         "--request-timeout-s", min=0.1, help="A request not received whole within this "
         "many seconds of its first byte is answered 408 (slow or stalled clients).")] = 30.0,
@@ -80,7 +84,8 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
 
     config = resolve_engine_config(model_config, name=served_model_name,
                                    max_model_len=max_model_len, num_blocks=num_blocks,
-                                   tokenizer=tokenizer)
+                                   tokenizer=tokenizer,
+                                   nondeterministic=True if nondeterministic else None)
     settings = ServerSettings(
         config=config, seed=seed, host=host, port=port, device=device,
         admin_token=os.environ.get(admin_token_env) or None,

@@ -48,6 +48,13 @@ class EngineConfig(StrictStruct, frozen=True, kw_only=True):
     max_num_seqs: Annotated[int, doc("Most requests decoding at once.", ge=1)] = 64
     max_batched_tokens: Annotated[int, doc("Prefill token budget per step.", ge=16)] = 2048
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    nondeterministic: Annotated[
+        bool,
+        doc("Answer greedy (temperature 0) requests with a random pick among the likeliest "
+            "tokens, never a stop token the greedy pick would not have made, as Dynamo's "
+            "mocker or a server reusing cached prefixes: the same greedy prompt gets another "
+            "answer of the same length each time."),
+    ] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -40,6 +40,8 @@ __all__ = ["Engine", "EngineRequest", "RequestParams", "RequestState", "TokenEve
 # They lapse on a timer (`expire_retained`, from the driver while idle), not only when
 # the engine steps, and they are not load: `kv_usage` leaves them out.
 RETAIN_S = 60.0
+# The `nondeterministic` config's greedy rows pick among this many likeliest tokens.
+JITTER_TOP_K = 4
 
 _log = logging.getLogger("ftctl.sim")
 
@@ -381,7 +383,30 @@ class Engine:
                              len(r.token_ids), r.params.num_top)
                 for r in scheduled
             ]
+            if self.config.nondeterministic:
+                logits, params = self._jitter(scheduled, logits, params)
             return sample_batch(logits, params)
+
+    def _jitter(self, scheduled: list[EngineRequest], logits: torch.Tensor,
+                params: list[SampleParams]) -> tuple[torch.Tensor, list[SampleParams]]:
+        """The `nondeterministic` config: each greedy row picks at random among its
+        `JITTER_TOP_K` likeliest tokens (a fresh random draw, whatever the seed), and a
+        stop token only where the greedy pick is one, so answers vary but their length
+        and finish reason do not (what a shape canary set is recorded for)."""
+        stops = {self.tokenizer.eos_id}
+        greedy = logits.argmax(dim=-1).tolist()
+        logits = logits.clone()
+        jittered = list(params)
+        for row, (request, sample) in enumerate(zip(scheduled, params, strict=True)):
+            if sample.temperature > 0:
+                continue
+            row_stops = stops | set(request.params.stop_token_ids)
+            if greedy[row] in row_stops:
+                continue
+            logits[row, list(row_stops)] = -torch.inf
+            jittered[row] = SampleParams(1.0, 1.0, JITTER_TOP_K, random.getrandbits(63),
+                                         sample.position, sample.num_top)
+        return logits, jittered
 
     def _compute_each(self, scheduled: list[EngineRequest], events: list[TokenEvent],
                       ) -> tuple[list[EngineRequest], list[SampledToken]]:

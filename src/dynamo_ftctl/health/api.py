@@ -76,7 +76,8 @@ def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
 
     async def health(_: Request) -> Reply:
         return json_reply({"status": "ok", "workers": daemon.counts(),
-                           "rounds": daemon.rounds, "probes": daemon.probes})
+                           "rounds": daemon.rounds, "probes": daemon.probes,
+                           "set_kind": daemon.canary_set.kind})
 
     router = Router()
     router.get("/workers", workers)

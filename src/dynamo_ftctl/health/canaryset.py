@@ -1,10 +1,20 @@
 """Canary sets: prompts with known answers, one YAML file per model (`canaries/`).
 
 A set is validated like the inventory (frozen msgspec structs, one-line
-`file:line: key: message` errors, exit 2). Every prompt runs at temperature 0
-and carries its golden `expected_token_ids` (or `expected_text` for servers that
-return no ids), optionally the range its first top logprob must stay in, and a
-timeout. `dump_canary_set` writes the YAML that `ftctl canary record` ships.
+`file:line: key: message` errors, exit 2). Every prompt runs at temperature 0.
+A set says its `kind`:
+
+- `exact` (the default): every prompt carries its golden `expected_token_ids`
+  (or `expected_text` for servers that return no ids), optionally the range its
+  first top logprob must stay in, and a timeout. It catches wrong answers.
+- `shape`: for workers whose greedy answers do not repeat (Dynamo's mocker, a
+  server reusing cached prefixes). Every prompt carries the shape of a good
+  answer instead: the finish reasons seen, a `token_count` range, and latency
+  baselines (`ttft_s`, `total_s`) that an answer may exceed by the set's
+  `latency_tolerance` factor. It catches a dead or broken worker, not a wrong
+  answer (`SHAPE_NOTE`, which every report of a shape set carries).
+
+`dump_canary_set` writes the YAML that `ftctl canary record` ships.
 
 This module does no I/O beyond reading and writing set files.
 """
@@ -17,9 +27,28 @@ from typing import Annotated, Literal
 from msgspec import Meta
 
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.structs import StrictStruct, load_struct, to_data
+from dynamo_ftctl.structs import KeyedValueError, StrictStruct, load_struct, to_data
 
-__all__ = ["CanaryPrompt", "CanarySet", "dump_canary_set", "ensure_loaded", "load_canary_set"]
+__all__ = [
+    "DEFAULT_LATENCY_TOLERANCE",
+    "EXACT_NOTE",
+    "SHAPE_NOTE",
+    "CanaryPrompt",
+    "CanarySet",
+    "SetKind",
+    "dump_canary_set",
+    "ensure_loaded",
+    "load_canary_set",
+]
+
+SetKind = Literal["exact", "shape"]
+# What each kind of set can tell (every probe report carries its set's line).
+EXACT_NOTE = "exact: compares every answer with its golden tokens"
+SHAPE_NOTE = "shape: detects a dead or broken worker, not wrong answers"
+# A shape set's answer may take this many times its recorded latency (`latency_tolerance`).
+DEFAULT_LATENCY_TOLERANCE = 4.0
+_EXACT_FIELDS = ("expected_token_ids", "expected_text", "expected_top_logprob_range")
+_SHAPE_FIELDS = ("finish_reasons", "token_count", "ttft_s", "total_s")
 
 
 class CanaryPrompt(StrictStruct, frozen=True):
@@ -45,12 +74,34 @@ class CanaryPrompt(StrictStruct, frozen=True):
         float,
         Meta(gt=0, description="Per-prompt timeout (default: the inventory's canary.timeout_s)."),
     ] | None = None
+    finish_reasons: Annotated[
+        tuple[Annotated[str, Meta(min_length=1, max_length=63)], ...],
+        Meta(min_length=1, description="Shape sets: the finish reasons a good answer has."),
+    ] | None = None
+    token_count: Annotated[
+        tuple[Annotated[int, Meta(ge=1)], Annotated[int, Meta(ge=1)]] | None,
+        Meta(description="Shape sets: [low, high] generated tokens of a good answer."),
+    ] = None
+    ttft_s: Annotated[
+        float,
+        Meta(gt=0, le=3600, description="Shape sets: time to first token baseline, seconds."),
+    ] | None = None
+    total_s: Annotated[
+        float,
+        Meta(gt=0, le=3600, description="Shape sets: whole-answer latency baseline, seconds."),
+    ] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.expected_token_ids is None and self.expected_text is None:
-            msg = "give expected_token_ids or expected_text"
-            raise ValueError(msg)
+        if self.token_count is not None:
+            low, high = self.token_count
+            if not low <= high <= self.max_tokens:
+                msg = (f"token_count must be [low, high] with 1 <= low <= high <= max_tokens "
+                       f"({self.max_tokens}), got {list(self.token_count)}")
+                raise KeyedValueError(("token_count",), msg)
+        if self.ttft_s is not None and self.total_s is not None and self.ttft_s > self.total_s:
+            msg = f"ttft_s ({self.ttft_s:g}) is more than total_s ({self.total_s:g})"
+            raise KeyedValueError(("ttft_s",), msg)
         if self.expected_token_ids is not None and len(self.expected_token_ids) > self.max_tokens:
             msg = (f"expected_token_ids has {len(self.expected_token_ids)} ids but "
                    f"max_tokens is {self.max_tokens}")
@@ -65,6 +116,11 @@ class CanaryPrompt(StrictStruct, frozen=True):
 class CanarySet(StrictStruct, frozen=True, kw_only=True):
     """The canary prompts of one model."""
 
+    kind: Annotated[
+        SetKind,
+        Meta(description="exact: golden answers; shape: the shape of a good answer "
+                         "(nondeterministic workers)."),
+    ] = "exact"
     model: Annotated[str, Meta(min_length=1, description="Model id sent in every request.")]
     endpoint: Annotated[
         Literal["completions", "chat"],
@@ -81,6 +137,14 @@ class CanarySet(StrictStruct, frozen=True, kw_only=True):
         str | None, Meta(description="Where the answers were recorded."),
     ] = None
     recorded_at: Annotated[str | None, Meta(description="When (ISO 8601, UTC).")] = None
+    latency_tolerance: Annotated[
+        float,
+        Meta(ge=1.0, le=1000.0, description="Shape sets: an answer fails past its ttft_s or "
+             "total_s times this (default 4)."),
+    ] | None = None
+    samples: Annotated[
+        int, Meta(ge=1, description="Shape sets: answers per prompt measured."),
+    ] | None = None
     prompts: Annotated[tuple[CanaryPrompt, ...], Meta(min_length=1)]
 
     def __post_init__(self) -> None:
@@ -91,6 +155,46 @@ class CanarySet(StrictStruct, frozen=True, kw_only=True):
                 msg = f"duplicate prompt name {prompt.name!r}"
                 raise ValueError(msg)
             seen.add(prompt.name)
+        if self.kind == "shape":
+            self._check_shape()
+        else:
+            self._check_exact()
+
+    def _check_exact(self) -> None:
+        for key in ("latency_tolerance", "samples"):
+            if getattr(self, key) is not None:
+                raise KeyedValueError((key,), f"only a shape set has {key} (kind: shape)")
+        for index, prompt in enumerate(self.prompts):
+            extra = next((f for f in _SHAPE_FIELDS if getattr(prompt, f) is not None), None)
+            if extra is not None:
+                msg = f"{extra} belongs to a shape set: add kind: shape, or remove it"
+                raise KeyedValueError(("prompts", index, extra), msg)
+            if prompt.expected_token_ids is None and prompt.expected_text is None:
+                msg = "give expected_token_ids or expected_text"
+                raise KeyedValueError(("prompts", index), msg)
+
+    def _check_shape(self) -> None:
+        for index, prompt in enumerate(self.prompts):
+            extra = next((f for f in _EXACT_FIELDS if getattr(prompt, f) is not None), None)
+            if extra is not None:
+                msg = (f"a shape set judges no answer's content: remove {extra}, or record "
+                       "an exact set")
+                raise KeyedValueError(("prompts", index, extra), msg)
+            missing = [f for f in _SHAPE_FIELDS if getattr(prompt, f) is None]
+            if missing:
+                msg = (f"a shape set's prompt needs {', '.join(_SHAPE_FIELDS)}; "
+                       f"missing: {', '.join(missing)}")
+                raise KeyedValueError(("prompts", index), msg)
+
+    @property
+    def note(self) -> str:
+        """What this kind of set can tell (`EXACT_NOTE` or `SHAPE_NOTE`)."""
+        return SHAPE_NOTE if self.kind == "shape" else EXACT_NOTE
+
+    @property
+    def tolerance(self) -> float:
+        """A shape set's latency tolerance factor (its own, else the default)."""
+        return self.latency_tolerance or DEFAULT_LATENCY_TOLERANCE
 
     @property
     def wants_logprobs(self) -> bool:
@@ -113,13 +217,17 @@ def dump_canary_set(canary_set: CanarySet, path: Path) -> None:
     header = (
         "# Canary set: golden answers at temperature 0 (`ftctl canary record`).\n"
         "# Token ids are the worker's; logprob ranges may be widened by hand.\n"
+    ) if canary_set.kind == "exact" else (
+        "# Canary set of kind shape (`ftctl canary record --shape`): the worker's greedy\n"
+        f"# answers do not repeat, so probes judge only their shape ({SHAPE_NOTE}).\n"
+        "# Ranges and latencies may be widened by hand.\n"
     )
     class _Dumper(yaml.SafeDumper):
         pass
 
     def _list(dumper: yaml.SafeDumper, data: list[object]) -> yaml.Node:
         # Token ids and ranges on one line each: a set stays readable in review.
-        flow = all(isinstance(v, int | float) for v in data)
+        flow = all(isinstance(v, int | float | str) for v in data)
         return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
 
     _Dumper.add_representer(list, _list)

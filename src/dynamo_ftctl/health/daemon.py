@@ -410,7 +410,8 @@ class HealthDaemon:
                 },
             })
         return {"updated": self.clock.wall(), "interval_s": self.config.interval_s,
-                "acting": self.gate.acting, "workers": rows}
+                "acting": self.gate.acting, "set_kind": self.canary_set.kind,
+                "set_note": self.canary_set.note, "workers": rows}
 
     def counts(self) -> dict[str, int]:
         """Workers per state."""
@@ -433,7 +434,8 @@ class HealthDaemon:
             rows.append((name, f"[{colour[h.state.value]}]{h.state.value.upper()}[/]", h.weight,
                          h.breaker.value, latency, h.last_reason[:70]))
         counts = ", ".join(f"{k} {v}" for k, v in self.counts().items() if v)
-        return table(f"canary daemon: {len(self.entries)} workers ({counts})",
+        return table(f"canary daemon: {len(self.entries)} workers ({counts}); "
+                     f"{self.canary_set.kind} set ({self.canary_set.note})",
                      ["worker", "state", "weight", "breaker", "latency", "reason"], rows)
 
     async def aclose(self) -> None:

@@ -46,7 +46,8 @@ class ProbeExchange(Exchange):
     chunk (the daemon sends 30,000 of these a round for 10,000 workers).
     """
 
-    __slots__ = ("body", "connection", "content_type", "future", "max_bytes", "received")
+    __slots__ = ("body", "connection", "content_type", "first_at", "future", "max_bytes",
+                 "received")
 
     def __init__(self, future: asyncio.Future[None], max_bytes: int,
                  connection: Connection) -> None:
@@ -57,6 +58,7 @@ class ProbeExchange(Exchange):
         self.body: list[bytes] = []
         self.received = 0
         self.content_type = b""
+        self.first_at: float | None = None  # the loop's time at the first body byte
 
     def _settle(self, error: BaseException | None = None) -> None:
         if self.future.done():
@@ -71,6 +73,8 @@ class ProbeExchange(Exchange):
             self.content_type = value
 
     def on_body(self, data: bytes) -> None:
+        if self.first_at is None:
+            self.first_at = self.future.get_loop().time()
         self.received += len(data)
         if self.received <= self.max_bytes:
             self.body.append(data)
@@ -158,7 +162,8 @@ class ClientTransport:
         loop = asyncio.get_running_loop()
         pool = self.session.pool
         key, request = self._encode(pool, url, body, headers)
-        deadline = loop.time() + timeout_s
+        started = loop.time()
+        deadline = started + timeout_s
         conn = pool.take_idle(key)
         reused = conn is not None
         while True:
@@ -201,7 +206,8 @@ class ClientTransport:
                 timer.cancel()
             assert ex.status is not None  # set once the headers are in
             data = ex.body[0] if len(ex.body) == 1 else b"".join(ex.body)
-            return HttpReply(ex.status, data, ex.content_type.decode("latin-1"))
+            first = None if ex.first_at is None else ex.first_at - started
+            return HttpReply(ex.status, data, ex.content_type.decode("latin-1"), first)
 
 
 def _refused(url: str, exc: Exception) -> TransportError:

@@ -5,10 +5,17 @@ is parsed whatever the server sent: an OpenAI JSON body, an SSE stream (some
 servers stream even when asked not to), an OpenAI error body, an HTML error
 page, truncated JSON. Every way of being wrong becomes one readable reason.
 
-Verdict kinds, in the order they are checked: `bad_response` (not a usable
-answer), `token_mismatch` (first differing position and both ids),
+Verdict kinds of an exact set, in the order they are checked: `bad_response`
+(not a usable answer), `token_mismatch` (first differing position and both ids),
 `text_mismatch` (servers without token ids), `logit_drift` (top logprob at the
 first generated position outside the recorded range).
+
+A shape set (`judge_shape`) compares no content, only the shape of a good
+answer, in this order: `bad_response` (not a usable answer), `empty_answer`
+(no text), `finish_mismatch` (a finish reason the recording never saw),
+`token_count` (generated tokens outside the recorded range, or none counted),
+`slow_answer` (time to first token or the whole answer beyond its baseline
+times the set's tolerance).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -28,15 +35,18 @@ __all__ = [
     "BadResponse",
     "CheckKind",
     "Mismatch",
+    "Timing",
     "Verdict",
     "build_request",
     "judge_answer",
+    "judge_shape",
     "parse_answer",
 ]
 
 CheckKind = Literal[
     "ok", "unreachable", "bad_response", "token_mismatch", "text_mismatch", "logit_drift",
-    "latency_spike", "model_mismatch",
+    "latency_spike", "model_mismatch", "empty_answer", "finish_mismatch", "token_count",
+    "slow_answer",
 ]
 
 _TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
@@ -47,11 +57,28 @@ class BadResponse(Exception):
 
 
 class Answer(msgspec.Struct, frozen=True):
-    """What a completion said: generated ids (if sent), text, first top logprob."""
+    """What a completion said: generated ids (if sent), text, first top logprob, and
+    (where the server said) its finish reason and generated token count (`usage`)."""
 
     token_ids: tuple[int, ...] | None
     text: str
     top_logprob: float | None
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def token_count(self) -> int | None:
+        """Generated tokens: the ids sent, else the usage count, else None."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return self.completion_tokens
+
+
+class Timing(msgspec.Struct, frozen=True):
+    """How long one answer took: to its first body byte (a stream's first token) and whole."""
+
+    ttft_s: float
+    total_s: float
 
 
 class Mismatch(msgspec.Struct, frozen=True):
@@ -80,18 +107,21 @@ def build_request(canary_set: CanarySet, prompt: CanaryPrompt) -> tuple[str, byt
     from dynamo_ftctl.openai import chat_request, completion_request
 
     want_logprobs = prompt.expected_top_logprob_range is not None
+    # A shape set times the first token: its requests stream (with usage, for the count).
+    stream = canary_set.kind == "shape"
     if canary_set.endpoint == "chat":
         body = chat_request(
             canary_set.model, [{"role": "user", "content": prompt.prompt}],
             max_tokens=prompt.max_tokens, temperature=0.0,
             top_logprobs=1 if want_logprobs else None,
-            return_token_ids=canary_set.return_token_ids,
+            return_token_ids=canary_set.return_token_ids, stream=stream,
         )
         path = "/v1/chat/completions"
     else:
         body = completion_request(
             canary_set.model, prompt.prompt, max_tokens=prompt.max_tokens, temperature=0.0,
             logprobs=1 if want_logprobs else None, return_token_ids=canary_set.return_token_ids,
+            stream=stream,
         )
         path = "/v1/completions"
     return path, json.dumps(body, separators=(",", ":")).encode()
@@ -129,7 +159,8 @@ def _from_stream(body: bytes) -> Answer:
     if not acc.finished:
         raise BadResponse(f"stream ended without a finish reason after {acc.chunks} chunks")
     top = acc.logprobs[0].top_logprob if acc.logprobs else None
-    return Answer(tuple(acc.token_ids) if acc.token_ids else None, acc.text, top)
+    return Answer(tuple(acc.token_ids) if acc.token_ids else None, acc.text, top,
+                  acc.finish_reason, acc.usage.completion_tokens if acc.usage else None)
 
 
 # The usual answer, a completion with its choice at index 0, decoded by msgspec into
@@ -149,12 +180,18 @@ class _FastChoice(msgspec.Struct):
     text: str | None = None
     token_ids: list[int] | None = None
     logprobs: _FastLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _FastUsage(msgspec.Struct):
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class _FastDoc(msgspec.Struct):
     choices: list[_FastChoice]
     error: Any = None
     object: Any = None
+    usage: _FastUsage | None = None
 
 
 _FAST_DECODER = msgspec.json.Decoder(_FastDoc)
@@ -186,12 +223,24 @@ def _fast_answer(body: bytes) -> Answer | None:
                 own = logprobs.token_logprobs[0] if logprobs.token_logprobs else None
                 top = -math.inf if own is None else own
     ids = choice.token_ids
-    return Answer(None if ids is None else tuple(ids), choice.text, top)
+    count = doc.usage.completion_tokens if doc.usage is not None else None
+    return Answer(None if ids is None else tuple(ids), choice.text, top, choice.finish_reason,
+                  count)
+
+
+def _completion_tokens(doc: dict[str, Any]) -> int | None:
+    """`usage.completion_tokens` when it is a count, else None."""
+    usage = doc.get("usage")
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 def parse_answer(reply: HttpReply) -> Answer:
     """The answer in a reply; `BadResponse` with one readable reason otherwise."""
     from dynamo_ftctl.openai import (
+        extract_finish_reason,
         extract_text,
         extract_token_ids,
         extract_top_logprob,
@@ -229,7 +278,8 @@ def parse_answer(reply: HttpReply) -> Answer:
     choices = doc.get("choices")
     if not isinstance(choices, list) or not choices:
         raise BadResponse("no 'choices' in the response")
-    return Answer(extract_token_ids(doc), extract_text(doc), extract_top_logprob(doc))
+    return Answer(extract_token_ids(doc), extract_text(doc), extract_top_logprob(doc),
+                  extract_finish_reason(doc), _completion_tokens(doc))
 
 
 def _first_difference(expected: tuple[Any, ...] | str, got: tuple[Any, ...] | str) -> Mismatch:
@@ -269,4 +319,33 @@ def judge_answer(prompt: CanaryPrompt, answer: Answer) -> Verdict:
         if not low <= top <= high:
             return Verdict("logit_drift", f"logit drift: top logprob {top:.4f} outside "
                                           f"[{low:.4f}, {high:.4f}]")
+    return Verdict("ok", "ok")
+
+
+def judge_shape(prompt: CanaryPrompt, answer: Answer, timing: Timing, tolerance: float,
+                ) -> Verdict:
+    """Judge an answer against a shape set's prompt (see the module docstring).
+
+    Never compares content: any non-empty answer of a recorded finish reason, a
+    token count in range and a latency within `tolerance` times the baselines passes.
+    """
+    if not answer.text:
+        return Verdict("empty_answer", "empty answer (no text generated)")
+    reasons = prompt.finish_reasons or ()
+    if answer.finish_reason not in reasons:
+        seen = " or ".join(reasons)
+        return Verdict("finish_mismatch", f"finish reason {answer.finish_reason!r}, "
+                                          f"recorded {seen}")
+    count = answer.token_count
+    low, high = prompt.token_count or (1, prompt.max_tokens)
+    if count is None:
+        return Verdict("token_count", "no token count (neither token ids nor usage)")
+    if not low <= count <= high:
+        return Verdict("token_count", f"{count} tokens generated, recorded {low}-{high}")
+    for what, took, baseline in (("time to first token", timing.ttft_s, prompt.ttft_s),
+                                 ("answer", timing.total_s, prompt.total_s)):
+        if baseline is not None and took > baseline * tolerance:
+            return Verdict("slow_answer", f"{what} took {took * 1000:.0f} ms, over "
+                                          f"{tolerance:g} x the recorded "
+                                          f"{baseline * 1000:.0f} ms")
     return Verdict("ok", "ok")

@@ -8,9 +8,13 @@ client, the baseline in memory). Both retry transient errors (a connection lost 
 or hung worker costs one timeout, not three.
 
 Verdicts: `healthy` (exit 0); `unhealthy` (exit 1: wrong tokens or text, logit
-drift, latency spike, a garbage answer); `unreachable` (exit 3: refused, reset,
-no answer within the timeout). `ProbeReport` folds several workers into one
-exit code: 1 if any answered wrongly, else 3 if any did not answer, else 0.
+drift, latency spike, a garbage answer; with a shape set: an empty answer, a
+finish reason or token count off the recorded shape, a slow answer);
+`unreachable` (exit 3: refused, reset, no answer within the timeout).
+`ProbeReport` folds several workers into one exit code: 1 if any answered
+wrongly, else 3 if any did not answer, else 0. It names the kind of set that
+judged (`set_kind`, with its `set_note`): a shape set's healthy verdict says the
+worker is alive and answering, not that its answers are right.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ import msgspec
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import ExitCode, InvalidInput
 from dynamo_ftctl.health.baseline import Baselines, BaselineStore, LatencyVerdict
-from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
+from dynamo_ftctl.health.canaryset import EXACT_NOTE, SHAPE_NOTE, CanaryPrompt, CanarySet
 from dynamo_ftctl.health.judge import (
     BadResponse,
     CheckKind,
     Mismatch,
+    Timing,
     Verdict,
     build_request,
     judge_answer,
+    judge_shape,
     parse_answer,
 )
 from dynamo_ftctl.health.transport import (
@@ -76,6 +82,7 @@ class PromptCheck(msgspec.Struct, frozen=True):
     attempts: int
     mismatch: Mismatch | None = None
     top_logprob: float | None = None
+    ttft_s: float | None = None  # shape sets: seconds to the first streamed byte
 
     @property
     def ok(self) -> bool:
@@ -117,6 +124,12 @@ class ProbeReport(msgspec.Struct, frozen=True):
     canary_set: str
     state_file: str | None = None
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
+    set_kind: Literal["exact", "shape"] = "exact"
+
+    @property
+    def set_note(self) -> str:
+        """What the kind of set that judged can tell."""
+        return SHAPE_NOTE if self.set_kind == "shape" else EXACT_NOTE
 
     @property
     def exit_code(self) -> int:
@@ -134,6 +147,7 @@ class ProbeReport(msgspec.Struct, frozen=True):
         return {
             "healthy": self.exit_code == 0, "exit_code": self.exit_code,
             "wall_s": round(self.wall_s, 4), "canary_set": self.canary_set,
+            "set_kind": self.set_kind, "set_note": self.set_note,
             "state_file": self.state_file,
             "workers": [to_jsonable(r) for r in self.results],
         }
@@ -150,7 +164,9 @@ class ProbeReport(msgspec.Struct, frozen=True):
 
     def _footer(self) -> str:
         word = {0: "healthy", 1: "unhealthy", 3: "unreachable"}[self.exit_code]
-        return f"{word} (exit {self.exit_code}) in {self.wall_s * 1000:.0f} ms"
+        return (f"{word} (exit {self.exit_code}) in {self.wall_s * 1000:.0f} ms, "
+                f"judged by {'an' if self.set_kind == 'exact' else 'a'} {self.set_kind} set "
+                f"({self.set_note})")
 
     def plain_text(self) -> str:
         """Aligned columns without rich: what probes and cron capture (no terminal)."""
@@ -179,12 +195,23 @@ def _check_model(target: ProbeTarget, canary_set: CanarySet) -> None:
         raise InvalidInput(msg)
 
 
-def _judge(prompt: CanaryPrompt, reply: HttpReply) -> tuple[Verdict, float | None]:
+def _judge(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, latency: float,
+           ) -> tuple[Verdict, float | None]:
     try:
         answer = parse_answer(reply)
     except BadResponse as exc:
         return Verdict("bad_response", str(exc)), None
+    if canary_set.kind == "shape":
+        return judge_shape(prompt, answer, _timing(reply, latency), canary_set.tolerance), \
+            answer.top_logprob
     return judge_answer(prompt, answer), answer.top_logprob
+
+
+def _timing(reply: HttpReply, latency: float) -> Timing:
+    """The answer's TTFT (its first body byte; the whole answer when the transport cannot
+    tell) and its latency."""
+    first = reply.first_byte_s
+    return Timing(latency if first is None else min(first, latency), latency)
 
 
 def _failed_transport(prompt: CanaryPrompt, exc: TransportError, attempts: int) -> PromptCheck:
@@ -265,11 +292,12 @@ def _request(canary_set: CanarySet, prompt: CanaryPrompt) -> tuple[str, bytes]:
     return built
 
 
-def _checked(prompt: CanaryPrompt, reply: HttpReply, latency: float, attempts: int,
-             ) -> PromptCheck:
-    verdict, top = _judge(prompt, reply)
+def _checked(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, latency: float,
+             attempts: int) -> PromptCheck:
+    verdict, top = _judge(canary_set, prompt, reply, latency)
+    ttft = _timing(reply, latency).ttft_s if canary_set.kind == "shape" else None
     return PromptCheck(prompt.name, verdict.kind, verdict.reason, latency, attempts,
-                       verdict.mismatch, top)
+                       verdict.mismatch, top, ttft)
 
 
 # ---------------------------------------------------------------------------
@@ -281,7 +309,7 @@ def _probe_prompt(
     transport: SyncTransport, clock: Clock,
 ) -> PromptCheck:
     path, body = build_request(canary_set, prompt)
-    tries = _Attempts(prompt, config, clock)
+    tries = _Attempts(canary_set, prompt, config, clock)
     while True:
         outcome: HttpReply | TransportError
         try:
@@ -297,10 +325,11 @@ class _Attempts:
     """One prompt's attempts, for the blocking and the async loop alike: `begin` before
     each (its timeout), `after` with its outcome (the check, or seconds to wait)."""
 
-    __slots__ = ("_clock", "_config", "_prompt", "_start", "count")
+    __slots__ = ("_clock", "_config", "_prompt", "_set", "_start", "count")
 
-    def __init__(self, prompt: CanaryPrompt, config: CanaryConfig, clock: Clock) -> None:
-        self._prompt, self._config, self._clock = prompt, config, clock
+    def __init__(self, canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig,
+                 clock: Clock) -> None:
+        self._set, self._prompt, self._config, self._clock = canary_set, prompt, config, clock
         self._start = 0.0
         self.count = 0
 
@@ -310,19 +339,20 @@ class _Attempts:
         return _timeout(self._prompt, self._config)
 
     def after(self, outcome: HttpReply | TransportError) -> PromptCheck | float:
-        return _after_attempt(self._prompt, self._config, self.count, outcome,
-                              self._clock.now() - self._start)
+        return _after_attempt(self._set, self._prompt, self._config, attempts=self.count,
+                              outcome=outcome, latency=self._clock.now() - self._start)
 
 
-def _after_attempt(prompt: CanaryPrompt, config: CanaryConfig, attempts: int,
-                   outcome: HttpReply | TransportError, latency: float) -> PromptCheck | float:
+def _after_attempt(canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig, *,
+                   attempts: int, outcome: HttpReply | TransportError, latency: float,
+                   ) -> PromptCheck | float:
     """What one attempt leads to: the prompt's check, or the seconds to wait before the
     next attempt (a transient transport error or a retryable status, within the budget)."""
     if isinstance(outcome, TransportError):
         wait = _retry_wait(outcome.transient, attempts, config)
         return _failed_transport(prompt, outcome, attempts) if wait is None else wait
     wait = _retry_wait(outcome.status in _RETRY_STATUSES, attempts, config)
-    return _checked(prompt, outcome, latency, attempts) if wait is None else wait
+    return _checked(canary_set, prompt, outcome, latency, attempts) if wait is None else wait
 
 
 def _run_prompts_sync(
@@ -400,7 +430,7 @@ def probe_workers(
         with store.locked() as baselines:
             results.append(_conclude(target, checks, wall, baselines, config))
     return ProbeReport(tuple(results), clock.now() - started,
-                       set_name, str(store.path) if store else None)
+                       set_name, str(store.path) if store else None, set_kind=canary_set.kind)
 
 
 # ---------------------------------------------------------------------------
@@ -412,7 +442,7 @@ async def _aprobe_prompt(
     transport: AsyncTransport, clock: Clock,
 ) -> PromptCheck:
     path, body = _request(canary_set, prompt)
-    tries = _Attempts(prompt, config, clock)
+    tries = _Attempts(canary_set, prompt, config, clock)
     while True:
         outcome: HttpReply | TransportError
         try:

@@ -113,32 +113,43 @@ class RecordResult(msgspec.Struct, frozen=True):
     set: CanarySet
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": str(self.file), "model": self.model, "recorded_from": self.recorded_from,
+        return {"file": str(self.file), "kind": self.set.kind, "note": self.set.note,
+                "model": self.model, "recorded_from": self.recorded_from,
                 "prompts": self.prompts, "repeats": self.repeats,
                 "set": structs.to_data(self.set, exclude_none=True)}
 
     def __rich__(self) -> str:
+        if self.set.kind == "shape":
+            return (f"recorded the shape of {self.prompts} prompts for {self.model} from "
+                    f"{self.recorded_from} ({self.repeats} samples each; {self.set.note}) "
+                    f"-> {self.file}")
         return (f"recorded {self.prompts} prompts for {self.model} from {self.recorded_from} "
                 f"({self.repeats} identical runs each) -> {self.file}")
 
 
 def record_set(
     inventory: Inventory | None, *, worker: str | None = None, url: str | None = None,
-    model: str | None = None, out: Path | None = None, repeats: int = 3, max_tokens: int = 8,
-    prompts: Sequence[tuple[str, str]] | None = None, timeout_s: float | None = None,
-    warmup_timeout_s: float | None = None, on_warmup: Callable[[float], None] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    model: str | None = None, out: Path | None = None, repeats: int | None = None,
+    max_tokens: int = 8, prompts: Sequence[tuple[str, str]] | None = None,
+    timeout_s: float | None = None, warmup_timeout_s: float | None = None,
+    on_warmup: Callable[[float], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None, shape: bool = False,
+    latency_tolerance: float | None = None,
 ) -> RecordResult:
-    """`ftctl canary record`: capture a golden set from a good worker and write it.
+    """`ftctl canary record`: capture a golden set (or with `shape`, a shape set) from a
+    good worker and write it.
 
     A warm-up request with its own deadline comes first (`record_canary_set`);
-    `on_progress(done, total)` follows the recording requests.
+    `on_progress(done, total)` follows the recording requests. `repeats`: runs per
+    prompt (default 3, all must agree), or with `shape` the samples measured (default 5).
     """
-    from dynamo_ftctl.health.canaryset import dump_canary_set
+    from dynamo_ftctl.health.canaryset import DEFAULT_LATENCY_TOLERANCE, dump_canary_set
     from dynamo_ftctl.health.record import (
         DEFAULT_PROMPTS,
+        DEFAULT_SAMPLES,
         DEFAULT_WARMUP_TIMEOUT_S,
         record_canary_set,
+        record_shape_set,
     )
     from dynamo_ftctl.safefiles import check_output_path, file_name_for
 
@@ -148,21 +159,32 @@ def record_set(
     if served is None:
         msg = "--url needs --model (the served model id to record for)"
         raise InvalidInput(msg)
+    if repeats is None:
+        repeats = DEFAULT_SAMPLES if shape else 3
     if repeats < 2:
-        msg = "--repeats must be at least 2 (a golden answer must repeat)"
+        msg = ("--repeats must be at least 2 (a shape is measured over several answers)"
+               if shape else "--repeats must be at least 2 (a golden answer must repeat)")
+        raise InvalidInput(msg)
+    if latency_tolerance is not None and not shape:
+        msg = "--latency-tolerance is for shape sets: add --shape"
         raise InvalidInput(msg)
     # A model id is data: `Qwen/Qwen2.5` becomes canaries/Qwen--Qwen2.5.yaml, one name
     # that stays in canaries/ whatever the id holds ('..', '/').
     path = out or Path("canaries") / file_name_for(served, ".yaml")
     check_output_path(path)  # a bad --out is refused before the worker is asked anything
     config = canary_config(inventory, timeout_s=timeout_s)
-    recorded = record_canary_set(target, model=served, prompts=prompts or DEFAULT_PROMPTS,
-                                 max_tokens=max_tokens, repeats=repeats,
-                                 timeout_s=config.timeout_s,
-                                 warmup_timeout_s=(DEFAULT_WARMUP_TIMEOUT_S
-                                                   if warmup_timeout_s is None
-                                                   else warmup_timeout_s),
-                                 on_warmup=on_warmup, on_progress=on_progress)
+    warmup = DEFAULT_WARMUP_TIMEOUT_S if warmup_timeout_s is None else warmup_timeout_s
+    if shape:
+        recorded = record_shape_set(
+            target, model=served, prompts=prompts or DEFAULT_PROMPTS, max_tokens=max_tokens,
+            samples=repeats, timeout_s=config.timeout_s, warmup_timeout_s=warmup,
+            latency_tolerance=latency_tolerance or DEFAULT_LATENCY_TOLERANCE,
+            on_warmup=on_warmup, on_progress=on_progress)
+    else:
+        recorded = record_canary_set(
+            target, model=served, prompts=prompts or DEFAULT_PROMPTS, max_tokens=max_tokens,
+            repeats=repeats, timeout_s=config.timeout_s, warmup_timeout_s=warmup,
+            on_warmup=on_warmup, on_progress=on_progress)
     dump_canary_set(recorded, path)
     return RecordResult(path, served, recorded.recorded_from or target.url,
                         len(recorded.prompts), repeats, recorded)

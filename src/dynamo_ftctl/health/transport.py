@@ -47,11 +47,13 @@ FailureKind = Literal["refused", "timeout", "reset", "too_large", "endless_body"
 
 
 class HttpReply(msgspec.Struct, frozen=True):
-    """A complete HTTP response."""
+    """A complete HTTP response; `first_byte_s`: seconds from the call to the first body
+    byte (a stream's first event: what a shape set times as TTFT), None when unknown."""
 
     status: int
     body: bytes
     content_type: str
+    first_byte_s: float | None = None
 
 
 class TransportError(Exception):
@@ -106,8 +108,8 @@ def endless(received: int, timeout_s: float, content_type: str) -> TransportErro
 class _Reply:
     """httptools callbacks collecting one response, stopping at `max_bytes`."""
 
-    __slots__ = ("body", "complete", "content_type", "framed", "got_headers", "max_bytes",
-                 "overflow")
+    __slots__ = ("body", "complete", "content_type", "first_at", "framed", "got_headers",
+                 "max_bytes", "overflow")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -117,6 +119,7 @@ class _Reply:
         self.body = bytearray()
         self.overflow = False
         self.complete = False
+        self.first_at: float | None = None  # time.monotonic() of the first body byte
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lower = name.lower()
@@ -129,6 +132,8 @@ class _Reply:
         self.got_headers = True
 
     def on_body(self, body: bytes) -> None:
+        if self.first_at is None:
+            self.first_at = time.monotonic()
         if not self.overflow:
             self.body += body
             self.overflow = len(self.body) > self.max_bytes
@@ -156,7 +161,8 @@ class Http1Transport:
         authority = parts.netloc.rpartition("@")[2]
         https = parts.scheme == "https"
         port = parts.port or (443 if https else 80)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         try:
             sock: Any = _connect(host, port, timeout_s)
         except ConnectionRefusedError:
@@ -188,7 +194,8 @@ class Http1Transport:
             raise TransportError("reset", f"connection lost: {exc.__class__.__name__}") from None
         finally:
             sock.close()
-        return HttpReply(status, bytes(reply.body), reply.content_type)
+        first = None if reply.first_at is None else reply.first_at - started
+        return HttpReply(status, bytes(reply.body), reply.content_type, first)
 
 
 def _connect(host: str, port: int, timeout_s: float) -> _socket.socket:

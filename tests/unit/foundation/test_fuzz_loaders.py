@@ -53,6 +53,8 @@ def _reverts(path: Path) -> object:
 YAML_LOADERS: dict[str, Callable[[Path], object]] = {
     **FILE_YAML_LOADERS,
     "inventory-text": lambda p: parse_inventory(p.read_bytes().decode("utf-8", "replace"), p),
+    # The same loader, grafted into a shape set below (its own keys and rules).
+    "canary-shape-set": FILE_YAML_LOADERS["canary-set"],
 }
 JSON_LOADERS: dict[str, Callable[[Path], object]] = {
     "load-report": load_report_json,
@@ -153,6 +155,11 @@ def _bases() -> dict[str, tuple[str, Any]]:
         "inventory": ("yaml", yaml.safe_load((ROOT / "examples" / "local.yaml").read_text())),
         "canary-set": ("yaml", yaml.safe_load(
             (ROOT / "canaries" / "ftctl-sim-tiny.yaml").read_text())),
+        "canary-shape-set": ("yaml", {
+            "kind": "shape", "model": "m", "latency_tolerance": 4.0, "samples": 5,
+            "prompts": [{"name": "a", "prompt": "hi", "max_tokens": 8,
+                         "finish_reasons": ["length", "stop"], "token_count": [2, 8],
+                         "ttft_s": 0.05, "total_s": 0.2}]}),
         "scenario": ("yaml", scenario),
         "engine-config": ("yaml", {"name": "m", "n_layers": 2, "num_blocks": 24}),
         "calibration": ("json", {

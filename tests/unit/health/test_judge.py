@@ -133,6 +133,10 @@ _AGREEING = [
     completion(None),
     completion([5, 6, 7, 8], top=-3),
     json.dumps({"choices": [{"text": "ab", "token_ids": [1, 2]}]}).encode(),
+    json.dumps({"choices": [{"text": "ab", "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+               ).encode(),
+    json.dumps({"choices": [{"text": "ab", "finish_reason": None}], "usage": {}}).encode(),
     json.dumps({"choices": [{"index": 0, "text": "ab", "logprobs": None}]}).encode(),
     json.dumps({"choices": [{"text": "ab", "logprobs": {"tokens": [], "top_logprobs": []}}]}
                ).encode(),
@@ -165,7 +169,13 @@ _DECLINED = [
 
 def _general(body: bytes) -> Answer | str:
     """The answer as the general path reads it, or a word for a BadResponse."""
-    from dynamo_ftctl.openai import extract_text, extract_token_ids, extract_top_logprob
+    from dynamo_ftctl.health.judge import _completion_tokens
+    from dynamo_ftctl.openai import (
+        extract_finish_reason,
+        extract_text,
+        extract_token_ids,
+        extract_top_logprob,
+    )
 
     try:
         doc = json.loads(body)
@@ -175,13 +185,15 @@ def _general(body: bytes) -> Answer | str:
             or not doc["choices"] or ("error" in doc and doc["error"] is not None) \
             or doc.get("object") == "error":
         return "not an answer"
-    return Answer(extract_token_ids(doc), extract_text(doc), extract_top_logprob(doc))
+    return Answer(extract_token_ids(doc), extract_text(doc), extract_top_logprob(doc),
+                  extract_finish_reason(doc), _completion_tokens(doc))
 
 
 @pytest.mark.parametrize("body", _AGREEING)
 def test_the_fast_path_reads_plain_completions_as_the_general_path_does(body: bytes) -> None:
-    """A plain completion decoded by msgspec gives the general path's ids, text and top
-    logprob, so the verdict cannot depend on which path read it."""
+    """A plain completion decoded by msgspec gives the general path's ids, text, top
+    logprob, finish reason and token count, so the verdict cannot depend on which path
+    read it."""
     from dynamo_ftctl.health.judge import _fast_answer
 
     fast = _fast_answer(body)
