@@ -51,17 +51,24 @@ def _progress_hook(planned: int | None) -> tuple[Any, Any]:
     if not sys.stderr.isatty():
         return None, None
     from rich.live import Live
+    from rich.text import Text
 
     from dynamo_ftctl.loadgen.render import render_progress
     from dynamo_ftctl.output import stderr_console
 
-    live = Live("starting…", console=stderr_console(), transient=True, refresh_per_second=4)
+    def line(text: str) -> Text:  # one line, cut at the terminal's width, never wrapped
+        return Text(text, no_wrap=True, overflow="ellipsis")
+
+    # Other stderr writes (warnings, logs) go through sys.stderr, which Live redirects
+    # above the status line while it runs, so they never run into it.
+    live = Live(line("ftctl load: starting…"), console=stderr_console(), transient=True,
+                refresh_per_second=4, redirect_stderr=True)
 
     def on_event(event: LoadEvent) -> None:
         if event.progress is not None:
-            live.update(render_progress(event.progress, planned=planned))
+            live.update(line(render_progress(event.progress, planned=planned)))
         elif event.kind == "aborted" and event.message:
-            live.console.print(f"aborting: {event.message}")
+            live.console.print(f"ftctl load: aborting: {event.message}")
 
     return live, on_event
 
@@ -175,6 +182,9 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
 
     Example: ftctl load --url http://127.0.0.1:8000 --rate 20 --duration 60s --max-tokens 128
     --stream --out runs/a
+
+    Exit 0; 1 when the run aborted, missed its SLO or every request failed; 2 bad input
+    (checked before the run); 3 when no request could connect.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -261,9 +271,13 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
 
 
 def _exit_code(report: Any) -> int:
+    """3 when no request could connect, 1 when every request failed (an all-404 run
+    measured nothing), the run aborted or missed its SLO; else 0."""
     s = report.summary
     if s.completed == 0 and s.failed and set(s.errors_by_class) == {"connect"}:
         return 3
+    if s.completed == 0 and s.failed:
+        return 1
     return 1 if report.aborted or s.slo_met is False else 0
 
 

@@ -55,7 +55,18 @@ def report_paths(out: Path, *, plot: bool = True, table: bool = True) -> tuple[P
     check_output_dir(out)
     for name in names:
         check_output_path(out / name, follow_link=False)  # ftctl named it: no link
+    if plot:
+        check_plotting()
     return tuple(out / name for name in names)
+
+
+def check_plotting() -> None:
+    """`InvalidInput` (exit 2) when matplotlib is missing: said before a run, not after it."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        msg = "plots need matplotlib: pip install 'dynamo-ftctl[plot]' (or pass --no-plot)"
+        raise InvalidInput(msg)
 
 
 def write_report(report: LoadReport, out: Path, *, plot: bool = True,

@@ -87,10 +87,11 @@ def _server_table(report: LoadReport) -> Any:
 
 
 def render_progress(progress: Progress, *, planned: int | None) -> str:
-    """One status line: rate, in flight, errors, recent p99 TTFT."""
+    """One status line, labelled as ftctl load's: elapsed time, requests sent, done, failed
+    and in flight, the recent rate and p99 TTFT."""
     total = f"/{planned}" if planned else ""
-    ttft = "-" if progress.ttft_p99_ms is None else f"{progress.ttft_p99_ms:,.1f} ms"
-    return (f"t={progress.t:6.1f}s  sent {progress.sent}{total}  "
-            f"done {progress.completed}  failed {progress.failed}  "
-            f"in flight {progress.in_flight}  {progress.completed_per_s:,.1f} req/s  "
-            f"p99 ttft {ttft}")
+    ttft = "-" if progress.ttft_p99_ms is None else f"{progress.ttft_p99_ms:,.0f} ms"
+    return (f"ftctl load {progress.t:.1f}s: sent {progress.sent}{total}, "
+            f"done {progress.completed}, failed {progress.failed}, "
+            f"in flight {progress.in_flight}, {progress.completed_per_s:,.1f} req/s, "
+            f"p99 TTFT {ttft}")
