@@ -6,7 +6,9 @@ streams, via `emit_line`) and nothing else; logs and errors go to stderr.
 A result renders for people through `__rich__` when it has one, else as a
 key/value table of its JSON form. Off a terminal, tables have no box and no
 width limit (nothing is cut: a URL stays whole for grep and copy); on one,
-a cell too wide folds onto the next line, never into an ellipsis.
+a cell too wide folds onto the next line, never into an ellipsis. No line of
+a table ends in spaces, on a terminal or off (rich pads every cell to its
+column's width, the last column's too).
 Long work shows `progress` on stderr, on a terminal only.
 
 Every renderer here masks secrets in URLs (`redact`): `user:password@` and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import json
 import math
 import os
@@ -30,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.redact import redact_text
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, ConsoleOptions, RenderResult
     from rich.progress import Progress, TaskID
+    from rich.segment import Segment
     from rich.table import Table
 
 __all__ = [
@@ -180,11 +184,41 @@ def _default_box() -> Any:
     return box.HEAVY_HEAD  # rich's own default for Table
 
 
-def kv_table(title: str | None, data: Mapping[str, Any]) -> Table:
-    """A two-column key/value table."""
+def _rstrip_line(line: list[Segment]) -> list[Segment]:
+    """One rendered line without the spaces it ends in (control segments are kept)."""
+    from rich.segment import Segment
+
+    end = len(line)
+    while end and not line[end - 1].control and not line[end - 1].text.rstrip(" "):
+        end -= 1
+    kept = line[:end]
+    if kept and not kept[-1].control:
+        last = kept[-1]
+        kept[-1] = Segment(last.text.rstrip(" "), last.style, last.control)
+    return kept
+
+
+@functools.cache
+def _table_class() -> type[Table]:
+    """rich's Table, with the trailing spaces of every line it renders cut (its title and
+    caption too, which it centres): the one table class of every renderer here."""
+    from rich.segment import Segment
     from rich.table import Table
 
-    out = Table(title=title, show_header=False, box=None, pad_edge=False)
+    class TrimmedTable(Table):
+        def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+            rendered = super().__rich_console__(console, options)
+            segments = (s for s in rendered if isinstance(s, Segment))  # a Table yields only these
+            for line in Segment.split_lines(segments):
+                yield from _rstrip_line(line)
+                yield Segment.line()
+
+    return TrimmedTable
+
+
+def kv_table(title: str | None, data: Mapping[str, Any]) -> Table:
+    """A two-column key/value table."""
+    out = _table_class()(title=title, show_header=False, box=None, pad_edge=False)
     out.add_column(style="bold")
     out.add_column(overflow="fold")
     for key, value in data.items():
@@ -201,10 +235,8 @@ def table(
     Boxed on a terminal (stdout), plain aligned columns elsewhere: box-drawing
     characters in a pipe only get in grep's and awk's way.
     """
-    from rich.table import Table
-
     boxed = sys.stdout.isatty()
-    out = Table(title=title, box=_default_box() if boxed else None, show_edge=boxed,
+    out = _table_class()(title=title, box=_default_box() if boxed else None, show_edge=boxed,
                 pad_edge=boxed)
     for name in columns:
         out.add_column(name, style=(styles or {}).get(name), overflow="fold")

@@ -28,7 +28,8 @@ app = typer.Typer(
         "log), and fleet failure math.\n\n"
         "NVML needs the gpu extra: pip install 'dynamo-ftctl[gpu]'.\n"
         "Exit codes: 0 healthy / nothing actionable, 1 a GPU problem or an actionable "
-        "event, 2 bad usage, 3 no NVML, driver or log source, 130 interrupted."
+        "event, 2 bad usage or no gpu extra (pynvml), 3 no NVML library, driver or log "
+        "source, 130 interrupted."
     ),
     no_args_is_help=True,
     rich_markup_mode=None,

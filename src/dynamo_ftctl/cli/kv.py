@@ -61,8 +61,9 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (median).")] = 5,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads.")] = None,
     kernel: Annotated[str, typer.Option(
-        help="Host copy kernel: auto (the native row-copy kernel when it was built at "
-             "install), native, or torch (index_select/index_copy_ and staging).")] = "auto",
+        help="Host copy kernel: auto (the native row-copy kernel when the wheel ships it "
+             "or a C compiler builds it on first use), native, or torch "
+             "(index_select/index_copy_ and staging).")] = "auto",
     cache: Annotated[str, typer.Option(
         help="Host caches at the start of each timed run, copier and baseline alike: warm "
              "(runs back to back) or cold (evicted first by reading twice the last-level "
@@ -72,7 +73,7 @@ def bench(  # noqa: PLR0917 - typer passes every option positionally
     """Copier bandwidth vs one contiguous copy_ of the same bytes, plus a chunk-size sweep.
 
     Exit 3 when --device cuda is asked for and no CUDA device is present; exit 2 for
-    --kernel native when the row-copy kernel was not built at install.
+    --kernel native when the row-copy kernel is not available (no C compiler).
 
     Example: ftctl kv bench --blocks 1000,10000,100000 --repeats 5
     """

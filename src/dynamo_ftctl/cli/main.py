@@ -28,9 +28,9 @@ from dynamo_ftctl import __version__
 from dynamo_ftctl.cli._common import GlobalOptions
 from dynamo_ftctl.cli._light import guarded
 from dynamo_ftctl.cli.completion import COMPLETE_VAR, answer_completion
-from dynamo_ftctl.errors import ExitCode
+from dynamo_ftctl.errors import ExitCode, InvalidInput
 
-__all__ = ["COMMANDS", "app", "main"]
+__all__ = ["COMMANDS", "CommandGroup", "app", "main", "unknown_command"]
 
 # Every app here sets rich_markup_mode=None (plain click help), but typer 0.20 still
 # escapes "[default: 0]" for rich markup whenever rich is installed, so plain help
@@ -63,7 +63,45 @@ _COMPLETION_PARAMS = frozenset({"install_completion", "show_completion"})
 _GLOBAL_PARAMS = {"inventory": "inventory", "json_": "json", "debug": "debug"}
 
 
-class LazyGroup(TyperGroup):
+class CommandGroup(TyperGroup):
+    """A click group whose unknown subcommand is one line naming the nearest ones (exit 2),
+    through the CLI's one error boundary rather than click's usage block."""
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str],
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and not ctx.resilient_parsing and not args[0].startswith("-"):
+            names = self.list_commands(ctx)  # names only: a lazy group imports nothing here
+            if args[0] not in names:
+                raise InvalidInput(unknown_command(ctx.command_path, args[0], names))
+        return super().resolve_command(ctx, args)
+
+
+def unknown_command(path: str, name: str, known: list[str]) -> str:
+    """The one line for an unknown command `name` of `path`: the nearest known names
+    (difflib, at most 3), or where to find them."""
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if not close:
+        return f"no such command {name!r} in {path}; {path} --help lists them"
+    quoted = [repr(c) for c in close]
+    options = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    return f"no such command {name!r} in {path} (did you mean {options}?)"
+
+
+def _suggest_in_subgroups(command: click.Command) -> None:
+    """Give every group typer built under `command` the same unknown-command line: typer
+    makes them plain TyperGroups, whose click error is a usage block of four lines."""
+    if not isinstance(command, click.Group):
+        return
+    if type(command) is TyperGroup:
+        command.__class__ = CommandGroup  # adds one method, no state
+    for sub in command.commands.values():
+        _suggest_in_subgroups(sub)
+
+
+class LazyGroup(CommandGroup):
     """A click group whose subcommands are imported on first use."""
 
     # How many commands ended by Ctrl-C (KeyboardInterrupt), which typer turns into a
@@ -93,6 +131,7 @@ class LazyGroup(TyperGroup):
             command.help = spec[1]
         command.short_help = spec[1]
         _inherit_global_options(command, [p for p in self.params if p.name in _GLOBAL_PARAMS])
+        _suggest_in_subgroups(command)
         return command
 
     def format_commands(self, ctx: click.Context,  # noqa: ARG002 (click's signature)

@@ -103,7 +103,8 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
 
 StateDir = Annotated[Path | None, typer.Option(
     "--state-dir", help="Pid files and logs (default: $FTCTL_STATE_DIR, $XDG_RUNTIME_DIR/ftctl, "
-    "or /tmp/ftctl-UID; one folder per cluster).", show_default=False,
+    "or /tmp/ftctl-UID; one folder per cluster). `ftctl inject` finds a worker's pid in "
+    "the default one.", show_default=False,
 )]
 
 

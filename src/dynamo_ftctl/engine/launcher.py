@@ -39,6 +39,7 @@ __all__ = [
     "SimWorker",
     "StopResult",
     "WorkerInfo",
+    "cluster_pid_file",
     "default_state_dir",
     "run_cluster",
     "start_cluster",
@@ -254,10 +255,23 @@ def _sim_workers(inventory: Inventory) -> list[Worker]:
     return workers
 
 
-def _pid_file(inventory: Inventory, worker: Worker, state_dir: Path) -> Path:
+def cluster_pid_file(inventory: Inventory, worker: Worker,
+                     state_dir: Path | None = None) -> Path | None:
+    """Where `ftctl sim cluster` keeps `worker`'s pid: the inventory's `process.pid_file`
+    when it names one, else `<state dir>/<worker>.pid` for a `launch.sim` worker
+    (`state_dir`, default `default_state_dir`); None for a worker the cluster does not start.
+    `ftctl inject` reads the same file (faults/plan.py)."""
     if worker.process is not None and worker.process.pid_file is not None:
         return inventory.resolve(worker.process.pid_file)
-    return state_dir / f"{worker.name}.pid"
+    if worker.launch is None or worker.launch.sim is None:
+        return None
+    return (state_dir or default_state_dir(inventory)) / f"{worker.name}.pid"
+
+
+def _pid_file(inventory: Inventory, worker: Worker, state_dir: Path) -> Path:
+    path = cluster_pid_file(inventory, worker, state_dir)
+    assert path is not None  # only launch.sim workers are started
+    return path
 
 
 def _port_of(worker: Worker) -> tuple[str, int]:

@@ -119,25 +119,37 @@ class _Target:
         ref = self.worker.process
         if ref is not None and ref.pid is not None:
             return ref.pid
-        if ref is not None and ref.pid_file is not None:
-            path = self.inventory.resolve(ref.pid_file)
-            try:
-                with path.open("rb") as handle:  # a pid is a few bytes; /dev/zero is not one
-                    text = handle.read(64).decode("ascii", "replace").strip()
-            except OSError as exc:
-                if not required:
-                    return None
-                msg = f"worker {self.worker.name}: cannot read pid file {path}: {exc.strerror}"
-                raise InvalidInput(msg) from None
-            if text.isdigit() and int(text) > 0:
-                return int(text)
-            if required:
-                msg = f"worker {self.worker.name}: pid file {path} holds no pid: {text[:40]!r}"
-                raise InvalidInput(msg)
-            return None
+        # process.pid_file, else the file `ftctl sim cluster` wrote for a launch.sim worker:
+        # one rule for both sides (engine.launcher.cluster_pid_file)
+        from dynamo_ftctl.engine.launcher import cluster_pid_file
+
+        path = cluster_pid_file(self.inventory, self.worker)
+        if path is not None:
+            return self._read_pid(path, required=required,
+                                  started=ref is None or ref.pid_file is None)
         if required:
             msg = (f"worker {self.worker.name}: no pid (set process.pid_file in the inventory "
                    "or pass --pid)")
+            raise InvalidInput(msg)
+        return None
+
+    def _read_pid(self, path: Path, *, required: bool, started: bool) -> int | None:
+        """The pid in `path`; `started`: the file is the one `ftctl sim cluster` writes."""
+        try:
+            with path.open("rb") as handle:  # a pid is a few bytes; /dev/zero is not one
+                text = handle.read(64).decode("ascii", "replace").strip()
+        except OSError as exc:
+            if not required:
+                return None
+            hint = (" (`ftctl sim cluster` writes it while it runs: is it running, with the "
+                    "same FTCTL_STATE_DIR? else pass --pid)") if started else ""
+            msg = (f"worker {self.worker.name}: cannot read pid file {path}: "
+                   f"{exc.strerror}{hint}")
+            raise InvalidInput(msg) from None
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+        if required:
+            msg = f"worker {self.worker.name}: pid file {path} holds no pid: {text[:40]!r}"
             raise InvalidInput(msg)
         return None
 

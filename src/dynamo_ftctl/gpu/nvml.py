@@ -7,8 +7,9 @@ it (`gpu/status.py`, `gpu/watch.py`), so the scripted fake in `gpu/fake.py`
 exercises all of that logic.
 
 `pynvml` (distribution `nvidia-ml-py`, extra `gpu`) is imported only inside
-`open_nvml`. A missing package, library or driver becomes `Unreachable`
-(exit 3) with a message that says which one, never a traceback.
+`open_nvml`. A missing package is `MissingExtra` (exit 2, the install hint), a
+missing library or driver `Unreachable` (exit 3) with a message that says which
+one; never a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from dynamo_ftctl.errors import FtctlError, Unreachable
+from dynamo_ftctl.errors import FtctlError, MissingExtra, Unreachable
 
 __all__ = [
     "GpuSnapshot",
@@ -31,9 +32,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-_INSTALL_HINT = "install the GPU extra: pip install 'dynamo-ftctl[gpu]' (module pynvml)"
-
 
 @dataclass(frozen=True)
 class GpuSnapshot:
@@ -307,12 +305,12 @@ def translate_nvml_errors(nv: Any) -> Iterator[None]:
 
 
 def open_nvml() -> PynvmlBackend:
-    """Initialise the real NVML; `Unreachable` (exit 3) when there is none to talk to."""
+    """Initialise the real NVML; `MissingExtra` (exit 2) without the gpu extra's pynvml,
+    `Unreachable` (exit 3) when there is no NVML library or driver to talk to."""
     try:
         import pynvml
     except ImportError as exc:
-        msg = f"NVML is not available: {_INSTALL_HINT}"
-        raise Unreachable(msg) from exc
+        raise MissingExtra("pynvml", "gpu") from exc
     with translate_nvml_errors(pynvml):
         pynvml.nvmlInit()
     return PynvmlBackend(pynvml)

@@ -278,8 +278,8 @@ def run_kv_bench(
 
     native = kernel != "torch" and installed_kernel() is not None
     if kernel == "native" and not native:
-        msg = ("--kernel native: the row-copy kernel is not available (not built at install: "
-               "no C compiler? or FTCTL_KV_NATIVE=0); reinstall with a C compiler")
+        msg = ("--kernel native: the row-copy kernel is not available (neither in the wheel "
+               "nor built on first use: no C compiler? FTCTL_KV_NATIVE=0 or FTCTL_NO_CACHE=1?)")
         raise InvalidInput(msg)
     if cache not in CACHE_MODES:
         msg = f"--cache: {cache!r} (choose from {', '.join(CACHE_MODES)})"

@@ -401,9 +401,9 @@ def copy_blocks(
     destination (on CPU the copy has finished when this returns).
 
     Host-to-host copies whose blocks are contiguous rows go through the native
-    row-copy kernel (`kv.native`), one pass per layer whatever the ids, when it
-    was built at install; `native=False` keeps to torch's kernels, a `RowKernel`
-    picks that one.
+    row-copy kernel (`kv.native`), one pass per layer whatever the ids, when the
+    wheel ships it or a compiler built it on first use; `native=False` keeps to
+    torch's kernels, a `RowKernel` picks that one.
     """
     import torch
 

@@ -1,4 +1,4 @@
-"""The native row-copy kernel (`_rowcopy.c`), built at install time and loaded with ctypes.
+"""The native row-copy kernel (`_rowcopy.c`), a plain shared library loaded with ctypes.
 
 torch's CPU `index_select`/`index_copy_` dispatch a small copy per row (or per
 element) and have no op for random rows to random rows, which then takes two
@@ -7,10 +7,22 @@ in one pass of `memcpy`-sized rows, streaming large copies past the cache,
 on torch's own intra-op threads (its OpenMP team,
 `RowKernel.team`) or, where torch has none, a pool of the kernel's own.
 
-`pip install` builds it (`hatch_build.py` calls `build()`: the platform's C
-compiler, `-O2 -shared -fPIC`, no Python headers) beside this file; a missing
-compiler or a failed build only warns, and the copier falls back to torch's
-kernels (`kernel()` is None). `FTCTL_KV_NATIVE=0` disables it at run time.
+The library has no Python ABI (no Python headers, no module init; ctypes calls
+C functions), so one build serves every CPython on its platform: the wheel is
+tagged `py3-none-<platform>`. `kernel()` finds it in one of two places:
+
+- `LIBRARY`, beside this file: a wheel's build (`hatch_build.py` calls `build()`
+  into its temporary directory and ships the result here);
+- else, for a source checkout, an editable install or a wheel built without a
+  compiler, `cached_library()`: compiled on first use into
+  `$XDG_CACHE_HOME/ftctl/kernels/` (default `~/.cache/ftctl/kernels/`), named by
+  a hash of the source, the ABI and the machine, so an edited source gets a new
+  name. Only a directory and a file that are this user's own and writable by no
+  one else are loaded from; `FTCTL_NO_CACHE=1` skips the cache.
+
+Nothing is ever written beside this file. Without a compiler (or with a failed
+build) the copier falls back to torch's kernels (`kernel()` is None);
+`FTCTL_KV_NATIVE=0` disables the kernel at run time.
 Stdlib only at import: the build hook loads this file before the package exists.
 """
 
@@ -18,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,11 +42,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ABI", "BAD_IDS", "LIBRARY", "NO_MEMORY", "RUN_NONE", "SOURCE", "STREAM_MIN_BYTES",
-    "RowKernel", "build", "kernel", "last_level_cache_bytes", "load",
+    "RowKernel", "build", "cache_dir", "cached_library", "kernel", "last_level_cache_bytes",
+    "load",
 ]
 
 SOURCE = Path(__file__).with_name("_rowcopy.c")
-LIBRARY = Path(__file__).with_name("_rowcopy.so")
+LIBRARY = Path(__file__).with_name("_rowcopy.so")  # where a wheel ships it; never built here
 ABI = 6  # must equal ftctl_rowcopy_abi() in _rowcopy.c
 
 
@@ -84,6 +98,7 @@ def build(out: Path = LIBRARY, *, source: Path = SOURCE, timeout_s: float = 120.
         subprocess.run(
             [*cc, "-O2", "-shared", "-fPIC", "-std=c11", "-pthread", "-o", str(partial),
              str(source)], check=True, capture_output=True, text=True, timeout=timeout_s)
+        partial.chmod(0o755)  # whatever the umask: a group-writable library is not loaded
         partial.replace(out)  # atomic: a concurrent loader never sees half a library
     finally:
         partial.unlink(missing_ok=True)
@@ -180,9 +195,78 @@ def load(path: Path = LIBRARY, *, openmp: bool = True) -> RowKernel | None:
         return None
 
 
+def cache_dir() -> Path | None:
+    """Where `cached_library` compiles the kernel, or None when the cache is off."""
+    if os.environ.get("FTCTL_NO_CACHE"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME")
+    try:
+        root = Path(base) if base else Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # no $HOME and no passwd entry: no cache
+        return None
+    return root / "ftctl" / "kernels"
+
+
+def _ours(path: Path) -> bool:
+    """Owned by this user and writable by no one else (a library others could replace
+    would run their code in this process)."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.geteuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def cached_library(source: Path = SOURCE) -> Path | None:
+    """The kernel compiled from `source` in `cache_dir()`, built on first use; None when
+    there is no cache, no compiler, the build failed (one warning) or the directory or
+    file is not this user's own."""
+    import platform
+    import subprocess
+
+    directory = cache_dir()
+    if directory is None or not source.is_file():
+        return None
+    try:
+        text = source.read_bytes()
+    except OSError:
+        return None
+    try:  # what hashlib.blake2b is, without hashlib's import of OpenSSL
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - CPython always builds _blake2
+        from hashlib import blake2b
+    digest = blake2b(f"rowcopy/{ABI} {platform.system()} {platform.machine()}\n".encode()
+                     + text, digest_size=12).hexdigest()
+    path = directory / f"rowcopy-{digest}.so"
+    if not path.is_file():
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return None
+        if not _ours(directory):
+            return None
+        try:
+            build(path, source=source)
+        except FileNotFoundError:  # no C compiler: torch's kernels copy, quietly
+            return None
+        except (OSError, subprocess.SubprocessError) as exc:
+            from dynamo_ftctl.output import warn
+
+            detail = getattr(exc, "stderr", None) or str(exc)
+            first = detail.strip().splitlines()[0] if detail.strip() else type(exc).__name__
+            warn(f"KV row-copy kernel not built in {directory}, torch's kernels copy "
+                 f"instead: {first}")
+            return None
+    return path if _ours(directory) and _ours(path) else None
+
+
 @lru_cache(maxsize=1)
 def kernel() -> RowKernel | None:
-    """The installed kernel, once per process; None when absent or FTCTL_KV_NATIVE=0."""
+    """The kernel, once per process: the wheel's (`LIBRARY`), else `cached_library()`;
+    None when neither loads or FTCTL_KV_NATIVE=0."""
     if os.environ.get("FTCTL_KV_NATIVE", "1") == "0":
         return None
-    return load()
+    if LIBRARY.is_file():
+        return load(LIBRARY)
+    cached = cached_library()
+    return None if cached is None else load(cached)

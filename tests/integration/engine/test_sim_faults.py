@@ -239,3 +239,31 @@ def test_cluster_start_stop_and_failure(tmp_path: Path) -> None:
         f"model: {MODEL}, launch: {{sim: {{model_config: missing.yaml}}}}}}\n")
     with pytest.raises(Unreachable, match="worker broken did not come up"):
         start_cluster(load_inventory(bad), state_dir=tmp_path / "s2", timeout_s=60)
+
+
+def test_inject_kill_finds_a_sim_cluster_worker_by_its_pid_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`ftctl inject kill --worker w3` against the cluster `start_cluster` (what `ftctl sim
+    cluster` runs) started: the pid comes from the cluster's own pid file, the worker dies."""
+    import subprocess
+    import sys
+
+    from dynamo_ftctl.engine.launcher import start_cluster
+    from dynamo_ftctl.inventory import load_inventory
+
+    monkeypatch.setenv("FTCTL_STATE_DIR", str(tmp_path / "state"))
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(
+        f"cluster: c\nworkers:\n  - {{name: w3, url: 'http://127.0.0.1:{_free_port()}', "
+        f"model: {MODEL}, launch: {{sim: {{seed: 0}}}}, faults: [kill]}}\n")
+    with start_cluster(load_inventory(inv), timeout_s=90) as cluster:
+        worker = cluster["w3"]
+        assert (tmp_path / "state" / "c" / "w3.pid").read_text().strip() == str(worker.pid)
+        done = subprocess.run(
+            [sys.executable, "-m", "dynamo_ftctl", "-i", str(inv), "inject", "kill", "--worker",
+             "w3", "--yes", "--audit-log", str(tmp_path / "audit.jsonl"), "--state-dir",
+             str(tmp_path / "inject-state")],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
+        assert done.returncode == 0, done.stderr
+        assert worker.wait_exit(10) is not None

@@ -1,6 +1,11 @@
 """The wheel as users install it: built once, installed into a bare venv per extra set,
 and each command run from the installed `ftctl`, so a dependency left undeclared fails here.
 
+- the wheel: tagged `py3-none-<platform>` with the KV row-copy kernel (a plain shared
+  library, no Python ABI) where a C compiler built it, `py3-none-any` without; the build
+  writes nothing into the tree it builds from. CPython 3.12, 3.13 and 3.14, where the
+  machine has them (PATH or pyenv), install it and run the kernel too (skipped, saying
+  so, where it has none).
 - base (`pip install dynamo-ftctl`): `--help` of every command, and a loopback job for each
   command that needs neither torch nor a GPU (`lock`, `xid`, `gpu kmsg`, `load`, `proxy`,
   `canary --watch`); torch's commands answer with the install hint, exit 2; the man pages
@@ -27,6 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,6 +51,32 @@ COMMAND_TIMEOUT_S = 60
 HIDDEN_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "FTCTL_INVENTORY", "MANPATH",
               "VIRTUAL_ENV")
 
+# Other CPythons the wheel must install on (requires-python >= 3.11), where this machine has
+# them: on PATH, or installed by pyenv (whose PATH shims answer only its selected version).
+OTHER_PYTHONS = ("3.12", "3.13", "3.14")
+# Run inside a venv: the row-copy kernel the installed package loads, from where, and whether
+# it copies rows (no torch: a ctypes buffer of 4 rows of 8 bytes, rows 2,0 -> rows 1,3).
+LOAD_KERNEL = """
+import ctypes, json, sys
+from dynamo_ftctl.kv import native
+
+class Ids:  # what the kernel reads of a torch id tensor: its address and length
+    def __init__(self, *values):
+        self.values, self.shape = (ctypes.c_int64 * len(values))(*values), (len(values),)
+    def data_ptr(self):
+        return ctypes.addressof(self.values)
+
+k = native.kernel()
+rows = None
+if k is not None:
+    src, dst = (ctypes.c_uint8 * 32)(*range(32)), (ctypes.c_uint8 * 32)()
+    status = k.copy_blocks([ctypes.addressof(dst), ctypes.addressof(src), 8, 8], Ids(1, 3),
+                           Ids(2, 0), dst_blocks=4, src_blocks=4, row_bytes=8, threads=1)
+    rows = [status, [bytes(dst)[i * 8] for i in range(4)]]
+print(json.dumps({"path": str(k.path) if k else None, "library": str(native.LIBRARY),
+                  "team": k.team if k else None, "rows": rows,
+                  "python": sys.version_info[:2]}))
+"""
 # Run inside a venv: `--help` of every command and subcommand, in one process; prints
 # {"ftctl lock acquire": exit code, ...}.
 HELP_OF_EVERY_COMMAND = """
@@ -234,6 +266,100 @@ def _inventory(directory: Path) -> Path:
         "canary: {set: canaries.yaml, listen: '127.0.0.1:0'}\n"
         "proxy: {listen: '127.0.0.1:0'}\n")
     return path
+
+
+# --- the wheel ---------------------------------------------------------------------------
+
+
+def _tag(wheel: Path) -> str:
+    """The wheel's python-abi-platform tag, from its file name."""
+    return "-".join(wheel.name.removesuffix(".whl").split("-")[-3:])
+
+
+def test_wheel_is_py3_none_platform_with_the_kernel(wheel: Path) -> None:
+    """With a C compiler the wheel ships the kernel and is tagged py3-none-<platform> (no
+    Python ABI: one wheel for every CPython >= 3.11); without one it is py3-none-any."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (wheel_file,) = [n for n in names if n.endswith(".dist-info/WHEEL")]
+        metadata = archive.read(wheel_file).decode()
+    tag = _tag(wheel)
+    if shutil.which("cc") is None:
+        assert tag == "py3-none-any"
+        assert "dynamo_ftctl/kv/_rowcopy.so" not in names
+        pytest.skip("no C compiler: the wheel is pure, without the kernel")
+    assert tag.startswith("py3-none-")
+    assert tag != "py3-none-any"
+    assert "dynamo_ftctl/kv/_rowcopy.so" in names
+    assert "Root-Is-Purelib: false" in metadata
+    assert f"Tag: {tag}" in metadata
+
+
+def test_wheel_build_writes_nothing_into_its_source_tree(wheel: Path) -> None:
+    """The build hook compiles into its own temporary directory: the tree the wheel was
+    built from holds no library and no partial file afterwards."""
+    tree = wheel.parent / "tree"
+    assert tree.is_dir()
+    assert [str(p) for p in tree.rglob("*") if p.suffix in (".so", ".tmp")] == []
+
+
+def test_base_install_loads_the_wheels_kernel(base_venv: Path, in_venv) -> None:
+    """The installed package loads the kernel the wheel shipped (not a cached build: the
+    cache is off), without torch (the kernel's own thread pool)."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the wheel ships no kernel")
+    done = in_venv(base_venv, "python", "-c", LOAD_KERNEL, FTCTL_NO_CACHE="1")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["path"] == found["library"], found
+    assert found["path"].startswith(str(base_venv)), found
+    assert found["team"] == "pool"
+    assert found["rows"] == [0, [0, 16, 0, 0]]  # row 2 (bytes 16..) -> row 1, row 0 -> row 3
+
+
+def _interpreter(version: str) -> str | None:
+    """A CPython `version` (\"3.12\") that runs on this machine: `python3.12` on PATH, else
+    pyenv's installed one; None where there is none."""
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(str(p) for p in pyenv.glob(f"{version}.*/bin/python{version}"))]
+    for candidate in filter(None, candidates):
+        try:
+            done = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"],
+                                  capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0 and done.stdout.strip() == str(tuple(map(int, version.split(".")))):
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("version", OTHER_PYTHONS)
+def test_wheel_installs_on_another_cpython(
+    tmp_path_factory: pytest.TempPathFactory, wheel: Path, in_venv, version: str,
+) -> None:
+    """pip of another CPython takes the same wheel (its tag names no Python version) and
+    the package loads and runs its kernel there."""
+    if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
+        pytest.skip(f"{version} is the interpreter that built the wheel")
+    python = _interpreter(version)
+    if python is None:
+        pytest.skip(f"no CPython {version} on this machine (PATH, pyenv)")
+    venv = tmp_path_factory.mktemp(f"venv-{version}")
+    env = _clean_env(venv)
+    _checked([python, "-m", "venv", str(venv)], cwd=venv, env=env, timeout=120)
+    # --no-deps: the tag is what is checked; the other dependencies need an index
+    _checked([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps",
+              "--no-compile", "--disable-pip-version-check", str(wheel)],
+             cwd=venv, env=env, timeout=INSTALL_TIMEOUT_S)
+    done = in_venv(venv, "python", "-c", LOAD_KERNEL, FTCTL_NO_CACHE="1")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert ".".join(map(str, found["python"])) == version
+    if shutil.which("cc") is not None:
+        assert found["path"] == found["library"], found
+        assert found["path"].startswith(str(venv)), found
+        assert found["rows"] == [0, [0, 16, 0, 0]]
 
 
 # --- base --------------------------------------------------------------------------------

@@ -129,6 +129,26 @@ def test_usage_error_exit_2() -> None:
     assert ftctl("no-such-command").returncode == 2
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["canry"], "error: no such command 'canry' in ftctl (did you mean 'canary'?)"),
+    (["canry", "--worker", "w3"],
+     "error: no such command 'canry' in ftctl (did you mean 'canary'?)"),
+    (["lo"], "error: no such command 'lo' in ftctl (did you mean 'lock' or 'load'?)"),
+    (["lock", "acqire"], "error: no such command 'acqire' in ftctl lock (did you mean "
+                         "'acquire'?)"),
+    (["zzzz"], "error: no such command 'zzzz' in ftctl; ftctl --help lists them"),
+], ids=["canry", "canry-with-options", "two-near", "subgroup", "none-near"])
+def test_an_unknown_command_names_the_nearest_in_one_line(args: list[str], line: str) -> None:
+    """A mistyped command: one line on stderr with the nearest names (difflib), exit 2,
+    and no command group imported to find them."""
+    proc = ftctl(*args)
+    assert proc.returncode == 2
+    assert proc.stderr == line + "\n"
+    assert proc.stdout == ""
+    if args[0] != "lock":
+        assert not imported_modules(*args) & {"torch", "httpx", "prometheus_client"}
+
+
 def test_man_pages_are_current() -> None:
     """man/ matches what `make man` generates from the CLI now."""
     from dynamo_ftctl.cli.manpage import render_pages

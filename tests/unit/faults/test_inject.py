@@ -155,6 +155,45 @@ def test_dry_run_plan_names_pid_url_and_token_variable(inventory: Inventory) -> 
     assert "$T_TOKEN" in text
 
 
+SIM_CLUSTER = """
+cluster: local
+workers:
+  - name: w3
+    url: http://127.0.0.1:18103
+    model: ftctl-sim-tiny
+    launch: {sim: {seed: 0}}
+    faults: [kill]
+"""
+
+
+def test_a_sim_cluster_worker_is_signalled_by_the_pid_the_cluster_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch.sim worker without process settings: inject reads the pid file
+    `ftctl sim cluster` writes for it (<state dir>/<cluster>/<worker>.pid)."""
+    from dynamo_ftctl.engine.launcher import cluster_pid_file
+
+    monkeypatch.setenv("FTCTL_STATE_DIR", str(tmp_path / "state"))
+    inventory = parse_inventory(SIM_CLUSTER)
+    path = cluster_pid_file(inventory, inventory.worker("w3"))
+    assert path == tmp_path / "state" / "local" / "w3.pid"
+    path.parent.mkdir(parents=True)
+    path.write_text("4343\n")
+    plan = plan_injection(inventory, "w3", "kill")
+    assert [s.describe() for s in plan.steps] == ["kill -KILL 4343"]
+
+
+def test_a_sim_cluster_worker_without_its_pid_file_says_where_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No cluster running: the error names the pid file and who writes it (exit 2)."""
+    monkeypatch.setenv("FTCTL_STATE_DIR", str(tmp_path / "state"))
+    inventory = parse_inventory(SIM_CLUSTER)
+    with pytest.raises(InvalidInput, match=r"w3: cannot read pid file .*local/w3\.pid: .*"
+                                           r"`ftctl sim cluster` writes it"):
+        plan_injection(inventory, "w3", "kill")
+
+
 def test_destructive_fault_needs_yes_off_a_terminal(inventory: Inventory) -> None:
     """kill without --yes is refused off a terminal, asked on one, allowed with --yes."""
     plan = plan_injection(inventory, "w1", "kill")

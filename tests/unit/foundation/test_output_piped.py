@@ -103,3 +103,13 @@ def test_inventory_show_on_a_narrow_terminal_folds_urls(tmp_path: Path) -> None:
     assert "…" not in text
     rows = [line.split("│") for line in text.splitlines() if line.startswith("│")]
     assert "".join(row[2].strip() for row in rows) == LONG_URL, text
+
+
+@pytest.mark.parametrize("args", [["xid", "48"], ["-i", "examples/local.yaml", "inject", "--list"]],
+                         ids=["xid", "inject-list"])
+def test_piped_tables_have_no_trailing_spaces(args: list[str]) -> None:
+    """`ftctl xid 48 | cat`: no line ends in spaces (rich padded each to the widest row)."""
+    done = _ftctl(*args)
+    assert done.returncode == 0, done.stderr
+    padded = [line for line in done.stdout.splitlines() if line.endswith(" ")]
+    assert padded == [], done.stdout

@@ -139,13 +139,27 @@ def test_status_with_fake_nvml(tmp_path: Path) -> None:
 
 
 def test_status_without_driver_exits_3() -> None:
-    """Without an NVIDIA driver (or pynvml) `gpu status` says so in one line and exits 3."""
+    """Without an NVIDIA driver `gpu status` says so in one line and exits 3."""
     proc = ftctl("gpu", "status")
     if proc.returncode == 0:
         pytest.skip("an NVIDIA driver is present on this host")
     assert proc.returncode == 3
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ")
+
+
+def test_status_without_the_gpu_extra_exits_2_with_the_hint(tmp_path: Path) -> None:
+    """Without pynvml (a base install) `gpu status` names the gpu extra in one line and
+    exits 2, as README's exit codes and every other missing extra do."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pynvml.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'pynvml'\", name='pynvml')\n")
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+    proc = ftctl("gpu", "status", env={"PYTHONPATH": path})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("error: this command needs pynvml, from the gpu extra: "
+                           "pip install 'dynamo-ftctl[gpu]'\n")
 
 
 def test_bad_fake_spec_exits_2(tmp_path: Path) -> None:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
 import pytest
 
-from dynamo_ftctl.errors import ExitCode, Unreachable
+from dynamo_ftctl.errors import ExitCode, MissingExtra, Unreachable
 from dynamo_ftctl.gpu.fake import FakeGpu, FakeNvml
 from dynamo_ftctl.gpu.nvml import PynvmlBackend, open_nvml
 from dynamo_ftctl.gpu.status import decode_throttle, read_status, throttle_groups
@@ -183,6 +184,14 @@ def test_open_nvml_without_a_driver_is_unreachable() -> None:
     with pytest.raises(Unreachable, match=r"NVML|driver") as caught:
         open_nvml()
     assert caught.value.exit_code == ExitCode.UNREACHABLE
+
+
+def test_open_nvml_without_pynvml_names_the_gpu_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the gpu extra's pynvml, open_nvml raises MissingExtra (exit 2, the hint)."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` then fails
+    with pytest.raises(MissingExtra, match=r"pip install 'dynamo-ftctl\[gpu\]'") as caught:
+        open_nvml()
+    assert caught.value.exit_code == ExitCode.USAGE
 
 
 def _nvml_works() -> bool:

@@ -311,12 +311,18 @@ def hook_module() -> Any:
     return module
 
 
+def _tree(root: Path) -> dict[str, float]:
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*")}
+
+
 @pytest.mark.parametrize("compiler", ["cc", "false"], ids=["builds", "no-compiler"])
 def test_install_hook_ships_the_kernel_or_warns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiler: str, capsys: Any,
 ) -> None:
-    """The wheel hook ships a built kernel as a platform wheel; when the compiler fails it
-    only warns, removes any stale library and leaves a pure wheel (the install goes on)."""
+    """The wheel hook compiles the kernel in a directory of its own, ships it through
+    force_include as a py3-none-<platform> wheel and removes that directory at finalize;
+    when the compiler fails it only warns and leaves a pure wheel. Either way the source
+    tree is left as it was."""
     if compiler == "cc" and shutil.which("cc") is None:
         pytest.skip("no C compiler on PATH")
     hook = hook_module()
@@ -324,19 +330,120 @@ def test_install_hook_ships_the_kernel_or_warns(
     kv.mkdir(parents=True)
     for name in ("native.py", "_rowcopy.c"):
         shutil.copy(REPO / "src/dynamo_ftctl/kv" / name, kv / name)
-    (kv / "_rowcopy.so").write_bytes(b"stale")
+    before = _tree(tmp_path)
     monkeypatch.setenv("CC", compiler)
     instance = hook.CustomBuildHook(str(tmp_path), {}, None, None, str(tmp_path), "wheel")
-    build_data: dict[str, Any] = {"artifacts": []}
-    instance.initialize("0", build_data)
+    build_data: dict[str, Any] = {"artifacts": [], "force_include": {}}
+    instance.initialize("standard", build_data)
     if compiler == "cc":
-        assert build_data == {"artifacts": [hook.LIBRARY], "pure_python": False,
-                              "infer_tag": True}
-        assert native.load(kv / "_rowcopy.so") is not None
+        ((built, inside),) = build_data["force_include"].items()
+        assert inside == "dynamo_ftctl/kv/_rowcopy.so"
+        assert not Path(built).is_relative_to(tmp_path)
+        assert build_data["pure_python"] is False
+        tag = build_data["tag"]
+        assert tag.startswith("py3-none-")
+        assert tag != "py3-none-any"
+        assert native.load(Path(built), openmp=False) is not None
+        instance.finalize("standard", build_data, str(tmp_path / "x.whl"))
+        assert not Path(built).parent.exists()
     else:
-        assert build_data == {"artifacts": []}
-        assert not (kv / "_rowcopy.so").exists()
+        assert build_data == {"artifacts": [], "force_include": {}}
         assert "KV row-copy kernel not built" in capsys.readouterr().err
+    assert _tree(tmp_path) == before  # nothing written into the source tree (pycache aside)
+
+
+def test_install_hook_builds_nothing_for_an_editable_install(tmp_path: Path) -> None:
+    """An editable install ships no kernel (it would be a file in src/): the package
+    compiles one on first use into the user's cache instead."""
+    hook = hook_module()
+    instance = hook.CustomBuildHook(str(REPO), {}, None, None, str(tmp_path), "wheel")
+    build_data: dict[str, Any] = {"artifacts": [], "force_include": {}}
+    instance.initialize("editable", build_data)
+    assert build_data == {"artifacts": [], "force_include": {}}
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty $XDG_CACHE_HOME of this test's own, with the cache on."""
+    home = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.delenv("FTCTL_NO_CACHE", raising=False)
+    return home
+
+
+def test_a_checkout_compiles_the_kernel_once_into_the_cache(cache_home: Path) -> None:
+    """Without a library beside native.py, the kernel is compiled on first use into
+    $XDG_CACHE_HOME/ftctl/kernels (this user's, mode 0700) and reused after; it is never
+    written into src/."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on PATH")
+    first = native.cached_library()
+    assert first is not None
+    assert first.parent == cache_home / "ftctl" / "kernels"
+    assert first.parent.stat().st_mode & 0o777 == 0o700
+    built_at = first.stat().st_mtime_ns
+    assert native.cached_library() == first
+    assert first.stat().st_mtime_ns == built_at  # reused, not rebuilt
+    assert native.load(first, openmp=False) is not None
+    assert not native.LIBRARY.exists()
+
+
+def test_an_edited_source_gets_its_own_cached_kernel(cache_home: Path, tmp_path: Path) -> None:
+    """The cache names a kernel by its source: an edited source is compiled anew."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler on PATH")
+    edited = tmp_path / "edited.c"
+    edited.write_text(native.SOURCE.read_text() + "\n/* edited */\n")
+    assert native.cached_library() != native.cached_library(edited)
+
+
+def test_the_kernel_cache_is_skipped_when_off_or_not_ours(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any,
+) -> None:
+    """FTCTL_NO_CACHE, a kernels directory others may write, and no compiler at all each
+    give None: torch's kernels copy (a missing compiler says nothing)."""
+    monkeypatch.setenv("FTCTL_NO_CACHE", "1")
+    assert native.cached_library() is None
+    monkeypatch.delenv("FTCTL_NO_CACHE")
+    kernels = cache_home / "ftctl" / "kernels"
+    kernels.mkdir(parents=True)
+    kernels.chmod(0o777)
+    assert native.cached_library() is None
+    assert list(kernels.iterdir()) == []
+    kernels.chmod(0o700)
+    monkeypatch.setenv("CC", str(cache_home / "no-such-cc"))
+    assert native.cached_library() is None
+    assert capsys.readouterr().err == ""
+
+
+def test_a_failed_first_use_build_warns_once_and_falls_back(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any,
+) -> None:
+    """A compiler that fails gives None and one warning line naming the cache directory."""
+    monkeypatch.setenv("CC", "false")
+    assert native.cached_library() is None
+    err = capsys.readouterr().err
+    assert "KV row-copy kernel not built in" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_kernel_prefers_the_wheels_library_then_the_cache(
+    cache_home: Path, monkeypatch: pytest.MonkeyPatch, row_kernel: native.RowKernel,
+) -> None:
+    """`kernel()` loads LIBRARY when a wheel shipped it, else the cached build."""
+    native.kernel.cache_clear()
+    try:
+        monkeypatch.setattr(native, "LIBRARY", row_kernel.path)
+        loaded = native.kernel()
+        assert loaded is not None
+        assert loaded.path == row_kernel.path
+        native.kernel.cache_clear()
+        monkeypatch.setattr(native, "LIBRARY", cache_home / "absent.so")
+        loaded = native.kernel()
+        assert loaded is not None
+        assert loaded.path.parent == cache_home / "ftctl" / "kernels"
+    finally:
+        native.kernel.cache_clear()
 
 
 def test_native_builds_where_the_package_is_not_installed(tmp_path: Path) -> None:
