@@ -43,6 +43,7 @@ from dynamo_ftctl.migrate.admission import (
 from dynamo_ftctl.migrate.board import SharedRouter
 from dynamo_ftctl.migrate.codec import dumps
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
+from dynamo_ftctl.redact import redact_url
 
 if TYPE_CHECKING:
     from dynamo_ftctl.capabilities import CapabilityCache
@@ -217,6 +218,9 @@ class Fleet:
             weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
         except Exception:  # daemon away: fall back on our own breaker
             weights = {}
+            self.metrics.PROXY_DAEMON_UP.labels(redact_url(base)).set(0)
+        else:
+            self.metrics.PROXY_DAEMON_UP.labels(redact_url(base)).set(1)
         self.router.apply_daemon_weights(weights)
 
     # ------------------------------------------------------------------ capabilities
