@@ -29,7 +29,11 @@ process its own: `livesum`; gauges of single-process servers: `livemax`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,21 +43,32 @@ from prometheus_client import (
     disable_created_metrics,
     values,
 )
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 __all__ = [
     "BACKPRESSURE",
     "CIRCUIT_BREAKER_STATE",
+    "DAEMON",
     "DEGRADATION_LEVEL",
+    "DYNAMO_INFLIGHT",
+    "DYNAMO_ITL",
     "DYNAMO_MIGRATION_DURATION",
     "DYNAMO_MIGRATION_LIMIT",
     "DYNAMO_MIGRATION_TOTAL",
+    "DYNAMO_REQUESTS",
+    "DYNAMO_REQUEST_DURATION",
+    "DYNAMO_TTFT",
     "FAULTS_INJECTED",
     "HEALTH_CHECK_DURATION",
+    "LOCK",
     "LOCK_ACQUIRE_SECONDS",
     "LOCK_HOLDER",
     "METRIC_NAMES",
     "MIGRATION_DURATION",
     "MIGRATION_TOTAL",
+    "PROXY",
+    "PROXY_DAEMON_UP",
     "QUERY_OF_DEATH",
     "QUEUED_REQUESTS",
     "REGISTRY",
@@ -62,7 +77,10 @@ __all__ = [
     "UNCONFIRMED_CHARGES",
     "WORKER_BUSY",
     "WORKER_STATUS",
+    "XID",
     "XID_EVENTS",
+    "observe_times",
+    "registry_for",
 ]
 
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -73,7 +91,8 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
-    """The registry servers expose on /metrics, and the one the metrics are defined in."""
+    """Every series this process records (for library callers and tests), and the
+    registry the metrics are defined in."""
     if not os.environ.get(MULTIPROC_DIR_ENV):
         registry = CollectorRegistry(auto_describe=True)
         return registry, registry
@@ -87,7 +106,8 @@ def _registries() -> tuple[CollectorRegistry, CollectorRegistry | None]:
     return exposed, None  # defined unregistered: the collector reads their files
 
 
-# One registry for the whole process (or all the proxy's); servers expose it on /metrics.
+# Every series recorded in this process (or, with `--procs N`, in all the proxy's).
+# `/metrics` serves `registry_for(kind)`, which shows only that kind's families.
 REGISTRY, _DEFINED = _registries()
 
 # Probe latencies of interest span a fast loopback canary (ms) to a timed-out one (10 s+).
@@ -187,6 +207,45 @@ WORKER_BUSY = Gauge(
     ["worker"], registry=_DEFINED,
     multiprocess_mode="livemax",
 )
+# Dynamo's frontend request series, mirrored with Dynamo 1.6's exact names, types,
+# labels, help texts and buckets (read from a running ai-dynamo-runtime 1.6.1 frontend's
+# /metrics; its buckets are `generate_log_buckets(min, max, count)`: 0, then log-spaced
+# values rounded to two significant figures). `model` is the request's model, or
+# "unknown_model" for one no worker serves (as Dynamo's frontend labels it). Counted once
+# per request, at its end (`migrate/tally.py`).
+DYNAMO_REQUESTS = Counter(
+    "dynamo_frontend_requests_total", "Total number of LLM requests processed",
+    ["model", "endpoint", "request_type", "status", "error_type"], registry=_DEFINED,
+)
+DYNAMO_INFLIGHT = Gauge(
+    "dynamo_frontend_inflight_requests", "Number of inflight requests",
+    ["model"], registry=_DEFINED,
+    multiprocess_mode="livesum",
+)
+# Dynamo's defaults: (1, 512, 10), (0.001, 480, 18), (0.001, 2, 13) for min, max, count.
+DYNAMO_REQUEST_DURATION = Histogram(
+    "dynamo_frontend_request_duration_seconds", "Duration of LLM requests",
+    ["model"], buckets=(0.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 130.0, 260.0, 510.0),
+    registry=_DEFINED,
+)
+DYNAMO_TTFT = Histogram(
+    "dynamo_frontend_time_to_first_token_seconds", "Time to first token in seconds",
+    ["model"], buckets=(0.0, 0.0022, 0.0047, 0.01, 0.022, 0.047, 0.1, 0.22, 0.47, 1.0, 2.2,
+                        4.7, 10.0, 22.0, 48.0, 100.0, 220.0, 480.0),
+    registry=_DEFINED,
+)
+DYNAMO_ITL = Histogram(
+    "dynamo_frontend_inter_token_latency_seconds", "Inter-token latency in seconds",
+    ["model"], buckets=(0.0, 0.0019, 0.0035, 0.0067, 0.013, 0.024, 0.045, 0.084, 0.16, 0.3,
+                        0.56, 1.1, 2.0),
+    registry=_DEFINED,
+)
+PROXY_DAEMON_UP = Gauge(
+    "ftctl_proxy_daemon_up",
+    "1 while the proxy's last read of its canary daemon's /workers succeeded, else 0.",
+    ["daemon"], registry=_DEFINED,
+    multiprocess_mode="livemin",
+)
 LOCK_HOLDER = Gauge(
     "ftctl_lock_holder", "1 while this engine holds the failover lock.",
     ["lock", "engine_id"], registry=_DEFINED,
@@ -204,6 +263,99 @@ XID_EVENTS = Counter(
     "ftctl_xid_events_total", "GPU Xid events seen by the watcher.", ["gpu", "xid"],
     registry=_DEFINED,
 )
+
+# What each kind of process serves on /metrics (beside `process_*` and `python_info`).
+PROXY = "proxy"
+DAEMON = "daemon"
+LOCK = "lock"
+XID = "xid"
+_FAMILIES: dict[str, tuple[MetricWrapperBase, ...]] = {
+    PROXY: (CIRCUIT_BREAKER_STATE, MIGRATION_TOTAL, DYNAMO_MIGRATION_TOTAL,
+            DYNAMO_MIGRATION_DURATION, DYNAMO_MIGRATION_LIMIT, MIGRATION_DURATION,
+            DEGRADATION_LEVEL, TASKS_REJECTED, QUEUED_REQUESTS, QUERY_OF_DEATH,
+            UNCONFIRMED_CHARGES, BACKPRESSURE, RETRY_BUDGET_EXHAUSTED, WORKER_BUSY,
+            DYNAMO_REQUESTS, DYNAMO_INFLIGHT, DYNAMO_REQUEST_DURATION, DYNAMO_TTFT, DYNAMO_ITL,
+            PROXY_DAEMON_UP),
+    DAEMON: (HEALTH_CHECK_DURATION, WORKER_STATUS, CIRCUIT_BREAKER_STATE),
+    LOCK: (LOCK_HOLDER, LOCK_ACQUIRE_SECONDS),
+    XID: (XID_EVENTS,),
+}
+# Families any kind shows once it has recorded a sample (a drill injecting faults from a
+# process that serves /metrics), and never as an empty header.
+_IF_RECORDED: tuple[MetricWrapperBase, ...] = (FAULTS_INJECTED,)
+
+
+def _family_names(collectors: tuple[MetricWrapperBase, ...]) -> frozenset[str]:
+    return frozenset(family.name for c in collectors for family in c.describe())
+
+
+class _Only:
+    """The families of `REGISTRY` one kind of process serves (a custom collector)."""
+
+    def __init__(self, kind: str) -> None:
+        self.names = _family_names(_FAMILIES[kind])
+        self.if_recorded = _family_names(_IF_RECORDED)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            if family.name in self.names or (family.name in self.if_recorded
+                                             and family.samples):
+                yield family
+
+
+class _ProcessesCollector:
+    """`process_*` of every live process of `ftctl proxy --procs N` (its children, whose
+    live gauge files are in the multiprocess directory; the parent, which only waits on
+    signals, is left out): CPU, memory and descriptors summed, the earliest start time,
+    the largest descriptor limit. A child that ends takes its CPU seconds with it: the
+    counter drops, which `rate()` reads as a reset."""
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client import ProcessCollector
+
+        directory = os.environ.get(MULTIPROC_DIR_ENV, "")
+        pids = {os.getpid()}
+        with contextlib.suppress(OSError):
+            for path in Path(directory).glob("gauge_live*_*.db"):
+                with contextlib.suppress(ValueError):
+                    pids.add(int(path.stem.rsplit("_", 1)[1]))
+        merged: dict[str, Metric] = {}
+        for pid in sorted(pids):
+            # The collector reads /proc/<pid>; a pid gone meanwhile yields nothing.
+            for family in ProcessCollector(pid=functools.partial(int, pid),
+                                           registry=None).collect():
+                known = merged.setdefault(family.name, family)
+                if known is family:
+                    continue
+                value, other = known.samples[0].value, family.samples[0].value
+                combined = (min(value, other) if family.name == "process_start_time_seconds"
+                            else max(value, other) if family.name == "process_max_fds"
+                            else value + other)
+                known.samples[0] = known.samples[0]._replace(value=combined)
+        yield from merged.values()
+
+
+_SERVED: dict[str, CollectorRegistry] = {}
+
+
+def registry_for(kind: str) -> CollectorRegistry:
+    """The registry a process of `kind` (`PROXY`, `DAEMON`, `LOCK`, `XID`) serves on
+    /metrics: its own families, `process_*` and `python_info`, and nothing else (a
+    daemon's page has no `ftctl_proxy_*`). The same object for every call."""
+    served = _SERVED.get(kind)
+    if served is None:
+        from prometheus_client import PlatformCollector, ProcessCollector
+
+        served = CollectorRegistry(auto_describe=True)
+        served.register(_Only(kind))
+        if _DEFINED is None:
+            served.register(_ProcessesCollector())
+        else:
+            ProcessCollector(registry=served)
+        PlatformCollector(registry=served)
+        _SERVED[kind] = served
+    return served
+
 
 METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_canary_probe_duration_seconds",
@@ -226,4 +378,24 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_lock_acquire_seconds",
     "ftctl_faults_injected_total",
     "ftctl_xid_events_total",
+    "dynamo_frontend_requests_total",
+    "dynamo_frontend_inflight_requests",
+    "dynamo_frontend_request_duration_seconds",
+    "dynamo_frontend_time_to_first_token_seconds",
+    "dynamo_frontend_inter_token_latency_seconds",
+    "ftctl_proxy_daemon_up",
 })
+
+
+def observe_times(histogram: Histogram, value: float, times: int) -> None:
+    """`histogram.observe(value)` `times` times over, in one step (`times` >= 1).
+
+    prometheus_client has no weighted observation; this adds to the same bucket and
+    sum `observe` does (its `_sum`, `_buckets`, `_upper_bounds`, as in 0.20 to 0.26;
+    a test checks it against `observe`).
+    """
+    histogram._sum.inc(value * times)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if value <= bound:
+            histogram._buckets[i].inc(times)
+            return

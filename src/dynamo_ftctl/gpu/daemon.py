@@ -83,9 +83,9 @@ class MetricsServer:
         from dynamo_ftctl.httpapp import Router, metrics_reply
 
         async def metrics(_: Request) -> Reply:
-            from dynamo_ftctl.metrics import REGISTRY
+            from dynamo_ftctl.metrics import XID, registry_for
 
-            return metrics_reply(REGISTRY)
+            return metrics_reply(registry_for(XID))
 
         router = Router()
         router.get("/metrics", metrics)

@@ -70,9 +70,9 @@ def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
         return json_reply(outcome.to_json())
 
     async def metrics(_: Request) -> Reply:
-        from dynamo_ftctl.metrics import REGISTRY
+        from dynamo_ftctl.metrics import DAEMON, registry_for
 
-        return metrics_reply(REGISTRY)
+        return metrics_reply(registry_for(DAEMON))
 
     async def health(_: Request) -> Reply:
         return json_reply({"status": "ok", "workers": daemon.counts(),

@@ -156,9 +156,9 @@ class HealthServer:
             return state_reply(lambda s: s is EngineState.ACTIVE)
 
         async def metrics(_: Request) -> Reply:
-            from dynamo_ftctl.metrics import REGISTRY
+            from dynamo_ftctl.metrics import LOCK, registry_for
 
-            return metrics_reply(REGISTRY)
+            return metrics_reply(registry_for(LOCK))
 
         router = Router()
         router.get("/", state)

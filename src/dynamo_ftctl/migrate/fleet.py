@@ -43,6 +43,7 @@ from dynamo_ftctl.migrate.admission import (
 from dynamo_ftctl.migrate.board import SharedRouter
 from dynamo_ftctl.migrate.codec import dumps
 from dynamo_ftctl.migrate.routing import Router, WorkerSlot, parse_daemon_weights
+from dynamo_ftctl.redact import redact_url
 
 if TYPE_CHECKING:
     from dynamo_ftctl.capabilities import CapabilityCache
@@ -216,21 +217,25 @@ class Fleet:
         self._watch_capabilities(slot, page)
 
     async def _poll_daemons(self, bases: tuple[str, ...]) -> None:
-        """Weights from the first canary daemon that answers, in order (several daemons
-        judge alike, each from its own probes); none answering: the proxy's own breakers
+        """Weights from the first canary daemon, in order, that answers (several daemons
+        judge alike, each from its own probes; all are asked at once, so each one's
+        `ftctl_proxy_daemon_up` is current); none answering: the proxy's own breakers
         alone (fail open), said once in the log when it starts and when it ends."""
-        weights: dict[str, float] | None = None
-        for base in bases:
+        async def ask(base: str) -> dict[str, float] | None:
             try:
-                weights = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
-                break
-            except Exception:  # noqa: S112 (this daemon away: ask the next)
-                continue
+                got = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
+            except Exception:  # this daemon away: the others may answer
+                got = None
+            self.metrics.PROXY_DAEMON_UP.labels(redact_url(base)).set(got is not None)
+            return got
+
+        answers = await asyncio.gather(*(ask(base) for base in bases))
+        weights = next((w for w in answers if w is not None), None)
         up = weights is not None
         if up != self.daemon_up:
             if not up:
                 log.warning("no canary daemon answers (%s): the proxy's own breakers decide "
-                            "alone until one does", ", ".join(bases))
+                            "alone until one does", ", ".join(map(redact_url, bases)))
             elif self.daemon_up is False:
                 log.warning("a canary daemon answers again: its weights apply")
         self.daemon_up = up

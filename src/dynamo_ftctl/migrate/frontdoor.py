@@ -29,6 +29,7 @@ from dynamo_ftctl.migrate.codec import SSE_DONE, dumps, sse_batch, sse_event
 from dynamo_ftctl.migrate.continuation import RequestRejected, prepare_request
 from dynamo_ftctl.migrate.ledger import StreamLedger
 from dynamo_ftctl.migrate.policy import ProxyError, StreamAborted
+from dynamo_ftctl.migrate.tally import UNKNOWN_MODEL, TallyBook, error_type_of
 from dynamo_ftctl.openai import error_body, parse_request_json
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.migrate.fleet import Fleet
     from dynamo_ftctl.migrate.ledger import Endpoint
     from dynamo_ftctl.migrate.policy import MigrationPolicy
+    from dynamo_ftctl.migrate.tally import RequestTally
 
 __all__ = ["CONTINUATION_HEADER", "MIGRATED_HEADER", "PRIORITY_HEADER", "TIMING_HEADER",
            "WORKER_HEADER", "FrontDoor"]
@@ -76,6 +78,7 @@ class FrontDoor:
         self.fleet = fleet
         self.policy = policy
         self.config = config
+        self.tally = TallyBook(fleet.metrics, fleet.clock)  # Dynamo's request series
         # The server's budget of buffered request bytes (`serve` sets it): a request's
         # parsed form is counted in it too, not only its raw bytes.
         self.budget: Server | None = None
@@ -109,29 +112,34 @@ class FrontDoor:
         non-streamed answer is collected while the client waits (the server cancels
         this handler, and so the upstream request, when the client leaves).
         """
+        tally = self.tally.start(endpoint)
         held = len(raw_body) * PARSED_BYTES_PER_BYTE if self.budget is not None else 0
         if held and self.budget is not None and not self.budget.hold(held):
+            tally.finish("overload")
             return _reply(503, error_body(
                 "this proxy holds as many request bytes as max_buffered_mib allows; retry "
                 "later", type="service_unavailable", code=503),
                 {"Retry-After": str(self.config.retry_after_s)})
-        handed_on = False  # a streamed answer gives the bytes back when it ends
+        handed_on = False  # a streamed answer gives the bytes back (and counts) when it ends
         try:
             reply = await self._generate(endpoint, raw_body, priority, request_id,
-                                         lambda: self._release(held))
+                                         lambda: self._release(held), tally=tally)
             handed_on = isinstance(reply, Stream)
+            if not handed_on:
+                tally.finish(error_type_of(reply.status))
             return reply
         finally:
             if not handed_on:
                 self._release(held)
+                tally.finish("cancelled")  # the client left (or a bug): counted once
 
     def _release(self, held: int) -> None:
         if held and self.budget is not None:
             self.budget.release(held)
 
     async def _generate(self, endpoint: Endpoint, raw_body: bytes, priority: str | None,
-                        request_id: str | None, release: Callable[[], None],
-                        ) -> Reply | Stream:
+                        request_id: str | None, release: Callable[[], None], *,
+                        tally: RequestTally) -> Reply | Stream:
         try:
             raw = parse_request_json(raw_body)
             body = prepare_request(endpoint, raw)
@@ -144,6 +152,9 @@ class FrontDoor:
                                   or not self.fleet.router.serves(model)):
             return _reply(404, error_body(f"The model {model!r} does not exist.",
                                           type="NotFoundError", code=404))
+        if isinstance(model, str):
+            tally.model = model
+        tally.streamed = body.get("stream") is True
         try:
             self.admit(model, priority)
         except ProxyError as exc:
@@ -152,17 +163,20 @@ class FrontDoor:
                               migration_limit=self.config.migration_limit,
                               trace_id=request_id or "")
         lane = Lane() if ledger.client_streams else None
+        tally.admit(model if isinstance(model, str) else UNKNOWN_MODEL, streamed=lane is not None)
         chunks = self.policy.generate(ledger, lane)
         if lane is None:
             try:
                 async for _ in chunks:
-                    pass
+                    if tally.first is None:
+                        tally.first_token()
             except ProxyError as exc:
                 return _reply(exc.status, exc.body, exc.headers)
             except StreamAborted as exc:
                 return _reply(502, error_body(str(exc), type=exc.kind, code=502))
             finally:
                 await chunks.aclose()
+            tally.finish("", ledger.generated_count)
             return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
         try:
             first = await chunks.__anext__()
@@ -172,7 +186,8 @@ class FrontDoor:
             return _reply(exc.status, exc.body, exc.headers)
         except StreamAborted as exc:
             return _reply(502, error_body(str(exc), type=exc.kind, code=502))
-        return Stream(_sse_body(ledger, first, chunks, release),
+        tally.first_token()
+        return Stream(_sse_body(ledger, first, chunks, release, tally),
                       headers=_answer_headers(ledger), on_push=lane.bind)
 
     def admit(self, model: str | None, priority_header: str | None) -> None:
@@ -214,7 +229,8 @@ class FrontDoor:
     async def _metrics(self, _: Request) -> Reply:
         self.fleet.refresh_busy()
         self.fleet.refresh_gauges()
-        return metrics_reply(self.fleet.metrics.REGISTRY)
+        self.tally.refresh()
+        return metrics_reply(self.fleet.metrics.registry_for(self.fleet.metrics.PROXY))
 
     async def _busy_threshold(self, request: Request) -> Reply:
         """GET (anyone) or POST (admin token) the busy thresholds of a model."""
@@ -287,7 +303,7 @@ def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
 
 async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
                     chunks: AsyncIterator[list[dict[str, Any]]],
-                    release: Callable[[], None]) -> AsyncIterator[bytes]:
+                    release: Callable[[], None], tally: RequestTally) -> AsyncIterator[bytes]:
     try:
         if first is not None:
             yield sse_batch(first)
@@ -297,6 +313,7 @@ async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
         except (StreamAborted, ProxyError) as exc:
             message, kind = (str(exc), exc.kind) if isinstance(exc, StreamAborted) \
                 else (str(exc.body), "worker_failed")
+            tally.finish("internal")  # the client hears a 502 error event
             yield sse_event(error_body(message, type=kind, code=502))
             yield SSE_DONE
             return
@@ -304,9 +321,11 @@ async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
         if ledger.migrations:
             # Headers left before the stream broke: say it in an SSE comment.
             tail += f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
+        tally.finish("", ledger.generated_count)
         yield tail + SSE_DONE
     finally:
         # The client went away (or we are done): close the upstream stream now.
+        tally.finish("cancelled")  # counts only when nothing above did
         release()
         aclose = getattr(chunks, "aclose", None)
         if aclose is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
+import pytest
+from prometheus_client import Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from dynamo_ftctl import metrics
@@ -17,6 +20,12 @@ DYNAMO_MIRRORS = {
     "dynamo_frontend_model_migration_duration_seconds":
         ("histogram", ("model", "migration_type", "outcome")),
     "dynamo_frontend_model_migration_limit": ("gauge", ("model",)),
+    "dynamo_frontend_requests_total":
+        ("counter", ("model", "endpoint", "request_type", "status", "error_type")),
+    "dynamo_frontend_inflight_requests": ("gauge", ("model",)),
+    "dynamo_frontend_request_duration_seconds": ("histogram", ("model",)),
+    "dynamo_frontend_time_to_first_token_seconds": ("histogram", ("model",)),
+    "dynamo_frontend_inter_token_latency_seconds": ("histogram", ("model",)),
 }
 # The `prometheus` crate's DEFAULT_BUCKETS, which Dynamo's migration histogram uses.
 DYNAMO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -57,6 +66,40 @@ def test_dynamo_histogram_has_dynamos_buckets() -> None:
     """The migration duration histogram has the buckets Dynamo's has (and +Inf)."""
     bounds = metrics.DYNAMO_MIGRATION_DURATION._upper_bounds
     assert tuple(bounds) == (*DYNAMO_DEFAULT_BUCKETS, float("inf"))
+
+
+def _log_buckets(low: float, high: float, count: int) -> tuple[float, ...]:
+    """Dynamo's `generate_log_buckets`: 0, then log-spaced values to two significant figures."""
+    out = [0.0]
+    for i in range(1, count):
+        value = math.exp(math.log(low) + (math.log(high) - math.log(low)) * i / (count - 1))
+        rounded = float(f"{value:.2g}")
+        if rounded != out[-1]:
+            out.append(rounded)
+    return tuple(out)
+
+
+@pytest.mark.parametrize(("histogram", "defaults"), [
+    (metrics.DYNAMO_REQUEST_DURATION, (1.0, 512.0, 10)),
+    (metrics.DYNAMO_TTFT, (0.001, 480.0, 18)),
+    (metrics.DYNAMO_ITL, (0.001, 2.0, 13)),
+])
+def test_request_histograms_have_dynamos_buckets(histogram: Histogram,
+                                                 defaults: tuple[float, float, int]) -> None:
+    """The request histograms have Dynamo 1.6's default buckets (and +Inf)."""
+    assert tuple(histogram._upper_bounds) == (*_log_buckets(*defaults), float("inf"))
+
+
+def test_observe_times_is_observe_repeated() -> None:
+    """`observe_times(h, v, n)` leaves a histogram as `n` calls of `observe(v)` do."""
+    once = Histogram("t_once", "", buckets=(0.1, 1.0), registry=None)
+    many = Histogram("t_many", "", buckets=(0.1, 1.0), registry=None)
+    for value, times in ((0.05, 3), (0.5, 2), (7.0, 4)):
+        metrics.observe_times(once, value, times)
+        for _ in range(times):
+            many.observe(value)
+    (a,), (b,) = once.collect(), many.collect()
+    assert [s.value for s in a.samples] == [s.value for s in b.samples]
 
 
 def test_every_series_is_documented() -> None:

@@ -50,6 +50,17 @@ def test_absent_series_cases_are_covered() -> None:
             "CanaryDaemonNotProbing"} <= tested
 
 
+def test_operating_alerts_are_covered() -> None:
+    """The unit tests raise the alerts an operator of a real cluster needs (issue 32): too
+    few healthy workers, an open breaker, a query of death, failed migrations, a proxy
+    that cannot read its daemon."""
+    doc = yaml.safe_load(ALERT_TESTS.read_text())
+    tested = {case["alertname"] for group in doc["tests"]
+              for case in group["alert_rule_test"] if case["exp_alerts"]}
+    assert {"FleetCapacityLow", "CircuitBreakerOpen", "QueriesOfDeath", "MigrationsFailing",
+            "ProxyCannotReadDaemon"} <= tested
+
+
 def test_rules_use_only_defined_metrics() -> None:
     """Every metric in an expression is one metrics.py defines; the canary ones are covered."""
     doc = yaml.safe_load(ALERTS.read_text())
