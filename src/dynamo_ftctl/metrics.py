@@ -34,6 +34,8 @@ __all__ = [
     "BACKPRESSURE",
     "CIRCUIT_BREAKER_STATE",
     "DEGRADATION_LEVEL",
+    "DISCOVERED_WORKERS",
+    "DISCOVERY_FAILURES",
     "DYNAMO_MIGRATION_TOTAL",
     "FAULTS_INJECTED",
     "HEALTH_CHECK_DURATION",
@@ -168,6 +170,19 @@ XID_EVENTS = Counter(
     registry=_DEFINED,
 )
 
+DISCOVERY_FAILURES = Counter(
+    "ftctl_discovery_failures_total",
+    "DNS discovery rounds whose answer was not taken as it came: reason timeout, servfail, "
+    "error (the workers stay), empty (nothing found, not yet believed) or capped (past "
+    "max_workers).",
+    ["source", "reason"], registry=_DEFINED,
+)
+DISCOVERED_WORKERS = Gauge(
+    "ftctl_discovery_workers", "Workers a DNS discovery entry gives now.",
+    ["source"], registry=_DEFINED,
+    multiprocess_mode="livemax",
+)
+
 METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_canary_probe_duration_seconds",
     "ftctl_worker_state",
@@ -187,4 +202,6 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "ftctl_lock_acquire_seconds",
     "ftctl_faults_injected_total",
     "ftctl_xid_events_total",
+    "ftctl_discovery_failures_total",
+    "ftctl_discovery_workers",
 })
