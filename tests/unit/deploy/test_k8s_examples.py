@@ -167,7 +167,8 @@ def test_ftctl_containers_are_locked_down() -> None:
 
 def test_services_target_the_ports_their_pods_name() -> None:
     """Each Service selects a workload of the examples and targets a port it declares."""
-    workloads = {doc["metadata"]["name"]: doc for _, doc in MANIFESTS if doc["kind"] == "Deployment"}
+    workloads = {doc["metadata"]["name"]: doc for _, doc in MANIFESTS
+                 if doc["kind"] in ("Deployment", "StatefulSet")}
     services = [doc for _, doc in MANIFESTS if doc["kind"] == "Service"]
     assert services
     for service in services:
@@ -245,3 +246,25 @@ def test_parse_rejects_what_ftctl_would(args: list[str]) -> None:
     missing argument."""
     with pytest.raises(click.UsageError):
         parse_ftctl(args)
+
+
+def test_the_discovery_example_follows_its_headless_service() -> None:
+    """vllm-discovery.yaml: the proxy's inventory (ConfigMap) loads and resolves the headless
+    Service's name in the namespace the file says; the Service is headless over ready pods
+    and names the StatefulSet's port `http` (so its SRV records are `_http._tcp`)."""
+    from dynamo_ftctl.inventory import load_inventory, parse_inventory
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for w, d in MANIFESTS
+            if w.startswith("examples/k8s/vllm-discovery.yaml")}
+    service = docs[("Service", "vllm")]["spec"]
+    assert service["clusterIP"] == "None"
+    assert service["publishNotReadyAddresses"] is False
+    assert docs[("StatefulSet", "vllm")]["spec"]["serviceName"] == "vllm"
+    inventory = parse_inventory(docs[("ConfigMap", "ftctl-vllm-inventory")]["data"]["ftctl.yaml"])
+    (source,) = inventory.discovery
+    assert source.dns == "vllm.llm.svc.cluster.local"
+    assert "kubectl -n llm apply" in (EXAMPLES / "vllm-discovery.yaml").read_text()
+    assert service["ports"][0]["name"] == "http"
+    assert source.port == service["ports"][0]["port"]
+    (example,) = load_inventory(ROOT / "examples" / "discovery.yaml").discovery
+    assert (example.dns, example.port) == (source.dns, source.port)
