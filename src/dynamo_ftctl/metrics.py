@@ -51,6 +51,8 @@ __all__ = [
     "CIRCUIT_BREAKER_STATE",
     "DAEMON",
     "DEGRADATION_LEVEL",
+    "DISCOVERED_WORKERS",
+    "DISCOVERY_FAILURES",
     "DYNAMO_INFLIGHT",
     "DYNAMO_ITL",
     "DYNAMO_MIGRATION_DURATION",
@@ -264,6 +266,20 @@ XID_EVENTS = Counter(
     registry=_DEFINED,
 )
 
+DISCOVERY_FAILURES = Counter(
+    "ftctl_discovery_failures_total",
+    "DNS discovery rounds whose answer was not taken as it came: reason timeout, servfail, "
+    "error (the workers stay), empty (nothing found, not yet believed) or capped (past "
+    "max_workers).",
+    ["source", "reason"], registry=_DEFINED,
+)
+DISCOVERED_WORKERS = Gauge(
+    "ftctl_discovery_workers", "Workers a DNS discovery entry gives now.",
+    ["source"], registry=_DEFINED,
+    multiprocess_mode="livemax",
+)
+
+
 # What each kind of process serves on /metrics (beside `process_*` and `python_info`).
 PROXY = "proxy"
 DAEMON = "daemon"
@@ -275,8 +291,9 @@ _FAMILIES: dict[str, tuple[MetricWrapperBase, ...]] = {
             DEGRADATION_LEVEL, TASKS_REJECTED, QUEUED_REQUESTS, QUERY_OF_DEATH,
             UNCONFIRMED_CHARGES, BACKPRESSURE, RETRY_BUDGET_EXHAUSTED, WORKER_BUSY,
             DYNAMO_REQUESTS, DYNAMO_INFLIGHT, DYNAMO_REQUEST_DURATION, DYNAMO_TTFT, DYNAMO_ITL,
-            PROXY_DAEMON_UP),
-    DAEMON: (HEALTH_CHECK_DURATION, WORKER_STATUS, CIRCUIT_BREAKER_STATE),
+            PROXY_DAEMON_UP, DISCOVERY_FAILURES, DISCOVERED_WORKERS),
+    DAEMON: (HEALTH_CHECK_DURATION, WORKER_STATUS, CIRCUIT_BREAKER_STATE,
+             DISCOVERY_FAILURES, DISCOVERED_WORKERS),
     LOCK: (LOCK_HOLDER, LOCK_ACQUIRE_SECONDS),
     XID: (XID_EVENTS,),
 }
@@ -384,6 +401,8 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "dynamo_frontend_time_to_first_token_seconds",
     "dynamo_frontend_inter_token_latency_seconds",
     "ftctl_proxy_daemon_up",
+    "ftctl_discovery_failures_total",
+    "ftctl_discovery_workers",
 })
 
 

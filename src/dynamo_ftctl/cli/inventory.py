@@ -40,12 +40,15 @@ def check(ctx: typer.Context, file: FileArg = None, json_: JsonFlag = False) -> 
         "cluster": inventory.cluster,
         "workers": len(inventory.workers),
         "groups": len(inventory.groups),
+        "discovery": [source.dns for source in inventory.discovery],
     }
     if json_mode(ctx, json_):
         finish(ctx, summary, json_flag=True)
     sys.stdout.write(
         f"{file or inventory.source}: ok, cluster {inventory.cluster!r}, "
-        f"{len(inventory.workers)} workers, {len(inventory.groups)} groups\n",
+        f"{len(inventory.workers)} workers, {len(inventory.groups)} groups"
+        + "".join(f", workers found in DNS at {source.dns}" for source in inventory.discovery)
+        + "\n",
     )
 
 

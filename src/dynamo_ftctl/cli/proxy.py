@@ -67,7 +67,8 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
 
     SIGHUP reloads the inventory: workers added, removed or changed without dropping a
     stream (streams on a removed worker run to their end); a file that does not load
-    keeps the workers as they were and logs one line.
+    keeps the workers as they were and logs one line. Workers found in DNS (the
+    inventory's discovery:) join and leave the same way as the answers change.
 
     POST /busy_threshold needs Authorization: Bearer $FTCTL_ADMIN_TOKEN (or the variable
     proxy.admin_token_env names; 403 while it is unset).

@@ -148,9 +148,9 @@ class HealthDaemon:
         baselines: Baselines | None = None,
         on_transition: Callable[[Transition], None] | None = None,
         on_action: Callable[[ActionOutcome], None] | None = None,
-        metrics: bool = True, gate: ActingGate | None = None,
+        metrics: bool = True, gate: ActingGate | None = None, allow_empty: bool = False,
     ) -> None:
-        if not workers:
+        if not workers and not allow_empty:
             msg = "the canary daemon needs at least one worker"
             raise InvalidInput(msg)
         self.canary_set = canary_set
@@ -184,6 +184,21 @@ class HealthDaemon:
         self._metrics = metrics
         if metrics:
             for entry in self.entries.values():
+                self._publish(entry)
+
+    def set_workers(self, workers: Sequence[WatchedWorker]) -> None:
+        """Watch `workers` from now on (DNS discovery): one that stays keeps its state and
+        breaker, a new one starts HEALTHY and is probed next round, one that left is
+        forgotten (a probe of it in flight ends unrecorded here)."""
+        machine = MachineConfig.from_canary(self.config)
+        entries = {}
+        for worker in workers:
+            old = self.entries.get(worker.target.name)
+            entries[worker.target.name] = old if old is not None and old.worker == worker \
+                else _Entry(worker, WorkerHealth(worker.target.name, machine, self.clock))
+        self.entries = entries
+        if self._metrics:
+            for entry in entries.values():
                 self._publish(entry)
 
     # ------------------------------------------------------------------ probing
@@ -500,9 +515,18 @@ def run_daemon(
     gate = ActingGate(acting_lock)
 
     async def main() -> DaemonSummary:
-        daemon = HealthDaemon(watched_workers(inventory), canary_set, config,
-                              baselines=baselines, on_transition=transition, on_action=on_action,
+        from dynamo_ftctl.discovery import Discovery, with_discovered
+
+        discovery = Discovery(inventory.discovery)
+        if inventory.discovery:  # the first answer is watched from the first round
+            await discovery.refresh()
+        daemon = HealthDaemon(watched_workers(with_discovered(inventory, discovery.workers)),
+                              canary_set, config, baselines=baselines, on_transition=transition,
+                              on_action=on_action, allow_empty=bool(inventory.discovery),
                               gate=gate)
+        following = asyncio.ensure_future(discovery.run(lambda found: daemon.set_workers(
+            watched_workers(with_discovered(inventory, found))))) if inventory.discovery \
+            else None
         freeze_heap()
         try:
             server = await serve_api(daemon, listen, token=token_from_env(config.token_env))
@@ -531,6 +555,8 @@ def run_daemon(
             stop.set()
             with contextlib.suppress(Exception):
                 await acting  # gives the lock back (a waiting daemon takes it at once)
+            if following is not None:
+                following.cancel()
             await server.shutdown(_SHUTDOWN_S)
             await daemon.aclose()
             if store is not None:

@@ -207,6 +207,11 @@ def watch_fleet(
             msg = (f"worker {worker.name!r} serves {worker.model!r} but the canary set is for "
                    f"{canary_set.model!r}")
             raise InvalidInput(msg)
+    for source in inventory.discovery:
+        if source.model != canary_set.model:
+            msg = (f"discovery {source.name!r} serves {source.model!r} but the canary set is "
+                   f"for {canary_set.model!r}")
+            raise InvalidInput(msg)
     return run_daemon(inventory, canary_set, inventory.canary, listen=listen,
                       store=_store(inventory, state_file, use_state),
                       on_transition=on_transition, on_action=on_action, on_ready=on_ready,

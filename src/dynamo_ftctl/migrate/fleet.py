@@ -11,6 +11,10 @@ the canary daemon (`proxy.health_url`, with `$FTCTL_HEALTH_TOKEN`) and makes its
 capabilities be probed again once it answers. Whose fault a failure is, is decided
 by the migration policy (`migrate/policy.py`), not here.
 
+Workers found in DNS (the inventory's `discovery:`, `dynamo_ftctl.discovery`) come and
+go through the path of an inventory reload (`apply_inventory`): the first resolution is
+waited for at `start`, every change after it is applied as it comes.
+
 With `--procs N` each process has its own `Fleet` over the same workers, and the
 `FleetBoard` (`migrate/board.py`) makes them one view: every `_SYNC_S` a process
 replays the others' request outcomes into its breakers and posts the load its own
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers, token_from_env
+from dynamo_ftctl.discovery import Discovery, with_discovered
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.http1 import Unreachable
 from dynamo_ftctl.migrate.admission import (
@@ -100,6 +105,7 @@ class Fleet:
             active_decode_blocks_threshold=config.busy.active_decode_blocks_threshold,
             active_prefill_tokens_threshold=config.busy.active_prefill_tokens_threshold,
         )
+        self._default_thresholds = default
         self.thresholds: dict[str, Thresholds] = {w.model: default for w in inventory.workers}
         self.loads: dict[str, WorkerLoad | None] = {w.name: None for w in inventory.workers}
         # Whether a canary daemon answered the last poll (None: not asked yet, or none set).
@@ -115,6 +121,9 @@ class Fleet:
         self._confirming: dict[str, _Probe] = {}
         self._probe_seq = itertools.count()
         self._rechecking: set[str] = set()  # absent workers being probed (a scrape's)
+        self._static = inventory  # as loaded: without the workers found in DNS
+        self.discovery = Discovery(inventory.discovery, clock=clock)
+        self._discovering: asyncio.Future[Any] | None = None
         from dynamo_ftctl import metrics
 
         self.metrics = metrics
@@ -130,6 +139,8 @@ class Fleet:
                         "daemon at %s", self.config.health_token_env,
                         ", ".join(self.config.daemon_urls))
         self.capabilities = CapabilityCache(fetch=fetch_through(self.http), clock=self.clock)
+        if self._static.discovery:
+            await self._follow_dns()
         self._spawn(self._scrape_forever())
         if isinstance(self.router, SharedRouter):
             self._spawn(self._sync_forever(self.router))
@@ -149,6 +160,17 @@ class Fleet:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _follow_dns(self) -> None:
+        """Resolve the discovery entries once, serve what they give, and follow them."""
+        if await self.discovery.refresh():
+            self._discovered()
+        if self._discovering is None:
+            self._discovering = self._spawn(self.discovery.run(lambda _: self._discovered()))
+
+    def _discovered(self) -> None:
+        log.warning("discovery: %s", self._serve(with_discovered(self._static,
+                                                                 self.discovery.workers)))
 
     async def _sync_forever(self, router: SharedRouter) -> None:
         while True:
@@ -265,8 +287,12 @@ class Fleet:
         field is known from its first refusal on (`note_refused_ids`).
         """
         assert self.capabilities is not None
+        worker = self._workers.get(slot.name)
+        if worker is None:  # gone (a reload, DNS) before its probe started
+            self._learning.discard(slot.name)
+            return
         try:
-            caps = await self.capabilities.probe(self._workers[slot.name])
+            caps = await self.capabilities.probe(worker)
         finally:
             self._learning.discard(slot.name)
         for endpoint, known in (("completions", caps.token_ids), ("chat", caps.chat_token_ids)):
@@ -295,7 +321,19 @@ class Fleet:
         capabilities); one that changed is a new worker; streams on a worker left out
         run to their end, and no request goes there again. With `--procs N` the workers
         cannot come or go (the fleet board has a cell per worker): `InvalidInput`.
+        Discovery entries are followed as `inventory` says from now on; their workers
+        last found stay (an entry whose name, model, port and scheme stay keeps them).
         """
+        self.discovery.retarget(inventory.discovery)
+        summary = self._serve(with_discovered(inventory, self.discovery.workers))
+        self._static = inventory
+        # Discovery added by a reload of a running proxy (`start` made the capabilities).
+        if inventory.discovery and self._discovering is None and self.capabilities is not None:
+            self._spawn(self._follow_dns())
+        return summary
+
+    def _serve(self, inventory: Inventory) -> str:
+        """Route over `inventory.workers` from now on (`apply_inventory`); what changed."""
         old = self.router.slots
         slots = []
         for w in inventory.workers:
@@ -311,7 +349,7 @@ class Fleet:
                    "restart the proxy")
             raise InvalidInput(msg)
         self.router.replace_slots(slots)
-        default = next(iter(self.thresholds.values()))
+        default = self._default_thresholds
         self.thresholds = {w.model: self.thresholds.get(w.model, default)
                            for w in inventory.workers}
         self.loads = {w.name: self.loads.get(w.name) if w.name not in added else None
@@ -454,7 +492,7 @@ class Fleet:
     # ------------------------------------------------------------------ busy state
 
     def thresholds_for(self, model: str) -> Thresholds:
-        return self.thresholds.get(model) or next(iter(self.thresholds.values()))
+        return self.thresholds.get(model) or self._default_thresholds
 
     def note_prompt(self, prompt_tokens: int) -> None:
         """A request served with a prompt of `prompt_tokens` (the busy estimate's mean)."""

@@ -120,7 +120,8 @@ def test_schema_is_json_schema() -> None:
     proc = ftctl("inventory", "schema")
     schema = json.loads(proc.stdout)
     assert schema["additionalProperties"] is False
-    assert "workers" in schema["required"]
+    assert schema["required"] == ["cluster"]  # workers, or discovery: either will do
+    assert {"workers", "discovery"} <= set(schema["properties"])
 
 
 def test_usage_error_exit_2() -> None:

@@ -175,7 +175,8 @@ def test_ftctl_containers_are_locked_down() -> None:
 
 def test_services_target_the_ports_their_pods_name() -> None:
     """Each Service selects a workload of the examples and targets a port it declares."""
-    workloads = {doc["metadata"]["name"]: doc for _, doc in MANIFESTS if doc["kind"] == "Deployment"}
+    workloads = {doc["metadata"]["name"]: doc for _, doc in MANIFESTS
+                 if doc["kind"] in ("Deployment", "StatefulSet")}
     services = [doc for _, doc in MANIFESTS if doc["kind"] == "Service"]
     assert services
     for service in services:
@@ -309,3 +310,25 @@ def test_both_engines_of_the_failover_pod_claim_the_same_gpu() -> None:
         requests = template["spec"]["spec"]["devices"]["requests"]
         assert any(r["exactly"]["deviceClassName"] == "gpu.nvidia.com" for r in requests)
         assert all("nvidia.com/gpu" not in e["resources"].get("limits", {}) for e in engines)
+
+
+def test_the_discovery_example_follows_its_headless_service() -> None:
+    """vllm-discovery.yaml: the proxy's inventory (ConfigMap) loads and resolves the headless
+    Service's name in the namespace the file says; the Service is headless over ready pods
+    and names the StatefulSet's port `http` (so its SRV records are `_http._tcp`)."""
+    from dynamo_ftctl.inventory import load_inventory, parse_inventory
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for w, d in MANIFESTS
+            if w.startswith("examples/k8s/vllm-discovery.yaml")}
+    service = docs[("Service", "vllm")]["spec"]
+    assert service["clusterIP"] == "None"
+    assert service["publishNotReadyAddresses"] is False
+    assert docs[("StatefulSet", "vllm")]["spec"]["serviceName"] == "vllm"
+    inventory = parse_inventory(docs[("ConfigMap", "ftctl-vllm-inventory")]["data"]["ftctl.yaml"])
+    (source,) = inventory.discovery
+    assert source.dns == "vllm.llm.svc.cluster.local"
+    assert "kubectl -n llm apply" in (EXAMPLES / "vllm-discovery.yaml").read_text()
+    assert service["ports"][0]["name"] == "http"
+    assert source.port == service["ports"][0]["port"]
+    (example,) = load_inventory(ROOT / "examples" / "discovery.yaml").discovery
+    assert (example.dns, example.port) == (source.dns, source.port)

@@ -126,8 +126,8 @@ def test_invalid_inventory_names_line_and_key(
         ("cluster: [unclosed\n", "YAML syntax error"),
         ("- a\n- b\n", "got a list"),
         ("just a string\n", "got a string"),
-        ("cluster: demo\n", "missing required key"),
-        ("cluster: demo\nworkers: []\n", "at least 1"),
+        ("cluster: demo\n", "at least one worker, or a discovery entry"),
+        ("cluster: demo\nworkers: []\n", "at least one worker, or a discovery entry"),
         ("cluster: demo\nworkers: {w1: {}}\n", "expected a list"),
     ],
 )
