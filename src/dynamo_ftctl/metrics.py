@@ -291,15 +291,16 @@ _FAMILIES: dict[str, tuple[MetricWrapperBase, ...]] = {
             DEGRADATION_LEVEL, TASKS_REJECTED, QUEUED_REQUESTS, QUERY_OF_DEATH,
             UNCONFIRMED_CHARGES, BACKPRESSURE, RETRY_BUDGET_EXHAUSTED, WORKER_BUSY,
             DYNAMO_REQUESTS, DYNAMO_INFLIGHT, DYNAMO_REQUEST_DURATION, DYNAMO_TTFT, DYNAMO_ITL,
-            PROXY_DAEMON_UP, DISCOVERY_FAILURES, DISCOVERED_WORKERS),
-    DAEMON: (HEALTH_CHECK_DURATION, WORKER_STATUS, CIRCUIT_BREAKER_STATE,
-             DISCOVERY_FAILURES, DISCOVERED_WORKERS),
+            PROXY_DAEMON_UP),
+    DAEMON: (HEALTH_CHECK_DURATION, WORKER_STATUS, CIRCUIT_BREAKER_STATE),
     LOCK: (LOCK_HOLDER, LOCK_ACQUIRE_SECONDS),
     XID: (XID_EVENTS,),
 }
 # Families any kind shows once it has recorded a sample (a drill injecting faults from a
-# process that serves /metrics), and never as an empty header.
-_IF_RECORDED: tuple[MetricWrapperBase, ...] = (FAULTS_INJECTED,)
+# process that serves /metrics; a proxy or daemon following DNS discovery), and never as
+# an empty header.
+_IF_RECORDED: tuple[MetricWrapperBase, ...] = (FAULTS_INJECTED, DISCOVERY_FAILURES,
+                                               DISCOVERED_WORKERS)
 
 
 def _family_names(collectors: tuple[MetricWrapperBase, ...]) -> frozenset[str]:
