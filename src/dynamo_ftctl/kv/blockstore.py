@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
 import struct
 import time
 import zlib
@@ -38,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, WriteFailed
+from dynamo_ftctl.safefiles import write_atomic
 
 __all__ = ["HEADER", "LOW_WATER", "MAGIC", "RESCAN_PARTS", "BlockStore", "EvictionReport",
            "chain_keys", "namespace_key"]
@@ -136,7 +136,8 @@ class BlockStore:
               crc: int | None = None, suffix: str = "") -> int:
         """Write block `key` from the byte buffers `parts` (their concatenation is the
         payload; `crc` its CRC-32 when the caller has it). Returns the bytes written,
-        0 when the block was there already. Atomic: temporary file, then rename."""
+        0 when the block was there already. Atomic: temporary file, then rename
+        (`safefiles.write_atomic`, without fsync); a refused write is `WriteFailed`."""
         path = self.path_for(key, suffix)
         if path.exists():
             return 0
@@ -150,19 +151,11 @@ class BlockStore:
         head = HEADER.pack(MAGIC, len(key_text), len(geometry), payload_len, crc, 0)
         header_crc = zlib.crc32(head[:-4] + key_text + geometry)
         head = head[:-4] + struct.pack("<I", header_crc)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            try:
-                _write_all(fd, [head, key_text, geometry, *views])
-            finally:
-                os.close(fd)
-            tmp.replace(path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+            path.parent.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise WriteFailed(path, f"cannot write: {exc.strerror or exc}") from None
+        write_atomic(path, [head, key_text, geometry, *views], follow_link=False, sync=False)
         size = len(head) + len(key_text) + len(geometry) + payload_len
         self._written_since_scan += size
         if self._written_since_scan >= self.budget_bytes // RESCAN_PARTS:
@@ -287,20 +280,6 @@ class BlockStore:
         return EvictionReport(files=len(blocks), bytes_before=total,
                               evicted_files=evicted_files, evicted_bytes=evicted_bytes,
                               stale_temps=stale)
-
-
-def _write_all(fd: int, buffers: Sequence[Any]) -> None:
-    """`os.writev` until every byte of `buffers` is written (writev may write fewer)."""
-    pending = [memoryview(b).cast("B") for b in buffers if len(b)]
-    while pending:
-        written = os.writev(fd, pending[:1024])  # IOV_MAX is 1024 on Linux
-        while written and pending:
-            if written >= pending[0].nbytes:
-                written -= pending[0].nbytes
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][written:]
-                written = 0
 
 
 def _read_header(f: Any, name: str, geometry: bytes | None, payload_len: int | None,

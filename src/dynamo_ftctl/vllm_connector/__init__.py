@@ -25,8 +25,15 @@ __all__ = ["FtctlConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "FtctlConnector":
+        from dynamo_ftctl.errors import MissingExtra
         from dynamo_ftctl.vllm_connector._adapter import connector_class
 
-        return connector_class()
+        try:
+            return connector_class()
+        except ImportError as exc:
+            missing = MissingExtra.from_import_error(exc)
+            if missing is None:
+                raise
+            raise missing from None
     msg = f"module {__name__!r} has no attribute {name!r}"
     raise AttributeError(msg)

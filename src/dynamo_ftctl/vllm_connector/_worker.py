@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, WriteFailed
 from dynamo_ftctl.kv.blockstore import BlockStore
 from dynamo_ftctl.kv.copy import copy_blocks
 from dynamo_ftctl.kv.export import export_blocks
@@ -172,7 +172,7 @@ class BlockMover:
             try:
                 written += self.store.write(move.key, self.geometry, [r[index] for r in rows],
                                             crc=exported.checksums[index], suffix=self.suffix)
-            except OSError as exc:
+            except WriteFailed as exc:
                 self.stats.save_errors += 1
                 if self.stats.save_errors == 1 or self.stats.save_errors % 1000 == 0:
                     log.warning("ftctl KV connector: cannot write to the store %s (%s); "

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.errors import InvalidInput, WriteFailed
 from dynamo_ftctl.kv.blockstore import (
     HEADER,
     LOW_WATER,
@@ -96,24 +96,16 @@ def test_write_of_an_existing_block_writes_nothing(tmp_path: Path) -> None:
     assert store.write(key, GEO, [BLOCK]) == 0
 
 
-def test_write_leaves_no_temporary_file_and_no_partial_block(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A write that fails half-way (a full disk) leaves neither the block nor its
-    temporary file."""
-    from dynamo_ftctl.kv import blockstore
-
+def test_a_refused_write_is_write_failed_and_leaves_nothing(tmp_path: Path) -> None:
+    """A store where a block's directory cannot be made (a file in its place) refuses the
+    write with WriteFailed and leaves no block and no temporary file."""
     store = store_with(tmp_path)
     key = chain_keys(NS, [5] * 4, 4)[0]
-
-    def half_then_fail(fd: int, buffers: list[bytes]) -> None:
-        os.write(fd, bytes(buffers[0])[:5])
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(blockstore, "_write_all", half_then_fail)
-    with pytest.raises(OSError, match="No space"):
+    store.path_for(key).parent.write_bytes(b"in the way")
+    with pytest.raises(WriteFailed):
         store.write(key, GEO, [BLOCK])
     assert not store.has(key)
-    assert not [p for p in store.root.rglob("*") if p.is_file()]
+    assert [p.name for p in store.root.rglob("*")] == [store.path_for(key).parent.name]
 
 
 def test_a_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
