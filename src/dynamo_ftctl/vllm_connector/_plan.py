@@ -8,7 +8,8 @@
   must compute at least one token), are keyed by `blockstore.chain_keys`; the
   leading run of keys whose files are whole in the store (every shard's,
   checksums verified: `BlockStore.verify`, memoized by inode and mtime) is what
-  it may load. A damaged file is a miss, never an error.
+  it may load. A damaged file is a miss, never an error, and is removed so that
+  the next worker to compute the block saves it again.
 - **Saving.** A block is saved in the step after it filled: when the tokens the
   engine had computed before a step (`num_computed_tokens`) and whose ids are
   known (`all_token_ids`; under async scheduling the last ones lag) cover it.
@@ -90,7 +91,14 @@ class Planner:
         return tracked.keys[:blocks]
 
     def _whole(self, key: bytes) -> bool:
-        return all(self.store.verify(key, suffix=shard) for shard in self.shards)
+        """Every shard of `key` is whole; a damaged one is removed (a worker saves the
+        block again the next time it computes it)."""
+        for shard in self.shards:
+            if not self.store.verify(key, suffix=shard):
+                if self.store.has(key, shard):
+                    self.store.discard(key, shard)
+                return False
+        return True
 
     def track(self, request: Any) -> None:
         """Start tracking a new request (vLLM: `on_new_request`)."""
