@@ -110,6 +110,7 @@ EXTRA_OF_MODULE: dict[str, str] = {
     "numpy": "sim",
     "pynvml": "gpu",
     "matplotlib": "plot",
+    "vllm": "vllm",
 }
 
 

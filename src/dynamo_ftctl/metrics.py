@@ -68,6 +68,7 @@ __all__ = [
     "LOCK_HOLDER",
     "METRIC_NAMES",
     "MIGRATION_DURATION",
+    "MIGRATION_PROMPT_TOKENS",
     "MIGRATION_TOTAL",
     "PROXY",
     "PROXY_DAEMON_UP",
@@ -132,6 +133,15 @@ CIRCUIT_BREAKER_STATE = Gauge(
 MIGRATION_TOTAL = Counter(
     "ftctl_migrations_total", "Requests continued on another worker after a failure.",
     ["source_group", "target_group", "method"], registry=_DEFINED,
+)
+# A continued stream's prompt (the client's prompt and the tokens generated before the
+# cut), by how the new worker got its KV: "loaded" (its prefix cache or a KV connector's
+# store: vLLM's usage.prompt_tokens_details.cached_tokens) or "recomputed". `method` is
+# "kv" when any was loaded, else "reprefill". Counted when the worker's usage arrives.
+MIGRATION_PROMPT_TOKENS = Counter(
+    "ftctl_migration_prompt_tokens_total",
+    "Prompt tokens of streams continued on another worker, loaded or recomputed.",
+    ["method", "kind"], registry=_DEFINED,
 )
 # Dynamo's frontend counter, mirrored with its exact name and labels: `migration_type`
 # is "new_request" (a failure before any token: `method="retry"`) or "ongoing_request"
@@ -384,6 +394,7 @@ METRIC_NAMES: frozenset[str] = frozenset({
     "dynamo_frontend_model_migration_duration_seconds",
     "dynamo_frontend_model_migration_limit",
     "ftctl_migration_duration_seconds",
+    "ftctl_migration_prompt_tokens_total",
     "ftctl_proxy_degradation_level",
     "ftctl_proxy_rejected_requests_total",
     "ftctl_proxy_queued_requests",

@@ -37,9 +37,9 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from dynamo_ftctl.errors import InvalidInput, OutputRefused, WriteFailed
 
@@ -245,17 +245,24 @@ def check_output_path(path: Path, *, follow_link: bool = True) -> Path:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
-                 follow_link: bool = True) -> None:
-    """Write `data` to `path` through a temporary file and a rename in the same directory
-    descriptor: never half-written, never through a link the module's rules refuse.
+def write_atomic(path: Path, data: bytes | str | Sequence[Any], *, mode: int = 0o644,
+                 follow_link: bool = True, sync: bool = True) -> None:
+    """Write `data` (or the concatenation of its buffers) to `path` through a temporary
+    file and a rename in the same directory descriptor: never half-written, never through
+    a link the module's rules refuse.
 
     A device, FIFO, socket, directory or refused link is `OutputRefused` (exit 2); a
     failed write is `WriteFailed` naming the path (exit 1) and leaves the previous file,
     if any, as it was, with no temporary file. `follow_link=False` for names ftctl
-    chose itself (files in an output directory).
+    chose itself (files in an output directory). `sync=False` skips the fsync: the file
+    is still whole or absent after a crash of the writer, not of the host (a cache).
     """
-    payload = data.encode() if isinstance(data, str) else data
+    if isinstance(data, str):
+        parts: Sequence[Any] = [data.encode()]
+    elif isinstance(data, bytes | bytearray | memoryview):
+        parts = [data]
+    else:
+        parts = data
     with _parent(path, create=True) as dir_fd:
         name = _resolve(dir_fd, path, follow_link=follow_link)
         tmp = f".{name}.{os.urandom(4).hex()}.tmp"
@@ -266,10 +273,12 @@ def write_atomic(path: Path, data: bytes | str, *, mode: int = 0o644,
             raise _failed(path, exc) from None
         try:
             try:
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
+                if sync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
             _resolve(dir_fd, path, follow_link=follow_link)  # swapped meanwhile: refused

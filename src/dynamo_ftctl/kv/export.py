@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.kv.copy import DEFAULT_CHUNK_BYTES, copy_blocks
-from dynamo_ftctl.kv.streams import CopyHandle
+from dynamo_ftctl.kv.streams import CopyHandle, StreamOps
 
 if TYPE_CHECKING:
     import torch
@@ -85,8 +85,10 @@ def export_blocks(
     *,
     block_dim: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ops: StreamOps | None = None,
 ) -> ExportedBlocks:
-    """Copy `block_ids` out of `caches` into host memory and checksum every block."""
+    """Copy `block_ids` out of `caches` into host memory and checksum every block
+    (`ops`: the copier's stream seam, its default for the caches' device when None)."""
     import torch
 
     if not caches:
@@ -100,6 +102,7 @@ def export_blocks(
     views = [t.movedim(0, dim) for t in data]
     copy_blocks(
         caches, views, block_ids, torch.arange(count), block_dim=dim, chunk_bytes=chunk_bytes,
+        ops=ops,
     ).wait()
     return ExportedBlocks(data=data, checksums=block_checksums(data), block_dim=dim)
 

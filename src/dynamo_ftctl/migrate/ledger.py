@@ -117,6 +117,11 @@ class StreamLedger:
     migrations: int = 0
     attempt_tokens: int = 0
     prompt_tokens_reported: int | None = None
+    # The current attempt's usage as its worker reported it (vLLM sends it last):
+    # prompt tokens, and of those the ones whose KV it loaded instead of computing
+    # (`prompt_tokens_details.cached_tokens`; None when the worker sends no details).
+    attempt_prompt_tokens: int | None = None
+    attempt_cached_tokens: int | None = None
     logprobs: dict[str, Any] | None = None
     workers: list[str] = field(default_factory=list)
     # The serving worker's time to first token as the proxy saw it (request written to
@@ -226,6 +231,7 @@ class StreamLedger:
     def start_attempt(self, worker: str = "") -> None:
         """A new upstream stream begins on `worker` (first try, retry or continuation)."""
         self.attempt_tokens = 0
+        self.attempt_prompt_tokens = self.attempt_cached_tokens = None
         self.upstream_id = new_request_id()
         if worker:
             self.workers.append(worker)
@@ -271,9 +277,20 @@ class StreamLedger:
                 usage = doc.get("usage")
                 if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
                     self.prompt_tokens_reported = usage["prompt_tokens"]
+        if isinstance(usage := doc.get("usage"), dict):
+            self._note_attempt_usage(usage)
         if choice is None:
             return None  # the worker's usage chunk: the proxy sends its own at the end
         return self._observe_choice(doc, choice, render)
+
+    def _note_attempt_usage(self, usage: dict[str, Any]) -> None:
+        prompt = usage.get("prompt_tokens")
+        if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt >= 0:
+            self.attempt_prompt_tokens = prompt
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+            self.attempt_cached_tokens = cached
 
     def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any],
                         render: bool) -> dict[str, Any] | None:

@@ -214,6 +214,8 @@ class MigrationPolicy:
                             trip.yielded = True
                             yield batch
                         self.fleet.router.record_success(slot)
+                        if trip.method in ("reprefill", "text"):
+                            self._prefill_reused(ledger, slot)
                         if ledger.prompt_ids is not None:
                             self.fleet.note_prompt(len(ledger.prompt_ids))
                         return
@@ -290,6 +292,22 @@ class MigrationPolicy:
             self.metrics.MIGRATION_DURATION.observe(gap)
             trip.failed_at = None
             self._migration_ended(trip, "success")
+
+    def _prefill_reused(self, ledger: StreamLedger, slot: WorkerSlot) -> None:
+        """A continued stream ended well: how much of its prompt the worker loaded as KV
+        (a connector's store, its prefix cache) and how much it computed again."""
+        prompt, cached = ledger.attempt_prompt_tokens, ledger.attempt_cached_tokens
+        if prompt is None or cached is None:
+            log.info("request %s continued on %s: the worker reported no cached tokens "
+                     "(vLLM: --enable-prompt-tokens-details)", ledger.trace_id, slot.name)
+            return
+        loaded = min(cached, prompt)
+        method = "kv" if loaded else "reprefill"
+        self.metrics.MIGRATION_PROMPT_TOKENS.labels(method, "loaded").inc(loaded)
+        self.metrics.MIGRATION_PROMPT_TOKENS.labels(method, "recomputed").inc(prompt - loaded)
+        log.info("request %s continued on %s (method=%s): %d of %d prompt tokens loaded, "
+                 "%d recomputed", ledger.trace_id, slot.name, method, loaded, prompt,
+                 prompt - loaded)
 
     def _migration_ended(self, trip: _Trip, outcome: str) -> None:
         """Dynamo's `model_migration_duration_seconds` for the migration under way."""

@@ -58,6 +58,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
 
 
+# The session pair's servers once started: a module that starts servers of its own stops
+# these first (at most two servers at once on a 2-core machine); `vllm_pair` starts them
+# again for the next test that asks.
+SESSION_SERVERS: list[VllmServer] = []
+
+
 @pytest.fixture
 def vllm_pair(vllm_servers: tuple[VllmServer, ...]) -> tuple[VllmServer, ...]:
     """The session's two servers, alive: one that an earlier test killed starts again."""
@@ -82,6 +88,7 @@ def vllm_servers(vllm_py: Path, tiny_llama: Path,
                                       cpu=cpus[index % len(cpus)]))
         for server in servers:
             wait_healthy(server, began)
+        SESSION_SERVERS[:] = servers
         yield tuple(servers)
     finally:
         for server in servers:

@@ -121,8 +121,11 @@ def _free_port() -> int:
         return port
 
 
-def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int) -> VllmServer:
-    """Start a server in its own process group, its OpenMP threads bound to core `cpu`."""
+def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int,
+               extra_args: tuple[str, ...] = ()) -> VllmServer:
+    """Start a server in its own process group, its OpenMP threads bound to core `cpu`
+    (`extra_args` after the suite's own; this checkout's src/ is on its PYTHONPATH, so
+    `--kv-transfer-config` can name `dynamo_ftctl.vllm_connector`)."""
     port = _free_port()
     env = {
         **os.environ,
@@ -132,10 +135,11 @@ def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int) -> 
         "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": str(HERE.parents[2] / "src"),
     }
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
