@@ -400,7 +400,11 @@ class Fleet:
         asked = next(self._probe_seq)
         while True:
             probe = self._confirming.get(slot.name)
-            if probe is None:
+            # A probe that ended is still registered until its done callback runs (a loop
+            # iteration later): awaiting it would return at once without yielding, and
+            # this loop would spin forever with the event loop blocked (it froze the
+            # whole proxy under load). An ended probe counts as none.
+            if probe is None or probe.task.done():
                 probe = _Probe(next(self._probe_seq), self._spawn(self._probe_known_good(slot)))
                 self._confirming[slot.name] = probe
                 probe.task.add_done_callback(functools.partial(self._probed, slot.name, probe))

@@ -491,3 +491,25 @@ def test_a_stream_cut_after_a_retry_goes_on_from_token_ids(run: Callable[..., An
             assert prompt == [*b"hello world", *(ord(ch) for ch in
                                                  expected_text("hello world", 5, 5))]
     run(go())
+
+
+def test_confirm_never_spins_on_a_probe_that_ended_but_is_still_registered(
+        run: Callable[..., Any]) -> None:
+    """A probe that has ended stays registered until its done callback runs, a loop turn
+    later; a `confirm` arriving in between must start a fresh probe, not await the ended
+    one in a loop that never yields (that froze the whole proxy under load: CI, and
+    py-spy on the hung process, stack Fleet._verify -> Fleet.confirm -> shield)."""
+    from dynamo_ftctl.migrate import fleet as fleet_module
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(), FakeWorker()]) as c:
+            fleet = c.fleet
+            slot = fleet.router.slots["w0"]
+            ended: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+            ended.set_result("an old verdict")
+            fleet._confirming[slot.name] = fleet_module._Probe(
+                next(fleet._probe_seq), ended)
+            async with asyncio.timeout(10):  # the loop would spin: the timeout never fires
+                verdict = await asyncio.wait_for(fleet.confirm(slot), 10)
+            assert verdict is None  # a fresh probe of a healthy worker
+    run(go())
