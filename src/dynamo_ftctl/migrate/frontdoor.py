@@ -25,7 +25,7 @@ from dynamo_ftctl.httpapp import Router, json_reply, metrics_reply, request_json
 from dynamo_ftctl.httpserver import Reply, Stream
 from dynamo_ftctl.migrate.admission import BUSY_BODY, Thresholds, decide, parse_priority
 from dynamo_ftctl.migrate.attempt import Lane
-from dynamo_ftctl.migrate.codec import SSE_DONE, dumps, sse_batch, sse_event
+from dynamo_ftctl.migrate.codec import SSE_DONE, ClientPiece, dumps, sse_batch, sse_event
 from dynamo_ftctl.migrate.continuation import RequestRejected, prepare_request
 from dynamo_ftctl.migrate.ledger import StreamLedger
 from dynamo_ftctl.migrate.policy import ProxyError, StreamAborted
@@ -285,8 +285,8 @@ def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
     return headers
 
 
-async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
-                    chunks: AsyncIterator[list[dict[str, Any]]],
+async def _sse_body(ledger: StreamLedger, first: list[ClientPiece] | None,
+                    chunks: AsyncIterator[list[ClientPiece]],
                     release: Callable[[], None]) -> AsyncIterator[bytes]:
     try:
         if first is not None:

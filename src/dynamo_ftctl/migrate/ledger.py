@@ -4,7 +4,8 @@ A `StreamLedger` sees every chunk a worker streams for one client request and
 keeps what a continuation needs: the prompt token ids and every generated
 token id (or, from servers that return no ids, the generated text). It turns
 upstream chunks into the chunks the client sees (one `id`, one `model`, one
-`created`, no second `role` delta, no per-worker usage), and assembles the
+`created`, no second `role` delta, no per-worker usage; any field it does not own,
+such as Dynamo's `nvext`, as the worker sent it), and assembles the
 endings: the usage chunk, a clean "length" finish, the whole non-streamed answer.
 
 Stop strings are matched here, not by the workers: a stop string may straddle
@@ -53,6 +54,11 @@ _ID_COUNTER = itertools.count()
 # Delta fields a completion cannot reproduce (parsed tool calls, reasoning text): a chat
 # that has streamed them is continued as a chat (text), not through /v1/completions.
 _PARSED_DELTA_KEYS = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+# A chunk's fields the proxy writes itself; any other (Dynamo's `nvext`, a vendor's key)
+# reaches the client as the worker sent it. `ftctl_server_ttft_ms` is the sim's own TTFT
+# of one attempt: the proxy's `Server-Timing` header says it for the client's request.
+_OWN_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage",
+                             "system_fingerprint", "prompt_token_ids", "ftctl_server_ttft_ms"})
 
 
 def new_request_id() -> str:
@@ -394,6 +400,9 @@ class StreamLedger:
         if self._wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
             out["prompt_token_ids"] = self.prompt_ids
             self._prompt_ids_sent = True
+        if len(doc) > 5:  # more than id, object, created, model, choices: maybe a vendor's
+            for key in doc.keys() - _OWN_CHUNK_KEYS:
+                out[key] = doc[key]
         return out
 
     def _unrendered_chunk(self, choice: dict[str, Any], text: str | None,

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.migrate.attempt import UpstreamFailure, estimate_prompt_tokens
-from dynamo_ftctl.migrate.codec import dumps
+from dynamo_ftctl.migrate.codec import ClientPiece, dumps
 from dynamo_ftctl.migrate.continuation import (
     NotContinuable,
     continuation_request,
@@ -168,7 +168,7 @@ class MigrationPolicy:
         self._failures: dict[str, asyncio.Event] = {}
 
     async def generate(self, ledger: StreamLedger,
-                       lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
+                       lane: Lane | None = None) -> AsyncGenerator[list[ClientPiece], None]:
         """Batches of client chunks of one request, across as many workers as it takes.
 
         Raises `ProxyError` when nothing was produced, `StreamAborted` after. With a
