@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
     from dynamo_ftctl.inventory import ProxyConfig
     from dynamo_ftctl.migrate.attempt import Lane, Upstream
+    from dynamo_ftctl.migrate.counting import TokenCounter
     from dynamo_ftctl.migrate.fleet import Fleet
     from dynamo_ftctl.migrate.handoff import KvHandoff
     from dynamo_ftctl.migrate.judgment import Outcome
@@ -151,8 +152,10 @@ class MigrationPolicy:
     """One request's way through the fleet; the retry budget over all of them."""
 
     def __init__(self, fleet: Fleet, upstream: Upstream, kv: KvHandoff,
-                 config: ProxyConfig, clock: Clock) -> None:
+                 config: ProxyConfig, clock: Clock, *,
+                 counter: TokenCounter | None = None) -> None:
         self.fleet = fleet
+        self.counter = counter
         self.upstream = upstream
         self.kv = kv
         self.config = config
@@ -210,6 +213,8 @@ class MigrationPolicy:
                             trip.yielded = True
                             yield batch
                         self.fleet.router.record_success(slot)
+                        if ledger.count_unsettled:  # it sent no usage chunk
+                            await self._settle_count(trip)
                         if ledger.prompt_ids is not None:
                             self.fleet.note_prompt(len(ledger.prompt_ids))
                         return
@@ -432,6 +437,8 @@ class MigrationPolicy:
             trip.suspect = _Suspect(slot, reason, way)
         trip.failed_workers.add(slot.name)
         trip.failed_groups.add(slot.group)
+        if ledger.count_unsettled:  # before the continuation's max_tokens is worked out
+            await self._settle_count(trip)
         trip.failed_at = self.clock.now()
         trip.source_group = slot.group
         trip.body, trip.method = self._next_body(ledger, reason)
@@ -454,6 +461,33 @@ class MigrationPolicy:
             if trip.kv_payload:
                 trip.method = "kv"
         return True
+
+    async def _settle_count(self, trip: _Trip) -> None:
+        """Count the text of an attempt that sent no ids and no usage chunk (a worker cut
+        mid-stream, or one that ignores `include_usage`): /tokenize on a worker of the
+        model, else the inventory's tokenizer, else its chunks stand. The client's
+        prompt, never counted yet, is counted the same way."""
+        ledger = trip.ledger
+        if self.counter is None:
+            return
+        slots = self._counting_slots(trip)
+        counted = await self.counter.count(slots, trip.model, text=ledger.attempt_text)
+        if counted is not None:
+            ledger.settle_attempt(*counted)
+        if ledger.prompt_ids is None and ledger.prompt_tokens_reported is None:
+            body = ledger.body
+            prompt = body.get("prompt")
+            found = await self.counter.count(
+                slots, trip.model, text=prompt if isinstance(prompt, str) else None,
+                messages=body.get("messages") if ledger.endpoint == "chat" else None)
+            if found is not None and (ledger.endpoint == "completions" or found[1] == "tokenize"):
+                ledger.prompt_tokens_reported = found[0]
+
+    def _counting_slots(self, trip: _Trip) -> list[WorkerSlot]:
+        """The workers of the request's model, those that did not fail it first."""
+        slots = [s for s in self.fleet.router.slots.values()
+                 if trip.model is None or s.model == trip.model]
+        return sorted(slots, key=lambda s: s.name in trip.failed_workers)
 
     def _query_of_death(self, ledger: StreamLedger, first: WorkerSlot, second: WorkerSlot,
                         way: str, yielded: bool) -> Exception:
