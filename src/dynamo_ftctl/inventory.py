@@ -200,6 +200,12 @@ class Worker(StrictStruct, frozen=True):
         field(default_factory=InjectConfig)
     )
     launch: Launch | None = None
+    tokenizer: Annotated[Path | None, doc(
+        "The served model's tokenizer: a directory holding tokenizer.json, or that file. "
+        "The proxy counts the text of a worker that returns no token ids with it, where "
+        "the worker's usage chunk and /tokenize give no count (needs the tokenizer "
+        "extra)."),
+    ] = None
     _checked = (
         ("name", check_name), ("url", check_http_url), ("group", check_name),
         ("faults", check_fault),

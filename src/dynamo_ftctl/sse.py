@@ -12,6 +12,9 @@ faces over one splitter:
   with LF line ends, for a reader that looks at its own fields (the load
   generator reads `data:` bytes and the proxy's `: x-ftctl-migrated` comment
   without building an event per token).
+- `SseDecoder.feed_relay`: the proxy's face: each plain event's data as bytes,
+  and every other block (a named `event:`, comments, an event without data) as
+  a `RelayBlock` holding its raw bytes, to pass on unchanged.
 
 The splitter normalises line ends once per read and cuts events with
 `bytes.split` (an event per streamed token: no per-byte Python loop). A CR that
@@ -32,6 +35,7 @@ import msgspec
 
 __all__ = [
     "DONE",
+    "RelayBlock",
     "SseDecoder",
     "SseEvent",
     "aiter_sse_events",
@@ -55,6 +59,24 @@ class SseEvent(msgspec.Struct, frozen=True):
     def is_done(self) -> bool:
         """True for OpenAI's closing `data: [DONE]`."""
         return self.data.strip() == DONE
+
+
+class RelayBlock:
+    """An SSE block that is not a plain data event: a named `event:` (Dynamo's
+    `event: token_ids`), comment lines, or fields without data.
+
+    `raw` is the block as it came, line ends made LF, with its closing blank line:
+    what a relay writes unchanged. `event` is its `event:` name (None without one).
+    """
+
+    __slots__ = ("event", "raw")
+
+    def __init__(self, raw: bytes, event: str | None) -> None:
+        self.raw = raw
+        self.event = event
+
+    def __repr__(self) -> str:
+        return f"RelayBlock({self.raw!r})"
 
 
 class SseDecoder:
@@ -126,6 +148,29 @@ class SseDecoder:
             out.append(data)
         return out
 
+    def feed_relay(self, chunk: bytes) -> list[bytes | RelayBlock]:
+        """`feed_data` for a relay: a plain event (no name, or `message`, or `error`)
+        gives its data as bytes; any other block, a `RelayBlock` with its raw bytes.
+
+        An empty block (a run of blank lines) gives nothing. Costs what `feed_data`
+        does for plain events: the named and comment blocks alone are looked into.
+        """
+        data = self._lone_event(chunk)
+        if data is not None:
+            return [data]
+        out: list[bytes | RelayBlock] = []
+        for block in self.blocks(chunk):
+            data = _plain_data(block)
+            if data is not None:
+                out.append(data)
+                continue
+            name, lines = _named(block)
+            if lines is not None and name in (None, "message", "error"):
+                out.append("\n".join(lines).encode())
+            elif block.strip(b"\n"):
+                out.append(RelayBlock(block.strip(b"\n") + b"\n\n", name))
+        return out
+
     def _lone_event(self, chunk: bytes) -> bytes | None:
         """The data of `chunk` when it is one whole one-line `data:` event and nothing is
         buffered: what a server sends a read at a time."""
@@ -163,6 +208,25 @@ class SseDecoder:
         if not data:
             return None
         return SseEvent("\n".join(data), name, self._id)
+
+
+def _named(block: bytes) -> tuple[str | None, list[str] | None]:
+    """A block's `event:` name and its data lines (None when it has no `data:` field)."""
+    data: list[str] | None = None
+    name: str | None = None
+    for line in block.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        field, sep, value = line.partition(b":")
+        if sep and value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            if data is None:
+                data = []
+            data.append(value.decode("utf-8", errors="replace"))
+        elif field == b"event":
+            name = value.decode("utf-8", errors="replace")
+    return name, data
 
 
 def _plain_data(block: bytes) -> bytes | None:

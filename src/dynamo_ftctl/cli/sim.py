@@ -72,6 +72,11 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
     request_timeout_s: Annotated[float, typer.Option(
         "--request-timeout-s", min=0.1, help="A request not received whole within this "
         "many seconds of its first byte is answered 408 (slow or stalled clients).")] = 30.0,
+    dynamo: Annotated[bool, typer.Option(
+        "--dynamo", help="Stream as NVIDIA Dynamo's frontend does: no token ids "
+        "(return_token_ids is ignored), an nvext object in every chunk, the prompt's ids in "
+        "an `event: token_ids` block first; a token that ends inside a character sends an "
+        "empty chunk and its text comes with the next.")] = False,
 ) -> None:
     """Serve the engine; prints its URL on stdout once it answers requests.
 
@@ -91,7 +96,7 @@ def serve(  # noqa: PLR0917 (typer passes options by keyword; one per flag)
         admin_token=os.environ.get(admin_token_env) or None,
         faults=tuple(parse_fault_flag(f) for f in fault or ()), pci_bus_id=pci_bus_id,
         pid_file=pid_file, threads=threads or None, warmup_s=warmup_s,
-        lenient_fields=lenient_fields, request_timeout_s=request_timeout_s,
+        lenient_fields=lenient_fields, request_timeout_s=request_timeout_s, dynamo=dynamo,
     )
 
     def ready(url: str) -> None:

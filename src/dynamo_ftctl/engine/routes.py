@@ -26,6 +26,7 @@ not UTF-8 travel as `\\udcXX` and come back exactly (see `tokenizer`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -165,7 +166,10 @@ async def _generate(state: ServerState, request: Request, *, chat: bool) -> Repl
     except InvalidInput as exc:
         return _error(str(exc), param="prompt" if not chat else "messages")
     await _warm_up(state)
-    job = _job(state, engine_request, generation.options, chat=chat,
+    options = generation.options
+    if state.settings.dynamo:  # Dynamo's OpenAI answers carry no generated ids
+        options = dataclasses.replace(options, return_token_ids=False)
+    job = _job(state, engine_request, options, chat=chat,
                prompt_ids=generation.prompt_ids, arrival=arrival)
     return await _respond(state, job)
 

@@ -45,6 +45,9 @@ class ServerSettings:
     # compilation); vLLM's first request once took over 20 s in our drills.
     warmup_s: float = 1.0
     lenient_fields: bool = False  # True: ignore unknown request fields (the pre-pydantic way)
+    # Answer as NVIDIA Dynamo's frontend does: no token ids (the field is ignored), an
+    # `nvext` object in every chunk, the prompt's ids in an `event: token_ids` block.
+    dynamo: bool = False
     # From a request's first byte to its last (nginx: 60 s for the head): a slow or stalled
     # client (slowloris) is answered 408 and its socket freed.
     request_timeout_s: float = 30.0

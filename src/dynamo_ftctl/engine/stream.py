@@ -10,6 +10,7 @@ non-streamed one. Nothing here knows HTTP: the routes wrap these in the server's
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -203,18 +204,21 @@ class ChunkWriter:
     no dict and no JSON encoder per token.
     """
 
-    __slots__ = ("chat", "created", "kind", "model", "prefix", "rid", "token_ids")
+    __slots__ = ("chat", "created", "kind", "model", "nvext", "prefix", "rid", "token_ids")
 
     def __init__(self, rid: str, model: str, created: int, *, chat: bool,
-                 token_ids: bool) -> None:
+                 token_ids: bool, nvext: dict[str, Any] | None = None) -> None:
         self.rid, self.model, self.created, self.chat = rid, model, created, chat
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.token_ids = token_ids
+        self.nvext = nvext  # Dynamo's response extension, in every chunk (`--dynamo`)
         self.prefix = (f'data: {{"id":{_enc(rid)},"object":"{self.kind}","created":{created},'
                        f'"model":{_enc(model)},"choices":[{{"index":0,"finish_reason":')
 
     def chunk(self, choice: dict[str, Any], **top: Any) -> bytes:
         """Any chunk, through the JSON encoder."""
+        if self.nvext is not None:
+            top = {**top, "nvext": self.nvext}
         return format_sse({"id": self.rid, "object": self.kind, "created": self.created,
                            "model": self.model, "choices": [choice], **top})
 
@@ -224,6 +228,8 @@ class ChunkWriter:
         body = (f'{{"content":{_enc(step.text)}}}' if self.chat else _enc(step.text))
         ids = f',"token_ids":[{step.token_id}]' if self.token_ids else ""
         tail = "" if ttft_ms is None else f',"{SERVER_TTFT_FIELD}":{ttft_ms!r}'
+        if self.nvext is not None:
+            tail += f',"nvext":{json.dumps(self.nvext, separators=(",", ":"))}'
         field_name = '"delta"' if self.chat else '"text"'
         return f"{self.prefix}{finish},{field_name}:{body}{ids}}}]{tail}}}\n\n"
 
@@ -231,14 +237,20 @@ class ChunkWriter:
 async def sse(state: ServerState, job: Job) -> AsyncGenerator[bytes, None]:
     """The body of a stream: one write per batch of steps, the end in the last write."""
     options = job.options
+    dynamo = state.settings.dynamo
     writer = ChunkWriter(job.request.request_id, state.engine.config.name, int(time.time()),
-                         chat=job.chat, token_ids=options.return_token_ids)
+                         chat=job.chat, token_ids=options.return_token_ids,
+                         nvext={"worker_id": {"decode_worker_id": state.settings.seed}}
+                         if dynamo else None)
     count = 0
     offset = 0
     ttft_ms: float | None = None
     arrival = job.arrival
     fast = options.logprobs is None
 
+    if dynamo:  # Dynamo's annotation: an event with its value in a comment, no data
+        ids = json.dumps(job.prompt_ids, separators=(",", ":"))
+        yield f"event: token_ids\n: {ids}\n\n".encode()
     if job.chat:
         first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": ""},
                                  "finish_reason": None}

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, Unreachable
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.migrate.chunk import ErrorEvent, MalformedChunk
-from dynamo_ftctl.migrate.codec import dumps, loads, sse_batch
+from dynamo_ftctl.migrate.codec import ClientPiece, dumps, loads, sse_batch
 from dynamo_ftctl.migrate.judgment import Outcome, OutcomeKind
-from dynamo_ftctl.sse import DONE, SseDecoder
+from dynamo_ftctl.sse import DONE, RelayBlock, SseDecoder
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
@@ -136,8 +136,8 @@ class Reader:
     (`Upstream.attempt`) and the fast lane (`sink`) feed it in turn, in order.
     """
 
-    __slots__ = ("_decoder", "_idle_events", "_kv", "_last_token", "_ledger", "_name", "_now",
-                 "_render", "_stall", "_unparsed", "done", "failure")
+    __slots__ = ("_chunked", "_decoder", "_held", "_idle_events", "_kv", "_last_token",
+                 "_ledger", "_name", "_now", "_render", "_stall", "_unparsed", "done", "failure")
 
     def __init__(self, name: str, ledger: StreamLedger, stall_s: float,
                  now: Callable[[], float], kv: KvShare) -> None:
@@ -153,16 +153,21 @@ class Reader:
         self.done = False  # [DONE] seen
         self.failure: Exception | None = None
         self._render = ledger.client_streams
+        # Relayed blocks (vendor `event:` blocks, comments) wait here until this answer's
+        # first client chunk goes with them: an attempt that fails before it sends none.
+        self._held: list[bytes] = []
+        self._chunked = False
 
     @property
     def over(self) -> bool:
         return self.done or self.failure is not None or self._ledger.stopped
 
-    def feed(self, piece: bytes) -> list[dict[str, Any]]:
-        """The client chunks of `piece` (several events of one read go out as one write)."""
+    def feed(self, piece: bytes) -> list[ClientPiece]:
+        """The client chunks of `piece` (several events of one read go out as one write),
+        and the blocks it relays unchanged (vendor `event:` blocks, comments), in order."""
         ledger = self._ledger
-        batch: list[dict[str, Any]] = []
-        events = self._decoder.feed_data(piece)
+        batch: list[ClientPiece] = []
+        events = self._decoder.feed_relay(piece)
         start = ledger.generated_count
         if not events:
             self._unparsed += len(piece)
@@ -175,8 +180,21 @@ class Reader:
         self._unparsed = 0
         now = self._now()  # the events of one read arrived together: one clock read
         for data in events:
+            if type(data) is not bytes:
+                if not self._relay(data, batch):
+                    break
+                self._idle_events += 1  # comments alone are no sign of life
+                if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
+                        or now - self._last_token > self._stall:
+                    self.failure = _failed(
+                        "stalled", f"{self._name}: events but no token for {self._stall:g} s")
+                    break
+                continue
             if len(data) < 16 and data.strip() == _DONE:
                 self.done = True
+                if self._held:
+                    batch.extend(self._held)
+                    self._held.clear()
                 break
             before = ledger.generated_count
             try:
@@ -196,12 +214,30 @@ class Reader:
                         "stalled", f"{self._name}: events but no token for {self._stall:g} s")
                     break
             if chunk is not None:
+                if self._held:
+                    batch.extend(self._held)
+                    self._held.clear()
+                self._chunked = True
                 batch.append(chunk)
             if ledger.stopped:
                 break
         if ledger.generated_count != start:
             self._kv.grow(ledger.generated_count - start)
         return batch
+
+    def _relay(self, block: RelayBlock | bytes, batch: list[ClientPiece]) -> bool:
+        """Pass a block that is not a chunk on to the client, unchanged and in order; False
+        when it ends the answer (`event: error`, Dynamo's way of failing a stream)."""
+        assert isinstance(block, RelayBlock)
+        if block.event == "error":
+            text = b"\n".join(line[1:].strip() for line in block.raw.split(b"\n")
+                              if line.startswith(b":")).decode("utf-8", "replace")
+            self.failure = ErrorEvent(f"error event from worker: {text or 'no message'}",
+                                      {"error": {"message": text}})
+            return False
+        if self._render:  # a client that does not stream gets one JSON answer, no events
+            (batch if self._chunked else self._held).append(block.raw)
+        return True
 
     def sink(self, resp: UpstreamResponse, pusher: Pusher) -> Callable[[bytes], bool]:
         """`resp.sink` for the fast lane: each piece parsed and written to the client at once.
@@ -241,7 +277,7 @@ class Upstream:
 
     async def attempt(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
                       ledger: StreamLedger, *, load: WorkerLoad | None = None,
-                      lane: Lane | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+                      lane: Lane | None = None) -> AsyncIterator[list[ClientPiece]]:
         """Stream one upstream request; yield batches of client chunks; raise on any failure.
 
         Once a batch has gone out and the client's stream has a `Pusher` (`lane`), the

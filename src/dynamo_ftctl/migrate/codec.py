@@ -11,9 +11,13 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["SSE_DONE", "dumps", "loads", "sse_batch", "sse_event"]
+__all__ = ["SSE_DONE", "ClientPiece", "dumps", "loads", "sse_batch", "sse_event"]
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+# What a batch for the client holds: a chunk the proxy encodes, or an upstream SSE
+# block relayed byte for byte (a vendor `event:`, a comment), blank line included.
+ClientPiece = dict[str, Any] | bytes
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder()
@@ -40,10 +44,12 @@ def loads(data: str | bytes) -> Any:
 
 
 def sse_event(doc: Any) -> bytes:
-    """`doc` as one SSE data event."""
+    """`doc` as one SSE data event (bytes: a relayed block, written as it is)."""
+    if type(doc) is bytes:
+        return doc
     return b"data: " + dumps(doc) + b"\n\n"
 
 
-def sse_batch(batch: list[dict[str, Any]]) -> bytes:
+def sse_batch(batch: list[ClientPiece]) -> bytes:
     """One write's worth of client chunks as SSE events."""
     return b"".join(map(sse_event, batch))

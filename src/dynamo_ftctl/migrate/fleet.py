@@ -298,6 +298,8 @@ class Fleet:
         for endpoint, known in (("completions", caps.token_ids), ("chat", caps.chat_token_ids)):
             if known is not None:
                 slot.token_ids[endpoint] = known
+        if caps.tokenize is not None:
+            slot.tokenize = caps.tokenize
         if caps.max_model_len is not None and slot.max_model_len is None:
             slot.max_model_len = caps.max_model_len
 

@@ -25,8 +25,9 @@ from dynamo_ftctl.httpapp import Router, json_reply, metrics_reply, request_json
 from dynamo_ftctl.httpserver import Reply, Stream
 from dynamo_ftctl.migrate.admission import BUSY_BODY, Thresholds, decide, parse_priority
 from dynamo_ftctl.migrate.attempt import Lane
-from dynamo_ftctl.migrate.codec import SSE_DONE, dumps, sse_batch, sse_event
+from dynamo_ftctl.migrate.codec import SSE_DONE, ClientPiece, dumps, sse_batch, sse_event
 from dynamo_ftctl.migrate.continuation import RequestRejected, prepare_request
+from dynamo_ftctl.migrate.counting import weakest
 from dynamo_ftctl.migrate.ledger import StreamLedger
 from dynamo_ftctl.migrate.policy import ProxyError, StreamAborted
 from dynamo_ftctl.migrate.tally import UNKNOWN_MODEL, TallyBook, error_type_of
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
     from dynamo_ftctl.migrate.policy import MigrationPolicy
     from dynamo_ftctl.migrate.tally import RequestTally
 
-__all__ = ["CONTINUATION_HEADER", "MIGRATED_HEADER", "PRIORITY_HEADER", "TIMING_HEADER",
-           "WORKER_HEADER", "FrontDoor"]
+__all__ = ["CONTINUATION_HEADER", "COUNT_HEADER", "MIGRATED_HEADER", "PRIORITY_HEADER",
+           "TIMING_HEADER", "WORKER_HEADER", "FrontDoor"]
 
 log = logging.getLogger("ftctl.proxy")
 
@@ -52,6 +53,9 @@ log = logging.getLogger("ftctl.proxy")
 PARSED_BYTES_PER_BYTE = 7
 MIGRATED_HEADER = "x-ftctl-migrated"
 CONTINUATION_HEADER = "x-ftctl-continuation"
+# How the answer's token counts are known: ids, usage, tokenize, tokenizer or chunks
+# (`migrate/counting.py`); a stream whose count changed after its head says so at its end.
+COUNT_HEADER = "x-ftctl-count"
 WORKER_HEADER = "x-ftctl-worker"
 # The `X-Request-Id` the serving worker got for this answer (each attempt has its own):
 # what its logs and its KV export name the request by.
@@ -288,6 +292,14 @@ def _not_found(model: Any) -> Reply:
     return json_reply(error_body(f"unknown model {model!r}", type="not_found", code=404), 404)
 
 
+def _count_source(ledger: StreamLedger) -> str:
+    """The `x-ftctl-count` of the answer so far: a text attempt still streaming will be
+    settled by its usage chunk, which every upstream request asks for."""
+    if not ledger.count_unsettled:
+        return ledger.count_source
+    return weakest([*ledger.count_sources, "usage"])
+
+
 def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
     headers = {"Cache-Control": "no-cache", "X-Request-Id": ledger.trace_id,
                WORKER_HEADER: ",".join(ledger.workers), UPSTREAM_ID_HEADER: ledger.upstream_id}
@@ -295,14 +307,15 @@ def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
         headers[MIGRATED_HEADER] = str(ledger.migrations)
     if not ledger.exact:
         headers[CONTINUATION_HEADER] = "text"
+    ledger.count_header = headers[COUNT_HEADER] = _count_source(ledger)
     if ledger.upstream_ttft_s is not None:
         ms = ledger.upstream_ttft_s * 1e3
         headers[TIMING_HEADER] = f'upstream;desc="first token";dur={ms:.3f}'
     return headers
 
 
-async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
-                    chunks: AsyncIterator[list[dict[str, Any]]],
+async def _sse_body(ledger: StreamLedger, first: list[ClientPiece] | None,
+                    chunks: AsyncIterator[list[ClientPiece]],
                     release: Callable[[], None], tally: RequestTally) -> AsyncIterator[bytes]:
     try:
         if first is not None:
@@ -322,6 +335,8 @@ async def _sse_body(ledger: StreamLedger, first: list[dict[str, Any]] | None,
             # Headers left before the stream broke: say it in an SSE comment.
             tail += f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
         tally.finish("", ledger.generated_count)
+        if ledger.count_source != ledger.count_header:
+            tail += f": {COUNT_HEADER}: {ledger.count_source}\n\n".encode()
         yield tail + SSE_DONE
     finally:
         # The client went away (or we are done): close the upstream stream now.

@@ -4,8 +4,18 @@ A `StreamLedger` sees every chunk a worker streams for one client request and
 keeps what a continuation needs: the prompt token ids and every generated
 token id (or, from servers that return no ids, the generated text). It turns
 upstream chunks into the chunks the client sees (one `id`, one `model`, one
-`created`, no second `role` delta, no per-worker usage), and assembles the
+`created`, no second `role` delta, no per-worker usage; any field it does not own,
+such as Dynamo's `nvext`, as the worker sent it), and assembles the
 endings: the usage chunk, a clean "length" finish, the whole non-streamed answer.
+
+Token counts: with ids, one per id. Without them an attempt counts one token per
+non-empty text chunk (a lower bound: one chunk may carry several tokens, and a token
+that ends inside a character sends an empty one) until its count is settled: by the
+worker's usage chunk, which every upstream request asks for, or by the migration
+policy (`settle_attempt`, through `migrate/counting.py`) for an attempt that ended
+without one. Each source is kept: `count_source` is the weakest, for the client's
+`x-ftctl-count` header. The prompt's count is the first attempt's, never a text
+continuation's (whose prompt holds the generated text too).
 
 Stop strings are matched here, not by the workers: a stop string may straddle
 the failure point, and no worker sees both sides of it. The upstream request
@@ -35,6 +45,7 @@ from dynamo_ftctl.migrate.chunk import (
     choice_of,
     token_ids,
 )
+from dynamo_ftctl.migrate.counting import CountSource, weakest
 from dynamo_ftctl.openai import StopFinder
 
 __all__ = ["LENGTH_KEYS", "Endpoint", "StreamLedger", "Usage", "new_request_id"]
@@ -53,6 +64,11 @@ _ID_COUNTER = itertools.count()
 # Delta fields a completion cannot reproduce (parsed tool calls, reasoning text): a chat
 # that has streamed them is continued as a chat (text), not through /v1/completions.
 _PARSED_DELTA_KEYS = ("tool_calls", "reasoning_content", "reasoning", "function_call")
+# A chunk's fields the proxy writes itself; any other (Dynamo's `nvext`, a vendor's key)
+# reaches the client as the worker sent it. `ftctl_server_ttft_ms` is the sim's own TTFT
+# of one attempt: the proxy's `Server-Timing` header says it for the client's request.
+_OWN_CHUNK_KEYS = frozenset({"id", "object", "created", "model", "choices", "usage",
+                             "system_fingerprint", "prompt_token_ids", "ftctl_server_ttft_ms"})
 
 
 def new_request_id() -> str:
@@ -122,6 +138,18 @@ class StreamLedger:
     # (`prompt_tokens_details.cached_tokens`; None when the worker sends no details).
     attempt_prompt_tokens: int | None = None
     attempt_cached_tokens: int | None = None
+    # How each attempt's tokens were counted ("ids", "usage", "tokenize", ...).
+    count_sources: list[CountSource] = field(default_factory=list)
+    # The count the client's header named when it went out (the stream's end says more).
+    count_header: str = ""
+    # This attempt sent text without ids (its count is chunks until settled), and how it
+    # was settled; where its text starts in `generated_text`.
+    attempt_textual: bool = False
+    attempt_settled: CountSource | None = None
+    attempt_text_start: int = 0
+    # Tokens of generated text that a text continuation's prompt holds (its usage's
+    # prompt_tokens less these is the client's prompt, when no attempt said it).
+    _continued_at: int | None = None
     logprobs: dict[str, Any] | None = None
     workers: list[str] = field(default_factory=list)
     # The serving worker's time to first token as the proxy saw it (request written to
@@ -230,8 +258,12 @@ class StreamLedger:
 
     def start_attempt(self, worker: str = "") -> None:
         """A new upstream stream begins on `worker` (first try, retry or continuation)."""
+        self._close_attempt()
         self.attempt_tokens = 0
         self.attempt_prompt_tokens = self.attempt_cached_tokens = None
+        self.attempt_textual = False
+        self.attempt_settled = None
+        self.attempt_text_start = len(self.generated_text)
         self.upstream_id = new_request_id()
         if worker:
             self.workers.append(worker)
@@ -239,6 +271,47 @@ class StreamLedger:
     def note_migration(self) -> None:
         """Count one continuation on another worker."""
         self.migrations += 1
+        if self.generated_count and not self.exact and self._continued_at is None \
+                and self.prompt_ids is None and self.prompt_tokens_reported is None:
+            self._continued_at = self.generated_count
+
+    def _close_attempt(self) -> None:
+        """Record how the attempt that ends was counted (`count_sources`)."""
+        if self.upstream_id and self.attempt_tokens:
+            self.count_sources.append(
+                (self.attempt_settled or "chunks") if self.attempt_textual else "ids")
+
+    @property
+    def attempt_text(self) -> str:
+        """The text the current attempt generated (what the client got of it)."""
+        return self.generated_text[self.attempt_text_start:]
+
+    @property
+    def count_unsettled(self) -> bool:
+        """Whether the current attempt's count is text chunks, not yet made exact."""
+        return self.attempt_textual and self.attempt_settled is None and bool(self.attempt_tokens)
+
+    def settle_attempt(self, tokens: int, source: CountSource) -> None:
+        """The current attempt generated `tokens` tokens (`source` says how that is known).
+
+        Never below its non-empty chunks (each held a token at least) nor past the
+        client's `max_tokens`.
+        """
+        tokens = max(tokens, self.attempt_tokens)
+        if self._max_tokens is not None:
+            tokens = min(tokens, self._max_tokens - (self.generated_count - self.attempt_tokens))
+        self.generated_count += tokens - self.attempt_tokens
+        self.attempt_tokens = tokens
+        self.attempt_settled = source
+
+    @property
+    def count_source(self) -> CountSource:
+        """How the client's token counts are known: the weakest of every attempt's."""
+        sources = list(self.count_sources)
+        if self.attempt_tokens:
+            sources.append((self.attempt_settled or "chunks") if self.attempt_textual
+                           else "ids")
+        return weakest(sources)
 
     def observe(self, doc: Any, *, render: bool = True) -> dict[str, Any] | None:
         """Record one upstream chunk; return the chunk to send to the client, or None.
@@ -280,7 +353,12 @@ class StreamLedger:
         if isinstance(usage := doc.get("usage"), dict):
             self._note_attempt_usage(usage)
         if choice is None:
-            return None  # the worker's usage chunk: the proxy sends its own at the end
+            # The worker's usage chunk: the proxy sends its own at the end, from counts
+            # this one settles (a text attempt's) or that the ids gave already.
+            usage = doc.get("usage")
+            if isinstance(usage, dict):
+                self._observe_usage(usage)
+            return None
         return self._observe_choice(doc, choice, render)
 
     def _note_attempt_usage(self, usage: dict[str, Any]) -> None:
@@ -291,6 +369,17 @@ class StreamLedger:
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
             self.attempt_cached_tokens = cached
+
+    def _observe_usage(self, usage: dict[str, Any]) -> None:
+        """A worker's usage: settles a text attempt's count; a text continuation's prompt
+        count, less the generated tokens it re-sent, is the client's prompt."""
+        completion = usage.get("completion_tokens")
+        if self.count_unsettled and type(completion) is int and completion >= 0:
+            self.settle_attempt(completion, "usage")
+        prompt = usage.get("prompt_tokens")
+        if self.prompt_tokens_reported is None and self._continued_at is not None \
+                and type(prompt) is int:
+            self.prompt_tokens_reported = max(0, prompt - self._continued_at)
 
     def _observe_choice(self, doc: dict[str, Any], choice: dict[str, Any],
                         render: bool) -> dict[str, Any] | None:
@@ -315,6 +404,7 @@ class StreamLedger:
             choice = {k: v for k, v in choice.items() if k != "token_ids"}
         if new_ids is None and text:
             self.ids_mode = False
+            self.attempt_textual = True
         count = len(new_ids) if new_ids is not None else (1 if text else 0)
         limit = self._max_tokens
         if limit is not None and self.generated_count + count > limit:
@@ -411,6 +501,9 @@ class StreamLedger:
         if self._wants_ids and self.prompt_ids is not None and not self._prompt_ids_sent:
             out["prompt_token_ids"] = self.prompt_ids
             self._prompt_ids_sent = True
+        if len(doc) > 5:  # more than id, object, created, model, choices: maybe a vendor's
+            for key in doc.keys() - _OWN_CHUNK_KEYS:
+                out[key] = doc[key]
         return out
 
     def _unrendered_chunk(self, choice: dict[str, Any], text: str | None,

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.migrate.attempt import UpstreamFailure, estimate_prompt_tokens
-from dynamo_ftctl.migrate.codec import dumps
+from dynamo_ftctl.migrate.codec import ClientPiece, dumps
 from dynamo_ftctl.migrate.continuation import (
     NotContinuable,
     continuation_request,
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
     from dynamo_ftctl.inventory import ProxyConfig
     from dynamo_ftctl.migrate.attempt import Lane, Upstream
+    from dynamo_ftctl.migrate.counting import TokenCounter
     from dynamo_ftctl.migrate.fleet import Fleet
     from dynamo_ftctl.migrate.handoff import KvHandoff
     from dynamo_ftctl.migrate.judgment import Outcome
@@ -155,8 +156,10 @@ class MigrationPolicy:
     """One request's way through the fleet; the retry budget over all of them."""
 
     def __init__(self, fleet: Fleet, upstream: Upstream, kv: KvHandoff,
-                 config: ProxyConfig, clock: Clock) -> None:
+                 config: ProxyConfig, clock: Clock, *,
+                 counter: TokenCounter | None = None) -> None:
         self.fleet = fleet
+        self.counter = counter
         self.upstream = upstream
         self.kv = kv
         self.config = config
@@ -172,7 +175,7 @@ class MigrationPolicy:
         self._failures: dict[str, asyncio.Event] = {}
 
     async def generate(self, ledger: StreamLedger,
-                       lane: Lane | None = None) -> AsyncGenerator[list[dict[str, Any]], None]:
+                       lane: Lane | None = None) -> AsyncGenerator[list[ClientPiece], None]:
         """Batches of client chunks of one request, across as many workers as it takes.
 
         Raises `ProxyError` when nothing was produced, `StreamAborted` after. With a
@@ -214,6 +217,8 @@ class MigrationPolicy:
                             trip.yielded = True
                             yield batch
                         self.fleet.router.record_success(slot)
+                        if ledger.count_unsettled:  # it sent no usage chunk
+                            await self._settle_count(trip)
                         if trip.method in ("reprefill", "text"):
                             self._prefill_reused(ledger, slot)
                         if ledger.prompt_ids is not None:
@@ -466,6 +471,8 @@ class MigrationPolicy:
             trip.suspect = _Suspect(slot, reason, way)
         trip.failed_workers.add(slot.name)
         trip.failed_groups.add(slot.group)
+        if ledger.count_unsettled:  # before the continuation's max_tokens is worked out
+            await self._settle_count(trip)
         trip.failed_at = self.clock.now()
         trip.source_group = slot.group
         trip.body, trip.method = self._next_body(ledger, reason)
@@ -489,6 +496,33 @@ class MigrationPolicy:
             if trip.kv_payload:
                 trip.method = "kv"
         return True
+
+    async def _settle_count(self, trip: _Trip) -> None:
+        """Count the text of an attempt that sent no ids and no usage chunk (a worker cut
+        mid-stream, or one that ignores `include_usage`): /tokenize on a worker of the
+        model, else the inventory's tokenizer, else its chunks stand. The client's
+        prompt, never counted yet, is counted the same way."""
+        ledger = trip.ledger
+        if self.counter is None:
+            return
+        slots = self._counting_slots(trip)
+        counted = await self.counter.count(slots, trip.model, text=ledger.attempt_text)
+        if counted is not None:
+            ledger.settle_attempt(*counted)
+        if ledger.prompt_ids is None and ledger.prompt_tokens_reported is None:
+            body = ledger.body
+            prompt = body.get("prompt")
+            found = await self.counter.count(
+                slots, trip.model, text=prompt if isinstance(prompt, str) else None,
+                messages=body.get("messages") if ledger.endpoint == "chat" else None)
+            if found is not None and (ledger.endpoint == "completions" or found[1] == "tokenize"):
+                ledger.prompt_tokens_reported = found[0]
+
+    def _counting_slots(self, trip: _Trip) -> list[WorkerSlot]:
+        """The workers of the request's model, those that did not fail it first."""
+        slots = [s for s in self.fleet.router.slots.values()
+                 if trip.model is None or s.model == trip.model]
+        return sorted(slots, key=lambda s: s.name in trip.failed_workers)
 
     def _query_of_death(self, ledger: StreamLedger, first: WorkerSlot, second: WorkerSlot,
                         way: str, yielded: bool) -> Exception:

@@ -52,6 +52,7 @@ from dynamo_ftctl.httpserver import (
     start_server,
 )
 from dynamo_ftctl.migrate.attempt import Upstream
+from dynamo_ftctl.migrate.counting import TokenCounter
 from dynamo_ftctl.migrate.fleet import Fleet
 from dynamo_ftctl.migrate.frontdoor import MIGRATED_HEADER, FrontDoor
 from dynamo_ftctl.migrate.handoff import KvHandoff
@@ -60,12 +61,19 @@ from dynamo_ftctl.migrate.procs import ChildRun, serve_procs
 from dynamo_ftctl.redact import install_log_redaction
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.board import FleetBoard
 
 __all__ = ["MIGRATED_HEADER", "MigratingProxy", "ServeResult", "serve"]
 
 log = logging.getLogger("ftctl.proxy")
+
+
+def tokenizers_of(inventory: Inventory) -> dict[str, Path]:
+    """The tokenizer path of each worker that names one (`tokenizer:`)."""
+    return {w.name: w.tokenizer for w in inventory.workers if w.tokenizer is not None}
 
 
 class MigratingProxy:
@@ -82,7 +90,9 @@ class MigratingProxy:
         self.kv = KvHandoff(inventory, config, clock)
         upstream = Upstream(self.http, stall_s=config.stall_timeout_s,
                             connect_timeout_s=config.connect_timeout_s, now=clock.now)
-        self.policy = MigrationPolicy(self.fleet, upstream, self.kv, config, clock)
+        self.counter = TokenCounter(self.http, tokenizers_of(inventory))
+        self.policy = MigrationPolicy(self.fleet, upstream, self.kv, config, clock,
+                                      counter=self.counter)
         self.front_door = FrontDoor(self.fleet, self.policy, config)
 
     async def start(self) -> None:
@@ -155,7 +165,9 @@ def _reload_inventory(proxy: MigratingProxy, reload: Callable[[], Inventory] | N
         log.warning("SIGHUP: no inventory file to reload; serving on as before")
         return
     try:
-        summary = proxy.fleet.apply_inventory(reload())
+        inventory = reload()
+        summary = proxy.fleet.apply_inventory(inventory)
+        proxy.counter.tokenizers = tokenizers_of(inventory)
     except FtctlError as exc:
         log.warning("SIGHUP: inventory not reloaded, serving on as before: %s", exc)
         return

@@ -69,6 +69,9 @@ class WorkerSlot:
     full_status: int = 503  # what it answered then (429, 503 or 529)
     # The worker said it does not serve its model (now): out until a probe finds it.
     absent: bool = False
+    # Whether the worker answers POST /tokenize (its capability probe; None: not known):
+    # the proxy counts an attempt's text there when the worker returned no ids.
+    tokenize: bool | None = None
     # Whether the worker takes `return_token_ids` on each endpoint (None: not known yet,
     # sent; False: it refused the field or returns no ids, never sent). From its
     # capability probe, or learnt from a refusal that names the field.
