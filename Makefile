@@ -27,8 +27,16 @@ export FTCTL_VLLM_PYTHON := $(VLLM_VENV)/bin/python
 # checks the pin again.
 HF_SERVE_REQ   := tests/integration/vllm/hf-serve-requirements.txt
 HF_SERVE_STAMP := $(VLLM_VENV)/.ftctl-hf-$(shell cat $(HF_SERVE_REQ) constraints.txt | sha256sum | cut -c1-12)
+# NVIDIA Dynamo (frontend + mocker, no torch) for tests/integration/dynamo, in its own venv
+# outside the tree like vLLM's. requirements.txt is the whole pinned set, installed with
+# --no-deps: ai-dynamo's own requirement aisimulate==0.13.0 is a placeholder that fails to build.
+DYNAMO_REQ     := tests/integration/dynamo/requirements.txt
+DYNAMO_VERSION := $(shell sed -n 's/^ai-dynamo==//p' $(DYNAMO_REQ))
+DYNAMO_VENV    ?= $(HOME)/.cache/ftctl/dynamo-$(DYNAMO_VERSION)
+DYNAMO_STAMP   := $(DYNAMO_VENV)/.ftctl-$(shell cat $(DYNAMO_REQ) constraints.txt | sha256sum | cut -c1-12)
+export FTCTL_DYNAMO_PYTHON := $(DYNAMO_VENV)/bin/python
 
-.PHONY: demo test lint unit man bench chaos debs venv dev clean vllm hf-serve
+.PHONY: demo test lint unit man bench chaos debs venv dev clean vllm hf-serve dynamo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +69,15 @@ $(HF_SERVE_STAMP): $(VLLM_STAMP)
 
 hf-serve: $(HF_SERVE_STAMP)
 
+$(DYNAMO_STAMP):
+	test -x $(DYNAMO_VENV)/bin/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+	  -c constraints.txt -r $(DYNAMO_REQ)
+	rm -f $(DYNAMO_VENV)/.ftctl-*
+	touch $@
+
+dynamo: $(DYNAMO_STAMP)
+
 # Install only the Debian packages whose command is missing (apt-get needs root).
 debs:
 	@missing=""; for pair in $(DEBS); do \
@@ -88,14 +105,17 @@ unit: dev
 	$(BIN)/pytest -q -n auto tests/unit
 
 # The vLLM tests run after the rest, one at a time: each of their two servers takes a core.
-test: dev debs vllm hf-serve lint
-	$(BIN)/pytest -q -n auto -p no:cacheprovider -m "not vllm"
+# The Dynamo tests then, one at a time too (each starts frontends and mockers in a network
+# namespace of its own; `ip netns` needs root, without it they skip).
+test: dev debs vllm hf-serve dynamo lint
+	$(BIN)/pytest -q -n auto -p no:cacheprovider -m "not vllm and not dynamo"
 	$(BIN)/pytest -q -p no:cacheprovider -p no:xdist -m vllm tests/integration/vllm
+	$(BIN)/pytest -q -p no:cacheprovider -p no:xdist -m dynamo tests/integration/dynamo
 
 man: dev
 	$(BIN)/python -m dynamo_ftctl.cli.manpage man
 
-bench: dev debs vllm
+bench: dev debs vllm dynamo
 	@for script in benchmarks/*.py; do \
 	  echo "== $$script"; $(BIN)/python $$script || exit 1; \
 	done
