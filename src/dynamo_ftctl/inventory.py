@@ -203,8 +203,9 @@ class Worker(StrictStruct, frozen=True):
     tokenizer: Annotated[Path | None, doc(
         "The served model's tokenizer: a directory holding tokenizer.json, or that file. "
         "The proxy counts the text of a worker that returns no token ids with it, where "
-        "the worker's usage chunk and /tokenize give no count (needs the tokenizer "
-        "extra)."),
+        "the worker's usage chunk and /tokenize give no count, and continues a chat "
+        "with the model's chat template from that directory where the server cannot "
+        "continue a message (needs the tokenizer extra)."),
     ] = None
     _checked = (
         ("name", check_name), ("url", check_http_url), ("group", check_name),

@@ -156,12 +156,30 @@ class ChatTemplate:
         return text
 
     def continuation_prompt(self, messages: Sequence[Any], generated: str, *,
-                            tools: Any = None, extra: Mapping[str, Any] | None = None) -> str:
+                            tools: Any = None, extra: Mapping[str, Any] | None = None,
+                            continue_final: bool = False) -> str:
         """The text prompt that continues the assistant's answer `generated` to
         `messages`: the conversation rendered with the generation prompt, then the
-        answer so far. A leading BOS token is left out: the server's completion
-        tokenizer adds its own (two would change what the model sees)."""
-        text = self.render(messages, add_generation_prompt=True, tools=tools, extra=extra)
+        answer so far. With `continue_final` the last message is the assistant's own
+        beginning: rendered without a generation prompt and cut after its text, as
+        transformers does for `continue_final_message`. A leading BOS token is left
+        out: the server's completion tokenizer adds its own (two would change what the
+        model sees)."""
+        if continue_final:
+            last = messages[-1] if messages else None
+            content = last.get("content") if isinstance(last, Mapping) else None
+            if not isinstance(content, str) or not content.strip():
+                msg = "continue_final_message: the last message has no text to continue"
+                raise TemplateFailed(msg)
+            text = self.render(messages, add_generation_prompt=False, tools=tools,
+                               extra=extra)
+            end = text.rfind(content.strip())
+            if end < 0:
+                msg = "continue_final_message: the template does not show the last message"
+                raise TemplateFailed(msg)
+            text = text[:end + len(content.strip())]
+        else:
+            text = self.render(messages, add_generation_prompt=True, tools=tools, extra=extra)
         if self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text + generated

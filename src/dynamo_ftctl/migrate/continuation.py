@@ -17,7 +17,10 @@ on another worker:
 - servers without ids (and chats with tools or reasoning deltas, whose parsed
   form a completion cannot reproduce): the prompt text plus the generated text,
   for chat an assistant message with `continue_final_message: true` and
-  `add_generation_prompt: false`. Approximate; the proxy says so in the
+  `add_generation_prompt: false`, or, when the inventory names the model's
+  tokenizer directory, the conversation rendered with the model's own chat template
+  plus the generated text, on /v1/completions (servers that refuse
+  `continue_final_message`). Approximate; the proxy says so in the
   `x-ftctl-continuation: text` header and the migration metric.
 
 The body of a request the proxy cannot continue is refused up front
@@ -226,6 +229,8 @@ def continuation_request(ledger: StreamLedger) -> dict[str, Any]:
                 raise NotContinuable(msg)
             up["prompt"] = prompt + ledger.generated_text
         return up
+    if ledger.chat_template is not None:
+        return _chat_through_template(ledger, up, remaining)
     messages = copy.deepcopy(ledger.body["messages"])
     if ledger.body.get("continue_final_message") and messages \
             and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
@@ -264,6 +269,35 @@ def rewind(ledger: StreamLedger) -> int:
     ledger.generated_count -= held
     ledger.unsettled = 0
     return held
+
+
+def _chat_through_template(ledger: StreamLedger, up: dict[str, Any],
+                           remaining: int | None) -> dict[str, Any]:
+    """A text chat continuation as a completion of the conversation rendered with the
+    model's own template plus the text generated so far: for servers that refuse to
+    continue an assistant message (`transformers serve`, TensorRT-LLM)."""
+    from dynamo_ftctl.migrate.chat_template import TemplateFailed
+
+    body = ledger.body
+    kwargs = body.get("chat_template_kwargs")
+    try:
+        prompt = ledger.chat_template.continuation_prompt(
+            body["messages"], ledger.generated_text, tools=body.get("tools"),
+            extra=kwargs if isinstance(kwargs, dict) else None,
+            continue_final=bool(body.get("continue_final_message")))
+    except TemplateFailed as exc:
+        raise NotContinuable(str(exc)) from None
+    ledger.upstream_endpoint = "completions"
+    for key in _CHAT_ONLY_KEYS:
+        up.pop(key, None)
+    if remaining is not None:
+        up["max_tokens"] = remaining
+    up["prompt"] = prompt
+    logprobs = body.get("logprobs")
+    if logprobs:
+        top = body.get("top_logprobs")
+        up["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
+    return up
 
 
 def _chat_as_completion(ledger: StreamLedger, up: dict[str, Any],

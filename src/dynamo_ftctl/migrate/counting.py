@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
     from dynamo_ftctl.http1 import Client
+    from dynamo_ftctl.migrate.chat_template import ChatTemplate
     from dynamo_ftctl.migrate.routing import WorkerSlot
 
 __all__ = ["COUNT_SOURCES", "CountSource", "TokenCounter", "weakest"]
@@ -60,6 +61,7 @@ class TokenCounter:
         self.tokenizers = dict(tokenizers)
         self._loaded: dict[Path, Any] = {}
         self._broken: set[Path] = set()
+        self._templates: dict[Path, ChatTemplate | None] = {}
 
     async def count(self, slots: Iterable[WorkerSlot], model: str | None, *,
                     text: str | None = None, messages: list[Any] | None = None,
@@ -129,7 +131,9 @@ class TokenCounter:
         try:
             from tokenizers import Tokenizer
 
-            tokenizer = Tokenizer.from_file(str(file))
+            # Read as a regular file of one name, bounded (a FIFO would block the loop,
+            # a link lead elsewhere), then parsed from memory.
+            tokenizer = Tokenizer.from_str(_read_bounded(file, _TOKENIZER_MAX))
         except ImportError:
             log.warning("tokenizer %s not loaded: the tokenizers library is missing "
                         "(pip install 'dynamo-ftctl[tokenizer]'); counting text chunks", file)
@@ -142,3 +146,51 @@ class TokenCounter:
         else:
             self._loaded[path] = tokenizer
         return tokenizer
+
+    def chat_template(self, slots: Iterable[WorkerSlot]) -> ChatTemplate | None:
+        """The chat template of the tokenizer directory the inventory names for one of
+        `slots`' workers (they serve one model), loaded once; None when none names one or
+        it has no usable template (said once in the log)."""
+        for slot in slots:
+            path = self.tokenizers.get(slot.name)
+            if path is None:
+                continue
+            folder = path if path.is_dir() else path.parent
+            if folder in self._templates:
+                found = self._templates[folder]
+            else:
+                from dynamo_ftctl.errors import FtctlError
+                from dynamo_ftctl.migrate.chat_template import ChatTemplate
+
+                try:
+                    found = ChatTemplate.from_directory(folder)
+                except (FtctlError, OSError, ImportError) as exc:
+                    log.warning("%s: no chat template for continuing chats (%s)", folder, exc)
+                    found = None
+                self._templates[folder] = found
+            if found is not None:
+                return found
+        return None
+
+
+# A tokenizer.json is a few MB (a 256k vocabulary ~30 MB); past this it is not one.
+_TOKENIZER_MAX = 256 * 1024 * 1024
+
+
+def _read_bounded(path: Path, limit: int) -> str:
+    """`path`'s text, read as a regular file of one name (`safefiles.open_regular`: no
+    link followed, no FIFO or device), at most `limit` bytes (ValueError past it)."""
+    import os
+
+    from dynamo_ftctl.safefiles import open_regular
+
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            data = handle.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        msg = f"over {limit // (1024 * 1024)} MiB"
+        raise ValueError(msg)
+    return data.decode("utf-8")

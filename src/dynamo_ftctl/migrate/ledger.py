@@ -138,6 +138,9 @@ class StreamLedger:
     # (`prompt_tokens_details.cached_tokens`; None when the worker sends no details).
     attempt_prompt_tokens: int | None = None
     attempt_cached_tokens: int | None = None
+    # The model's chat template (`chat_template.ChatTemplate`), when the inventory names
+    # its tokenizer directory: a text chat continues through /v1/completions with it.
+    chat_template: Any = None
     # How each attempt's tokens were counted ("ids", "usage", "tokenize", ...).
     count_sources: list[CountSource] = field(default_factory=list)
     # The count the client's header named when it went out (the stream's end says more).

@@ -475,6 +475,11 @@ class MigrationPolicy:
             await self._settle_count(trip)
         trip.failed_at = self.clock.now()
         trip.source_group = slot.group
+        if ledger.endpoint == "chat" and not ledger.exact and ledger.chat_template is None \
+                and self.counter is not None:
+            # A text chat goes on through the model's own template where the inventory
+            # names its tokenizer directory (servers that cannot continue a message).
+            ledger.chat_template = self.counter.chat_template(self._counting_slots(trip))
         trip.body, trip.method = self._next_body(ledger, reason)
         if not trip.body:
             return False

@@ -80,12 +80,14 @@ def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
     started: list[ProxyProcess] = []
 
     def factory(workers: list[tuple[str, str]], *, worker_admin_token: str | None = None,
-                model: str = MODEL, **settings: Any) -> ProxyProcess:
+                model: str = MODEL, worker_fields: dict[str, Any] | None = None,
+                **settings: Any) -> ProxyProcess:
         index = len(started)
         admin = {"admin": {"token_env": "SIM_ADMIN_TOKEN"}} if worker_admin_token else {}
+        extra = {**admin, **(worker_fields or {})}
         inventory = {
             "cluster": "proxy-test",
-            "workers": [{"name": n, "url": u, "model": model, **admin} for n, u in workers],
+            "workers": [{"name": n, "url": u, "model": model, **extra} for n, u in workers],
             "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
                       "stall_timeout_s": 5.0, **settings},
         }

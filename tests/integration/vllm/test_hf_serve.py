@@ -11,9 +11,11 @@ tokens), and end with a usage chunk whether asked or not.
 
 So: `canary record` learns the refusal and records golden text (`return_token_ids: false`);
 `ftctl load` sends nothing it refuses; the proxy continues a completion broken by a SIGKILL
-from its prompt text + the text generated so far (`x-ftctl-continuation: text`). A chat
-cannot be continued: the text fallback's `continue_final_message` is refused (422) and this
-server has no other way to continue an assistant message (test_chat_..., xfail).
+from its prompt text + the text generated so far (`x-ftctl-continuation: text`). A chat is
+continued through the model's own chat template: the text fallback's
+`continue_final_message` is refused (422), so with the tokenizer directory named in the
+inventory (`tokenizer:`) the proxy renders the conversation itself and continues on
+/v1/completions, streaming chat chunks to the client.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ def _kill_after_pieces(count: int, by_name: dict[str, VllmServer]) -> tuple[Any,
     return callback, killed
 
 
-def _proxy_over(pair: tuple[VllmServer, ...], factory: ProxyFactory) -> ProxyProcess:
+def _proxy_over(pair: tuple[VllmServer, ...], factory: ProxyFactory,
+                tokenizer: Path | None = None) -> ProxyProcess:
     return factory([(s.name, s.url) for s in pair], model=pair[0].model,
+                   worker_fields={"tokenizer": str(tokenizer)} if tokenizer else None,
                    breaker_threshold=100000, stall_timeout_s=5.0)
 
 
@@ -216,18 +220,16 @@ def test_sigkilled_completion_is_continued_from_text(hf_pair: tuple[VllmServer, 
     _assert_text_continuation(got, expected, proxy)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the text fallback continues a chat with continue_final_message and "
-    "add_generation_prompt, which transformers serve refuses (422): the stream ends with an "
-    "error; chat_template_kwargs cannot carry them (its template call sets "
-    "add_generation_prompt=True: 500)"))
 def test_sigkilled_chat_is_continued_from_text(hf_pair: tuple[VllmServer, ...],
-                                               proxy_factory: ProxyFactory) -> None:
-    """SIGKILL of the serving server mid-chat: the proxy would continue the assistant message
-    on the other server, but this server cannot continue one."""
+                                               proxy_factory: ProxyFactory,
+                                               tiny_llama: Path) -> None:
+    """SIGKILL of the serving server mid-chat: this server refuses continue_final_message,
+    so the proxy renders the conversation with the model's own chat template (the
+    inventory's `tokenizer:` directory) and continues on /v1/completions from that text
+    plus what was generated, still streaming chat chunks to the client."""
     body = _body("/v1/chat/completions", hf_pair[0].model)
     expected = _pieces(hf_pair[0], "/v1/chat/completions", body)
-    proxy = _proxy_over(hf_pair, proxy_factory)
+    proxy = _proxy_over(hf_pair, proxy_factory, tokenizer=tiny_llama)
     kill, killed = _kill_after_pieces(CUT, {s.name: s for s in hf_pair})
     got = stream(proxy, "/v1/chat/completions", body, on_chunk=kill)
     assert killed, "the stream ended before the kill"

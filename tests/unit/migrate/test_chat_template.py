@@ -126,3 +126,37 @@ def test_the_continuation_is_the_rendered_prompt_then_the_answer(
     position = 0
     for _, content in turns:
         position = prompt.index(content, position)
+
+
+def test_a_final_assistant_message_is_continued_where_it_stops(tmp_path: Path) -> None:
+    """continue_final_message: the conversation up to the assistant's own beginning, cut
+    after its text (no end-of-turn), then what was generated."""
+    template = ChatTemplate.from_directory(tokenizer_dir(tmp_path))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    assert template.continuation_prompt(messages, "lo", continue_final=True) == (
+        "<|user|>\nhi\n<|assistant|>\nHello")
+    with pytest.raises(TemplateFailed):
+        template.continuation_prompt([{"role": "assistant", "content": ""}], "x",
+                                     continue_final=True)
+
+
+def test_a_text_chat_continuation_goes_through_the_template() -> None:
+    """With a template on the ledger, a chat cut after text without ids continues as a
+    completion: the rendered conversation plus the text, the remaining max_tokens, no
+    chat-only fields."""
+    from dynamo_ftctl.migrate.continuation import continuation_request, first_request
+    from dynamo_ftctl.migrate.ledger import StreamLedger
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+            "temperature": 0, "add_generation_prompt": True}
+    ledger = StreamLedger("chat", body)
+    first_request(ledger)
+    ledger._text_parts.append("Hello")  # two tokens of text, no ids
+    ledger.generated_count = 2
+    ledger.chat_template = ChatTemplate(TINY, "<s>", "</s>", "test")
+    up = continuation_request(ledger)
+    assert ledger.upstream_endpoint == "completions"
+    assert up["prompt"] == "<|user|>\nhi\n<|assistant|>\nHello"
+    assert up["max_tokens"] == 8
+    assert "messages" not in up
+    assert "add_generation_prompt" not in up
