@@ -4,9 +4,11 @@ tokenizer settle what text chunks undercount, across a cut and a text continuati
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,3 +156,19 @@ def test_local_tokenizer_counts_text_and_a_bad_path_counts_nothing(tmp_path: Pat
     assert 1 <= found[0] <= len("hello world, hello world")
     broken = TokenCounter(None, {"w0": tmp_path / "nothing"})
     assert asyncio.run(broken.count([slot], "m", text="hi")) is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_hostile_tokenizer_file_is_refused_without_blocking(tmp_path: Path, kind: str) -> None:
+    """A FIFO where tokenizer.json should be (which `Tokenizer.from_file` would block on,
+    the proxy's event loop with it), or a link to one elsewhere: not loaded, the chunk
+    count stands, at once."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    if kind == "fifo":
+        os.mkfifo(folder / "tokenizer.json")
+    else:
+        (tmp_path / "real.json").write_text("{}")
+        (folder / "tokenizer.json").symlink_to(tmp_path / "real.json")
+    counter = TokenCounter(None, {"w0": folder})
+    assert counter._tokenizer(folder) is None  # a blocking open hangs: the test times out
