@@ -68,11 +68,15 @@ def stack(ns: Namespace, name: str, port: int, *, python: Path, model: Path, wor
     return s
 
 
-def proxy_over(ns: Namespace, stacks: list[Stack], work: Path) -> tuple[Proc, str]:
+def proxy_over(ns: Namespace, stacks: list[Stack], work: Path,
+               model: Path) -> tuple[Proc, str]:
+    """The proxy over `stacks`' frontends, counting their text with the model's tokenizer
+    (Dynamo returns no ids and has no /tokenize: `tokenizer:`)."""
     inv = work / "proxy.yaml"
     inv.write_text(yaml.safe_dump({
         "cluster": "bench", "workers": [
-            {"name": f"fe{i + 1}", "url": s.url, "model": MODEL} for i, s in enumerate(stacks)],
+            {"name": f"fe{i + 1}", "url": s.url, "model": MODEL, "tokenizer": str(model)}
+            for i, s in enumerate(stacks)],
         "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.2, "stall_timeout_s": STALL_S,
                   "breaker_threshold": 100000}}))
     proc = spawn(ns, "proxy", [sys.executable, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"],
@@ -102,7 +106,7 @@ def one_run(setup: str, sig: str, python: Path, model: Path) -> dict[str, Any]:
         else:
             started += [stack(ns, name, port, python=python, model=model, work=work, mockers=1)
                         for name, port in (("a", 8001), ("b", 8002))]
-            _, url = proxy_over(ns, started, work)
+            _, url = proxy_over(ns, started, work, model)
             targets = {f"fe{i + 1}": s.mockers[0].pid for i, s in enumerate(started)}
             by = "header"
         got = ns.client("stream", f"{url}/v1/completions", json.dumps(body), "--act-at",

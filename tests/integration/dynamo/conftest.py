@@ -111,11 +111,14 @@ def stacks(dynamo_py: Path, model_dir: Path, netns: Namespace,
             stack.stop()
 
 
-def inventory(path: Path, workers: list[tuple[str, str]], **proxy: Any) -> Path:
-    """An inventory at `path` naming `workers` (name, url) serving MODEL."""
+def inventory(path: Path, workers: list[tuple[str, str]], tokenizer: Path | None = None,
+              **proxy: Any) -> Path:
+    """An inventory at `path` naming `workers` (name, url) serving MODEL (with its
+    tokenizer directory, for the proxy's counts of text without ids)."""
+    extra = {"tokenizer": str(tokenizer)} if tokenizer is not None else {}
     doc: dict[str, Any] = {
         "cluster": path.stem,
-        "workers": [{"name": n, "url": u, "model": MODEL, "node": "localhost"}
+        "workers": [{"name": n, "url": u, "model": MODEL, "node": "localhost", **extra}
                     for n, u in workers],
         "canary": {"set": "canary-set.yaml", "timeout_s": 10, "max_retries": 1},
     }
@@ -131,9 +134,10 @@ def ns_proxy(netns: Namespace, tmp_path: Path) -> Iterator[Callable[..., tuple[P
     (from its log); stopped at teardown."""
     started: list[Proc] = []
 
-    def factory(workers: list[tuple[str, str]], **settings: Any) -> tuple[Proc, str]:
+    def factory(workers: list[tuple[str, str]], tokenizer: Path | None = None,
+                **settings: Any) -> tuple[Proc, str]:
         index = len(started)
-        path = inventory(tmp_path / f"proxy-{index}.yaml", workers, **settings)
+        path = inventory(tmp_path / f"proxy-{index}.yaml", workers, tokenizer, **settings)
         proxy = spawn(netns, f"proxy{index}", [
             sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
             tmp_path / f"proxy-{index}.log", {**os.environ, "FTCTL_ADMIN_TOKEN": "t"})

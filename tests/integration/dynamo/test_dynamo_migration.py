@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,12 +50,15 @@ def two_frontends(stacks: StackFactory) -> tuple[Stack, Stack]:
 
 @pytest.mark.parametrize("sig", ["KILL", "STOP"])
 def test_proxy_over_two_frontends_completes_a_stream_whose_mocker_fails(
-        stacks: StackFactory, netns: Namespace, ns_proxy: Any, sig: str) -> None:
+        stacks: StackFactory, netns: Namespace, ns_proxy: Any, model_dir: Path,
+        sig: str) -> None:
     """SIGKILL or SIGSTOP of the mocker behind the serving frontend: the client's stream
-    through the proxy ends with finish_reason length, no error, one migration."""
+    through the proxy ends with finish_reason length, no error, one migration, and its
+    usage counts every token asked for, 0 off (Dynamo sends no ids and no usage before
+    the cut: the proxy counts the cut attempt's text with the inventory's tokenizer)."""
     a, b = two_frontends(stacks)
     _, url = ns_proxy([("fe1", a.url), ("fe2", b.url)], stall_timeout_s=STALL_S,
-                      breaker_threshold=100000)
+                      breaker_threshold=100000, tokenizer=model_dir)
     got = cut_stream(netns, url, body(), sig,
                      {"fe1": a.mockers[0].pid, "fe2": b.mockers[0].pid}, "header")
     assert got["acted_on"] in {"fe1", "fe2"}, got
@@ -66,6 +70,7 @@ def test_proxy_over_two_frontends_completes_a_stream_whose_mocker_fails(
     assert got["headers"].get("x-ftctl-continuation") == "text", got
     # Text mode counts a chunk a token; the mocker sends one token a chunk.
     assert got["tokens"] >= CUT, got
+    assert got["usage"]["completion_tokens"] == MAX_TOKENS, got
     if sig == "STOP":
         assert got["gap_after_act_s"] >= STALL_S * 0.9, got
 
