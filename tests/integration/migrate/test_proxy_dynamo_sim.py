@@ -150,3 +150,40 @@ def test_a_dynamo_worker_killed_mid_stream_costs_no_token_of_the_count(
     assert b": x-ftctl-count: tokenizer" in raw
     assert headers["x-ftctl-count"] == "usage"
     assert all("nvext" in c for c in got if c["choices"])
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_load_run_through_the_proxy_counts_what_a_direct_run_counts(
+        dynamo_workers: list[SimWorker], dynamo_proxy: ProxyProcess, cut: bool) -> None:
+    """24 concurrent streams of different lengths through the proxy, fault-free or with the
+    first worker dropping every stream after 20 tokens (each then migrated, from text):
+    each request's completion_tokens equals the same request's direct count, 0 off, and
+    the run's total with it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{**BODY, "prompt": f"{BODY['prompt']}{i}", "max_tokens": 40 + i % 17}
+              for i in range(24)]
+
+    migrated: list[bool] = []
+
+    def counts(url: str) -> list[int]:
+        with ThreadPoolExecutor(8) as pool:
+            runs = list(pool.map(lambda b: _stream(url, b), bodies))
+        out = []
+        for _, raw, chunks in runs:
+            usage = _usage(chunks)
+            assert usage is not None
+            out.append(usage["completion_tokens"])
+            migrated.append(b": x-ftctl-migrated:" in raw)
+        return out
+
+    direct = counts(dynamo_workers[1].url)
+    migrated.clear()
+    if cut:
+        set_fault(dynamo_workers[0], {"kind": "disconnect", "after_tokens": 20})
+    through = counts(dynamo_proxy.url)
+    print(f"\ncut={cut}: direct {sum(direct)} tokens, through the proxy {sum(through)}, "
+          f"{sum(migrated)} of {len(bodies)} streams migrated")
+    assert any(migrated) == cut
+    assert through == direct
+    assert sum(through) == sum(b["max_tokens"] for b in bodies)  # ignore_eos: every one
