@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.interrupt import sigint_deliverable
 
 FTCTL = [sys.executable, "-m", "dynamo_ftctl"]
 
@@ -110,9 +111,10 @@ def test_procs_share_one_plan(start_target, tmp_path: Path):
 def test_ctrl_c_stops_every_process(start_target):
     """SIGINT to the parent of `--procs 3` ends it and its three processes, none left."""
     url = start_target()
-    proc = subprocess.Popen([*FTCTL, "load", "--url", url, "--rate", "30", "--duration", "60s",
-                             "--max-tokens", "2", "--procs", "3"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with sigint_deliverable():  # (a run started in the background ignores SIGINT)
+        proc = subprocess.Popen([*FTCTL, "load", "--url", url, "--rate", "30", "--duration",
+                                 "60s", "--max-tokens", "2", "--procs", "3"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert _wait_for(lambda: len(_children(proc.pid)) == 3), "the processes did not start"
         kids = _children(proc.pid)
