@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.migrate.calibrate import Calibration
     from dynamo_ftctl.migrate.ledger import StreamLedger
     from dynamo_ftctl.migrate.routing import WorkerSlot
+    from dynamo_ftctl.migrate.transfer import Endpoint
 
 __all__ = ["KvHandoff", "load_proxy_calibration"]
 
@@ -82,14 +84,14 @@ class KvHandoff:
         """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""
         from dynamo_ftctl.errors import FtctlError
         from dynamo_ftctl.http1 import Client
-        from dynamo_ftctl.migrate.transfer import endpoint_for, export_request
+        from dynamo_ftctl.migrate.transfer import export_request
 
         if self._client is None:
             self._client = Client()
         try:
             async with asyncio.timeout(budget_s):
                 state, payload, _ = await export_request(
-                    self._client, endpoint_for(self.inventory, slot.name), ledger.upstream_id,
+                    self._client, self._endpoint(slot), ledger.upstream_id,
                     abort=True, clock=self.clock,
                     timeout_s=min(self.config.stall_timeout_s, budget_s),
                 )
@@ -107,9 +109,21 @@ class KvHandoff:
     def import_request(self, slot: WorkerSlot, payload: bytes,
                        ledger: StreamLedger) -> tuple[str, bytes, dict[str, str]]:
         """URL, body and headers of the import that continues the request on `slot`."""
-        from dynamo_ftctl.migrate.transfer import endpoint_for
-
-        target = endpoint_for(self.inventory, slot.name)
+        target = self._endpoint(slot)
         headers = {**target.admin_headers(), "X-Request-Id": ledger.upstream_id,
                    "Content-Type": "application/octet-stream"}
         return f"{target.admin_url}/admin/kv/import", payload, headers
+
+    def _endpoint(self, slot: WorkerSlot) -> Endpoint:
+        """`slot`'s endpoint: its inventory entry's, or, for a worker the inventory this
+        handoff started with does not name (found in DNS, added by a reload), the worker
+        URL as admin URL with the default token variable (an inventory worker's defaults).
+        Never an error: an import raised here would fail a request that can go on."""
+        from dynamo_ftctl.errors import FtctlError
+        from dynamo_ftctl.migrate.transfer import Endpoint, endpoint_for
+
+        try:
+            return endpoint_for(self.inventory, slot.name)
+        except FtctlError:
+            return Endpoint(name=slot.name, url=slot.url, admin_url=slot.url,
+                            token=os.environ.get("FTCTL_ADMIN_TOKEN"), group=slot.group)
