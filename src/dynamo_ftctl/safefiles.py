@@ -57,6 +57,7 @@ __all__ = [
     "open_regular",
     "open_sink",
     "temp_log",
+    "user_cache_dir",
     "write_atomic",
     "write_into",
 ]
@@ -72,6 +73,20 @@ _NOT_REGULAR = {
 _ONLY_REGULAR = "ftctl writes only to a regular file or a new path"
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def user_cache_dir(name: str) -> Path | None:
+    """`$XDG_CACHE_HOME/ftctl/<name>` (else `~/.cache/ftctl/<name>`): where ftctl keeps what
+    it can make again (parsed YAML, compiled kernels); None when `$FTCTL_NO_CACHE` is set or
+    there is no home to find."""
+    if os.environ.get("FTCTL_NO_CACHE"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME")
+    try:
+        root = Path(base) if base else Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # no $HOME and no passwd entry: no cache
+        return None
+    return root / "ftctl" / name
 
 
 def _kind(mode: int) -> str:

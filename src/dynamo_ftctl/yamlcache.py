@@ -55,14 +55,9 @@ _Entry = tuple[Any, list[tuple[list[str | int], int]]]
 
 def cache_dir() -> Path | None:
     """Where entries live, or None when the cache is off."""
-    if os.environ.get("FTCTL_NO_CACHE"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME")
-    try:
-        root = Path(base) if base else Path.home() / ".cache"
-    except (RuntimeError, KeyError):  # no $HOME and no passwd entry: no cache
-        return None
-    return root / "ftctl" / "yaml"
+    from dynamo_ftctl.safefiles import user_cache_dir
+
+    return user_cache_dir("yaml")
 
 
 def _name(text: str) -> str:

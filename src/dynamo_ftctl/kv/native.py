@@ -197,14 +197,9 @@ def load(path: Path = LIBRARY, *, openmp: bool = True) -> RowKernel | None:
 
 def cache_dir() -> Path | None:
     """Where `cached_library` compiles the kernel, or None when the cache is off."""
-    if os.environ.get("FTCTL_NO_CACHE"):
-        return None
-    base = os.environ.get("XDG_CACHE_HOME")
-    try:
-        root = Path(base) if base else Path.home() / ".cache"
-    except (RuntimeError, KeyError):  # no $HOME and no passwd entry: no cache
-        return None
-    return root / "ftctl" / "kernels"
+    from dynamo_ftctl.safefiles import user_cache_dir
+
+    return user_cache_dir("kernels")
 
 
 def _ours(path: Path) -> bool:
