@@ -307,10 +307,11 @@ _FAMILIES: dict[str, tuple[MetricWrapperBase, ...]] = {
     XID: (XID_EVENTS,),
 }
 # Families any kind shows once it has recorded a sample (a drill injecting faults from a
-# process that serves /metrics; a proxy or daemon following DNS discovery), and never as
+# process that serves /metrics; a proxy or daemon following DNS discovery; a proxy whose
+# workers report the prompt tokens they loaded), and never as
 # an empty header.
 _IF_RECORDED: tuple[MetricWrapperBase, ...] = (FAULTS_INJECTED, DISCOVERY_FAILURES,
-                                               DISCOVERED_WORKERS)
+                                               DISCOVERED_WORKERS, MIGRATION_PROMPT_TOKENS)
 
 
 def _family_names(collectors: tuple[MetricWrapperBase, ...]) -> frozenset[str]:

@@ -168,11 +168,11 @@ def _start_workers(inventory: Inventory, out_dir: Path, env: dict[str, str],
             route_workers.append((worker, f"http://127.0.0.1:{port}", "command"))
         else:
             route_workers.append((worker, worker.url, "running"))
-    launch = replace(inventory, workers=tuple(launch_workers))
-    stack.launch_inventory = launch
     stack.commands = start_command_workers(commands, log_dir=out_dir,
                                            environ={**os.environ, **env})
-    if launch_workers:
+    if launch_workers:  # (an inventory of none is refused: every worker a command's)
+        launch = replace(inventory, workers=tuple(launch_workers))
+        stack.launch_inventory = launch
         stack.cluster = start_cluster(launch, state_dir=out_dir / "cluster", env=env)
     return route_workers
 
