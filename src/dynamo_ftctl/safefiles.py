@@ -56,6 +56,7 @@ __all__ = [
     "open_proc_self",
     "open_regular",
     "open_sink",
+    "read_regular",
     "temp_log",
     "user_cache_dir",
     "write_atomic",
@@ -379,6 +380,21 @@ def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
         os.close(fd)
         raise
     return fd
+
+
+def read_regular(path: Path | str, limit: int) -> bytes:
+    """`path`'s bytes, read as a regular file of one name (`open_regular`: no link
+    followed, no FIFO, device or socket), `InvalidInput` naming it when it holds more
+    than `limit` bytes; `FileNotFoundError` when there is none."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        msg = f"{path}: over {limit} bytes"
+        raise InvalidInput(msg)
+    return data
 
 
 def check_log(path: Path | str) -> Path:

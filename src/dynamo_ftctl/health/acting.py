@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -77,21 +76,15 @@ class ActingGate:
 
     def _load(self) -> None:
         assert self.path is not None
-        from dynamo_ftctl.safefiles import open_regular
+        from dynamo_ftctl.safefiles import read_regular
 
         path = acted_path(self.path)
         try:
-            fd = open_regular(path, os.O_RDONLY)
+            doc = json.loads(read_regular(path, _ACTED_MAX))
         except FileNotFoundError:
             self._acted = {}
             return
-        try:
-            data = os.read(fd, _ACTED_MAX + 1)
-        finally:
-            os.close(fd)
-        try:
-            doc = json.loads(data) if len(data) <= _ACTED_MAX else None
-        except ValueError:
+        except (InvalidInput, ValueError):  # over the bound, or not JSON
             doc = None
         if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
             _log.warning("%s: not a record of acted states: ignored (every worker's current "

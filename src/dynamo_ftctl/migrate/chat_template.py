@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,19 +41,13 @@ class TemplateFailed(ValueError):
 
 
 def _read(path: Path, limit: int) -> str | None:
-    from dynamo_ftctl.safefiles import open_regular
+    """`path`'s text (`safefiles.read_regular`), None when there is no such file."""
+    from dynamo_ftctl.safefiles import read_regular
 
     try:
-        fd = open_regular(path, os.O_RDONLY)
+        data = read_regular(path, limit)
     except FileNotFoundError:
         return None
-    try:
-        data = os.read(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        msg = f"{path}: over {limit // 1024} KiB: not a tokenizer file"
-        raise InvalidInput(msg)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

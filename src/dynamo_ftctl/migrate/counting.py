@@ -178,19 +178,8 @@ _TOKENIZER_MAX = 256 * 1024 * 1024
 
 
 def _read_bounded(path: Path, limit: int) -> str:
-    """`path`'s text, read as a regular file of one name (`safefiles.open_regular`: no
-    link followed, no FIFO or device), at most `limit` bytes (ValueError past it)."""
-    import os
+    """`path`'s text, read as a regular file of one name, at most `limit` bytes
+    (`safefiles.read_regular`)."""
+    from dynamo_ftctl.safefiles import read_regular
 
-    from dynamo_ftctl.safefiles import open_regular
-
-    fd = open_regular(path, os.O_RDONLY)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        msg = f"over {limit // (1024 * 1024)} MiB"
-        raise ValueError(msg)
-    return data.decode("utf-8")
+    return read_regular(path, limit).decode("utf-8")
