@@ -16,11 +16,13 @@ caches keep what earlier arms left, and conversations of another seed share none
 Per arm it prints the servers' prefix-cache hit rate over the arm (tokens, the deltas of
 `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` summed over both),
 the share of those tokens the first server got (the load split), and the client's TTFT
-p50 and p99 (ms). Arms go in a rotated order each round.
+p50 and p99 (ms). Arms go in a rotated order each round. First it prints the proxy's
+CPU per routing choice, cache-aware against least-outstanding, in this process
+(`--cost-only`: that alone).
 
 Needs the vLLM venv (`make vllm`, or $FTCTL_VLLM_PYTHON); without it this prints a note
 and exits 0. Usage: python benchmarks/cache_aware.py [--conversations 8] [--turns 5]
-[--users 4] [--rounds 1] [--no-router]
+[--users 4] [--rounds 1] [--no-router] [--cost-only]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,6 +180,35 @@ def run_arm(url: str, model: str, args: argparse.Namespace, seed: int) -> dict[s
             "failed": summary["failed"]}
 
 
+def choice_cost() -> None:
+    """CPU per routing choice in this process: cache-aware (key a chat, choose, record)
+    against least-outstanding `pick`, over four workers, by the system prompt's length."""
+    import timeit
+
+    from dynamo_ftctl.inventory import CacheAware
+    from dynamo_ftctl.migrate.ledger import StreamLedger
+    from dynamo_ftctl.migrate.prefix import prefix_key
+    from dynamo_ftctl.migrate.routing import Router, WorkerSlot
+
+    def slots() -> list[WorkerSlot]:
+        return [WorkerSlot(name=f"w{i}", url="x", group=f"g{i}", model="m") for i in range(4)]
+
+    aware, plain = Router(slots(), cache_aware=CacheAware()), Router(slots())
+    print("| system prompt (characters) | least_outstanding pick (us) | cache_aware (us) |")
+    print("|---|---|---|")
+    for size in (500, 4000, 16000):
+        ledger = StreamLedger("chat", {"model": "m", "messages": [
+            {"role": "system", "content": "x" * size}, {"role": "user", "content": "hi"}]})
+
+        def choose(ledger: StreamLedger = ledger) -> None:
+            aware.pick_by_prefix(prefix_key(ledger, "m"), model="m")
+
+        runs = 2000
+        cached = min(timeit.repeat(choose, number=runs, repeat=5)) / runs
+        least = min(timeit.repeat(lambda: plain.pick(model="m"), number=runs, repeat=5)) / runs
+        print(f"| {size} | {least * 1e6:.1f} | {cached * 1e6:.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=8)
@@ -186,7 +218,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="only the CPU per routing choice (no vLLM)")
     args = parser.parse_args()
+    choice_cost()
+    if args.cost_only:
+        return 0
     python = vllm_python()
     if not python.exists():
         print(f"benchmarks/cache_aware.py: no vLLM venv at {python} (make vllm): skipped")
@@ -241,9 +278,7 @@ def main() -> int:
           "| first server's share |")
     print("|---|---|---|---|---|")
     for arm, rows in results.items():
-        def med(values: list[float]) -> float:
-            ordered = sorted(values)
-            return ordered[len(ordered) // 2]
+        med = statistics.median
         print(f"| {arm} | {med([r[0] for r in rows]):.3f} | "
               f"{med([r[3]['p50'] for r in rows]):.1f} | {med([r[3]['p99'] for r in rows]):.1f} | "
               f"{med([r[1] for r in rows]):.2f} |")
