@@ -46,6 +46,7 @@ __all__ = [
     "MAX_YAML_BYTES",
     "AdminEndpoint",
     "BusyThresholds",
+    "CacheAware",
     "CanaryConfig",
     "DnsWorkers",
     "EtcdConfig",
@@ -428,6 +429,36 @@ class RetryBudget(StrictStruct, frozen=True):
     ] = 3
 
 
+class CacheAware(StrictStruct, frozen=True):
+    """Cache-aware routing's settings (`proxy.routing: cache_aware`), sglang-router's and
+    vllm-router's `cache_aware` policy's, with their defaults.
+
+    A request goes to the worker holding the longest prefix of its prompt when that
+    prefix is more than `cache_threshold` of it, else to the worker holding the
+    fewest prefixes. When the fleet's load is out of balance, outstanding requests
+    differing by more than `balance_abs_threshold` and the largest more than
+    `balance_rel_threshold` times the smallest, the least loaded worker wins instead.
+    """
+
+    cache_threshold: Annotated[
+        float, doc("Share of the prompt a worker's prefix must exceed to draw the request.",
+                   ge=0.0, le=1.0),
+    ] = 0.3
+    balance_abs_threshold: Annotated[
+        int, doc("Outstanding requests between the most and least loaded workers past "
+                 "which (with the relative one) load wins over prefixes.", ge=0),
+    ] = 64
+    balance_rel_threshold: Annotated[
+        float, doc("Ratio of the most to the least loaded worker's outstanding requests "
+                   "past which (with the absolute one) load wins over prefixes.", ge=1.0),
+    ] = 1.5
+    max_entries: Annotated[
+        int, doc("(prefix block, worker) pairs the index keeps, least recently used "
+                 "evicted first (a block: 16 token ids or 64 characters; about 250 bytes "
+                 "a pair).", ge=1),
+    ] = 131072
+
+
 class ProxyConfig(StrictStruct, frozen=True):
     """The migrating front door."""
 
@@ -488,6 +519,13 @@ class ProxyConfig(StrictStruct, frozen=True):
         doc("MiB of requests not yet answered (partial bodies included) held across all "
              "clients; the request that would go over is answered 503.", ge=1),
     ] = 256
+    routing: Annotated[
+        Literal["least_outstanding", "cache_aware"],
+        doc("How a worker is chosen: the least outstanding requests (per routing weight), "
+            "or where the prompt's longest prefix was served, so the engine's prefix "
+            "cache hits, while the load stays in balance (`cache_aware:`)."),
+    ] = "least_outstanding"
+    cache_aware: CacheAware = field(default_factory=CacheAware)
     procs: Annotated[
         int,
         doc("Processes serving `listen` (SO_REUSEPORT), one view of the workers and one "

@@ -114,6 +114,14 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
         "--prompt-file", help="JSONL prompts ({\"prompt\"} or {\"messages\"}).")] = None,
     trace: Annotated[Path | None, typer.Option(
         "--trace", help="JSONL trace with timestamps to replay (with --rate ignored).")] = None,
+    conversations: Annotated[int | None, typer.Option(
+        "--conversations", min=1,
+        help="Multi-turn: N conversations in turn, each turn's prompt the last turn's "
+             "(user message and a synthetic reply of its --max-tokens) plus a new user "
+             "message of --prompt-tokens; after --turns turns, N new ones (deterministic "
+             "for --seed; chat: messages, else one growing prompt).")] = None,
+    turns: Annotated[int, typer.Option(
+        "--turns", min=1, help="Multi-turn: requests of each conversation.")] = 4,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Use /v1/chat/completions instead of /v1/completions.")] = False,
     stream: Annotated[bool, typer.Option(
@@ -230,7 +238,7 @@ def load(  # noqa: PLR0917 - typer passes every option positionally
             prompt_tokens=lg.parse_length(prompt_tokens, what="--prompt-tokens"),
             max_tokens=lg.parse_length(max_tokens, what="--max-tokens"), stream=stream,
             ignore_eos=ignore_eos, min_tokens=min_tokens, priority=priority,
-            prompt_file=prompt_file, trace=trace),
+            prompt_file=prompt_file, trace=trace, conversations=conversations, turns=turns),
         duration_s=None if duration is None else lg.parse_duration(duration, what="--duration"),
         requests=requests,
         warmup_s=lg.parse_duration(warmup, what="--warmup"),

@@ -61,6 +61,13 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         help="Processes serving the port (SO_REUSEPORT; a parent restarts any that dies), "
              "with one view of the workers' health and busy state and one /metrics "
              "(default: proxy.procs, 1).")] = None,
+    routing: Annotated[str | None, typer.Option(
+        "--routing", metavar="POLICY",
+        help="least_outstanding (the fewest requests in flight, per health weight) or "
+             "cache_aware (where the prompt's longest prefix was served, so the engine's "
+             "prefix cache hits; the least loaded worker once the load is out of balance, "
+             "proxy.cache_aware's thresholds) (default: proxy.routing, least_outstanding).",
+    )] = None,
     json_: JsonFlag = False,
 ) -> None:
     """Run the migrating proxy until Ctrl-C (or SIGTERM: answers in flight finish).
@@ -87,7 +94,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
         "reject_status": reject_status,
         "calibration": str(calibration.resolve()) if calibration is not None else None,
         "max_connections": max_connections, "max_buffered_mib": max_buffered_mib,
-        "procs": procs,
+        "procs": procs, "routing": routing,
     }
     data = to_data(inventory.proxy)
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -230,6 +230,13 @@ class Workload:
     merges a few of the random characters' pairs). `prompt_file` is
     JSONL (`{"prompt": ...}` or `{"messages": [...]}`, optional `max_tokens`);
     `trace` is the same with a `timestamp` (seconds) that replaces the schedule.
+
+    `conversations` makes the workload multi-turn: requests go to that many
+    conversations in turn, `turns` requests each, then to as many new ones. A
+    conversation's turn t repeats its turns before (each user message and a reply of
+    that turn's `max_tokens`, synthetic text, the server's replies are not fed back)
+    and adds a user message of `prompt_tokens`: each turn's prompt extends the last
+    one's, as a chat's does (chat: messages; completions: one growing prompt).
     """
 
     api: Literal["completions", "chat"] = "completions"
@@ -243,10 +250,22 @@ class Workload:
     prompt_file: Path | None = None
     trace: Path | None = None
     temperature: float = 0.0
+    conversations: int | None = None
+    turns: int = 4
 
     def __post_init__(self) -> None:
         if self.prompt_file is not None and self.trace is not None:
             msg = "workload: give a prompt file or a trace, not both"
+            raise InvalidInput(msg)
+        if self.conversations is not None:
+            if self.conversations < 1:
+                msg = "--conversations: must be at least 1"
+                raise InvalidInput(msg)
+            if self.prompt_file is not None or self.trace is not None:
+                msg = "--conversations: synthetic conversations, not with a prompt file or trace"
+                raise InvalidInput(msg)
+        if self.turns < 1:
+            msg = "--turns: must be at least 1"
             raise InvalidInput(msg)
         if self.max_tokens.low < 1:
             msg = "max_tokens: must be at least 1"

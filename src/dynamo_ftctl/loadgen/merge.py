@@ -89,7 +89,8 @@ def config_from_json(doc: dict[str, Any], *, model: str | None = None) -> LoadCo
         max_tokens=parse_length(doc["max_tokens"], what="max_tokens"),
         ignore_eos=doc["ignore_eos"], min_tokens=doc["min_tokens"], priority=doc["priority"],
         prompt_file=None if doc["prompt_file"] is None else Path(doc["prompt_file"]),
-        trace=None if doc["trace"] is None else Path(doc["trace"]))
+        trace=None if doc["trace"] is None else Path(doc["trace"]),
+        conversations=doc.get("conversations"), turns=doc.get("turns", 4))  # older lack them
     return LoadConfig(
         targets=tuple(doc["targets"]), schedule=sched, workload=wl,
         duration_s=doc["duration_s"], requests=doc["requests"], warmup_s=doc["warmup_s"],

@@ -150,6 +150,8 @@ def describe_config(config: LoadConfig) -> dict[str, Any]:
         "priority": wl.priority,
         "prompt_file": wl.prompt_file,
         "trace": wl.trace,
+        "conversations": wl.conversations,
+        "turns": wl.turns,
         "slo": to_jsonable(config.slo),
         "abort_error_rate": config.abort_error_rate,
         "spin_us": round(config.spin_s * 1e6),

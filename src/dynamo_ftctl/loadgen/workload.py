@@ -1,4 +1,5 @@
-"""Request bodies: synthetic prompts of exact byte lengths, prompt files and traces.
+"""Request bodies: synthetic prompts of exact byte lengths, multi-turn conversations,
+prompt files and traces.
 
 `RequestFactory.build(i)` returns the i-th request (target URL, body bytes,
 headers) so the send loop does no JSON work of its own. Prompt and trace
@@ -128,8 +129,31 @@ class RequestFactory:
             self._headers[PRIORITY_HEADER] = workload.priority
         self._pool = ""
         if items is None:
-            size = max(_POOL_MIN, 2 * workload.prompt_tokens.high)
+            size = max(_POOL_MIN, 2 * workload.prompt_tokens.high, 2 * workload.max_tokens.high)
             self._pool = synthetic_prompt(random.Random(seed), size)
+
+    def _window(self, draw: int, length: int) -> str:
+        """`length` characters of the pool from a place `draw` picks."""
+        start = _mix(draw) % (len(self._pool) - length + 1)
+        return self._pool[start:start + length]
+
+    def _conversation(self, index: int) -> tuple[list[tuple[str, str]], str, int]:
+        """Request `index` of a multi-turn workload: the (user, reply) turns before it, its
+        user message, and its max_tokens (the reply length its turn stands for)."""
+        wl = self.workload
+        count = wl.conversations or 1
+        generation, within = divmod(index, count * wl.turns)
+        turn, slot = divmod(within, count)
+        conversation = _mix(self.seed * 1_000_003 + 0x5EED) + generation * count + slot
+        done: list[tuple[str, str]] = []
+        for t in range(turn + 1):
+            draw = _mix(conversation * 1_000_033 + t)
+            user = self._window(draw, _draw(_mix(draw), wl.prompt_tokens))
+            reply_tokens = _draw(_mix(draw + 1), wl.max_tokens)
+            if t == turn:
+                return done, user, reply_tokens
+            done.append((user, self._window(draw + 2, reply_tokens)))
+        raise AssertionError  # the loop returns at its last turn
 
     def build(self, index: int) -> RequestSpec:
         """The request numbered `index` (0-based)."""
@@ -139,11 +163,26 @@ class RequestFactory:
         if self.model is not None:
             body["model"] = self.model
         max_tokens = _draw(first, wl.max_tokens)
-        if self.items is not None:
+        prompt: str | None
+        messages: list[dict[str, Any]] | None
+        if wl.conversations is not None:
+            turns, user, max_tokens = self._conversation(index)
+            if wl.api == "chat":
+                messages = []
+                for asked, answered in turns:
+                    messages += [{"role": "user", "content": asked},
+                                 {"role": "assistant", "content": answered}]
+                messages.append({"role": "user", "content": user})
+                prompt = None
+            else:
+                prompt = "".join(f"User: {asked}\nAssistant: {answered}\n"
+                                 for asked, answered in turns) + f"User: {user}\nAssistant:"
+                messages = None
+        elif self.items is not None:
             item = self.items[index % len(self.items)]
             if item.max_tokens is not None:
                 max_tokens = item.max_tokens
-            prompt: str | None = item.prompt
+            prompt = item.prompt
             messages = list(item.messages) if item.messages is not None else None
         else:
             second = _mix(first)

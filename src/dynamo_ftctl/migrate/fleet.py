@@ -96,11 +96,13 @@ class Fleet:
         slots = (WorkerSlot(name=w.name, url=w.url, group=inventory.group_of(w), model=w.model)
                  for w in inventory.workers)
         self.board = board
+        cache_aware = config.cache_aware if config.routing == "cache_aware" else None
         self.router = Router(slots, clock=clock, breaker_threshold=config.breaker_threshold,
-                             recovery_s=config.breaker_recovery_s) if board is None \
+                             recovery_s=config.breaker_recovery_s,
+                             cache_aware=cache_aware) if board is None \
             else SharedRouter(slots, board, clock=clock,
                               breaker_threshold=config.breaker_threshold,
-                              recovery_s=config.breaker_recovery_s)
+                              recovery_s=config.breaker_recovery_s, cache_aware=cache_aware)
         default = Thresholds(
             active_decode_blocks_threshold=config.busy.active_decode_blocks_threshold,
             active_prefill_tokens_threshold=config.busy.active_prefill_tokens_threshold,

@@ -1,10 +1,11 @@
 """The migration policy: where a request goes next, and whose fault a failure was.
 
 `MigrationPolicy.generate` runs one client request across as many workers as it
-takes: it picks a worker (`routing.Router`), runs one upstream attempt on it
-(`migrate/attempt.py`) and, when the attempt fails, decides what follows from the
-request's `StreamLedger` (`migrate/continuation.py` builds the body): a plain retry
-before the first token (`method="retry"`), re-prefill of prompt + generated ids
+takes: it picks a worker (`routing.Router`: least outstanding, or cache-aware by the
+prompt's prefix, and for a continuation by its prompt and output so far), runs one
+upstream attempt on it (`migrate/attempt.py`) and, when the attempt fails, decides
+what follows from the request's `StreamLedger` (`migrate/continuation.py` builds the
+body): a plain retry before the first token (`method="retry"`), re-prefill of prompt + generated ids
 (`"reprefill"`), text continuation for servers without token ids (`"text"`,
 docs/design.md "Continuation"), or a KV handoff (`"kv"`, `migrate/handoff.py`).
 
@@ -57,6 +58,7 @@ from dynamo_ftctl.migrate.continuation import (
     retry_request,
 )
 from dynamo_ftctl.migrate.judgment import Blame, QueryMemory, Verdict, fingerprint, judge
+from dynamo_ftctl.migrate.prefix import prefix_key
 from dynamo_ftctl.openai import error_body
 
 if TYPE_CHECKING:
@@ -217,6 +219,8 @@ class MigrationPolicy:
                             trip.yielded = True
                             yield batch
                         self.fleet.router.record_success(slot)
+                        if self.fleet.router.prefixes is not None:  # it holds the reply too
+                            self.fleet.router.remember(prefix_key(ledger, trip.model), slot)
                         if ledger.count_unsettled:  # it sent no usage chunk
                             await self._settle_count(trip)
                         if trip.method in ("reprefill", "text"):
@@ -270,10 +274,18 @@ class MigrationPolicy:
     def _pick(self, trip: _Trip) -> WorkerSlot:
         """The worker for the next attempt; raises when there is none left."""
         failed = trip.failed_workers
-        slot = self.fleet.router.pick(
-            model=trip.model, exclude_workers=failed, exclude_groups=trip.failed_groups,
-            avoid_busy=not failed, last_resort=bool(failed),
-        )
+        router = self.fleet.router
+        if router.prefixes is None:
+            slot = router.pick(
+                model=trip.model, exclude_workers=failed, exclude_groups=trip.failed_groups,
+                avoid_busy=not failed, last_resort=bool(failed),
+            )
+        else:  # a continuation keys its prompt and what it generated so far
+            slot = router.pick_by_prefix(
+                prefix_key(trip.ledger, trip.model), model=trip.model,
+                exclude_workers=failed, exclude_groups=trip.failed_groups,
+                avoid_busy=not failed, last_resort=bool(failed),
+            )
         if slot is None:
             raise self._nowhere(trip)
         ledger = trip.ledger

@@ -15,6 +15,19 @@ with weight 0 is chosen only when nothing else is left for a continuation
 (`last_resort=True`): a stream broken half-way is worth a try on a suspect
 worker rather than an error.
 
+Cache-aware routing (`proxy.routing: cache_aware`, `pick_by_prefix`) is sglang-router's
+and vllm-router's `cache_aware` policy over the same eligible workers: while the load
+is in balance, the request goes to the worker holding the longest prefix of its
+prompt (and, for a continuation, of what it generated) in the `prefix.PrefixIndex`,
+when that prefix is more than `cache_threshold` of the key; else to the eligible
+worker holding the fewest blocks (new prefixes spread over the caches). When the
+outstanding requests of the most and least loaded eligible workers differ by more
+than `balance_abs_threshold` and the first is more than `balance_rel_threshold`
+times the second, `pick` decides. The chosen worker is recorded as holding the key
+at once (requests of one prefix that arrive together go to one worker). A worker
+whose breaker opens is forgotten (a restart empties its cache), so is one a reload
+removes.
+
 Pure code with a `Clock`; no I/O.
 """
 
@@ -23,9 +36,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.migrate.prefix import PrefixIndex
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory import CacheAware
+    from dynamo_ftctl.migrate.prefix import PrefixKey
 
 __all__ = ["BreakerState", "Router", "WorkerSlot", "parse_daemon_weights"]
 
@@ -133,8 +151,12 @@ class Router:
     def __init__(
         self, slots: Iterable[WorkerSlot], *, clock: Clock = SYSTEM_CLOCK,
         breaker_threshold: int = 3, recovery_s: float = 60.0,
+        cache_aware: CacheAware | None = None,
     ) -> None:
         self.slots: dict[str, WorkerSlot] = {s.name: s for s in slots}
+        # Cache-aware routing's settings and index (None: least outstanding only).
+        self.cache_aware = cache_aware
+        self.prefixes = PrefixIndex(cache_aware.max_entries) if cache_aware else None
         self._order = list(self.slots)
         self._clock = clock
         self._threshold = breaker_threshold
@@ -144,6 +166,9 @@ class Router:
     def replace_slots(self, slots: Iterable[WorkerSlot]) -> None:
         """Route over `slots` from now on (an inventory reload). Requests running on a slot
         left out keep it to their end; none is sent there again."""
+        if self.prefixes is not None:
+            for gone in self.slots.keys() - {s.name for s in slots}:
+                self.prefixes.forget(gone)
         self.slots = {s.name: s for s in slots}
         self._order = list(self.slots)
 
@@ -218,6 +243,48 @@ class Router:
             best.trial_in_flight = True
         return best
 
+    def pick_by_prefix(
+        self, key: PrefixKey | None, *, model: str | None = None,
+        exclude_workers: Collection[str] = (), exclude_groups: Collection[str] = (),
+        avoid_busy: bool = True, last_resort: bool = False,
+    ) -> WorkerSlot | None:
+        """Cache-aware choice (see the module's docstring) among the workers `pick` would
+        consider, and `key` recorded on the worker chosen; `pick`'s when there is no key,
+        no index, the load is out of balance, or only a last resort is left."""
+        settings, index = self.cache_aware, self.prefixes
+        slot: WorkerSlot | None = None
+        if settings is not None and index is not None and key is not None:
+            candidates = self._eligible(model, exclude_workers, exclude_groups, avoid_busy)
+            if candidates and not _imbalanced(candidates, settings):
+                slot = _by_prefix(candidates, key, index, settings.cache_threshold)
+                if slot.breaker == "half_open":
+                    slot.trial_in_flight = True
+        if slot is None:
+            slot = self.pick(model=model, exclude_workers=exclude_workers,
+                             exclude_groups=exclude_groups, avoid_busy=avoid_busy,
+                             last_resort=last_resort)
+        if slot is not None and index is not None and key is not None:
+            index.insert(key, slot.name)
+        return slot
+
+    def remember(self, key: PrefixKey | None, slot: WorkerSlot) -> None:
+        """`slot` served `key` (a finished request's prompt and output)."""
+        if self.prefixes is not None and key is not None:
+            self.prefixes.insert(key, slot.name)
+
+    def _eligible(self, model: str | None, exclude_workers: Collection[str],
+                  exclude_groups: Collection[str], avoid_busy: bool) -> list[WorkerSlot]:
+        """The workers `pick` chooses among before a last resort: of `model`, not
+        excluded, of positive weight; the ones not busy when any is and `avoid_busy`."""
+        free: list[WorkerSlot] = []
+        busy: list[WorkerSlot] = []
+        for slot in self.slots.values():
+            if slot.name in exclude_workers or slot.group in exclude_groups \
+                    or (model is not None and slot.model != model) or self.weight(slot) <= 0:
+                continue
+            (busy if avoid_busy and slot.busy else free).append(slot)
+        return free or busy
+
     def start(self, slot: WorkerSlot, prompt_tokens: int) -> None:
         """A request goes to `slot`."""
         slot.outstanding += 1
@@ -247,6 +314,8 @@ class Router:
         if slot.breaker == "half_open" or slot.consecutive_failures >= self._threshold:
             slot.breaker = "open"
             slot.opened_at = self._clock.now()
+            if self.prefixes is not None:
+                self.prefixes.forget(slot.name)
 
     def record_neutral(self, slot: WorkerSlot) -> None:
         """An attempt on `slot` failed through the request's fault (a query of death).
@@ -265,3 +334,23 @@ class Router:
         """0 closed, 1 open, 2 half-open (for `ftctl_circuit_breaker_state`)."""
         self.weight(slot)
         return _BREAKER_GAUGE[slot.breaker]
+
+
+def _imbalanced(slots: list[WorkerSlot], settings: CacheAware) -> bool:
+    """sglang-router's test: max - min > abs and max > rel * min (outstanding requests)."""
+    loads = [s.outstanding for s in slots]
+    high, low = max(loads), min(loads)
+    return high - low > settings.balance_abs_threshold \
+        and high > settings.balance_rel_threshold * low
+
+
+def _by_prefix(slots: list[WorkerSlot], key: PrefixKey, index: PrefixIndex,
+               threshold: float) -> WorkerSlot:
+    """The worker holding the longest prefix of `key` when it is more than `threshold` of
+    it, else the one holding the fewest blocks; ties to the fewest outstanding."""
+    held = index.match(key)
+    best = max(slots, key=lambda s: (held.get(s.name, 0), -s.outstanding))
+    matched = held.get(best.name, 0) * key.unit
+    if key.length and matched / key.length > threshold:
+        return best
+    return min(slots, key=lambda s: (index.held_by(s.name), s.outstanding))

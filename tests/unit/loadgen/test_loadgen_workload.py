@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -95,3 +96,56 @@ def test_trace_needs_timestamps_and_is_sorted(tmp_path: Path):
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(InventoryError, match="timestamp"):
         load_prompts(path, trace=True)
+
+
+def _bodies(wl: Workload, count: int, seed: int = 3) -> list[dict]:
+    factory = RequestFactory(wl, ("http://a",), seed=seed, model="m")
+    return [json.loads(factory.build(i).body) for i in range(count)]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_conversation_turns_extend_the_last_turns_prompt(api):
+    """Turn t of a conversation repeats turn t-1's prompt, a reply of its max_tokens and a
+    new user message; N conversations take turns; after K turns N new ones begin."""
+    wl = Workload(api=api, conversations=3, turns=4, prompt_tokens=Length(20, 40),
+                  max_tokens=Length(5, 9))
+    bodies = _bodies(wl, 3 * 4 * 2)
+    for conv in range(3):
+        own = [bodies[turn * 3 + conv] for turn in range(4)]
+        for before, after in itertools.pairwise(own):
+            if api == "chat":
+                grown = after["messages"]
+                assert grown[:len(before["messages"])] == before["messages"]
+                assert len(grown) == len(before["messages"]) + 2
+                assert [m["role"] for m in grown[-2:]] == ["assistant", "user"]
+                assert len(grown[-2]["content"]) == before["max_tokens"]
+            else:
+                assert after["prompt"].startswith(before["prompt"])
+                reply = after["prompt"][len(before["prompt"]):].split("\n")[0]
+                assert len(reply) == before["max_tokens"] + 1  # the space after the colon
+    first_turns = [json.dumps(b.get("messages") or b["prompt"])[:60] for b in bodies[:3]]
+    assert len(set(first_turns)) == 3
+    fresh = bodies[12]  # the next generation's first conversation starts anew
+    if api == "chat":
+        assert len(fresh["messages"]) == 1
+        assert fresh["messages"] != bodies[0]["messages"]
+    else:
+        assert fresh["prompt"].count("Assistant:") == 1
+        assert fresh["prompt"] != bodies[0]["prompt"]
+
+
+def test_conversations_are_deterministic_for_a_seed():
+    """The same seed builds the same conversations; another seed others."""
+    wl = Workload(api="chat", conversations=2, turns=3)
+    assert _bodies(wl, 6) == _bodies(wl, 6)
+    assert _bodies(wl, 6) != _bodies(wl, 6, seed=4)
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"conversations": 0}, "--conversations"), ({"turns": 0}, "--turns"),
+    ({"conversations": 2, "prompt_file": Path("p.jsonl")}, "--conversations"),
+])
+def test_bad_conversation_settings_are_refused(kwargs, flag):
+    """Zero conversations or turns, or conversations with a prompt file, name the flag."""
+    with pytest.raises(InvalidInput, match=flag):
+        Workload(**kwargs)
