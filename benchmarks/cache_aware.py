@@ -186,14 +186,14 @@ def choice_cost() -> None:
     import timeit
 
     from dynamo_ftctl.inventory import CacheAware
-    from dynamo_ftctl.migrate.ledger import StreamLedger
-    from dynamo_ftctl.migrate.prefix import prefix_key
-    from dynamo_ftctl.migrate.routing import Router, WorkerSlot
+    from dynamo_ftctl.proxy.balancer import Balancer, WorkerSlot
+    from dynamo_ftctl.proxy.ledger import StreamLedger
+    from dynamo_ftctl.proxy.prefix import prefix_key
 
     def slots() -> list[WorkerSlot]:
         return [WorkerSlot(name=f"w{i}", url="x", group=f"g{i}", model="m") for i in range(4)]
 
-    aware, plain = Router(slots(), cache_aware=CacheAware()), Router(slots())
+    aware, plain = Balancer(slots(), cache_aware=CacheAware()), Balancer(slots())
     print("| system prompt (characters) | least_outstanding pick (us) | cache_aware (us) |")
     print("|---|---|---|")
     for size in (500, 4000, 16000):

@@ -43,9 +43,9 @@ DAEMON_TOKEN = "chaos-daemon-token"
 import httpx  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # the proxy tests' helpers, as benchmarks/vllm.py does
-from tests.integration.migrate.test_proxy_admission import cut_stream  # noqa: E402
-from tests.integration.migrate.test_proxy_judgment import stand_in  # noqa: E402
-from tests.integration.migrate.test_proxy_sim import gauge  # noqa: E402
+from tests.integration.proxy.test_proxy_admission import cut_stream  # noqa: E402
+from tests.integration.proxy.test_proxy_judgment import stand_in  # noqa: E402
+from tests.integration.proxy.test_proxy_sim import gauge  # noqa: E402
 
 from dynamo_ftctl.engine.launcher import SimWorker, start_worker  # noqa: E402
 

@@ -224,7 +224,7 @@ WORKER_BUSY = Gauge(
 # /metrics; its buckets are `generate_log_buckets(min, max, count)`: 0, then log-spaced
 # values rounded to two significant figures). `model` is the request's model, or
 # "unknown_model" for one no worker serves (as Dynamo's frontend labels it). Counted once
-# per request, at its end (`migrate/tally.py`).
+# per request, at its end (`proxy/tally.py`).
 DYNAMO_REQUESTS = Counter(
     "dynamo_frontend_requests_total", "Total number of LLM requests processed",
     ["model", "endpoint", "request_type", "status", "error_type"], registry=_DEFINED,

@@ -101,8 +101,8 @@ async def _canary(run: DrillRun, probe: Probe) -> tuple[bool, str]:
 
 async def _shed(run: DrillRun, probe: Probe) -> tuple[bool, str]:
     """One request at a time with the probe's priority until the proxy sheds one properly."""
-    from dynamo_ftctl.migrate.admission import BUSY_BODY
     from dynamo_ftctl.openai import completion_request
+    from dynamo_ftctl.proxy.admission import BUSY_BODY
 
     want = {**BUSY_BODY, "code": 503}
     body = json.dumps(completion_request(run.inventory.workers[0].model, "shed?",

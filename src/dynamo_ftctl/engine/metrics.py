@@ -46,7 +46,7 @@ class EngineMetrics:
         if block_size is not None and num_blocks is not None:
             # vLLM's info gauge (value 1, the settings in labels): a proxy reads the pool's
             # size from it to turn the blocks its own requests hold into a usage figure
-            # between two scrapes (`migrate.admission`).
+            # between two scrapes (`proxy.admission`).
             Gauge("vllm:cache_config_info", "Information of the LLM engine's KV cache.",
                   ["block_size", "num_gpu_blocks"], registry=r,
                   ).labels(block_size=str(block_size), num_gpu_blocks=str(num_blocks)).set(1)

@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 client: asyncio protocols, httptools' C parser, keep-alive pools.
 
 The package's one HTTP client for async code: the proxy's upstream requests
-(`migrate.proxy`), the load generator (`loadgen.sender`), capability checks.
+(`proxy.serve`), the load generator (`loadgen.sender`), capability checks.
 About 3x aiohttp's requests per core on this machine
 (benchmarks/http_clients.py, benchmarks/proxy.py). One noun per module:
 

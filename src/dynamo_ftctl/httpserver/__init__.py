@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 server: asyncio protocols, httptools' C parser, no ASGI messages.
 
-The migrating proxy's front door (`migrate.proxy.serve`): a request goes
+The migrating proxy's front door (`proxy.serve.serve`): a request goes
 parse -> handler -> `transport.write`, where uvicorn's ASGI cycle (scope,
 receive/send messages, a write per message) cost the proxy's one core ~350 us
 a request start and ~40% of its CPU (py-spy, benchmarks/proxy.py). The server

@@ -5,7 +5,7 @@ says a transfer is faster than re-prefill, the failed worker's KV is exported
 (`migrate.transfer.export_request`, the same call as `ftctl migrate request`) and
 imported on the target (`/admin/kv/import`), which streams the continuation. A
 SIGKILLed worker has nothing to export; any failure of the export or the import
-falls back to re-prefill (the migration policy decides, `migrate/policy.py`).
+falls back to re-prefill (the migration policy decides, `proxy/policy.py`).
 
 The exports go through an `http1.Client` of their own (one call per migration, off the
 hot path), bounded by the connect and stall timeouts.
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.inventory import Inventory, ProxyConfig
     from dynamo_ftctl.migrate.calibrate import Calibration
-    from dynamo_ftctl.migrate.ledger import StreamLedger
-    from dynamo_ftctl.migrate.routing import WorkerSlot
     from dynamo_ftctl.migrate.transfer import Endpoint
+    from dynamo_ftctl.proxy.balancer import WorkerSlot
+    from dynamo_ftctl.proxy.ledger import StreamLedger
 
 __all__ = ["KvHandoff", "load_proxy_calibration"]
 

@@ -32,7 +32,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.migrate.test_proxy_sim import (
+from tests.integration.proxy.test_proxy_sim import (
     ProxyFactory,
     ProxyProcess,
     Streamed,

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.migrate.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
+from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -32,7 +32,7 @@ import httpx
 import pytest
 
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
-from tests.integration.migrate.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
+from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from dynamo_ftctl.kv.blockstore import BlockStore
-from tests.integration.migrate.test_proxy_sim import ProxyFactory, proxy_factory, stream
+from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, stream
 from tests.integration.vllm import conftest
 from tests.integration.vllm.server import VllmServer, spawn_vllm, wait_healthy
 from tests.integration.vllm.test_vllm_proxy import (

@@ -41,7 +41,7 @@ import httpx
 import pytest
 
 from dynamo_ftctl.faults.netproxy import NetProxy, Toxic
-from tests.integration.migrate.test_proxy_sim import (
+from tests.integration.proxy.test_proxy_sim import (
     OnChunk,
     ProxyFactory,
     ProxyProcess,

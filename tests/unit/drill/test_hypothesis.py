@@ -12,7 +12,7 @@ from dynamo_ftctl.clock import SYSTEM_CLOCK
 from dynamo_ftctl.drill.hypothesis import check_probe, detections, judge_drained, judge_metric
 from dynamo_ftctl.drill.state import DrillRun
 from dynamo_ftctl.faults.scenario import Probe, load_scenario
-from dynamo_ftctl.migrate.admission import BUSY_BODY
+from dynamo_ftctl.proxy.admission import BUSY_BODY
 from tests.loopback import Server
 
 # The probes under test are built in each test; the scenario only has to load.

@@ -26,7 +26,7 @@ from dynamo_ftctl.capabilities import (
 )
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.inventory import Worker, parse_inventory
-from tests.integration.migrate.test_proxy_sim import threaded_server
+from tests.integration.proxy.test_proxy_sim import threaded_server
 from tests.loopback import Server
 
 WORKER = Worker(name="w1", url="http://w1:8000", model="m")

@@ -19,7 +19,7 @@ from dynamo_ftctl.health.transport import HttpReply
 from dynamo_ftctl.httpserver import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
 from dynamo_ftctl.metrics import REGISTRY
-from dynamo_ftctl.migrate.routing import parse_daemon_weights
+from dynamo_ftctl.proxy.balancer import parse_daemon_weights
 
 from .fakes import SET, AsyncFakeWorkers, corrupt, good, refused
 

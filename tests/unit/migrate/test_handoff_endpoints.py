@@ -9,8 +9,8 @@ import pytest
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.inventory import parse_inventory
 from dynamo_ftctl.migrate.handoff import KvHandoff
-from dynamo_ftctl.migrate.ledger import StreamLedger
-from dynamo_ftctl.migrate.routing import WorkerSlot
+from dynamo_ftctl.proxy.balancer import WorkerSlot
+from dynamo_ftctl.proxy.ledger import StreamLedger
 
 INVENTORY = """
 cluster: t
