@@ -73,6 +73,9 @@ class FakeWorker:
     sick: bool = False  # the proxy's known-good probe gets a 500 (docs/design.md "Failure
     # attribution": only a worker that fails it has its breaker moved)
     load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
+    # Its usage reports prompt_tokens_details.cached_tokens: this many (at most the
+    # prompt), as vLLM with --enable-prompt-tokens-details does.
+    cached_tokens: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -207,9 +210,13 @@ class FakeWorker:
                 await asyncio.sleep(0)
                 if done:
                     break
+            usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                     "total_tokens": len(prompt) + n}
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {
+                    "cached_tokens": min(self.cached_tokens, len(prompt))}
             await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [],
-                        "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                                  "total_tokens": len(prompt) + n}})
+                        "usage": usage})
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
@@ -414,6 +421,49 @@ def migrations(method: str) -> float:
     return metrics.REGISTRY.get_sample_value(
         "ftctl_migrations_total", {"source_group": "w0", "target_group": "w1",
                                    "method": method}) or 0.0
+
+
+def prompt_tokens(method: str, kind: str) -> float:
+    """ftctl_migration_prompt_tokens_total by `method` and `kind`."""
+    from dynamo_ftctl import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "ftctl_migration_prompt_tokens_total", {"method": method, "kind": kind}) or 0.0
+
+
+@pytest.mark.parametrize(("cached", "method", "loaded"), [
+    (None, "reprefill", None),  # no prompt_tokens_details: it cannot tell, nothing counted
+    (0, "reprefill", 0),
+    (8, "reprefill", 8),  # within the client's 11-token prompt: the prefix cache's
+    (11, "reprefill", 11),
+    (16, "kv", 16),  # past the prompt: ids only the cut worker computed, loaded
+    (10_000, "kv", 18),  # the whole continued prompt (11 + 7)
+])
+def test_a_continuation_that_loaded_kv_counts_as_method_kv(
+    run: Callable[..., Any], cached: int | None, method: str, loaded: int | None,
+) -> None:
+    """A re-prefill continuation whose worker reports more cached tokens than the client's
+    prompt counts as a migration of method "kv" (loaded past what its prefix cache can
+    hold), else "reprefill"; its prompt tokens are counted loaded and recomputed."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker(cached_tokens=cached)]) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
+            before = {m: migrations(m) for m in ("kv", "reprefill")}
+            tokens = {(m, k): prompt_tokens(m, k) for m in ("kv", "reprefill")
+                      for k in ("loaded", "recomputed")}
+            _, events = await c.stream("/v1/completions", BODY)
+            c.fleet.router.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            other = "kv" if method == "reprefill" else "reprefill"
+            assert migrations(method) == before[method] + 1
+            assert migrations(other) == before[other]
+            grew = {key: prompt_tokens(*key) - was for key, was in tokens.items()}
+            if loaded is None:
+                assert not any(grew.values())
+            else:
+                assert grew == {(method, "loaded"): loaded, (method, "recomputed"): 18 - loaded,
+                                (other, "loaded"): 0, (other, "recomputed"): 0}
+    run(go())
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
