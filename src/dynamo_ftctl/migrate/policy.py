@@ -517,6 +517,8 @@ class MigrationPolicy:
             trip.kv_payload = await self.kv.export(slot, ledger, export_s)
             if trip.kv_payload:
                 trip.method = "kv"
+        if trip.method == "reprefill":  # workers sharing a KV store: load or recompute
+            trip.body = self.kv.store_choice(trip.body)
         return True
 
     async def _settle_count(self, trip: _Trip) -> None:

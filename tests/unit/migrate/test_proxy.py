@@ -1231,3 +1231,35 @@ def test_own_kv_count_grows_with_a_request_and_is_zero_once_it_ends(
                 await until(lambda: slot.kv_blocks == 6)
             await until(lambda: slot.kv_blocks == 0)  # the client hung up
     run(go())
+
+
+@pytest.mark.parametrize(("setup_s", "bypass"), [(10.0, True), (1e-4, False)])
+def test_a_store_calibration_turns_the_store_load_off_where_recompute_wins(
+    run: Callable[..., Any], tmp_path: Path, setup_s: float, bypass: bool,
+) -> None:
+    """With a calibration via the KV connector's store, a continuation whose context is
+    faster to recompute goes with kv_transfer_params.ftctl_load false; one faster to load
+    goes as it is; nothing is exported either way, the output is unchanged."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({
+        "worker": "a", "peer": "b", "model": MODEL, "layers": 2, "kv_heads": 2, "head_dim": 32,
+        "dtype_bytes": 4, "block_size": 16, "via": "store",
+        "prefill": {"fixed_s": 0.0, "per_token_s": 1e-3},
+        "transfer": {"setup_s": setup_s, "bandwidth_bytes_per_s": 1e9},
+    }))
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker()],
+                           calibration=str(calibration)) as c:
+            c.fleet.router.slots["w1"].outstanding = 5
+            _, events = await c.stream("/v1/completions", BODY)
+            c.fleet.router.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert c.workers[0].paths.count("/v1/completions") == 1
+            continuation = c.workers[1].requests[-1]
+            assert len(continuation["prompt"]) == 18
+            if bypass:
+                assert continuation["kv_transfer_params"] == {"ftctl_load": False}
+            else:
+                assert "kv_transfer_params" not in continuation
+    run(go())
