@@ -589,23 +589,27 @@ async def calibrate_store(
         msg = (f"--lengths: need three lengths from two blocks ({2 * geometry['block_size']} "
                f"tokens) to below the model's maximum of {max_len} tokens")
         raise InvalidInput(msg)
-    # Warm both ways (allocator, caches, connections) before anything is timed.
-    await time_store_pair(client, worker, peer, model=model, length=usable[-1],
-                          salt=f"{salt}-warm", clock=clock, timeout_s=timeout_s)
-    load_samples, recompute_samples = [], []
+    # Warm both ways at every length (allocator, per-shape kernels, caches, connections)
+    # before anything is timed; then rounds over all lengths, so that drift in the
+    # machine's load hits every length alike.
+    for n in usable:
+        await time_store_pair(client, worker, peer, model=model, length=n,
+                              salt=f"{salt}-warm-{n}", clock=clock, timeout_s=timeout_s)
+    loads: dict[int, list[float]] = {n: [] for n in usable}
+    recomputes: dict[int, list[float]] = {n: [] for n in usable}
     total = len(usable) * repeats
-    for step, n in enumerate(usable):
-        loads, recomputes = [], []
-        for r in range(repeats):
+    for r in range(repeats):
+        for step, n in enumerate(usable):
             load_s, recompute_s = await time_store_pair(
                 client, worker, peer, model=model, length=n, salt=f"{salt}-{n}-{r}",
                 clock=clock, timeout_s=timeout_s)
-            loads.append(load_s)
-            recomputes.append(recompute_s)
+            loads[n].append(load_s)
+            recomputes[n].append(recompute_s)
             if on_progress is not None:
-                on_progress(step * repeats + r + 1, total)
-        load_samples.append(Sample(tokens=n, seconds=statistics.median(loads)))
-        recompute_samples.append(Sample(tokens=n, seconds=statistics.median(recomputes)))
+                on_progress(r * len(usable) + step + 1, total)
+    load_samples = [Sample(tokens=n, seconds=statistics.median(loads[n])) for n in usable]
+    recompute_samples = [Sample(tokens=n, seconds=statistics.median(recomputes[n]))
+                         for n in usable]
     return fit_calibration(Calibration(
         worker=worker.name, peer=peer.name, model=model, layers=geometry["layers"],
         kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
