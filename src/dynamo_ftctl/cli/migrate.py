@@ -82,9 +82,14 @@ def calibrate(  # noqa: PLR0917 - typer passes every option positionally
         "--output", "-o", help="Calibration file to write (a regular file or a new path, "
         "checked before measuring).")] = Path("ftctl-calibration.json"),
     timeout: Annotated[float, typer.Option(min=0.1, help="Per-request timeout, s.")] = 60.0,
+    via: Annotated[str, typer.Option(
+        help="export: KV moves by /admin/kv export and import (ftctl sim); store: the "
+        "workers share ftctl's vLLM KV connector's store, and the load from it is timed "
+        "against recompute (lengths from two blocks up).")] = "export",
     json_: JsonFlag = False,
 ) -> None:
-    """Measure a worker's prefill rate and KV export/import bandwidth; fit and save the model.
+    """Measure a worker's prefill rate and KV export/import bandwidth (or, --via store, the
+    KV connector's store load against recompute); fit and save the model.
 
     Example: ftctl -i examples/local.yaml migrate calibrate --worker w1 --to w2
     """
@@ -95,7 +100,7 @@ def calibrate(  # noqa: PLR0917 - typer passes every option positionally
     with progress(f"calibrating {worker}", quiet=json_mode(ctx, json_)) as line:
         result = calibrate_workers(
             inventory, worker=worker, peer=to, lengths=parse_lengths(lengths), repeats=repeats,
-            output=output, timeout_s=timeout, on_progress=line.update,
+            output=output, timeout_s=timeout, on_progress=line.update, via=via,
         )
     finish(ctx, result, json_flag=json_)
 

@@ -40,9 +40,16 @@ from typing import Any
 from dynamo_ftctl.errors import InvalidInput, WriteFailed
 from dynamo_ftctl.safefiles import write_atomic
 
-__all__ = ["HEADER", "LOW_WATER", "MAGIC", "RESCAN_PARTS", "BlockStore", "EvictionReport",
-           "chain_keys", "namespace_key"]
+__all__ = ["HEADER", "LOAD_PARAM", "LOW_WATER", "MAGIC", "REPORT_PARAM", "RESCAN_PARTS",
+           "BlockStore", "EvictionReport", "chain_keys", "namespace_key"]
 
+# A request's `kv_transfer_params` (vLLM passes them to the connector) may hold these:
+# LOAD_PARAM false makes the connector load nothing for it (its blocks are still saved):
+# `ftctl proxy` asks that where its calibration says recompute is faster; REPORT_PARAM
+# true makes a non-streamed answer's `kv_transfer_params` carry REPORT_PARAM's report
+# (tokens loaded, the cache's geometry): what `ftctl migrate calibrate --via store` reads.
+LOAD_PARAM = "ftctl_load"
+REPORT_PARAM = "ftctl_report"
 MAGIC = b"FTCTLKV1"
 # magic, key length, geometry length, payload length, payload CRC-32, header CRC-32
 HEADER = struct.Struct("<8sHHQII")

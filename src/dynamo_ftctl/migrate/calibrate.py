@@ -11,7 +11,18 @@
   `kv_bytes_per_token / seconds_per_token`.
 
 Both timings end at the first new token, so they include the same decode
-step and compare like with like. The result is a JSON file (written
+step and compare like with like.
+
+`calibrate_store` does the same for workers that share ftctl's KV connector's store
+(vLLM, `dynamo_ftctl.vllm_connector`), where a continuation's KV comes from the
+store, not from an export: for each context length, a fresh prompt is computed on
+the worker (its blocks are saved), then timed on the peer twice over, loaded (its
+prefix blocks read from the store) and recomputed (another such prompt, sent with
+`kv_transfer_params.ftctl_load` false). Each timed request is one non-streamed
+`max_tokens=1` completion, and the connector's report in its answer (tokens loaded)
+proves which way it went. The load is fitted as the "transfer", the recompute as the
+prefill; `via` is "store", and the proxy then chooses between letting the store load
+and turning it off, per continuation. The result is a JSON file (written
 atomically) that `ftctl migrate plan --calibration`, `ftctl migrate request
 --method auto` and the proxy read back through `load_calibration`, with the
 usual `file:line: key: message` errors.
@@ -27,7 +38,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -61,7 +72,9 @@ __all__ = [
     "CalibrationResult",
     "PlanOverrides",
     "calibrate",
+    "calibrate_store",
     "calibrate_workers",
+    "fit_calibration",
     "fit_prefill",
     "fit_transfer",
     "load_calibration",
@@ -114,6 +127,12 @@ class Calibration(StrictStruct, frozen=True, kw_only=True):
     prefill_samples: tuple[Sample, ...] = ()
     transfer_samples: tuple[Sample, ...] = ()
     measured_at: Annotated[float, doc("Unix time of the measurement.", ge=0)] = 0.0
+    via: Annotated[Literal["export", "store"], doc(
+        "How KV reaches the next worker: export (/admin/kv export and import) or store "
+        "(ftctl's vLLM KV connector; transfer is then the store's load).")] = "export"
+    crossover_tokens: Annotated[tuple[int, ...], doc(
+        "Context lengths where the fitted load and recompute cost the same, ascending "
+        "(recorded for reading; the decision uses the fits).")] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -443,15 +462,162 @@ async def calibrate(
         move_samples.append(Sample(
             tokens=round(statistics.median(m[2].tokens for m in moves)),
             seconds=statistics.median(m[2].seconds for m in moves)))
-    geometry = KVGeometry(layout["layers"], layout["kv_heads"], layout["head_dim"],
-                          layout["dtype_bytes"])
-    return Calibration(
-        worker=worker.name, peer=peer.name, model=model, **layout,
-        prefill=fit_prefill(prefill_samples),
-        transfer=fit_transfer(move_samples, geometry.bytes_per_token()),
-        prefill_samples=tuple(prefill_samples), transfer_samples=tuple(move_samples),
+    return fit_calibration(Calibration(
+        worker=worker.name, peer=peer.name, model=model, layers=layout["layers"],
+        kv_heads=layout["kv_heads"], head_dim=layout["head_dim"],
+        dtype_bytes=layout["dtype_bytes"], block_size=layout["block_size"],
+        prefill=PrefillFit(fixed_s=0.0, per_token_s=1.0),
+        transfer=TransferFit(setup_s=0.0, bandwidth_bytes_per_s=1.0),
         measured_at=clock.wall(),
-    )
+    ), prefill_samples, move_samples)
+
+
+def fit_calibration(calibration: Calibration, prefill_samples: Sequence[Sample],
+            move_samples: Sequence[Sample]) -> Calibration:
+    """`calibration` with both models fitted to the samples and its crossovers."""
+    from msgspec.structs import replace as evolve
+
+    fitted = evolve(
+        calibration, prefill=fit_prefill(prefill_samples),
+        transfer=fit_transfer(move_samples, calibration.kv_bytes_per_token),
+        prefill_samples=tuple(prefill_samples), transfer_samples=tuple(move_samples))
+    return evolve(fitted, crossover_tokens=tuple(round(x) for x in fitted.crossovers()))
+
+
+# ------------------------------------------------ the vLLM connector's store
+
+
+def store_prompt(length: int, salt: str) -> list[int]:
+    """`length` printable-ASCII byte tokens drawn from `salt`: prompts of distinct salts
+    share no leading block (no prefix-cache or store hit between them)."""
+    import random
+
+    rng = random.Random(salt)
+    return [rng.randrange(32, 127) for _ in range(length)]
+
+
+async def store_request(
+    client: Client, ep: Endpoint, model: str, prompt: Sequence[int], *, load: bool,
+    clock: Clock, timeout_s: float = _TIMEOUT_S, max_tokens: int = 1,
+) -> tuple[float, dict[str, Any]]:
+    """Seconds of one non-streamed greedy completion of `prompt` on a worker with ftctl's
+    KV connector, and the connector's report (`loaded_tokens` and the cache geometry).
+
+    `load` False sends `kv_transfer_params.ftctl_load` false: the store loads nothing.
+    Raises `InvalidInput` when the answer carries no report (no ftctl connector there).
+    """
+    from dynamo_ftctl.kv.blockstore import LOAD_PARAM, REPORT_PARAM
+    from dynamo_ftctl.migrate.transfer import fetch, http_errors, refusal
+    from dynamo_ftctl.openai import completion_request
+
+    params: dict[str, Any] = {REPORT_PARAM: True}
+    if not load:
+        params[LOAD_PARAM] = False
+    body = completion_request(model, prompt, max_tokens=max_tokens, temperature=0.0,
+                              extra={"kv_transfer_params": params, "ignore_eos": True})
+    started = clock.now()
+    async with http_errors("completion", ep):
+        status, answer = await fetch(client, "POST", f"{ep.url}/v1/completions",
+                                     json.dumps(body).encode(), _JSON, timeout_s=timeout_s)
+    seconds = clock.now() - started
+    if status != 200:
+        raise refusal(ep, "completion", status, answer)
+    try:
+        report = json.loads(answer)["kv_transfer_params"][REPORT_PARAM]
+        report["loaded_tokens"] = int(report["loaded_tokens"])
+    except (ValueError, KeyError, TypeError):
+        msg = (f"{ep.name}: the answer carries no report of ftctl's KV connector (is the "
+               "worker started with --kv-transfer-config naming FtctlConnector?)")
+        raise InvalidInput(msg) from None
+    return seconds, report
+
+
+async def time_store_pair(
+    client: Client, worker: Endpoint, peer: Endpoint, *, model: str, length: int,
+    salt: str, clock: Clock, timeout_s: float = _TIMEOUT_S,
+) -> tuple[float, float]:
+    """Seconds to continue a `length`-token context on `peer`: (loaded from the store,
+    recomputed). Two fresh prompts are computed on `worker` first (their blocks saved),
+    then one is loaded on `peer` and the other sent there with loading turned off.
+
+    Raises `InvalidInput` when the loaded one loaded nothing (the workers do not share a
+    store, or the context is shorter than a block and one token) or the other did.
+    """
+    loaded_prompt = store_prompt(length, f"{salt}-load")
+    recomputed_prompt = store_prompt(length, f"{salt}-recompute")
+    for prompt in (loaded_prompt, recomputed_prompt):
+        # Two tokens: the prompt's blocks are saved in the step after they fill.
+        await store_request(client, worker, model, prompt, load=True, clock=clock,
+                            timeout_s=timeout_s, max_tokens=2)
+    load_s, report = await store_request(client, peer, model, loaded_prompt, load=True,
+                                         clock=clock, timeout_s=timeout_s)
+    if report["loaded_tokens"] <= 0:
+        msg = (f"{peer.name} loaded none of a {length}-token prompt {worker.name} computed: "
+               "do the workers share one store, with the same model and flags?")
+        raise InvalidInput(msg)
+    recompute_s, report = await store_request(client, peer, model, recomputed_prompt,
+                                              load=False, clock=clock, timeout_s=timeout_s)
+    if report["loaded_tokens"]:
+        msg = f"{peer.name} loaded KV for a request sent with ftctl_load false"
+        raise InvalidInput(msg)
+    return load_s, recompute_s
+
+
+async def calibrate_store(
+    client: Client, worker: Endpoint, peer: Endpoint, *,
+    lengths: Sequence[int], repeats: int = 3, clock: Clock = SYSTEM_CLOCK,
+    on_progress: Callable[[int, int], None] | None = None,
+    timeout_s: float = _TIMEOUT_S,
+) -> Calibration:
+    """Measure, on workers sharing ftctl's KV connector's store, how long a continuation
+    of each of `lengths` context tokens takes on `peer` loaded from the store and
+    recomputed; fit both (`via="store"`). `worker` computes the prompts first; it may be
+    `peer` only where its prefix cache is off. Lengths below two blocks are refused
+    (nothing to load), as are fewer than three usable.
+    """
+    model, max_len = await _served_model(client, worker, timeout_s)
+    salt = uuid.uuid4().hex  # a run of its own: nothing left in the store by another
+    _, report = await store_request(client, worker, model, store_prompt(8, salt), load=True,
+                                    clock=clock, timeout_s=timeout_s)
+    geometry = {key: int(report.get(key) or 0) for key in
+                ("layers", "kv_heads", "head_dim", "dtype_bytes", "block_size")}
+    if min(geometry.values()) < 1:
+        msg = f"{worker.name}: the KV connector reported no cache geometry ({report})"
+        raise InvalidInput(msg)
+    usable = [n for n in lengths if 2 * geometry["block_size"] <= n < max_len - 2]
+    if len(usable) < 3:
+        msg = (f"--lengths: need three lengths from two blocks ({2 * geometry['block_size']} "
+               f"tokens) to below the model's maximum of {max_len} tokens")
+        raise InvalidInput(msg)
+    # Warm both ways at every length (allocator, per-shape kernels, caches, connections)
+    # before anything is timed; then rounds over all lengths, so that drift in the
+    # machine's load hits every length alike.
+    for n in usable:
+        await time_store_pair(client, worker, peer, model=model, length=n,
+                              salt=f"{salt}-warm-{n}", clock=clock, timeout_s=timeout_s)
+    loads: dict[int, list[float]] = {n: [] for n in usable}
+    recomputes: dict[int, list[float]] = {n: [] for n in usable}
+    total = len(usable) * repeats
+    for r in range(repeats):
+        for step, n in enumerate(usable):
+            load_s, recompute_s = await time_store_pair(
+                client, worker, peer, model=model, length=n, salt=f"{salt}-{n}-{r}",
+                clock=clock, timeout_s=timeout_s)
+            loads[n].append(load_s)
+            recomputes[n].append(recompute_s)
+            if on_progress is not None:
+                on_progress(r * len(usable) + step + 1, total)
+    load_samples = [Sample(tokens=n, seconds=statistics.median(loads[n])) for n in usable]
+    recompute_samples = [Sample(tokens=n, seconds=statistics.median(recomputes[n]))
+                         for n in usable]
+    return fit_calibration(Calibration(
+        worker=worker.name, peer=peer.name, model=model, layers=geometry["layers"],
+        kv_heads=geometry["kv_heads"], head_dim=geometry["head_dim"],
+        dtype_bytes=geometry["dtype_bytes"], block_size=geometry["block_size"],
+        prefill=PrefillFit(fixed_s=0.0, per_token_s=1.0),
+        transfer=TransferFit(setup_s=0.0, bandwidth_bytes_per_s=1.0),
+        measured_at=clock.wall(), via="store",
+    ), recompute_samples, load_samples)
 
 
 @dataclass(frozen=True)
@@ -477,27 +643,34 @@ class CalibrationResult:
         rows = [(s.tokens, f"{s.seconds * 1e3:.2f}",
                  f"{moves[s.tokens] * 1e3:.2f}" if s.tokens in moves else "-")
                 for s in c.prefill_samples]
+        recompute, move = ("recompute", "store load") if c.via == "store" \
+            else ("prefill", "KV move")
         summary = {
             "saved": str(self.path),
-            "prefill": f"{c.prefill.fixed_s * 1e3:.3g} ms + n × {c.prefill.per_token_s * 1e6:.3g}"
+            recompute: f"{c.prefill.fixed_s * 1e3:.3g} ms + n × {c.prefill.per_token_s * 1e6:.3g}"
                        f" µs + n² × {c.prefill.per_token2_s * 1e9:.3g} ns",
-            "KV move": f"{c.transfer.setup_s * 1e3:.3g} ms + "
+            move: f"{c.transfer.setup_s * 1e3:.3g} ms + "
                        f"{c.transfer.bandwidth_bytes_per_s / 1e9:.3g} GB/s "
                        f"({c.kv_bytes_per_token} B/token)",
             "crossover": ", ".join(f"{n} tokens" for n in self.crossover_tokens) or "none",
         }
         return Group(
             kv_table(f"calibration of {c.worker} → {c.peer} ({c.model})", summary),
-            table("measured (median)", ["prompt tokens", "prefill ms", "KV move ms"], rows),
+            table("measured (median)", ["context tokens", f"{recompute} ms", f"{move} ms"],
+                  rows),
         )
 
 
 def calibrate_workers(
     inventory: Inventory, *, worker: str, peer: str | None, lengths: Sequence[int],
     repeats: int, output: Path, timeout_s: float = _TIMEOUT_S,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None, via: str = "export",
 ) -> CalibrationResult:
-    """Calibrate inventory workers and save the file (the CLI's entry)."""
+    """Calibrate inventory workers and save the file (the CLI's entry): `via` "export"
+    (`calibrate`) or "store" (`calibrate_store`)."""
+    if via not in ("export", "store"):
+        msg = f"--via must be export or store (got {via!r})"
+        raise InvalidInput(msg)
     from dynamo_ftctl.http1 import Client
     from dynamo_ftctl.migrate.transfer import endpoint_for
     from dynamo_ftctl.output import check_output_path
@@ -509,15 +682,16 @@ def calibrate_workers(
     async def run() -> Calibration:
         client = Client()
         try:
-            return await calibrate(client, src, dst, lengths=lengths, repeats=repeats,
-                                   on_progress=on_progress, timeout_s=timeout_s)
+            measure = calibrate_store if via == "store" else calibrate
+            return await measure(client, src, dst, lengths=lengths, repeats=repeats,
+                                 on_progress=on_progress, timeout_s=timeout_s)
         finally:
             await client.close()
 
     calibration = asyncio.run(run())
     save_calibration(calibration, output)
     return CalibrationResult(path=output, calibration=calibration,
-                             crossover_tokens=tuple(round(x) for x in calibration.crossovers()))
+                             crossover_tokens=calibration.crossover_tokens)
 
 
 # ------------------------------------------------------------------ planning

@@ -49,11 +49,13 @@ __all__ = [
     "ModelPreset",
     "PlanTable",
     "PrefillModel",
+    "PrefillReuse",
     "crossovers",
     "link_preset",
     "model_preset",
     "plan_migration",
     "plan_table",
+    "prefill_reuse",
 ]
 
 Method = Literal["kv", "reprefill"]
@@ -227,6 +229,35 @@ def crossovers(
             q = -0.5 * (b + math.copysign(sq, b)) if b != 0 else -0.5 * sq
             roots = [q / a, c / q] if q != 0 else [0.0]
     return tuple(sorted({r for r in roots if r > 0 and math.isfinite(r)}))
+
+
+@dataclass(frozen=True)
+class PrefillReuse:
+    """How a continued stream's new worker got the KV of its prompt: `loaded + recomputed`
+    is the prompt; `method` is "kv" when some of it came from outside the worker."""
+
+    method: Method
+    loaded: int
+    recomputed: int
+
+
+def prefill_reuse(prompt_tokens: int, cached_tokens: int, own_tokens: int) -> PrefillReuse:
+    """Judge a continuation from the new worker's usage: of its `prompt_tokens` (the client's
+    prompt and the tokens generated before the cut), `cached_tokens` were not computed
+    (vLLM's `prompt_tokens_details.cached_tokens`: its prefix cache and a KV connector's
+    loads together, one number).
+
+    `own_tokens` is the most of this request's context the worker's own prefix cache can
+    hold: the client's prompt (any request may have left it there) or what the worker
+    reached on an earlier attempt of this request. Cached tokens beyond it came from
+    elsewhere (a KV connector's store, an import): method "kv"; at most it, "reprefill",
+    even where a connector loaded blocks the prefix cache could have given. All counts
+    are clamped to [0, prompt_tokens]; never raises.
+    """
+    prompt = max(0, prompt_tokens)
+    loaded = min(max(0, cached_tokens), prompt)
+    method: Method = "kv" if loaded > max(0, own_tokens) else "reprefill"
+    return PrefillReuse(method, loaded, prompt - loaded)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,12 @@ imported on the target (`/admin/kv/import`), which streams the continuation. A
 SIGKILLed worker has nothing to export; any failure of the export or the import
 falls back to re-prefill (the migration policy decides, `proxy/policy.py`).
 
+With a calibration of workers that share ftctl's vLLM KV connector's store (`via:
+store`, `ftctl migrate calibrate --via store`) nothing is exported: the re-prefill
+itself loads the context's blocks from the store, unless the cost model says
+recomputing them is faster, and then the continuation is sent with
+`kv_transfer_params.ftctl_load` false (`store_choice`).
+
 The exports go through an `http1.Client` of their own (one call per migration, off the
 hot path), bounded by the connect and stall timeouts.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
@@ -64,7 +70,8 @@ class KvHandoff:
         twice the modelled re-prefill (at least 0.5 s, at most the stall timeout): an
         export slower than that has lost to re-prefill already (a hung worker).
         """
-        if self.calibration is None or ledger.endpoint != "completions" \
+        if self.calibration is None or self.calibration.via != "export" \
+                or ledger.endpoint != "completions" \
                 or not ledger.ids_mode or ledger.prompt_ids is None:
             return 0.0
         from dynamo_ftctl.migrate.transfer import RequestState, choose_method
@@ -79,6 +86,29 @@ class KvHandoff:
         if plan.decision != "kv":
             return 0.0
         return min(max(2 * plan.reprefill_s, 0.5), self.config.stall_timeout_s)
+
+    def store_choice(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A token-id continuation's `body` as it goes to workers sharing ftctl's KV
+        connector's store: unchanged where the calibrated model prefers loading the
+        context from the store (the connector's default) or there is no store
+        calibration; else a copy whose `kv_transfer_params` (the client's, if any, kept)
+        turn the load off. Never raises."""
+        prompt = body.get("prompt")
+        if self.calibration is None or self.calibration.via != "store" \
+                or not isinstance(prompt, list):
+            return body
+        from dynamo_ftctl.kv.blockstore import LOAD_PARAM
+        from dynamo_ftctl.migrate.cost import plan_migration
+
+        c = self.calibration
+        plan = plan_migration(c.model_preset(), tp=1, tokens=len(prompt), link=c.link(),
+                              block_size=c.block_size, prefill=c.prefill_model(),
+                              prefill_source="calibrated")
+        if plan.decision == "kv":
+            return body
+        params = body.get("kv_transfer_params")
+        return {**body, "kv_transfer_params": {
+            **(params if isinstance(params, dict) else {}), LOAD_PARAM: False}}
 
     async def export(self, slot: WorkerSlot, ledger: StreamLedger, budget_s: float) -> bytes:
         """Export (and stop) the request on the failed worker; b"" when it cannot be moved."""

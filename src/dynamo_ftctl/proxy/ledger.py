@@ -155,6 +155,9 @@ class StreamLedger:
     _continued_at: int | None = None
     logprobs: dict[str, Any] | None = None
     workers: list[str] = field(default_factory=list)
+    # Per worker, the most of this request's context (client prompt + generated tokens)
+    # an attempt of it reached there: what that worker's prefix cache may still hold.
+    reached: dict[str, int] = field(default_factory=dict)
     # The serving worker's time to first token as the proxy saw it (request written to
     # the first byte of the answer's body): the client's TTFT less this is the proxy's.
     upstream_ttft_s: float | None = None
@@ -279,10 +282,28 @@ class StreamLedger:
             self._continued_at = self.generated_count
 
     def _close_attempt(self) -> None:
-        """Record how the attempt that ends was counted (`count_sources`)."""
+        """Record how the attempt that ends was counted (`count_sources`) and how far it
+        got on its worker (`reached`)."""
         if self.upstream_id and self.attempt_tokens:
             self.count_sources.append(
                 (self.attempt_settled or "chunks") if self.attempt_textual else "ids")
+        if self.upstream_id and self.workers:
+            worker = self.workers[-1]
+            context = self.client_prompt_tokens + self.generated_count
+            self.reached[worker] = max(self.reached.get(worker, 0), context)
+
+    @property
+    def client_prompt_tokens(self) -> int:
+        """The client's prompt in tokens, as far as known (0 when nothing said it)."""
+        if self.prompt_ids is not None:
+            return len(self.prompt_ids)
+        return self.prompt_tokens_reported or 0
+
+    def own_context(self, worker: str) -> int:
+        """The most of this request's context `worker`'s own prefix cache can hold without
+        a KV transfer: the client's prompt, or what an earlier attempt there reached
+        (`cost.prefill_reuse`'s `own_tokens`). Call before the current attempt closes."""
+        return max(self.client_prompt_tokens, self.reached.get(worker, 0))
 
     @property
     def attempt_text(self) -> str:

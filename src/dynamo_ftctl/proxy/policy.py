@@ -49,6 +49,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.migrate.cost import prefill_reuse
 from dynamo_ftctl.openai import error_body
 from dynamo_ftctl.proxy.attempt import UpstreamFailure, estimate_prompt_tokens
 from dynamo_ftctl.proxy.codec import ClientPiece, dumps
@@ -144,6 +145,9 @@ class _Trip:
     # A counted migration under way (Dynamo's mirror): its migration_type and start.
     migrating: str = ""
     migrating_since: float = 0.0
+    # A re-prefill continuation that went on, not counted yet (source group, target
+    # group): its method, "kv" or "reprefill", is known once its usage arrives.
+    uncounted: tuple[str, str] | None = None
 
     @property
     def print_(self) -> str:
@@ -224,7 +228,7 @@ class MigrationPolicy:
                         if ledger.count_unsettled:  # it sent no usage chunk
                             await self._settle_count(trip)
                         if trip.method in ("reprefill", "text"):
-                            self._prefill_reused(ledger, slot)
+                            self._prefill_reused(trip, ledger, slot)
                         if ledger.prompt_ids is not None:
                             self.fleet.note_prompt(len(ledger.prompt_ids))
                         return
@@ -233,6 +237,8 @@ class MigrationPolicy:
                             yield [ledger.finish_chunk("length")]
                             return
                     finally:
+                        if trip.uncounted is not None:  # it ended without a usage chunk
+                            self._count_migration(trip, "reprefill")
                         self.fleet.balancer.finish(slot, pending)
                         if trip.retrying:
                             trip.retrying = False
@@ -304,27 +310,38 @@ class MigrationPolicy:
             # Counted once the stream goes on (a KV import that failed and fell back
             # to re-prefill counts as that).
             gap = self.clock.now() - trip.failed_at
-            self.metrics.MIGRATION_TOTAL.labels(trip.source_group, slot.group,
-                                                trip.method).inc()
+            trip.uncounted = (trip.source_group, slot.group)
+            if trip.method != "reprefill":
+                self._count_migration(trip, trip.method)
             self.metrics.MIGRATION_DURATION.observe(gap)
             trip.failed_at = None
             self._migration_ended(trip, "success")
 
-    def _prefill_reused(self, ledger: StreamLedger, slot: WorkerSlot) -> None:
+    def _count_migration(self, trip: _Trip, method: str) -> None:
+        """`ftctl_migrations_total` for the continuation under way, once."""
+        if trip.uncounted is not None:
+            self.metrics.MIGRATION_TOTAL.labels(*trip.uncounted, method).inc()
+            trip.uncounted = None
+
+    def _prefill_reused(self, trip: _Trip, ledger: StreamLedger, slot: WorkerSlot) -> None:
         """A continued stream ended well: how much of its prompt the worker loaded as KV
-        (a connector's store, its prefix cache) and how much it computed again."""
+        (a connector's store, its prefix cache) and how much it computed again; a
+        re-prefill that loaded more than the worker's own prefix cache can hold counts as
+        a migration of method "kv" (`cost.prefill_reuse`)."""
         prompt, cached = ledger.attempt_prompt_tokens, ledger.attempt_cached_tokens
         if prompt is None or cached is None:
+            self._count_migration(trip, "reprefill")
             log.info("request %s continued on %s: the worker reported no cached tokens "
                      "(vLLM: --enable-prompt-tokens-details)", ledger.trace_id, slot.name)
             return
-        loaded = min(cached, prompt)
-        method = "kv" if loaded else "reprefill"
-        self.metrics.MIGRATION_PROMPT_TOKENS.labels(method, "loaded").inc(loaded)
-        self.metrics.MIGRATION_PROMPT_TOKENS.labels(method, "recomputed").inc(prompt - loaded)
+        reuse = prefill_reuse(prompt, cached, ledger.own_context(slot.name))
+        self._count_migration(trip, reuse.method)
+        self.metrics.MIGRATION_PROMPT_TOKENS.labels(reuse.method, "loaded").inc(reuse.loaded)
+        self.metrics.MIGRATION_PROMPT_TOKENS.labels(reuse.method, "recomputed").inc(
+            reuse.recomputed)
         log.info("request %s continued on %s (method=%s): %d of %d prompt tokens loaded, "
-                 "%d recomputed", ledger.trace_id, slot.name, method, loaded, prompt,
-                 prompt - loaded)
+                 "%d recomputed", ledger.trace_id, slot.name, reuse.method, reuse.loaded,
+                 prompt, reuse.recomputed)
 
     def _migration_ended(self, trip: _Trip, outcome: str) -> None:
         """Dynamo's `model_migration_duration_seconds` for the migration under way."""
@@ -512,6 +529,8 @@ class MigrationPolicy:
             trip.kv_payload = await self.kv.export(slot, ledger, export_s)
             if trip.kv_payload:
                 trip.method = "kv"
+        if trip.method == "reprefill":  # workers sharing a KV store: load or recompute
+            trip.body = self.kv.store_choice(trip.body)
         return True
 
     async def _settle_count(self, trip: _Trip) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.kv.blockstore import BlockStore, namespace_key
+from dynamo_ftctl.kv.blockstore import REPORT_PARAM, BlockStore, namespace_key
 from dynamo_ftctl.vllm_connector._plan import Planner, StepPlan
 from dynamo_ftctl.vllm_connector._worker import BlockMover
 
@@ -68,6 +68,18 @@ def _namespace(vllm_config: Any, kv_cache_config: Any) -> bytes:
     )
 
 
+def _geometry(vllm_config: Any, kv_cache_config: Any) -> dict[str, int]:
+    """The KV geometry of one rank's cache, as `ftctl migrate calibrate` records it."""
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if groups else None
+    dtype = getattr(spec, "dtype", None)
+    return {"layers": sum(len(g.layer_names) for g in groups),
+            "kv_heads": int(getattr(spec, "num_kv_heads", 0) or 0),
+            "head_dim": int(getattr(spec, "head_size", 0) or 0),
+            "dtype_bytes": int(getattr(dtype, "itemsize", 0) or 0),
+            "block_size": int(vllm_config.cache_config.block_size)}
+
+
 def _shard(tp_rank: int, pp_rank: int) -> str:
     return f".{pp_rank}-{tp_rank}"
 
@@ -107,6 +119,7 @@ def connector_class() -> type:
                           for t in range(parallel.tensor_parallel_size)]
                 self._planner = Planner(self._store, _namespace(vllm_config, kv_cache_config),
                                         vllm_config.cache_config.block_size, shards)
+                self._geometry = _geometry(vllm_config, kv_cache_config)
                 log.info("ftctl KV connector: store %s, budget %d bytes, block %d tokens",
                          settings.store, settings.budget_bytes,
                          vllm_config.cache_config.block_size)
@@ -185,8 +198,13 @@ def connector_class() -> type:
         def request_finished(
             self, request: Any, block_ids: list[int],  # noqa: ARG002 (vLLM's API)
         ) -> tuple[bool, dict[str, Any] | None]:
-            if self._planner is not None:
-                self._planner.finished(request.request_id)
+            if self._planner is None:
+                return False, None
+            loaded = self._planner.finished(request.request_id)
+            params = request.kv_transfer_params
+            if isinstance(params, dict) and params.get(REPORT_PARAM) is True:
+                # vLLM puts these in a non-streamed answer's kv_transfer_params.
+                return False, {REPORT_PARAM: {"loaded_tokens": loaded, **self._geometry}}
             return False, None
 
     FtctlConnector.__module__ = "dynamo_ftctl.vllm_connector"

@@ -16,6 +16,8 @@
   Its KV is then in the paged cache, and the request still holds the block
   while the step runs. Prompt and generated tokens alike; a chunked prefill is
   saved chunk by chunk.
+- **Asked not to load.** A request whose `kv_transfer_params` hold `ftctl_load: false`
+  (`blockstore.LOAD_PARAM`) loads nothing (its blocks are saved all the same).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamo_ftctl.kv.blockstore import BlockStore, chain_keys
+from dynamo_ftctl.kv.blockstore import LOAD_PARAM, BlockStore, chain_keys
 
 __all__ = ["BlockMove", "Planner", "StepPlan"]
 
@@ -55,6 +57,7 @@ class _Tracked:
     saved: int = 0  # blocks from 0 known to be in the store (saved or loaded)
     load_from: int = 0  # the match's first block (local prefix-cache hits before it)
     load_blocks: int = 0  # the match's length in blocks
+    loaded: int = 0  # tokens planned to load from the store
 
 
 class Planner:
@@ -108,6 +111,10 @@ class Planner:
         """Tokens beyond `num_computed_tokens` (block-aligned local hits) the store can
         supply: whole blocks only, never the request's last token."""
         tracked = self._tracked(request)
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get(LOAD_PARAM) is False:
+            tracked.load_blocks = 0
+            return 0
         usable = (len(request.all_token_ids) - 1) // self.block_size
         start = num_computed_tokens // self.block_size
         keys = self._keys(tracked, usable)
@@ -131,6 +138,7 @@ class Planner:
         self._pending_loads[request.request_id] = [
             BlockMove(keys[i], block_ids[i]) for i in range(start, start + count)]
         tracked.saved = max(tracked.saved, start + count)
+        tracked.loaded = count * self.block_size
 
     def plan(self, scheduled: Iterable[str],
              block_ids_of: Callable[[str], Sequence[int]]) -> StepPlan:
@@ -154,7 +162,9 @@ class Planner:
             tracked.saved = full
         return step
 
-    def finished(self, request_id: str) -> None:
-        """Forget a finished request (its unsaved blocks are not saved)."""
-        self._requests.pop(request_id, None)
+    def finished(self, request_id: str) -> int:
+        """Forget a finished request (its unsaved blocks are not saved); the tokens it
+        loaded from the store."""
+        tracked = self._requests.pop(request_id, None)
         self._pending_loads.pop(request_id, None)
+        return tracked.loaded if tracked is not None else 0

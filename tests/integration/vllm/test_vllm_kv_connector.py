@@ -12,10 +12,17 @@ it starts, the session's plain pair (if any) is stopped: two servers at once at 
   the last full block of the continued prompt.
 - A block damaged in the store (bytes flipped) is a miss: the continuation loads the
   blocks before it, computes the rest, and its output is still exact.
+- `ftctl migrate calibrate --via store`'s measurement on the pair: each timed request's
+  connector report proves it loaded (or, sent with ftctl_load false, did not), and the
+  fits and crossover are recorded.
+- The proxy with a store calibration that prefers loading continues a cut stream from the
+  store (counted `method="kv"`), one that prefers recompute turns the load off (counted
+  `method="reprefill"`, nothing past the client's prompt loaded); output exact both ways.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -29,6 +36,15 @@ import httpx
 import pytest
 
 from dynamo_ftctl.kv.blockstore import BlockStore
+from dynamo_ftctl.migrate.calibrate import (
+    Calibration,
+    PrefillFit,
+    TransferFit,
+    calibrate_store,
+    load_calibration,
+    save_calibration,
+)
+from dynamo_ftctl.migrate.transfer import Endpoint
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, stream
 from tests.integration.vllm import conftest
 from tests.integration.vllm.server import VllmServer, spawn_vllm, wait_healthy
@@ -195,3 +211,93 @@ def test_a_damaged_block_is_a_miss_and_the_output_stays_exact(
     store = BlockStore(kv_store, 1 << 30)
     name, _, shard = victim.name.partition(".")
     assert store.verify(bytes.fromhex(name), suffix="." + shard)  # saved again, whole
+
+
+CALIBRATION_LENGTHS = (256, 768, 1280, 1792)
+
+
+def test_calibrate_via_store_times_load_against_recompute_on_the_pair(
+    kv_pair: tuple[VllmServer, ...], tmp_path: Path,
+) -> None:
+    """`calibrate_store` on the pair: fresh prompts computed on one server are timed on the
+    other loaded from the store and recomputed (each request's connector report checked:
+    a load that loaded nothing, or a recompute that loaded, raises), with the connector's
+    geometry (the tiny Llama's 1 KiB per token, 128-token blocks), and both fits and the
+    crossover recorded and saved."""
+    from dynamo_ftctl.http1 import Client
+
+    worker, peer = (Endpoint(name=s.name, url=s.url, admin_url=s.url) for s in kv_pair)
+
+    async def measure() -> Calibration:
+        client = Client()
+        try:
+            return await calibrate_store(client, worker, peer, lengths=CALIBRATION_LENGTHS,
+                                         repeats=1, timeout_s=120)
+        finally:
+            await client.close()
+
+    cal = asyncio.run(measure())
+    assert (cal.via, cal.worker, cal.peer) == ("store", "kv1", "kv2")
+    assert (cal.block_size, cal.kv_bytes_per_token) == (BLOCK, 1024)
+    assert [s.tokens for s in cal.transfer_samples] == list(CALIBRATION_LENGTHS)
+    assert [s.tokens for s in cal.prefill_samples] == list(CALIBRATION_LENGTHS)
+    assert all(s.seconds > 0 for s in (*cal.transfer_samples, *cal.prefill_samples))
+    assert cal.crossover_tokens == tuple(round(x) for x in cal.crossovers())
+    path = tmp_path / "cal.json"
+    save_calibration(cal, path)
+    assert load_calibration(path) == cal
+
+
+def migrations_counted(proxy_url: str) -> dict[str, float]:
+    """ftctl_migrations_total by method."""
+    found: dict[str, float] = {}
+    for line in httpx.get(f"{proxy_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("ftctl_migrations_total{"):
+            labels, value = line.rsplit(" ", 1)
+            method = labels.split('method="')[1].split('"')[0]
+            found[method] = found.get(method, 0.0) + float(value)
+    return found
+
+
+@pytest.mark.parametrize("choice", ["load", "recompute"])
+def test_the_proxy_loads_or_recomputes_as_its_store_calibration_says(
+    kv_pair: tuple[VllmServer, ...], proxy_factory: ProxyFactory, tmp_path: Path, choice: str,
+) -> None:
+    """A stream cut by the relay (the server lives on) continues on the other server: with
+    a store calibration where loading wins, from the store (`method="kv"`, blocks past the
+    client's prompt loaded); where recompute wins, with the store's load off
+    (`method="reprefill"`, at most the client's prompt cached, by prefix caching); the
+    output matches an uncut run either way."""
+    model = kv_pair[0].model
+    load_wins = choice == "load"
+    path = tmp_path / "cal.json"
+    save_calibration(Calibration(
+        worker="kv1", peer="kv2", model=model, layers=2, kv_heads=2, head_dim=32,
+        dtype_bytes=4, block_size=BLOCK, via="store",
+        prefill=PrefillFit(fixed_s=0.0, per_token_s=1e-3),
+        transfer=TransferFit(setup_s=0.0 if load_wins else 1e3,
+                             bandwidth_bytes_per_s=1e12)), path)
+    # A prompt no earlier test sent: no server's prefix cache holds its continuation.
+    offset = 4000 if load_wins else 7000
+    body = {"model": model, "prompt": README.read_text()[offset:offset + 2400],
+            "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
+            "ignore_eos": True}
+    with paced(kv_pair) as relays:
+        cut_at, cut = after_tokens(150, relays.cut)
+        proxy = proxy_over(relays.workers, model, proxy_factory, calibration=str(path))
+        got = stream(proxy, "/v1/completions", body, on_chunk=cut_at)
+        counted = prompt_tokens_counted(proxy.url)
+        moved = migrations_counted(proxy.url)
+    assert cut, "the stream ended before the cut"
+    assert got.error is None, got.error
+    assert got.migrated == 1
+    expected = direct(kv_pair[0], "/v1/completions", body)
+    assert got.ids == expected.ids
+    prompt = len(expected.prompt_ids)
+    if load_wins:
+        assert moved == {"kv": 1.0}, (moved, proxy.log_text()[-2000:])
+        assert counted[("kv", "loaded")] > prompt, counted
+    else:
+        assert moved == {"reprefill": 1.0}, (moved, proxy.log_text()[-2000:])
+        assert counted[("reprefill", "loaded")] <= prompt, counted
+        assert ("kv", "loaded") not in counted or not counted[("kv", "loaded")], counted

@@ -179,9 +179,11 @@ def paced(pair: tuple[VllmServer, ...]) -> Iterator[Relays]:
 
 
 def proxy_over(workers: list[tuple[str, str]], model: str,
-               factory: ProxyFactory) -> ProxyProcess:
-    """The proxy over `workers` (name, URL), once it has learnt their max_model_len."""
-    proxy = factory(workers, model=model, breaker_threshold=100000, stall_timeout_s=STALL_S)
+               factory: ProxyFactory, **settings: Any) -> ProxyProcess:
+    """The proxy over `workers` (name, URL), once it has learnt their max_model_len;
+    `settings` are more `proxy:` settings."""
+    proxy = factory(workers, model=model, breaker_threshold=100000, stall_timeout_s=STALL_S,
+                    **settings)
 
     def knows() -> bool:
         doc = httpx.get(f"{proxy.url}/v1/models", timeout=5).json()

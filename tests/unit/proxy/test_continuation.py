@@ -357,3 +357,21 @@ def test_unrendered_observe_answers_none_where_a_chunk_would_not_go() -> None:
             assert (rendered.observe(doc) is None) == (plain.observe(doc, render=False) is None)
         assert plain.response() | {"created": 0, "id": ""} \
             == rendered.response() | {"created": 0, "id": ""}
+
+
+def test_own_context_is_the_prompt_or_what_an_earlier_attempt_reached_there() -> None:
+    """A worker's own prefix cache holds at most the client's prompt, or the context its
+    earlier attempt of the request reached (a way back to a worker it was cut on)."""
+    body = prepare_request("completions", {"model": "m", "prompt": "ab", "max_tokens": 9})
+    ledger = StreamLedger("completions", body)
+    ledger.start_attempt("a")
+    ledger.observe(chunk("x", [120], prompt_ids=[97, 98]))
+    ledger.observe(chunk("y", [121]))
+    ledger.start_attempt("b")  # cut on a after 2 tokens
+    assert (ledger.own_context("a"), ledger.own_context("b")) == (4, 2)
+    for tid in (122, 123, 124):
+        ledger.observe(chunk("z", [tid]))
+    assert ledger.own_context("b") == 2  # its own attempt, still under way, not counted
+    ledger.start_attempt("a")  # cut on b after 3 more
+    assert (ledger.own_context("a"), ledger.own_context("b"), ledger.own_context("c")) \
+        == (4, 7, 2)

@@ -73,6 +73,9 @@ class FakeWorker:
     sick: bool = False  # the proxy's known-good probe gets a 500 (docs/design.md "Failure
     # attribution": only a worker that fails it has its breaker moved)
     load_text: str = "vllm:kv_cache_usage_perc 0.1\nvllm:num_requests_waiting 0\n"
+    # Its usage reports prompt_tokens_details.cached_tokens: this many (at most the
+    # prompt), as vLLM with --enable-prompt-tokens-details does.
+    cached_tokens: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -207,9 +210,13 @@ class FakeWorker:
                 await asyncio.sleep(0)
                 if done:
                     break
+            usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                     "total_tokens": len(prompt) + n}
+            if self.cached_tokens is not None:
+                usage["prompt_tokens_details"] = {
+                    "cached_tokens": min(self.cached_tokens, len(prompt))}
             await send({"id": "up-1", "object": obj, "model": MODEL, "choices": [],
-                        "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
-                                  "total_tokens": len(prompt) + n}})
+                        "usage": usage})
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             self.disconnects += 1
@@ -414,6 +421,49 @@ def migrations(method: str) -> float:
     return metrics.REGISTRY.get_sample_value(
         "ftctl_migrations_total", {"source_group": "w0", "target_group": "w1",
                                    "method": method}) or 0.0
+
+
+def prompt_tokens(method: str, kind: str) -> float:
+    """ftctl_migration_prompt_tokens_total by `method` and `kind`."""
+    from dynamo_ftctl import metrics
+
+    return metrics.REGISTRY.get_sample_value(
+        "ftctl_migration_prompt_tokens_total", {"method": method, "kind": kind}) or 0.0
+
+
+@pytest.mark.parametrize(("cached", "method", "loaded"), [
+    (None, "reprefill", None),  # no prompt_tokens_details: it cannot tell, nothing counted
+    (0, "reprefill", 0),
+    (8, "reprefill", 8),  # within the client's 11-token prompt: the prefix cache's
+    (11, "reprefill", 11),
+    (16, "kv", 16),  # past the prompt: ids only the cut worker computed, loaded
+    (10_000, "kv", 18),  # the whole continued prompt (11 + 7)
+])
+def test_a_continuation_that_loaded_kv_counts_as_method_kv(
+    run: Callable[..., Any], cached: int | None, method: str, loaded: int | None,
+) -> None:
+    """A re-prefill continuation whose worker reports more cached tokens than the client's
+    prompt counts as a migration of method "kv" (loaded past what its prefix cache can
+    hold), else "reprefill"; its prompt tokens are counted loaded and recomputed."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker(cached_tokens=cached)]) as c:
+            c.fleet.balancer.slots["w1"].outstanding = 5
+            before = {m: migrations(m) for m in ("kv", "reprefill")}
+            tokens = {(m, k): prompt_tokens(m, k) for m in ("kv", "reprefill")
+                      for k in ("loaded", "recomputed")}
+            _, events = await c.stream("/v1/completions", BODY)
+            c.fleet.balancer.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            other = "kv" if method == "reprefill" else "reprefill"
+            assert migrations(method) == before[method] + 1
+            assert migrations(other) == before[other]
+            grew = {key: prompt_tokens(*key) - was for key, was in tokens.items()}
+            if loaded is None:
+                assert not any(grew.values())
+            else:
+                assert grew == {(method, "loaded"): loaded, (method, "recomputed"): 18 - loaded,
+                                (other, "loaded"): 0, (other, "recomputed"): 0}
+    run(go())
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
@@ -1180,4 +1230,36 @@ def test_own_kv_count_grows_with_a_request_and_is_zero_once_it_ends(
                 # "hello world": 3 tokens by the proxy's estimate, then 3 generated.
                 await until(lambda: slot.kv_blocks == 6)
             await until(lambda: slot.kv_blocks == 0)  # the client hung up
+    run(go())
+
+
+@pytest.mark.parametrize(("setup_s", "bypass"), [(10.0, True), (1e-4, False)])
+def test_a_store_calibration_turns_the_store_load_off_where_recompute_wins(
+    run: Callable[..., Any], tmp_path: Path, setup_s: float, bypass: bool,
+) -> None:
+    """With a calibration via the KV connector's store, a continuation whose context is
+    faster to recompute goes with kv_transfer_params.ftctl_load false; one faster to load
+    goes as it is; nothing is exported either way, the output is unchanged."""
+    calibration = tmp_path / "cal.json"
+    calibration.write_text(json.dumps({
+        "worker": "a", "peer": "b", "model": MODEL, "layers": 2, "kv_heads": 2, "head_dim": 32,
+        "dtype_bytes": 4, "block_size": 16, "via": "store",
+        "prefill": {"fixed_s": 0.0, "per_token_s": 1e-3},
+        "transfer": {"setup_s": setup_s, "bandwidth_bytes_per_s": 1e9},
+    }))
+
+    async def go() -> None:
+        async with Cluster([FakeWorker(fail_after=7), FakeWorker()],
+                           calibration=str(calibration)) as c:
+            c.fleet.balancer.slots["w1"].outstanding = 5
+            _, events = await c.stream("/v1/completions", BODY)
+            c.fleet.balancer.slots["w1"].outstanding = 0
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert c.workers[0].paths.count("/v1/completions") == 1
+            continuation = c.workers[1].requests[-1]
+            assert len(continuation["prompt"]) == 18
+            if bypass:
+                assert continuation["kv_transfer_params"] == {"ftctl_load": False}
+            else:
+                assert "kv_transfer_params" not in continuation
     run(go())

@@ -28,6 +28,7 @@ class FakeRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def cpu_cache(seed: int, layers: int = 3) -> dict[str, Any]:
@@ -100,6 +101,33 @@ def test_a_continuation_loads_the_saved_prefix_and_the_output_cache_matches(
     for name in caches_a:
         assert torch.equal(caches_b[name][[10, 11, 12]], caches_a[name][[3, 9, 4]])
     assert mover_b.failed_blocks() == set()
+
+
+@pytest.mark.parametrize("params", [{"ftctl_load": False}, {"ftctl_load": False, "x": 1}])
+def test_a_request_asked_not_to_load_loads_nothing_and_still_saves(
+        tmp_path: Path, params: dict[str, Any]) -> None:
+    """kv_transfer_params ftctl_load false: no match, nothing loaded, its blocks saved;
+    the same request without it loads the stored prefix, and `finished` says how much."""
+    _store, planner, mover, _ = setup(tmp_path)
+    ids = list(range(13))
+    first = FakeRequest("a", ids, num_computed_tokens=12)
+    planner.track(first)
+    mover.save(step_saves(planner, first, [0, 1, 2]))
+    assert planner.finished("a") == 0
+    bypass = FakeRequest("b", [*ids, 1], kv_transfer_params=params)
+    planner.track(bypass)
+    assert planner.matched_tokens(bypass, 0) == 0
+    planner.allocated(bypass, [4, 5, 6, 7], 0)
+    assert planner.plan(["b"], lambda _: [4, 5, 6, 7]).loads == {}
+    bypass.num_computed_tokens = 14
+    assert [m.block_id for m in step_saves(planner, bypass, [4, 5, 6, 7])] == [4, 5, 6]
+    assert planner.finished("b") == 0
+    for value in (True, None, 0, "false"):  # only the boolean false turns loading off
+        load = FakeRequest(f"c{value}", [*ids, 1], kv_transfer_params={"ftctl_load": value})
+        planner.track(load)
+        assert planner.matched_tokens(load, 0) == 12
+        planner.allocated(load, [8, 9, 10, 11], 12)
+        assert planner.finished(load.request_id) == 12
 
 
 def test_local_prefix_hits_are_not_counted_again(tmp_path: Path) -> None:
