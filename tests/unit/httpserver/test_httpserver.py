@@ -17,7 +17,7 @@ from dynamo_ftctl.httpserver import (
     Stream,
     start_server,
 )
-from tests.loopback import until
+from tests.waiting import until
 
 T = TypeVar("T")
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from dynamo_ftctl.httpserver import Reply, Request, Server, default_max_connections
-from tests.loopback import until
 from tests.unit.httpserver.test_httpserver import Client, echo, refused, serving
+from tests.waiting import until
 
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 

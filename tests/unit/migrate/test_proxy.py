@@ -21,7 +21,7 @@ from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
 from dynamo_ftctl.migrate.proxy import MIGRATED_HEADER, MigratingProxy
 from dynamo_ftctl.structs import convert_struct
-from tests.loopback import until
+from tests.waiting import until
 
 MODEL = "fake-model"
 
