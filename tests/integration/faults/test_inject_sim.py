@@ -27,6 +27,7 @@ from dynamo_ftctl.openai import (
     parse_sse_event,
 )
 from dynamo_ftctl.process import FakeSpawner
+from tests.simfaults import health_stalls
 from tests.waiting import wait_until
 
 if TYPE_CHECKING:
@@ -325,15 +326,8 @@ def test_hang_by_http_stalls_requests_but_not_the_loop(
         wait_until(lambda: _metric(worker, "vllm:num_requests_running"), 20,
                    "the stream running", accept=lambda n: n >= 1, interval=0.02)
         run_injection(plan_injection(inv, "w1", "hang"), **common)
-
-        def health_stalls() -> bool:
-            try:
-                httpx.get(f"{worker.url}/health", timeout=0.5)
-            except httpx.TimeoutException:
-                return True
-            return False
-
-        wait_until(health_stalls, 10, "/health to stall (no answer in 0.5 s)", interval=0)
+        wait_until(lambda: health_stalls(worker.url), 10, "/health to stall (no answer in 0.5 s)",
+                   interval=0)
         state = httpx.get(f"{worker.url}/admin/fault", headers=auth, timeout=2).json()
         assert state["hung"] is True
         assert not stalled.done()
