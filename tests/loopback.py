@@ -1,10 +1,14 @@
-"""A scripted loopback HTTP server for client tests (`dynamo_ftctl.http1`, the load generator),
-and `until`, the asyncio tests' wait for a condition with a deadline."""
+"""A scripted loopback HTTP server for client tests (`dynamo_ftctl.http1`, the load generator).
+`until` (the asyncio tests' wait for a condition) lives in tests.waiting; imported here too."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+
+from tests.waiting import until
+
+__all__ = ["Handler", "Server", "until"]
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 
@@ -40,12 +44,3 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait for a condition with a deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not check():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)

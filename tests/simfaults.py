@@ -15,3 +15,12 @@ def hung(worker: SimWorker) -> bool:
     resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
                      headers={"Authorization": f"Bearer {worker.admin_token}"})
     return bool(resp.json()["hung"])
+
+
+def health_stalls(url: str, timeout_s: float = 0.5) -> bool:
+    """GET /health of `url` has no answer within `timeout_s` (a hung worker)."""
+    try:
+        httpx.get(f"{url}/health", timeout=timeout_s)
+    except httpx.TimeoutException:
+        return True
+    return False

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.waiting import wait_until
+
 
 def run_on_a_terminal(args: list[str], *, cwd: Path, deadline_s: float,
                       columns: int | None = None) -> tuple[int, str]:
@@ -23,22 +25,23 @@ def run_on_a_terminal(args: list[str], *, cwd: Path, deadline_s: float,
                                           "FTCTL_NO_CACHE": "1"})
     os.close(child)
     chunks: list[bytes] = []
-    deadline = time.monotonic() + deadline_s
+
+    def finished() -> bool:
+        """Read what the command wrote; True at the end of its output (or its exit)."""
+        ready, _, _ = select.select([main], [], [], 0.5)
+        if not ready:
+            return proc.poll() is not None
+        try:
+            data = os.read(main, 65536)
+        except OSError:  # EIO: the child side closed
+            return True
+        chunks.append(data)
+        return not data
+
+    began = time.monotonic()
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([main], [], [], 0.5)
-            if not ready:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                data = os.read(main, 65536)
-            except OSError:  # EIO: the child side closed
-                break
-            if not data:
-                break
-            chunks.append(data)
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        wait_until(finished, deadline_s, f"{args[0]} to finish", interval=0)
+        code = proc.wait(timeout=max(1.0, began + deadline_s - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -17,6 +17,7 @@ import pytest
 from dynamo_ftctl.faults.audit import read_audit
 from dynamo_ftctl.inventory import load_inventory
 from tests.interrupt import sigint_deliverable
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 DRILLS = Path(__file__).resolve().parents[3] / "drills"
@@ -150,17 +151,21 @@ method:
         )
     try:
         assert proc.stderr is not None
-        deadline = time.monotonic() + 120
         seen = ""
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stderr, selectors.EVENT_READ)
-            while "slow w1" not in seen and time.monotonic() < deadline:
+
+            def stderr_so_far() -> str:
+                nonlocal seen
                 if sel.select(1.0):
+                    assert proc.stderr is not None
                     line = proc.stderr.readline()
-                    if not line:
-                        break
+                    assert line, f"the drill ended: {seen}"
                     seen += line
-        assert "slow w1" in seen, seen
+                return seen
+
+            wait_until(stderr_so_far, 120, "the drill's 'slow w1' line",
+                       accept=lambda text: "slow w1" in text, interval=0)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -23,7 +23,6 @@ import contextlib
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from tests.integration.dynamo.stack import (
     spawn,
     tokenizer_dir,
 )
+from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
 PROXY_START_S = 30.0
@@ -154,13 +154,14 @@ def ns_proxy(netns: Namespace, tmp_path: Path) -> Iterator[Callable[..., tuple[P
 
 def proxy_url(proxy: Proc, deadline_s: float = PROXY_START_S) -> str:
     """The URL the proxy prints once it serves (a condition with a deadline)."""
-    end = time.monotonic() + deadline_s
     pattern = re.compile(r"serving \d+ workers on (http://\S+)")
-    while time.monotonic() < end:
-        match = pattern.search(proxy.log_text())
-        if match:
-            return match.group(1)
-        assert proxy.alive, f"proxy exited:\n{proxy.log_text()[-3000:]}"
-        time.sleep(0.05)  # a poll interval
-    msg = f"proxy did not start: {proxy.log_text()[-3000:]}"
-    raise AssertionError(msg)
+
+    def log() -> str:
+        text = proxy.log_text()
+        assert pattern.search(text) or proxy.alive, f"proxy exited:\n{text[-3000:]}"
+        return text
+
+    found = pattern.search(wait_until(log, deadline_s, "the proxy's 'serving' line",
+                                      accept=pattern.search, interval=0.05))
+    assert found is not None
+    return found.group(1)

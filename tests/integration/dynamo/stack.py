@@ -27,10 +27,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[2]
@@ -218,12 +219,15 @@ class Stack:
             "--model-name", MODEL, *PLANES],
             self.workdir / f"mocker{len(self.mockers) + 1}.log", self.env)
         self.mockers.append(mocker)
-        end = time.monotonic() + deadline_s
-        while not (new := set(self._instance_ids()) - known):
+
+        def new_ids() -> set[str]:
             assert mocker.alive, f"{mocker.name} exited:\n{mocker.log_text()[-3000:]}"
-            assert time.monotonic() < end, f"{mocker.name} did not register:\n" + (
-                mocker.log_text()[-3000:])
-            time.sleep(0.1)  # a poll interval
+            return set(self._instance_ids()) - known
+
+        try:
+            new = wait_until(new_ids, deadline_s, f"{mocker.name} registered", interval=0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{mocker.log_text()[-3000:]}") from None
         self.instances[new.pop()] = mocker.pid
         return mocker
 

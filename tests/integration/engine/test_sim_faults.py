@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+from tests.simfaults import health_stalls
+from tests.waiting import wait_until
 
 from dynamo_ftctl.openai import (
     StreamAccumulator,
@@ -98,14 +100,8 @@ def test_crash_logs_an_xid_and_exits(sim_worker: SimWorker) -> None:
 def test_hang_stops_answering_but_lives(sim_worker: SimWorker) -> None:
     """hang: /health times out while the process stays alive (SIGKILL ends it)."""
     assert admin(sim_worker, {"kind": "hang"}).status_code == 200
-    deadline = time.monotonic() + 10
-    hung = False
-    while time.monotonic() < deadline and not hung:
-        try:
-            httpx.get(f"{sim_worker.url}/health", timeout=0.5)
-        except httpx.TimeoutException:
-            hung = True
-    assert hung
+    wait_until(lambda: health_stalls(sim_worker.url), 10,
+               "/health to stall (no answer in 0.5 s)", interval=0)
     assert sim_worker.alive
     sim_worker.kill()
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests import hostile
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
@@ -62,17 +63,20 @@ def test_a_slowloris_client_is_answered_408_in_time(
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         sock.settimeout(0.2)
         answer = b""
-        while time.monotonic() - start < timeout_s + 10:
+
+        def hung_up() -> bool:
+            nonlocal answer
             try:
                 piece = sock.recv(65536)
             except TimeoutError:
                 sock.sendall(b"X-Slow: 1\r\n")  # a byte now and then, as slowloris does
-                continue
+                return False
             except ConnectionResetError:
-                break
-            if not piece:
-                break
+                return True
             answer += piece
+            return not piece
+
+        wait_until(hung_up, timeout_s + 10, "the worker to hang up on the slow head", interval=0)
         took = time.monotonic() - start
     assert hostile.status_of(answer) == 408, answer[:300]
     assert timeout_s * 0.9 <= took < timeout_s + 10

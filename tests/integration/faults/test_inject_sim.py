@@ -27,6 +27,8 @@ from dynamo_ftctl.openai import (
     parse_sse_event,
 )
 from dynamo_ftctl.process import FakeSpawner
+from tests.simfaults import health_stalls
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -233,22 +235,22 @@ def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
                           spawner=dcgmi)
     common = _common(worker, tmp_path, injectors=injectors)
     quick = {**BODY, "max_tokens": 10}
-    started = time.monotonic()
     clean = _stream(worker.url, quick)
-    clean_s = time.monotonic() - started
     run_injection(plan_injection(inv, "w1", "thermal", InjectOptions(delay_ms=40)), **common)
     started = time.monotonic()
     hot = _stream(worker.url, quick)
     assert time.monotonic() - started >= 10 * 0.04 * 0.9
     assert hot.token_ids == clean.token_ids  # slower, not wrong
     assert dcgmi.runs == [["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "64"]]
-    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers={
-        "Authorization": f"Bearer {worker.admin_token}"}).json()["slow_delay_ms"] == 40
+    auth = {"Authorization": f"Bearer {worker.admin_token}"}
+    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
+                     ).json()["slow_delay_ms"] == 40
     revert_pending(all_=True, **common)
     assert dcgmi.runs[-1] == ["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "0"]
-    started = time.monotonic()
+    # Fast again: the delay is gone (how fast a stream then runs is the scheduler's).
+    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
+                     ).json()["slow_delay_ms"] == 0
     assert _stream(worker.url, quick).token_ids == clean.token_ids
-    assert time.monotonic() - started < max(10 * 0.04 * 0.9, clean_s + 0.3)
 
 
 def test_ecc_logs_a_row_remap_xid_and_serving_goes_on(worker: SimWorker, tmp_path: Path) -> None:
@@ -278,10 +280,8 @@ def test_xid94_ends_only_the_request_on_the_faulty_context(
     run_injection(plan_injection(inv, "w1", "slow", InjectOptions(delay_ms=50)), **common)
     with ThreadPoolExecutor(2) as pool:
         streams = [pool.submit(_stream_or_error, worker.url) for _ in range(2)]
-        deadline = time.monotonic() + 20
-        while _metric(worker, "vllm:num_requests_running") < 2:
-            assert time.monotonic() < deadline, "two streams never ran at once"
-            time.sleep(0.02)
+        wait_until(lambda: _metric(worker, "vllm:num_requests_running"), 20,
+                   "two streams running at once", accept=lambda n: n >= 2, interval=0.02)
         result = run_injection(plan_injection(inv, "w1", "xid94"), **common)
         done = [f.result(timeout=60) for f in streams]
     assert result.plan.reverts == ()
@@ -323,19 +323,11 @@ def test_hang_by_http_stalls_requests_but_not_the_loop(
     run_injection(plan_injection(inv, "w1", "slow", InjectOptions(delay_ms=20)), **common)
     with ThreadPoolExecutor(1) as pool:
         stalled = pool.submit(_stream, worker.url)
-        deadline = time.monotonic() + 20
-        while _metric(worker, "vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the stream never started"
-            time.sleep(0.02)
+        wait_until(lambda: _metric(worker, "vllm:num_requests_running"), 20,
+                   "the stream running", accept=lambda n: n >= 1, interval=0.02)
         run_injection(plan_injection(inv, "w1", "hang"), **common)
-        deadline = time.monotonic() + 10
-        hung = False
-        while not hung and time.monotonic() < deadline:
-            try:
-                httpx.get(f"{worker.url}/health", timeout=0.5)
-            except httpx.TimeoutException:
-                hung = True
-        assert hung
+        wait_until(lambda: health_stalls(worker.url), 10, "/health to stall (no answer in 0.5 s)",
+                   interval=0)
         state = httpx.get(f"{worker.url}/admin/fault", headers=auth, timeout=2).json()
         assert state["hung"] is True
         assert not stalled.done()
@@ -368,7 +360,7 @@ def test_net_bandwidth_through_the_fault_proxy(worker: SimWorker, netproxy: dict
     revert_pending(all_=True, **common)
     assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
     _, again_s = fetch()
-    assert again_s < slow_s / 2
+    assert again_s < size / (2 * 1024) * 0.8  # faster than 2 KiB/s allows: the limit lifted
 
 
 def test_overload_saturates_the_worker_and_revert_stops_the_load(
@@ -387,21 +379,15 @@ def test_overload_saturates_the_worker_and_revert_stops_the_load(
     pid = int(record["outcomes"][0].split("pid ")[1].split()[0])
     assert Path(f"/proc/{pid}").exists()
     try:
-        deadline = time.monotonic() + 30
-        peak = 0.0
-        while peak <= 0 and time.monotonic() < deadline:
-            peak = max(peak, _metric(worker, "vllm:num_requests_waiting"))
-            time.sleep(0.05)
-        assert peak > 0, "the worker never queued a request"
+        wait_until(lambda: _metric(worker, "vllm:num_requests_waiting"), 30,
+                   "a request queued on the worker", accept=lambda n: n > 0, interval=0.05)
     finally:
         reverted = revert_pending(all_=True, **common)
     assert [r["fault"] for r in reverted.reverted] == ["overload"]
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
-    deadline = time.monotonic() + 30
-    while _metric(worker, "vllm:num_requests_running") + _metric(
-            worker, "vllm:num_requests_waiting") > 0:
-        assert time.monotonic() < deadline, "the load went on after the revert"
-        time.sleep(0.1)
+    wait_until(lambda: _metric(worker, "vllm:num_requests_running") + _metric(
+        worker, "vllm:num_requests_waiting"), 30, "the queue drained after the revert (the load "
+        "gone)", accept=lambda n: n == 0, interval=0.1)
     actions = [json.loads(line)["action"] for line in (tmp_path / "a.jsonl").read_text()
                .splitlines()]
     assert actions == ["inject", "revert"]

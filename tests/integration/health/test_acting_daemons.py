@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from tests.integration.health.test_daemon_sim import ROOT, read_line, wait_for
+from tests.integration.health.test_daemon_sim import ROOT, read_line
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
@@ -92,25 +93,26 @@ def test_one_daemon_acts_and_the_other_takes_over_without_acting_twice(fleet: An
     second and does not drain w2 again; w3 killed: drained once (by B)."""
     workers, start, marker = fleet
     a_url, a_proc = start("a")
-    wait_for(lambda: workers_doc(a_url)["acting"], 30, "daemon A acting")
+    wait_until(lambda: workers_doc(a_url)["acting"], 30, "daemon A acting")
     b_url, _ = start("b")
-    wait_for(lambda: all(w["last"] for w in workers_doc(b_url)["workers"]), 30,
+    wait_until(lambda: all(w["last"] for w in workers_doc(b_url)["workers"]), 30,
              "daemon B's first round")
     assert workers_doc(b_url)["acting"] is False
 
     workers["w2"].kill()
-    wait_for(lambda: acted(marker) == ["w2 unhealthy"], 30, "A draining w2")
-    wait_for(lambda: state_of(b_url, "w2") == "unhealthy", 30, "B seeing w2 unhealthy")
+    wait_until(lambda: acted(marker) == ["w2 unhealthy"], 30, "A draining w2")
+    wait_until(lambda: state_of(b_url, "w2") == "unhealthy", 30, "B seeing w2 unhealthy")
     assert acted(marker) == ["w2 unhealthy"]  # B saw it too and did not act
 
     killed = time.monotonic()
     a_proc.send_signal(signal.SIGKILL)
-    took = wait_for(lambda: workers_doc(b_url)["acting"], 30, "daemon B acting")
+    wait_until(lambda: workers_doc(b_url)["acting"], 30, "daemon B acting")
+    took = time.monotonic() - killed
     print(f"\ntakeover: B acting {(time.monotonic() - killed) * 1000:.0f} ms after A's SIGKILL")
     assert took < 10  # the bound stated in docs/canary.md is 1 s on an idle machine
 
     workers["w3"].kill()
-    wait_for(lambda: "w3 unhealthy" in acted(marker), 30, "B draining w3")
+    wait_until(lambda: "w3 unhealthy" in acted(marker), 30, "B draining w3")
     assert sorted(acted(marker)) == ["w2 unhealthy", "w3 unhealthy"]
 
 
@@ -119,15 +121,15 @@ def test_a_new_actor_catches_up_on_what_nobody_acted_on(fleet: Any, tmp_path: Pa
     acted on once by the daemon that takes the lock next."""
     workers, start, marker = fleet
     a_url, a_proc = start("a")
-    wait_for(lambda: workers_doc(a_url)["acting"], 30, "daemon A acting")
+    wait_until(lambda: workers_doc(a_url)["acting"], 30, "daemon A acting")
     b_url, _ = start("b")
     a_proc.send_signal(signal.SIGSTOP)  # holds the lock, acts on nothing
     try:
         workers["w1"].kill()
-        wait_for(lambda: state_of(b_url, "w1") == "unhealthy", 30, "B seeing w1 unhealthy")
+        wait_until(lambda: state_of(b_url, "w1") == "unhealthy", 30, "B seeing w1 unhealthy")
         assert acted(marker) == []
         a_proc.send_signal(signal.SIGKILL)
-        wait_for(lambda: acted(marker) == ["w1 unhealthy"], 30, "B catching up on w1")
+        wait_until(lambda: acted(marker) == ["w1 unhealthy"], 30, "B catching up on w1")
     finally:
         a_proc.send_signal(signal.SIGCONT)
     record = json.loads((tmp_path / "shared" / "acting.lock.acted").read_text())

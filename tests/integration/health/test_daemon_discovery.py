@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.dnsserver import DnsServer
-from tests.integration.health.test_daemon_sim import ROOT, probed, read_line, states, wait_for
+from tests.integration.health.test_daemon_sim import ROOT, probed, read_line, states
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
@@ -60,14 +61,14 @@ def test_the_daemon_probes_workers_as_they_join_and_forgets_those_that_leave(
             assert url.startswith("http://127.0.0.1:"), line
             assert list(states(url)) == names[:1]
             dns_server.set_srv(srv, [("c0.test", ports[0]), ("c1.test", ports[1])])
-            wait_for(lambda: set(states(url)) == set(names) and probed(url), 15, "c1 probed")
+            wait_until(lambda: set(states(url)) == set(names) and probed(url), 15, "c1 probed")
             assert set(states(url).values()) == {"healthy"}
             dns_server.behaviour["_http._tcp.sims.test"] = "servfail"
             dns_server.set_srv(srv, [("c1.test", ports[1])])
-            wait_for(lambda: dns_server.queries > 20, 10, "failing rounds")
+            wait_until(lambda: dns_server.queries > 20, 10, "failing rounds")
             assert set(states(url)) == set(names)
             dns_server.behaviour.clear()
-            wait_for(lambda: set(states(url)) == set(names[1:]), 10, "c0 leaving")
+            wait_until(lambda: set(states(url)) == set(names[1:]), 10, "c0 leaving")
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -8,13 +8,14 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
+
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
@@ -25,26 +26,20 @@ ROOT = Path(__file__).resolve().parents[3]
 DAEMON_TOKEN = "daemon-test-token"
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if check():
-            return time.monotonic() - start
-        time.sleep(0.01)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def read_line(stream: Any, proc: subprocess.Popen[str], timeout_s: float) -> str:
     selector = selectors.DefaultSelector()
     selector.register(stream, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
+
+    def line_ready() -> bool:
+        if selector.select(timeout=0.1):
+            return True
+        assert proc.poll() is None, (
+            f"daemon exited with {proc.returncode}: {proc.stderr.read()}")  # type: ignore[union-attr]
+        return False
+
     try:
-        while time.monotonic() < deadline:
-            if selector.select(timeout=0.1):
-                return str(stream.readline())
-            if proc.poll() is not None:
-                pytest.fail(f"daemon exited with {proc.returncode}: {proc.stderr.read()}")  # type: ignore[union-attr]
-        pytest.fail("daemon did not start in time")
+        wait_until(line_ready, timeout_s, "the daemon's first line", interval=0)
+        return str(stream.readline())
     finally:
         selector.close()
 
@@ -107,7 +102,7 @@ def probed(url: str) -> bool:
 def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> None:
     """SIGKILL + the proxy's report: UNHEALTHY well inside a second, action run, all logged."""
     url, proc, workers, marker = daemon
-    wait_for(lambda: probed(url), 30, "the first round")
+    wait_until(lambda: probed(url), 30, "the first round")
     assert states(url) == {"w1": "healthy", "w2": "healthy"}
     workers["w2"].kill()
     assert workers["w2"].wait_exit(10) is not None
@@ -116,9 +111,9 @@ def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> N
     response = httpx.post(f"{url}/report", timeout=5, json=report,
                           headers={"Authorization": f"Bearer {DAEMON_TOKEN}"})
     assert response.status_code == 200
-    wait_for(lambda: states(url)["w2"] == "unhealthy", 5, "w2 unhealthy")
+    wait_until(lambda: states(url), 5, "w2 unhealthy", accept=lambda s: s["w2"] == "unhealthy")
     assert states(url)["w1"] == "healthy"
-    wait_for(lambda: marker.exists() and "w2 unhealthy" in marker.read_text(), 10, "the action")
+    wait_until(lambda: marker.exists() and "w2 unhealthy" in marker.read_text(), 10, "the action")
     metrics = httpx.get(f"{url}/metrics", timeout=5).text
     assert 'ftctl_worker_state{state="unhealthy",worker="w2"} 1.0' in metrics
     assert 'ftctl_circuit_breaker_state{worker="w2"} 1.0' in metrics
@@ -138,11 +133,11 @@ def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> N
 def test_probes_alone_find_a_corrupting_worker(daemon: Any) -> None:
     """No report needed: an sdc worker is UNHEALTHY within an interval plus its probes."""
     url, _, workers, _ = daemon
-    wait_for(lambda: probed(url), 30, "the first round")
+    wait_until(lambda: probed(url), 30, "the first round")
     worker = workers["w1"]
     httpx.post(f"{worker.url}/admin/fault", json={"kind": "sdc"}, timeout=5,
                headers={"Authorization": f"Bearer {worker.admin_token}"}).raise_for_status()
-    wait_for(lambda: states(url)["w1"] == "unhealthy", 10, "w1 unhealthy")
+    wait_until(lambda: states(url), 10, "w1 unhealthy", accept=lambda s: s["w1"] == "unhealthy")
     doc = httpx.get(f"{url}/workers", timeout=5).json()
     w1 = next(w for w in doc["workers"] if w["name"] == "w1")
     assert w1["weight"] == 0.0
@@ -154,5 +149,6 @@ def test_sighup_does_not_end_the_daemon(daemon: Any) -> None:
     probing and answering, and says so once."""
     url, proc, _, _ = daemon
     proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: states(url) == {"w1": "healthy", "w2": "healthy"}, 30, "healthy workers")
+    wait_until(lambda: states(url), 30, "healthy workers",
+               accept=lambda s: s == {"w1": "healthy", "w2": "healthy"})
     assert proc.poll() is None

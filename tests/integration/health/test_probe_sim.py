@@ -18,6 +18,7 @@ import pytest
 
 from dynamo_ftctl.health.baseline import MIN_SAMPLES
 from tests.simfaults import hung
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -88,10 +89,7 @@ def test_slow_worker_is_a_latency_spike_after_a_baseline(
 def test_hung_worker_times_out_with_exit_three(sim_worker: SimWorker, tmp_path: Path) -> None:
     """A hung worker (requests stall, no answer) is unreachable: exit 3 within about one timeout."""
     fault(sim_worker, kind="hang", duration_s=20)
-    deadline = time.monotonic() + 10
-    while not hung(sim_worker):
-        assert time.monotonic() < deadline, "the hang fault never took effect"
-        time.sleep(0.01)  # polling GET /admin/fault for the hang, with a deadline
+    wait_until(lambda: hung(sim_worker), 10, "the hang fault in effect")
     rc, doc, _, elapsed = canary(sim_worker.url, tmp_path / "s.json", "--timeout", "1")
     assert rc == 3
     assert doc["workers"][0]["verdict"] == "unreachable"

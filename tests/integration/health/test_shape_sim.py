@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ import pytest
 
 from dynamo_ftctl.health.canaryset import SHAPE_NOTE, load_canary_set
 from tests.simfaults import hung
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -128,10 +128,7 @@ def test_a_hung_random_worker_is_unreachable(random_worker: SimWorker,
                                              shape_set: Path) -> None:
     """A hang costs one timeout: exit 3, judged by the shape set."""
     fault(random_worker, kind="hang")
-    deadline = time.monotonic() + 10
-    while not hung(random_worker):
-        assert time.monotonic() < deadline, "the hang fault never took effect"
-        time.sleep(0.01)  # polling GET /admin/fault for the hang, with a deadline
+    wait_until(lambda: hung(random_worker), 10, "the hang fault in effect")
     got, report = probe(random_worker, shape_set, "--timeout", "1")
     assert got == 3
     assert report["workers"][0]["kind"] == "unreachable"

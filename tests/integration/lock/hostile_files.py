@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     import pytest
@@ -140,15 +141,6 @@ def _marks(path: Path) -> tuple[int, list[float]]:
     return int(lines[0].split()[1]), [float(line) for line in lines[1:]]
 
 
-def _wait_for(check: Callable[[], bool], deadline_s: float, what: str) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        if time.monotonic() > deadline:
-            msg = f"timed out waiting for {what}"
-            raise TimeoutError(msg)
-        time.sleep(0.01)  # polling a file another process writes, with a deadline
-
-
 def overlap_run(folder: Path, how: str, env: dict[str, str] | None = None) -> Overlap:
     """Holder A (stubborn) holds `folder/P`; then `how`: "rm P", "rm P P.floor" or
     "mv over P"; B acquires and marks once. Returns A's and B's marks and tokens."""
@@ -159,8 +151,8 @@ def overlap_run(folder: Path, how: str, env: dict[str, str] | None = None) -> Ov
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               cwd=ROOT, env=full_env)
     try:
-        _wait_for(lambda: a_marks.exists() and a_marks.read_text().count("\n") >= 3, 60,
-                  "holder A's first marks")
+        wait_until(lambda: a_marks.exists() and a_marks.read_text().count("\n") >= 3, 60,
+                   "holder A's first marks")
         attacked = time.monotonic()
         if how == "mv over P":
             incoming = folder / "incoming"

@@ -20,6 +20,7 @@ from dynamo_ftctl.errors import LockTimeout
 from dynamo_ftctl.http1 import ConnectError
 from dynamo_ftctl.lock import EtcdLock, LeaseLost
 from dynamo_ftctl.lock.etcd import post_json
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -58,16 +59,12 @@ def etcd(tmp_path: Path) -> Iterator[str]:
         stdout=log, stderr=log,
     )
     try:
-        deadline = time.monotonic() + 30
-        while True:
+        def health() -> object:
             assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"{client_url}/health", timeout=1).json().get("health") == "true":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert time.monotonic() < deadline, "etcd did not become healthy in 30 s"
-            time.sleep(0.05)
+            return httpx.get(f"{client_url}/health", timeout=1).json().get("health")
+
+        wait_until(health, 30, "etcd healthy", accept=lambda h: h == "true",
+                   ignore=(httpx.HTTPError, ValueError), interval=0.05)
         yield client_url
     finally:
         proc.kill()

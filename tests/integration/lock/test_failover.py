@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -10,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -28,6 +30,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def exists(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @dataclass
@@ -45,17 +56,15 @@ class Wrapper:
         for line in self.seen:
             if line["state"] == state:
                 return line
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0, f"no {state} within {timeout} s; saw {self.seen}"
-            try:
-                line = self.lines.get(timeout=remaining)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            if line["state"] == state:
-                return line
+
+        def states() -> list[str]:
+            with contextlib.suppress(queue.Empty):
+                self.seen.append(self.lines.get(timeout=0.1))
+            return [line["state"] for line in self.seen]
+
+        wait_until(states, timeout, f"state {state}", accept=lambda seen: state in seen[-1:],
+                   interval=0)
+        return self.seen[-1]
 
     def health(self) -> httpx.Response:
         return httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=5)
@@ -172,14 +181,8 @@ def test_init_answers_503_and_engine_death_exits_non_zero(start_wrapper: Wrapper
     engine = [sys.executable, "-c", "import time; time.sleep(120)"]
     wrapper = start_wrapper(0, engine, f"http://127.0.0.1:{free_port()}")
     init = wrapper.wait_state("INIT")
-    deadline = time.monotonic() + 30
-    while True:  # the health server starts right after the engine
-        try:
-            response = wrapper.health()
-            break
-        except httpx.ConnectError:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    response = wait_until(wrapper.health, 30, "the wrapper's health server",  # it starts
+                          ignore=(httpx.ConnectError,))  # right after the engine
     assert response.status_code == 503
     assert response.json()["state"] == "INIT"
     os.kill(init["engine_pid"], signal.SIGKILL)
@@ -236,14 +239,7 @@ def test_wrapper_killed_takes_its_engine_with_it(start_wrapper: WrapperFactory) 
     active = wrapper.wait_state("ACTIVE")
     wrapper.proc.kill()
     wrapper.proc.wait(10)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            os.kill(active["engine_pid"], 0)
-        except ProcessLookupError:
-            break
-        assert time.monotonic() < deadline, "engine outlived its wrapper"
-        time.sleep(0.01)
+    wait_until(lambda: not exists(active["engine_pid"]), 10, "the engine gone with its wrapper")
 
 
 @pytest.mark.slow

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,10 +13,12 @@ from tests.integration.lock import test_failover
 from tests.integration.lock.test_failover import (
     Wrapper,
     WrapperFactory,
+    exists,
     fake_engine,
     free_port,
     stderr_of,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -34,15 +34,8 @@ def sleepless_engine(port: int, root: Path) -> list[str]:
 
 
 def gone(pid: int, timeout: float = 10.0) -> bool:
-    """Whether process `pid` is gone within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.01)  # a poll interval, not a wait for time to pass
-    return False
+    """Process `pid` gone within `timeout` s (True), or AssertionError naming it."""
+    return wait_until(lambda: not exists(pid), timeout, f"process {pid} gone")
 
 
 def kill_wrapper(wrapper: Wrapper) -> None:

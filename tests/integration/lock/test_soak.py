@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
+
 pytestmark = pytest.mark.integration
 
 # Each holder creates an O_EXCL sentinel while it holds the lock; a second live
@@ -51,28 +53,35 @@ def test_three_contenders_killed_at_random_never_overlap(tmp_path: Path) -> None
     all_procs: list[subprocess.Popen[str]] = []
     for i in range(3):
         spawn(i)
-    deadline = time.monotonic() + 120
     kills = 0
+
+    def killed_and_counted() -> int:
+        """Lines so far; short of 300, SIGKILL a random contender after a random pause."""
+        nonlocal kills
+        with guard:
+            if len(lines) >= 300:
+                return len(lines)
+        time.sleep(rng.uniform(0.005, 0.05))  # the soak's pace between kills, not a wait
+        victim = rng.randrange(3)
+        with guard:
+            started = acquired[victim] > 0
+            count = len(lines)
+        if not started:
+            # Killed before it ever acquired, a contender tests nothing: on a loaded
+            # host its interpreter start outlasts the kill interval (7 acquisitions
+            # in 120 s in CI at load 17).
+            return count
+        proc = procs[victim]
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+        kills += 1
+        spawn(victim)
+        return count
+
     try:
-        while time.monotonic() < deadline:
-            with guard:
-                if len(lines) >= 300:
-                    break
-            time.sleep(rng.uniform(0.005, 0.05))
-            victim = rng.randrange(3)
-            with guard:
-                started = acquired[victim] > 0
-            if not started:
-                # Killed before it ever acquired, a contender tests nothing: on a loaded
-                # host its interpreter start outlasts the kill interval (7 acquisitions
-                # in 120 s in CI at load 17).
-                continue
-            proc = procs[victim]
-            assert proc is not None
-            proc.kill()
-            proc.wait()
-            kills += 1
-            spawn(victim)
+        wait_until(killed_and_counted, 120, "300 acquisitions", accept=lambda n: n >= 300,
+                   interval=0)
     finally:
         for proc in all_procs:
             proc.kill()

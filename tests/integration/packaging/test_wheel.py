@@ -38,6 +38,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -202,14 +204,17 @@ class Served:
         self.url = self._await(re.compile(ready, re.MULTILINE))
 
     def _await(self, pattern: re.Pattern[str]) -> str:
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while time.monotonic() < deadline:
-            found = pattern.search(self.log.read_text())
-            if found:
-                return found.group(1)
-            assert self.proc.poll() is None, f"exited {self.proc.returncode}: {self.output}"
-            time.sleep(0.05)  # polling the log for the ready line, under a deadline
-        pytest.fail(f"not ready in {COMMAND_TIMEOUT_S} s: {self.output}")
+        def log() -> str:
+            text = self.log.read_text()
+            assert pattern.search(text) or self.proc.poll() is None, (
+                f"exited {self.proc.returncode}: {self.output}")
+            return text
+
+        text = wait_until(log, COMMAND_TIMEOUT_S, f"the ready line /{pattern.pattern}/",
+                          accept=pattern.search, interval=0.05)
+        found = pattern.search(text)
+        assert found is not None
+        return found.group(1)
 
     @property
     def output(self) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -158,10 +157,8 @@ def test_a_frontend_answering_empty_404s_is_out_of_routing_and_back_once_it_serv
             assert view["weight"] == 0
             assert view["breaker"] == "closed"
             empty.status = 200
-            end = time.monotonic() + 10
-            while client.get("/health").json()["workers"]["empty"]["weight"] == 0:
-                assert time.monotonic() < end, "the frontend never came back"
-                time.sleep(0.05)
+            wait_until(lambda: client.get("/health").json()["workers"]["empty"]["weight"], 10,
+                       "the frontend back in routing (weight > 0)", interval=0.05)
 
 
 def streamed_text(url: str, body: dict[str, Any]) -> str:

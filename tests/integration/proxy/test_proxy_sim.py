@@ -25,6 +25,7 @@ import yaml
 
 from dynamo_ftctl.openai import iter_sse_events
 from tests.simfaults import hung
+from tests.waiting import wait_until
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -58,17 +59,17 @@ class ProxyProcess:
 
 def _wait_for_url(proxy_log: Path, proc: subprocess.Popen[bytes], deadline_s: float) -> str:
     """The URL the proxy prints once it serves (a condition with a deadline)."""
-    end = time.monotonic() + deadline_s
     pattern = re.compile(r"serving \d+ workers on (http://\S+)")
-    while time.monotonic() < end:
-        match = pattern.search(proxy_log.read_text(errors="replace"))
-        if match:
-            return match.group(1)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.02)
-    msg = f"proxy did not start: {proxy_log.read_text(errors='replace')[-2000:]}"
-    raise AssertionError(msg)
+
+    def log() -> str:
+        text = proxy_log.read_text(errors="replace")
+        assert pattern.search(text) or proc.poll() is None, f"proxy did not start: {text[-2000:]}"
+        return text
+
+    found = pattern.search(wait_until(log, deadline_s, "the proxy's 'serving' line",
+                                      accept=pattern.search))
+    assert found is not None
+    return found.group(1)
 
 
 ProxyFactory = Callable[..., ProxyProcess]
@@ -111,17 +112,6 @@ def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
     finally:
         for proxy in started:
             proxy.stop()
-
-
-def wait_until(check: Callable[[], bool], deadline_s: float, what: str) -> None:
-    """Poll `check` until it holds; fail naming `what` after `deadline_s`."""
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(0.02)
-    msg = f"timed out after {deadline_s} s waiting for {what}"
-    raise AssertionError(msg)
 
 
 def gauge(url: str, name: str) -> float:

@@ -22,6 +22,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from tests.waiting import wait_until
+
 HERE = Path(__file__).parent
 SERVED_NAME = "tiny-llama"
 START_DEADLINE_S = 300.0  # one server starts in ~50 s on 2 idle cores; two at once, under load
@@ -152,24 +154,24 @@ def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEA
     """Poll GET /health until 200, then warm it up (a fresh server's first request takes
     6-10 s on this machine); fail with the log's tail if the server dies or is late."""
     with httpx.Client(timeout=5.0) as client:
-        while True:
+
+        def healthy() -> bool:
             code = server.proc.poll()
             assert code is None, f"{server.name} exited ({code}):\n{server.log_tail()}"
-            try:
-                if client.get(server.url + "/health").status_code == 200:
-                    server.started_in_s = time.monotonic() - began
-                    if not warm:
-                        return
-                    first = client.post(server.url + "/v1/completions", timeout=120, json={
-                        "model": server.model, "prompt": "warm up", "max_tokens": 4})
-                    assert first.status_code == 200, first.text
-                    return
-            except httpx.TransportError:
-                pass
-            waited = time.monotonic() - began
-            assert waited < deadline_s, (
-                f"{server.name} not healthy after {waited:.0f} s:\n{server.log_tail()}")
-            time.sleep(0.5)  # a poll interval, not a wait for time to pass
+            return client.get(server.url + "/health").status_code == 200
+
+        try:
+            wait_until(healthy, max(0.0, began + deadline_s - time.monotonic()),
+                       f"{server.name} /health 200", ignore=(httpx.TransportError,),
+                       interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{server.log_tail()}") from None
+        server.started_in_s = time.monotonic() - began
+        if not warm:
+            return
+        first = client.post(server.url + "/v1/completions", timeout=120, json={
+            "model": server.model, "prompt": "warm up", "max_tokens": 4})
+        assert first.status_code == 200, first.text
 
 
 def ftctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -24,6 +24,7 @@ import pytest
 
 from tests.integration.lock.test_failover import Wrapper, free_port
 from tests.integration.vllm.server import SERVED_NAME, START_DEADLINE_S
+from tests.waiting import wait_until
 
 StartWrapper = Callable[..., Wrapper]
 
@@ -37,14 +38,18 @@ def vllm_command(python: Path, model: Path, port: int) -> list[str]:
 
 def group_gone(pgid: int, timeout: float) -> bool:
     """Whether every process of group `pgid` is gone within `timeout` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def gone() -> bool:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.05)  # a poll interval, not a wait for time to pass
-    return False
+        return False
+
+    try:
+        return wait_until(gone, timeout, f"every process of group {pgid} gone", interval=0.05)
+    except AssertionError:
+        return False
 
 
 @pytest.fixture

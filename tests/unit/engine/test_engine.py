@@ -207,7 +207,7 @@ def test_retained_kv_lapses_on_a_timer_with_nothing_to_step() -> None:
     from dynamo_ftctl.engine.driver import AsyncEngine
     from dynamo_ftctl.engine.faults import FaultState
     from dynamo_ftctl.engine.metrics import EngineMetrics
-    from tests.loopback import until
+    from tests.waiting import until
 
     small = Engine(EngineConfig(num_blocks=24, max_num_seqs=8), seed=0)
     small.retain_s = 0.3

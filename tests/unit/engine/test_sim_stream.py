@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dynamo_ftctl.engine.stream import SERVER_TTFT_FIELD, ChunkWriter, Step
 from dynamo_ftctl.httpserver import Request, Stream, start_server
 from dynamo_ftctl.openai import format_sse
-from tests.loopback import until
+from tests.waiting import until
 
 # Any text the detokenizer may hand over, lone surrogates (undecodable bytes) included.
 texts = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)

@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dynamo_ftctl.faults.audit import read_audit
+from tests.waiting import wait_until
 
 
 def _state(pid: int) -> str:
@@ -23,12 +23,8 @@ def _state(pid: int) -> str:
 
 
 def _wait_state(pid: int, wanted: set[str], timeout_s: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    state = _state(pid)
-    while state not in wanted and time.monotonic() < deadline:
-        time.sleep(0.01)
-        state = _state(pid)
-    return state
+    return wait_until(lambda: _state(pid), timeout_s, f"process {pid} in state {wanted}",
+                      accept=lambda state: state in wanted)
 
 
 @pytest.fixture

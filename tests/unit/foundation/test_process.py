@@ -14,6 +14,7 @@ import pytest
 
 from dynamo_ftctl import procfs
 from dynamo_ftctl.process import PIPE, SPAWNER, Child, FakeSpawner, Identity, Spawner
+from tests.waiting import wait_until
 
 # A child that says "ready" once its SIGTERM handler is in place, then sleeps.
 IGNORES_TERM = ("import signal, sys, time\n"
@@ -83,10 +84,8 @@ def test_a_zombie_is_not_alive(spawner: Spawner) -> None:
     child = spawner.spawn([sys.executable, "-c", "print('ready', flush=True)"], stdout=PIPE)
     identity = Identity.of(child.pid)
     ready(child)
-    deadline = time.monotonic() + 10.0
-    while (procfs.stat(child.pid) or ("?",))[0] != "Z":
-        assert time.monotonic() < deadline, "the child never became a zombie"
-        time.sleep(0.01)
+    wait_until(lambda: (procfs.stat(child.pid) or ("?",))[0], 10, "the child a zombie",
+               accept=lambda state: state == "Z")
     assert identity is not None
     assert not identity.alive
     assert Identity.of(child.pid) is None

@@ -25,7 +25,8 @@ from dynamo_ftctl.http1 import (
     Response,
     Unreachable,
 )
-from tests.loopback import Handler, Server, until
+from tests.loopback import Handler, Server
+from tests.waiting import until
 
 T = TypeVar("T")
 

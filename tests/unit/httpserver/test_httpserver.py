@@ -17,7 +17,7 @@ from dynamo_ftctl.httpserver import (
     Stream,
     start_server,
 )
-from tests.loopback import until
+from tests.waiting import until
 
 T = TypeVar("T")
 
@@ -386,8 +386,8 @@ def test_client_disconnect_cancels_the_handler() -> None:
 
 def test_slow_reader_pauses_the_stream_until_it_reads() -> None:
     """A client that stops reading stops the stream being pulled; reading resumes it."""
-    piece = b"x" * (1 << 20)
-    total = 64
+    piece = b"x" * (64 * 1024)  # 4 MiB in all: ten times what the small buffers below,
+    total = 64  # the kernel's and the transport's, hold (the stall is certain, and quick)
     pulled: list[int] = []
     finished = asyncio.Event()
 
@@ -406,8 +406,14 @@ def test_slow_reader_pauses_the_stream_until_it_reads() -> None:
         sock.connect(("127.0.0.1", int(server.address.rsplit(":", 1)[1])))
         reader, writer = await asyncio.open_connection(sock=sock, limit=64 * 1024)
         client = Client(reader, writer)
+        await until(lambda: server.connections, 10, "the server's side of the connection")
+        for conn in server.connections:  # not the 4 MiB loopback autotunes to
+            assert conn.transport is not None
+            conn.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
         client.send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await until(lambda: any(c.writing_paused for c in server.connections))
+        await until(lambda: any(c.writing_paused for c in server.connections), 10,
+                    "the stream's writer paused (the client reads nothing)")
         stalled_at = len(pulled)
         await asyncio.sleep(0)  # a paused stream is awaiting its drain: nothing more is pulled
         assert len(pulled) == stalled_at < total

@@ -10,13 +10,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from dynamo_ftctl.httpserver import Reply, Request, Server, default_max_connections
-from tests.loopback import until
 from tests.unit.httpserver.test_httpserver import Client, echo, refused, serving
+from tests.waiting import until, wait_until
 
 GET = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -113,16 +112,15 @@ def test_clients_past_the_open_file_limit_are_answered_not_reset() -> None:
         for sock in socks:
             sock.close()
         socks.clear()
-        deadline = time.monotonic() + 10
-        while True:  # the server notices the hang-ups (and its refusals linger 1 s)
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-            sock.sendall(GET)
-            head = _answer(sock)
-            sock.close()
-            if head.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert head.startswith(b"HTTP/1.1 200"), head
+
+        def answer_to_one_more() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(GET)
+                return _answer(sock)
+
+        # The server notices the hang-ups (and its refusals linger 1 s).
+        wait_until(answer_to_one_more, 10, "a 200 once the clients hung up",
+                   accept=lambda head: head.startswith(b"HTTP/1.1 200"), interval=0.05)
     finally:
         for sock in socks:
             sock.close()

@@ -9,11 +9,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.waiting import wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -162,13 +163,14 @@ def test_a_forked_child_copies_on_threads_of_its_own(team_kernel: native.RowKern
                 code = 0
         finally:
             os._exit(code)
-    deadline = time.monotonic() + 60
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
+    try:
+        done = wait_until(lambda: os.waitpid(pid, os.WNOHANG), 60,
+                          "the forked child's copies (a deadlock if not)",
+                          accept=lambda done: done[0] != 0, interval=0.05)
+    except AssertionError:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        pytest.fail("the forked child did not finish its copies within 60 s (deadlock)")
+        raise
     assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's copies were not exact"
 
 

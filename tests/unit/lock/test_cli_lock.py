@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.interrupt import sigint_deliverable
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 HEAVY = ("httpx", "torch", "aiohttp", "uvicorn", "starlette", "pydantic", "prometheus_client")
@@ -168,7 +169,6 @@ def test_ctrl_c_while_waiting_exits_130_with_one_line(lock_path: Path) -> None:
     """Ctrl-C (SIGINT) while `lock acquire` waits on a held lock: exit 130 and "interrupted"."""
     import fcntl
     import signal
-    import time
 
     with lock_path.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # an open file description of ours holds it
@@ -179,12 +179,13 @@ def test_ctrl_c_while_waiting_exits_130_with_one_line(lock_path: Path) -> None:
                 text=True, cwd=ROOT)
         try:
             inode = lock_path.stat().st_ino
-            deadline = time.monotonic() + 30
-            while not any("->" in line and f":{inode} " in line
-                          for line in Path("/proc/locks").read_text().splitlines()):
+
+            def queued() -> bool:
                 assert proc.poll() is None, proc.communicate()
-                assert time.monotonic() < deadline, "ftctl never blocked in flock"
-                time.sleep(0.01)  # polling /proc/locks for the queued waiter, with a deadline
+                return any("->" in line and f":{inode} " in line
+                           for line in Path("/proc/locks").read_text().splitlines())
+
+            wait_until(queued, 30, "ftctl blocked in flock (/proc/locks)")
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
         finally:

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 
 from dynamo_ftctl.errors import LockTimeout
 from dynamo_ftctl.lock import FlockLock, read_owner
+from tests.waiting import wait_until
 
 HOLDER = """
 import sys
@@ -58,10 +58,8 @@ def blocked_waiters(path: Path) -> int:
 
 def wait_for_waiters(path: Path, count: int) -> None:
     """Wait (at most 10 s) until `count` waiters are queued in the kernel on `path`."""
-    deadline = time.monotonic() + 10
-    while blocked_waiters(path) < count:
-        assert time.monotonic() < deadline, "waiter never blocked in flock"
-        time.sleep(0.001)
+    wait_until(lambda: blocked_waiters(path), 10, f"{count} waiters blocked in flock",
+               accept=lambda n: n >= count, interval=0.001)
 
 
 def test_acquire_release_and_reacquire(lock_path: Path) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from dynamo_ftctl.lock import FlockLock
 from dynamo_ftctl.lock.owner import floor_path, reserve_token, write_owner
 from dynamo_ftctl.lock.protocol import Lease
 from dynamo_ftctl.lock.watch import FileIdentity, prepare_watcher
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -147,10 +147,8 @@ def test_blocked_acquire_hands_over_the_reserved_token(lock_path: Path) -> None:
 
 def deadline_reserved(lock_path: Path, high: int, timeout_s: float = 20.0) -> None:
     """Wait (bounded) until the floor's high-water mark reaches `high` (the waiter reserved)."""
-    deadline = time.monotonic() + timeout_s
-    while floor_doc(lock_path)["token"] < high:
-        assert time.monotonic() < deadline, "the waiter never reserved its token"
-        time.sleep(0.01)
+    wait_until(lambda: floor_doc(lock_path)["token"], timeout_s,
+               f"the waiter's reservation (floor token {high})", accept=lambda t: t >= high)
 
 
 def test_acquire_here_times_out_and_the_next_token_is_higher(lock_path: Path) -> None:

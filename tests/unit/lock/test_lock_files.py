@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from dynamo_ftctl.errors import LeaseLost, OutputRefused
 from dynamo_ftctl.lock import FlockLock
 from tests.integration.lock.hostile_files import FTCTL, KINDS, ROOT, Victim, acquire, plant
+from tests.waiting import wait_until
 
 # What each kind is called in the one-line refusal.
 SAID = {"symlink to file": "a symbolic link", "symlink to dir": "a symbolic link",
@@ -111,11 +111,9 @@ def test_symlink_swapped_in_while_waiting_is_refused(victim: Victim, lock_dir: P
     thread = threading.Thread(target=wait)
     thread.start()
     inode = path.stat().st_ino
-    deadline = time.monotonic() + 10
-    while not any("->" in line and f":{inode} " in line
-                  for line in Path("/proc/locks").read_text().splitlines()):
-        assert time.monotonic() < deadline, "the waiter never blocked"
-        time.sleep(0.005)  # polling /proc/locks for the queued waiter, with a deadline
+    wait_until(lambda: any("->" in line and f":{inode} " in line
+                           for line in Path("/proc/locks").read_text().splitlines()),
+               10, "the waiter blocked in flock (/proc/locks)", interval=0.005)
     os.link(path, lock_dir / "other-name")  # the inode's name once P is the link
     (lock_dir / "link").symlink_to(lock_dir / "other-name")
     (lock_dir / "link").rename(path)

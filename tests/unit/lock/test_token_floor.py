@@ -17,6 +17,7 @@ import pytest
 from dynamo_ftctl.lock import FlockLock
 from dynamo_ftctl.lock.flock import floor_path
 from dynamo_ftctl.lock.owner import clock_token
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 FTCTL = (sys.executable, "-m", "dynamo_ftctl")
@@ -149,10 +150,7 @@ def test_tokens_never_repeat_while_the_file_is_replaced_under_contenders(
     for reader in readers:
         reader.start()
     try:
-        deadline = time.monotonic() + 30
-        while not lock_path.exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)  # polling for the first contender's file, with a deadline
+        wait_until(lock_path.exists, 30, "the first contender's lock file")
         for i in range(30):
             time.sleep(seconds / 40)  # spread the replacements over the contenders' run
             if i % 2:

@@ -15,6 +15,7 @@ import pytest
 
 from dynamo_ftctl.errors import LeaseLost
 from dynamo_ftctl.lock import FlockLock
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 FTCTL = (sys.executable, "-m", "dynamo_ftctl")
@@ -137,18 +138,15 @@ def test_watcher_holds_no_lock_and_exits_with_the_command(
                          sys.executable, "-c", STUBBORN)
     assert len(ready) == 3, ready  # one watcher
     watcher = int(ready[2])
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{watcher}/comm").read_text().strip() != "ftctl-lockwatch":
-        assert time.monotonic() < deadline, "the watcher never took its name"
-        time.sleep(0.01)  # it names itself just after the fork; polling with a deadline
+    wait_until(lambda: Path(f"/proc/{watcher}/comm").read_text().strip(), 10,  # it names
+               "the watcher's name", accept=lambda name: name == "ftctl-lockwatch")  # itself
     fds = Path(f"/proc/{watcher}/fd")
     assert not [fd for fd in fds.iterdir() if str(lock_path) in str(fd.readlink())]
     holder.kill()
     holder.communicate(timeout=10)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{watcher}/fd").exists() and any(Path(f"/proc/{watcher}/fd").iterdir()):
-        assert time.monotonic() < deadline, "the watcher outlived its command"
-        time.sleep(0.01)  # polling /proc for the watcher's exit, with a deadline
+    wait_until(lambda: not (Path(f"/proc/{watcher}/fd").exists()
+                            and any(Path(f"/proc/{watcher}/fd").iterdir())),
+               10, "the watcher gone with its command")
 
 
 def test_watch_interval_zero_turns_the_watch_off(

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from dynamo_ftctl import metrics
 from dynamo_ftctl.proxy.judgment import fingerprint
-from tests.loopback import until
 from tests.unit.proxy.test_proxy import (
     BODY,
     Cluster,
@@ -24,6 +23,7 @@ from tests.unit.proxy.test_proxy import (
     run,
     stream_text,
 )
+from tests.waiting import until
 
 __all__ = ["run"]  # the fixture
 

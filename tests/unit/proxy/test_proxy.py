@@ -21,7 +21,7 @@ from dynamo_ftctl.httpserver import Server, start_server
 from dynamo_ftctl.inventory import Inventory, ProxyConfig
 from dynamo_ftctl.proxy.serve import MIGRATED_HEADER, MigratingProxy
 from dynamo_ftctl.structs import convert_struct
-from tests.loopback import until
+from tests.waiting import until
 
 MODEL = "fake-model"
 
@@ -840,12 +840,14 @@ def test_client_hang_up_cancels_the_upstream_request(
 
 
 def test_slow_reader_gets_every_token_in_order(run: Callable[..., Any]) -> None:
-    """A long stream to a client that reads slower than the worker writes: the client's
-    socket backs up (the fast lane gives way to the waiting writer, then takes over
-    again) and the client gets every token once, in order, then the usage and [DONE]."""
+    """A long stream to a client that reads nothing until the proxy's writer is blocked: the
+    client's socket backs up (the fast lane gives way to the waiting writer, then takes over
+    again) and the client gets every token once, in order, then the usage and [DONE]. Small
+    socket buffers and 3000 tokens (far more than they and the transport's high-water mark
+    hold) make the backlog certain whatever the scheduler does."""
     count = 3000
 
-    async def go() -> tuple[bytes, bool]:
+    async def go() -> bytes:
         async with Cluster([FakeWorker()]) as c:
             assert c.server is not None
             port = int(c.server.address.rsplit(":", 1)[1])
@@ -863,17 +865,16 @@ def test_slow_reader_gets_every_token_in_order(run: Callable[..., Any]) -> None:
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                          % (len(body), body))
+            # The proxy has to wait for this client: nothing is read until it does.
+            await until(lambda: any(x.writing_paused for x in c.server.connections), 30,
+                        "the proxy's writer to this client paused (socket backed up)")
             raw = b""
-            backed_up = False
             while piece := await reader.read(4096):
                 raw += piece
-                backed_up = backed_up or any(x.writing_paused for x in c.server.connections)
-                await asyncio.sleep(0.002)  # the slow reader under test
             writer.close()
-            return raw, backed_up
+            return raw
 
-    raw, backed_up = run(go())
-    assert backed_up  # the proxy had to wait for this client
+    raw = run(go())
     head, _, chunked = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     data = b""
