@@ -20,7 +20,7 @@ built-in `TimeoutError`::
 
     HttpError
     ├── ConnectError      refused, unreachable, or closed before any byte of an answer
-    │   └── Unreachable   no connection was made (TLS refused too): the request was never sent
+    │   └── NoConnection  no connection was made (TLS refused too): the request was never sent
     ├── ConnectionBroken  closed or reset after the answer began
     ├── ProtocolError     not HTTP, or a body framing httptools refuses
     └── BodyTooLarge      `read(limit=...)` saw more than `limit` bytes
@@ -35,9 +35,10 @@ from dynamo_ftctl.http1.errors import (
     ConnectError,
     ConnectionBroken,
     HttpError,
+    NoConnection,
     ProtocolError,
-    Unreachable,
 )
+from dynamo_ftctl.http1.errors import Unreachable as Unreachable  # old name, for migrate/
 from dynamo_ftctl.http1.pool import Key, Pool
 from dynamo_ftctl.http1.response import DEFAULT_LIMIT, Response, Sink
 
@@ -52,10 +53,10 @@ __all__ = [
     "Exchange",
     "HttpError",
     "Key",
+    "NoConnection",
     "Pool",
     "ProtocolError",
     "Response",
     "Sink",
-    "Unreachable",
     "fetch_blocking",
 ]
