@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 from dynamo_ftctl.auth import check_bearer
+from dynamo_ftctl.engine.errors import ParamError, StreamFailed
 from dynamo_ftctl.engine.faults import parse_fault
 from dynamo_ftctl.engine.state import ServerState, apply_fault
-from dynamo_ftctl.engine.stream import Job, StreamFailed, sse, whole_answer
+from dynamo_ftctl.engine.stream import Job, sse, whole_answer
 from dynamo_ftctl.engine.validation import (
     Options,
-    ParamError,
     check_fields,
     check_model,
     parse_body,

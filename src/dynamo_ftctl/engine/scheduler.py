@@ -28,6 +28,7 @@ import torch
 from dynamo_ftctl import structs
 from dynamo_ftctl.engine.cache import BlockAllocator, blocks_for
 from dynamo_ftctl.engine.config import EngineConfig
+from dynamo_ftctl.engine.errors import BatchDeath
 from dynamo_ftctl.engine.model import AttentionPlan, KVPool, PrefillSpan, TinyTransformer
 from dynamo_ftctl.engine.sampling import SampledToken, SampleParams, sample_batch
 from dynamo_ftctl.engine.tokenizer import load_tokenizer
@@ -112,10 +113,6 @@ class TokenEvent:
     token: SampledToken | None
     finish_reason: str | None = None
     error: str | None = None
-
-
-class BatchDeath(RuntimeError):
-    """A step that ends every request of its batch (the poison fault), not one alone."""
 
 
 class Engine:
