@@ -19,3 +19,5 @@ that KV caches, token ids, logprobs and faults are real:
 
 This package's `__init__` imports nothing: torch loads only where it is used.
 """
+
+__all__: list[str] = []
