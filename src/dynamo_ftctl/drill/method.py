@@ -278,8 +278,8 @@ def _witnesses_ready(streams: list[WitnessStream], tokens: int, worker: str | No
 
 
 def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:
-    """Where the witness streams are when a fault lands: a kill of a worker none of
-    them is on cuts none (CI once: 0 of 6 cut, with no way to tell why)."""
+    """Where the witness streams are when a fault lands, for the report: a kill of a
+    worker none of them is on cuts none, and this line is what says why."""
     from dynamo_ftctl.drill.witness import placement
 
     where = placement_text(placement(streams)) or "not started"

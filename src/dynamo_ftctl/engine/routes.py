@@ -210,7 +210,7 @@ class _Routes:
 
     async def sleep(self, request: Request) -> Reply:
         # Sleep aborts every request in flight: an admin call, as vLLM's dev-mode routes
-        # should be (issue 22: anyone could cut every stream with one POST).
+        # should be (open, anyone could cut every stream with one POST).
         state = self.state
         denied = _check_admin(state, request)
         if denied is not None:

@@ -212,9 +212,9 @@ class Engine:
 
         Retained blocks are left out: only an export may still read them, and the
         pool takes them back as soon as a live request needs room (`_reserve`), as
-        vLLM counts its evictable prefix-cache blocks free. Counted, they made an
-        idle engine look full to the proxy, which then sent it nothing to step on,
-        so they never lapsed either (issue 22).
+        vLLM counts its evictable prefix-cache blocks free. Counted, they would make an
+        idle engine look full to the proxy, which would then send it nothing to step
+        on, so they would never lapse either.
         """
         return (self.allocator.used - self._retained_blocks) / self.allocator.num_blocks
 

@@ -2,8 +2,8 @@
 
 The package's one HTTP client for async code: the proxy's upstream requests
 (`migrate.proxy`), the load generator (`loadgen.sender`), capability checks.
-About 3x aiohttp's requests per core on this machine
-(benchmarks/http_clients.py, benchmarks/proxy.py). One noun per module:
+Its requests per core against aiohttp and httpx: docs/benchmarks.md
+(http_clients.py, load.py). One noun per module:
 
 - `connection`: `Connection`, one keep-alive connection (an `asyncio.Protocol`)
   carrying one request at a time; httptools calls back per header and body
