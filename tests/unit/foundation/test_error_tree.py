@@ -152,3 +152,21 @@ def test_each_package_keeps_its_exceptions_in_one_module() -> None:
         if c.module != "errors" and package not in SPREAD_OUT:
             modules[package].add(c.module)
     assert {p: sorted(m) for p, m in modules.items() if len(m) > 1} == {}
+
+
+def test_http1_old_name_serves_only_migrate() -> None:
+    """`http1.Unreachable` (NoConnection's old name) is imported by migrate/ alone, and
+    only while it does: once no module imports it, the alias is to be removed."""
+    users = set()
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        users |= {
+            _module_of(path)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module in ("dynamo_ftctl.http1", "dynamo_ftctl.http1.errors")
+            and any(a.name == "Unreachable" for a in node.names)
+        }
+    users.discard("http1")  # the package's own re-export
+    assert users, "nothing imports http1.Unreachable: remove the alias from http1"
+    assert {u for u in users if u.partition(".")[0] not in SPREAD_OUT} == set()
