@@ -2,4 +2,6 @@
 
 from dynamo_ftctl.cli.entry import console
 
+__all__: list[str] = []
+
 raise SystemExit(console())

@@ -59,7 +59,7 @@ MAX_DOCUMENT_BYTES = 1024 * 1024
 # Our deepest schema (drill steps, canary prompts) nests 5 levels; 64 leaves room.
 MAX_DEPTH = 64
 # Anchors that share a header block among a few hundred workers repeat a few thousand
-# nodes; the 409-byte bomb of issue 22 repeated 9**8 (43 million).
+# nodes; a 409-byte alias bomb repeats 9**8 (43 million).
 MAX_ALIAS_NODES = 10_000
 # What a node costs in the expanded count besides its scalar's bytes: at least what it
 # takes in msgpack (a header or a number: at most 9 bytes, and a number is one byte of
@@ -71,8 +71,8 @@ NODE_BYTES = 8
 # 12 MiB (`[?,?,...]`: an empty pair in a mapping for every 2 bytes of text), so no
 # file is refused for its text alone, and a real one keeps 15 MiB for what its aliases
 # repeat; everything after the parser (conversion, the cache's msgpack, `--json`)
-# walks at most this much. A 500 KB scalar repeated by 4,000 aliases counts 2 GB
-# (issue 30): it is refused at its 33rd alias.
+# walks at most this much. A 500 KB scalar repeated by 4,000 aliases counts 2 GB: it
+# is refused at its 33rd alias.
 MAX_EXPANDED_BYTES = 16 * 1024 * 1024
 
 

@@ -2,20 +2,35 @@
 
 Low-level exceptions (OSError, http1, yaml, torch) are translated into these
 where they enter the library; the CLI turns them into one red line on stderr
-and the exit code the class carries.
+and the exit code the class carries. A name after the class is the module that
+defines it (it subclasses one defined here); the others are defined here.
 
     FtctlError (1)
-    ├── CheckFailed (1)          a probe ran and the target is unhealthy
-    ├── WriteFailed (1)          an output file could not be written (names the path)
-    ├── InvalidInput (2)         bad flags, inventory, scenario, canary set
-    │   ├── InventoryError (2)   carries file, line and key path
-    │   ├── MissingExtra (2)     the command needs an optional extra: names what to install
-    │   └── OutputRefused (2)    an output path names a device, FIFO, socket, directory
-    │                            or a symbolic link out of its directory
-    ├── Unreachable (3)          target refused, timed out or is missing
-    ├── LockTimeout (4)          lock not acquired within --timeout
-    ├── LeaseLost (5)            a held lock was lost: lease expired, lock file replaced
-    └── Interrupted (130)        Ctrl-C / SIGINT
+    ├── CheckFailed (1)            a probe ran and the target is unhealthy
+    ├── WriteFailed (1)            an output file could not be written (names the path)
+    ├── ApiError (1)               openai: an OpenAI error body or SSE error event
+    ├── ShareFailed (1)            loadgen.processes: a process of `load --procs N` failed
+    │                              (exit 2 when that process failed on bad input)
+    ├── ChildCrashed (1)           proxy.procs:   a child of `proxy --procs N` died at start
+    ├── InvalidInput (2)           bad flags, inventory, scenario, canary set
+    │   ├── InventoryError (2)     carries file, line and key path
+    │   ├── MissingExtra (2)       the command needs an optional extra: names what to install
+    │   ├── OutputRefused (2)      an output path names a device, FIFO, socket, directory
+    │   │                          or a symbolic link out of its directory
+    │   ├── KVChecksumError (2)    kv.export: an imported block does not match its checksum
+    │   ├── KvApiMissing (2)       migrate.transfer: a worker has no admin KV route
+    │   ├── ParamError (2)         engine.errors: a request field the sim refuses (its 400)
+    │   └── UnencodableText (2)    engine.errors: text the sim's tokenizer has no ids for
+    ├── Unreachable (3)            target refused, timed out or is missing
+    ├── LockTimeout (4)            lock not acquired within --timeout
+    ├── LeaseLost (5)              a held lock was lost: lease expired, lock file replaced
+    └── Interrupted (130)          Ctrl-C / SIGINT
+
+An exception that never leaves its package (http1's `HttpError` tree, health's
+`TransportError`, the sim's `StreamFailed`) is no `FtctlError`: each package keeps
+its exceptions in one module and translates them where they leave it. No two
+exception classes of ftctl share a name. tests/unit/foundation/test_error_tree.py
+holds the code to this tree.
 """
 
 from __future__ import annotations

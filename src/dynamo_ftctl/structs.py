@@ -10,9 +10,9 @@ converts it; `convert_struct` converts data already read. A `msgspec.ValidationE
 becomes one `InventoryError` line: `ftctl.yaml:12: workers[2].url: not a valid
 http(s) URL`.
 
-msgspec, not pydantic: probes and engine entrypoints load these files, and msgspec
-imports and validates in ~10 ms where pydantic's import, plugin scan and schema
-build cost ~120 ms (`benchmarks/startup.py`).
+msgspec, not pydantic: probes and engine entrypoints load these files, and msgspec's
+import and validation cost a small part of pydantic's import, plugin scan and schema
+build (`benchmarks/startup.py`; the figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations

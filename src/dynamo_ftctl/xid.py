@@ -17,7 +17,7 @@ and `action_for_message` refines it from the log text. Likewise for the
 catalog's WORKFLOW_* buckets (45, 48, 74): the entry holds the action the
 workflow ends in. `name` is the catalog's mnemonic (the driver's `nverror.h`).
 
-`effect` is how the fault shows to a serving engine, for injection (issue 11):
+`effect` is how the fault shows to a serving engine, for injection:
 "crash" (the engine process ends with the Xid logged), "request" (only the
 request that touched the fault fails), "hang" (the engine stops making progress)
 or "log" (logged only; serving continues).

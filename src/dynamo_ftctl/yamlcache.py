@@ -1,8 +1,8 @@
 """Parsed YAML remembered by content, so that an exec probe skips PyYAML.
 
 A Kubernetes exec probe re-reads the same inventory and canary set every few
-seconds, and importing PyYAML alone costs about 15 ms of its 150 ms budget
-(6 ms of it compiling one regular expression). A document that parsed cleanly
+seconds within a 150 ms budget, of which importing PyYAML alone would take a tenth
+(docs/benchmarks.md, startup.py). A document that parsed cleanly
 is kept, with the line of every key (for error messages), as msgpack under
 `$XDG_CACHE_HOME/ftctl/yaml/` (default `~/.cache/ftctl/yaml/`), named by a
 hash of its text and of the loader's version: an edited file hashes to a new
@@ -42,8 +42,8 @@ __all__ = ["MAX_ENTRIES", "MAX_ENTRY_BYTES", "Lines", "cache_dir", "lookup", "st
 
 # Bump when the YAML loader's output for the same text changes (booleans, tags).
 # 2: documents are bounded before they are cached; a format-1 entry may hold the
-# expansion of an alias bomb (issue 22), and is never read again. Dates stay strings.
-# 3: documents are bounded in expanded bytes too (issue 30); older entries are not.
+# expansion of an alias bomb, and is never read again. Dates stay strings.
+# 3: documents are bounded in expanded bytes too; older entries are not.
 FORMAT = 3
 MAX_ENTRIES = 256
 # A 1 MiB inventory of 1,000 workers packs to ~0.5 MiB with its line map.

@@ -2,3 +2,5 @@
 
 Nothing in the library imports this package.
 """
+
+__all__: list[str] = []

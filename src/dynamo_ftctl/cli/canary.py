@@ -15,6 +15,8 @@ from dynamo_ftctl.cli.completion import complete_worker
 if TYPE_CHECKING:
     from dynamo_ftctl.inventory import Inventory
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Canary requests with known answers: catch workers that look alive but are broken.\n\n"

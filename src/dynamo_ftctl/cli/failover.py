@@ -21,6 +21,8 @@ from dynamo_ftctl.cli.lock import (
 if TYPE_CHECKING:
     from dynamo_ftctl.lock.failover import StateChange
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Run an engine as a primary or shadow: start it, wait for /health, put it to sleep "

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from dynamo_ftctl.gpu.daemon import FeedOptions
     from dynamo_ftctl.gpu.events import GpuEvent
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "GPU health: NVML status, Xid/ECC/throttle watchers (NVML events or the kernel "

@@ -35,6 +35,8 @@ class _FaultGroup(TyperGroup):
         return [*fault_items(ctx, incomplete), *super().shell_complete(ctx, incomplete)]
 
 
+__all__ = ["app"]
+
 app = typer.Typer(
     cls=_FaultGroup,
     help=(

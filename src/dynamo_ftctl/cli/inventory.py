@@ -10,6 +10,8 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Check, show and describe the cluster inventory (YAML).\n\n"

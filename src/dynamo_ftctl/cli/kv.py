@@ -8,6 +8,8 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Paged KV blocks: copy bandwidth of the block copier (host: the native row-copy "

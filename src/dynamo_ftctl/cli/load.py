@@ -15,6 +15,8 @@ from dynamo_ftctl.errors import InvalidInput
 if TYPE_CHECKING:
     from dynamo_ftctl.loadgen import LoadConfig, LoadEvent
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Generate load against OpenAI-compatible endpoints and measure it honestly.\n\n"

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from dynamo_ftctl.inventory import LockConfig
     from dynamo_ftctl.lock.settings import LockSettings
 
+__all__ = [
+    "BackendOpt",
+    "EndpointOpt",
+    "EngineIdOpt",
+    "KeyOpt",
+    "PathOpt",
+    "TtlOpt",
+    "app",
+    "lock_settings",
+]
+
 app = typer.Typer(
     help=(
         "Acquire, inspect and release the failover lock shared by a primary and its shadow.\n\n"

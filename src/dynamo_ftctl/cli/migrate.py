@@ -10,6 +10,8 @@ import typer
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
 from dynamo_ftctl.cli.completion import complete_worker
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Move a request's KV cache or re-prefill it: the cost model (plan), measured rates "

@@ -10,6 +10,8 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, load_inventory_for
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Serve an OpenAI-compatible front door over the inventory's workers: streams broken "

@@ -11,6 +11,8 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, load_inventory_for
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "The reference engine: a deterministic tiny torch transformer with a paged KV cache "

@@ -9,6 +9,8 @@ import typer
 
 from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode
 
+__all__ = ["app"]
+
 app = typer.Typer(
     help=(
         "Explain an NVIDIA Xid error code: meaning, likely cause and what to do "

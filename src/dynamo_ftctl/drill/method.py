@@ -246,9 +246,9 @@ async def _await_witness_tokens(run: DrillRun, tokens: int, label: str,
     have `tokens` token ids or ended, at most `_WITNESS_WAIT_S`: the fault lands while
     they are mid-stream, however slow the engine's first token.
 
-    Only the fault's worker's streams count: waiting for every stream let those on a
-    fast worker finish while those on a slow one started (CI: the kill of vllm2 came
-    7 s after the witnesses began, when 2 of its 3 had ended, and cut none).
+    Only the fault's worker's streams count: waiting for every stream would let those
+    on a fast worker finish while those on a slow one start, and the fault then cuts
+    none.
     """
     deadline = run.clock.now() + _WITNESS_WAIT_S
     while run.clock.now() < deadline:
@@ -265,8 +265,8 @@ def _witnesses_ready(streams: list[WitnessStream], tokens: int, worker: str | No
     (every stream, all answered, when the fault names no worker).
 
     A stream the proxy has not answered yet does not hold the fault: it answers at the
-    first token, and a slow worker's streams held a kill of the fast one until its
-    streams had ended (CI: 0 of 6 mid-stream on vllm2 at t=9 s). With none answered on
+    first token, and a slow worker's streams would hold a kill of the fast one until
+    its streams had ended. With none answered on
     `worker`, the fault waits until every stream is answered (then none is there).
     """
     answered = [s for s in streams if s.worker is not None or s.ids or s.finished or s.error]
@@ -278,8 +278,8 @@ def _witnesses_ready(streams: list[WitnessStream], tokens: int, worker: str | No
 
 
 def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:
-    """Where the witness streams are when a fault lands: a kill of a worker none of
-    them is on cuts none (CI once: 0 of 6 cut, with no way to tell why)."""
+    """Where the witness streams are when a fault lands, for the report: a kill of a
+    worker none of them is on cuts none, and this line is what says why."""
     from dynamo_ftctl.drill.witness import placement
 
     where = placement_text(placement(streams)) or "not started"

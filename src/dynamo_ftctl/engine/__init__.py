@@ -15,6 +15,9 @@ that KV caches, token ids, logprobs and faults are real:
 - `routes`     OpenAI API, health, metrics, sleep, KV, faults on `httpapp.Router`
 - `server`     serve the routes on `httpserver` until a signal
 - `launcher`   start one worker or a whole local cluster as processes
+- `errors`     every exception of the engine and its server
 
 This package's `__init__` imports nothing: torch loads only where it is used.
 """
+
+__all__: list[str] = []

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 from dynamo_ftctl.auth import check_bearer
+from dynamo_ftctl.engine.errors import ParamError, StreamFailed
 from dynamo_ftctl.engine.faults import parse_fault
 from dynamo_ftctl.engine.state import ServerState, apply_fault
-from dynamo_ftctl.engine.stream import Job, StreamFailed, sse, whole_answer
+from dynamo_ftctl.engine.stream import Job, sse, whole_answer
 from dynamo_ftctl.engine.validation import (
     Options,
-    ParamError,
     check_fields,
     check_model,
     parse_body,
@@ -210,7 +210,7 @@ class _Routes:
 
     async def sleep(self, request: Request) -> Reply:
         # Sleep aborts every request in flight: an admin call, as vLLM's dev-mode routes
-        # should be (issue 22: anyone could cut every stream with one POST).
+        # should be (open, anyone could cut every stream with one POST).
         state = self.state
         denied = _check_admin(state, request)
         if denied is not None:

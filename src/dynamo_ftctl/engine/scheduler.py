@@ -28,6 +28,7 @@ import torch
 from dynamo_ftctl import structs
 from dynamo_ftctl.engine.cache import BlockAllocator, blocks_for
 from dynamo_ftctl.engine.config import EngineConfig
+from dynamo_ftctl.engine.errors import BatchDeath
 from dynamo_ftctl.engine.model import AttentionPlan, KVPool, PrefillSpan, TinyTransformer
 from dynamo_ftctl.engine.sampling import SampledToken, SampleParams, sample_batch
 from dynamo_ftctl.engine.tokenizer import load_tokenizer
@@ -112,10 +113,6 @@ class TokenEvent:
     token: SampledToken | None
     finish_reason: str | None = None
     error: str | None = None
-
-
-class BatchDeath(RuntimeError):
-    """A step that ends every request of its batch (the poison fault), not one alone."""
 
 
 class Engine:
@@ -215,9 +212,9 @@ class Engine:
 
         Retained blocks are left out: only an export may still read them, and the
         pool takes them back as soon as a live request needs room (`_reserve`), as
-        vLLM counts its evictable prefix-cache blocks free. Counted, they made an
-        idle engine look full to the proxy, which then sent it nothing to step on,
-        so they never lapsed either (issue 22).
+        vLLM counts its evictable prefix-cache blocks free. Counted, they would make an
+        idle engine look full to the proxy, which would then send it nothing to step
+        on, so they would never lapse either.
         """
         return (self.allocator.used - self._retained_blocks) / self.allocator.num_blocks
 

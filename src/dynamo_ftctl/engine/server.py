@@ -20,9 +20,10 @@ import os
 import signal
 from collections.abc import Callable
 
+from dynamo_ftctl.engine.errors import DroppedByFault
 from dynamo_ftctl.engine.routes import REQUEST_ID_HEADER, create_router
 from dynamo_ftctl.engine.state import ServerSettings, ServerState, apply_fault, build_state
-from dynamo_ftctl.engine.stream import SERVER_TTFT_FIELD, DroppedByFault
+from dynamo_ftctl.engine.stream import SERVER_TTFT_FIELD
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.httpapp import loop_factory
 from dynamo_ftctl.httpserver import DEFAULT_MAX_BODY, start_server

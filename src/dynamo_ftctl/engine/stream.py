@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _enc  # what json.dumps uses for str
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.engine.errors import DroppedByFault, StreamFailed
 from dynamo_ftctl.engine.tokenizer import IncrementalDetokenizer
 from dynamo_ftctl.openai import DONE, StopFinder, error_body, format_sse
 
@@ -25,15 +26,11 @@ if TYPE_CHECKING:
     from dynamo_ftctl.engine.state import ServerState
     from dynamo_ftctl.engine.validation import Options
 
-__all__ = ["SERVER_TTFT_FIELD", "ChunkWriter", "DroppedByFault", "Job", "Step",
-           "StreamFailed", "sse", "step_batches", "whole_answer"]
+__all__ = ["SERVER_TTFT_FIELD", "ChunkWriter", "Job", "Step", "sse", "step_batches",
+           "whole_answer"]
 
 # vLLM clamps -inf logprobs to this so that JSON stays valid.
 _MIN_LOGPROB = -9999.0
-
-
-class DroppedByFault(Exception):
-    """Raised inside a stream to drop its connection (the `disconnect` fault)."""
 
 
 def _lp(value: float) -> float:
@@ -101,15 +98,6 @@ async def step_batches(state: ServerState, request: EngineRequest, options: Opti
 
 
 _ERROR_TYPES = {500: "InternalServerError", 503: "service_unavailable"}
-
-
-class StreamFailed(Exception):
-    """The engine ended a request with an error (aborted, engine asleep); `status` is the
-    answer's (500, or 503 while asleep)."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _completion_logprobs(state: ServerState, steps: Sequence[Step], offset: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from dynamo_ftctl.engine.errors import UnencodableText
 from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -57,7 +58,6 @@ __all__ = [
     "ByteTokenizer",
     "IncrementalDetokenizer",
     "SimTokenizer",
-    "UnencodableText",
     "load_tokenizer",
     "train_bpe",
 ]
@@ -87,15 +87,6 @@ _ROLES = ("system", "user", "assistant")
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 # What `surrogateescape` cannot turn into a byte: the lone surrogates but U+DC80-U+DCFF.
 _NOT_A_BYTE_RE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
-
-
-class UnencodableText(InvalidInput):
-    """Text with a character the tokenizer has no ids for (a lone surrogate)."""
-
-    def __init__(self, text: str, index: int) -> None:
-        self.index = index
-        super().__init__(f"U+{ord(text[index]):04X} at character {index} is a lone "
-                         "surrogate, not text the tokenizer can encode")
 
 
 class SimTokenizer:

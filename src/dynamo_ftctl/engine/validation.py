@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.engine.errors import ParamError
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.openai import parse_request_json
 
@@ -25,16 +26,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.engine.scheduler import RequestParams
     from dynamo_ftctl.engine.tokenizer import SimTokenizer
 
-__all__ = ["Generation", "Options", "ParamError", "check_model", "parse_body",
-           "parse_generation"]
-
-
-class ParamError(InvalidInput):
-    """A request field the sim refuses (400 naming `param`)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+__all__ = ["Generation", "Options", "check_model", "parse_body", "parse_generation"]
 
 
 @dataclass(frozen=True)

@@ -7,3 +7,5 @@ Submodules import lazily so that `ftctl canary --worker w1` stays light.
 """
 
 from __future__ import annotations
+
+__all__: list[str] = []

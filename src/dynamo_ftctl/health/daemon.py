@@ -77,8 +77,8 @@ __all__ = [
 _log = logging.getLogger("ftctl.canary")
 
 
-# At most one report-triggered probe per worker per second: a stream of reports once
-# made the daemon probe one worker ~95 times a second (issue 22). A failed probe still
+# At most one report-triggered probe per worker per second: unbounded, a stream of
+# reports makes the daemon probe one worker ~95 times a second. A failed probe still
 # confirms itself at once (the fast path to UNHEALTHY, at most failure_threshold probes).
 REPORT_PROBE_GAP_S = 1.0
 # Answers in flight get this long at SIGTERM (uvicorn's graceful shutdown was 2 s too).

@@ -29,8 +29,8 @@ from dynamo_ftctl.http1 import (
     Connection,
     Exchange,
     HttpError,
+    NoConnection,
     ProtocolError,
-    Unreachable,
 )
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class ClientTransport:
                 except TimeoutError:
                     raise TransportError("timeout", f"no response within {timeout_s:g} s") \
                         from None
-                except Unreachable as exc:  # refused, unreachable, TLS refused: never sent
+                except NoConnection as exc:  # refused, unreachable, TLS refused: never sent
                     raise _refused(url, exc) from None
             ex = ProbeExchange(loop.create_future(), self.max_bytes, conn)
             conn.start(ex, request)

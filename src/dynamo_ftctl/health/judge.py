@@ -28,11 +28,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
+from dynamo_ftctl.health.errors import BadResponse
 from dynamo_ftctl.health.transport import HttpReply
 
 __all__ = [
     "Answer",
-    "BadResponse",
     "CheckKind",
     "Mismatch",
     "Timing",
@@ -50,10 +50,6 @@ CheckKind = Literal[
 ]
 
 _TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
-
-
-class BadResponse(Exception):
-    """The worker answered, but not with a usable completion."""
 
 
 class Answer(msgspec.Struct, frozen=True):

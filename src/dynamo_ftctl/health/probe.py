@@ -28,8 +28,8 @@ from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import ExitCode, InvalidInput
 from dynamo_ftctl.health.baseline import Baselines, BaselineStore, LatencyVerdict
 from dynamo_ftctl.health.canaryset import EXACT_NOTE, SHAPE_NOTE, CanaryPrompt, CanarySet
+from dynamo_ftctl.health.errors import BadResponse
 from dynamo_ftctl.health.judge import (
-    BadResponse,
     CheckKind,
     Mismatch,
     Timing,

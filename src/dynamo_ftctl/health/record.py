@@ -43,7 +43,8 @@ from dynamo_ftctl.health.canaryset import (
     CanaryPrompt,
     CanarySet,
 )
-from dynamo_ftctl.health.judge import Answer, BadResponse, build_request, parse_answer
+from dynamo_ftctl.health.errors import BadResponse, TokenIdsRefused
+from dynamo_ftctl.health.judge import Answer, build_request, parse_answer
 from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
 from dynamo_ftctl.structs import convert_struct, replace
 
@@ -72,10 +73,6 @@ DEFAULT_PROMPTS: tuple[tuple[str, str], ...] = (
 )
 
 
-class _TokenIdsRefused(Exception):
-    """The worker refused the `return_token_ids` field (a strict OpenAI server)."""
-
-
 class _Timed:
     """One recorded answer and how long it took (to its first byte, and whole)."""
 
@@ -98,7 +95,7 @@ def _ask(target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt,
     total = clock.now() - started
     if canary_set.return_token_ids and reply.status in (400, 422) \
             and b"return_token_ids" in reply.body:
-        raise _TokenIdsRefused
+        raise TokenIdsRefused
     try:
         answer = parse_answer(reply)
     except BadResponse as exc:
@@ -126,7 +123,7 @@ class _Session:
         try:
             return _ask(self.target, self.draft, prompt, self.transport, deadline_s,
                         clock=self.clock)
-        except _TokenIdsRefused:
+        except TokenIdsRefused:
             # Learnt once (the warm-up, or the first prompt): ask for text only from now on.
             self.draft = replace(self.draft, return_token_ids=False)
             return _ask(self.target, self.draft, prompt, self.transport, deadline_s,

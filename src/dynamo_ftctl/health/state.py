@@ -15,8 +15,8 @@ While the breaker is open, nothing is sent to the worker and passive reports
 are ignored (they carry no news). While it is half-open, only the trial's own
 result counts. Passive signals (the proxy, the GPU watcher) can only lower
 confidence: a success from one of them is ignored, since only a passing probe
-shows that the worker answers correctly (a stream of forged `ok` reports once
-kept a worker with silent data corruption HEALTHY, issue 22). `record` returns
+shows that the worker answers correctly (forged `ok` reports would otherwise keep a
+worker with silent data corruption HEALTHY). `record` returns
 the `Transition` it caused (or None).
 """
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
+
+from dynamo_ftctl.health.errors import FailureKind, TransportError
 
 if TYPE_CHECKING:
     import _socket
@@ -43,8 +45,6 @@ __all__ = [
 # A canary answer is a few KiB; 1 MiB leaves room for long prompts echoed back as ids.
 MAX_BODY_BYTES = 1024 * 1024
 
-FailureKind = Literal["refused", "timeout", "reset", "too_large", "endless_body", "protocol"]
-
 
 class HttpReply(msgspec.Struct, frozen=True):
     """A complete HTTP response; `first_byte_s`: seconds from the call to the first body
@@ -54,25 +54,6 @@ class HttpReply(msgspec.Struct, frozen=True):
     body: bytes
     content_type: str
     first_byte_s: float | None = None
-
-
-class TransportError(Exception):
-    """The exchange failed before a complete response; `transient` ones may be retried."""
-
-    def __init__(self, kind: FailureKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-    @property
-    def transient(self) -> bool:
-        """A connection reset mid-exchange may pass; refusals and timeouts are verdicts."""
-        return self.kind == "reset"
-
-    @property
-    def unreachable(self) -> bool:
-        """No answer at all (as opposed to a wrong or unbounded one)."""
-        return self.kind in ("refused", "timeout", "reset")
 
 
 class SyncTransport(Protocol):

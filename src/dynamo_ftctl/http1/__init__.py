@@ -2,8 +2,8 @@
 
 The package's one HTTP client for async code: the proxy's upstream requests
 (`proxy.serve`), the load generator (`loadgen.sender`), capability checks.
-About 3x aiohttp's requests per core on this machine
-(benchmarks/http_clients.py, benchmarks/proxy.py). One noun per module:
+Its requests per core against aiohttp and httpx: docs/benchmarks.md
+(http_clients.py, load.py). One noun per module:
 
 - `connection`: `Connection`, one keep-alive connection (an `asyncio.Protocol`)
   carrying one request at a time; httptools calls back per header and body
@@ -20,7 +20,7 @@ built-in `TimeoutError`::
 
     HttpError
     ├── ConnectError      refused, unreachable, or closed before any byte of an answer
-    │   └── Unreachable   no connection was made (TLS refused too): the request was never sent
+    │   └── NoConnection  no connection was made (TLS refused too): the request was never sent
     ├── ConnectionBroken  closed or reset after the answer began
     ├── ProtocolError     not HTTP, or a body framing httptools refuses
     └── BodyTooLarge      `read(limit=...)` saw more than `limit` bytes
@@ -35,8 +35,8 @@ from dynamo_ftctl.http1.errors import (
     ConnectError,
     ConnectionBroken,
     HttpError,
+    NoConnection,
     ProtocolError,
-    Unreachable,
 )
 from dynamo_ftctl.http1.pool import Key, Pool
 from dynamo_ftctl.http1.response import DEFAULT_LIMIT, Response, Sink
@@ -52,10 +52,10 @@ __all__ = [
     "Exchange",
     "HttpError",
     "Key",
+    "NoConnection",
     "Pool",
     "ProtocolError",
     "Response",
     "Sink",
-    "Unreachable",
     "fetch_blocking",
 ]

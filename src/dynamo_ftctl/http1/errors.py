@@ -6,8 +6,8 @@ The tree is drawn in `dynamo_ftctl.http1`'s docstring; timeouts are the built-in
 
 from __future__ import annotations
 
-__all__ = ["BodyTooLarge", "ConnectError", "ConnectionBroken", "HttpError", "ProtocolError",
-           "Unreachable"]
+__all__ = ["BodyTooLarge", "ConnectError", "ConnectionBroken", "HttpError", "NoConnection",
+           "ProtocolError"]
 
 
 class HttpError(OSError):
@@ -18,8 +18,12 @@ class ConnectError(HttpError):
     """No answer began: refused, unreachable, or closed before its first byte."""
 
 
-class Unreachable(ConnectError):
-    """No connection was made (refused, unreachable): the server never saw the request."""
+class NoConnection(ConnectError):
+    """No connection was made (refused, unreachable): the server never saw the request.
+
+    Not `dynamo_ftctl.errors.Unreachable` (exit 3): callers translate this one into that.
+    """
+
 
 
 class ConnectionBroken(HttpError):

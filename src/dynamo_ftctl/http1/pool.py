@@ -14,7 +14,7 @@ import time
 from urllib.parse import urlsplit
 
 from dynamo_ftctl.http1.connection import Connection
-from dynamo_ftctl.http1.errors import ConnectError, Unreachable
+from dynamo_ftctl.http1.errors import ConnectError, NoConnection
 from dynamo_ftctl.http1.response import Response
 
 __all__ = ["Key", "Pool"]
@@ -89,7 +89,7 @@ class Pool:
     async def open(self, key: Key, timeout_s: float | None) -> Connection:
         """A new connection to `key` within `timeout_s` (TLS for https).
 
-        Raises `Unreachable` (refused, unreachable) or `TimeoutError`.
+        Raises `NoConnection` (refused, unreachable) or `TimeoutError`.
         """
         loop = asyncio.get_running_loop()
         scheme, host, port = key
@@ -108,7 +108,7 @@ class Pool:
             raise TimeoutError(msg) from None
         except OSError as exc:  # ssl.SSLError too: a TLS handshake refused
             msg = f"{type(exc).__name__}: {exc}"
-            raise Unreachable(msg) from exc
+            raise NoConnection(msg) from exc
         self._all.add(conn)
         return conn
 

@@ -1,10 +1,9 @@
 """A lean HTTP/1.1 server: asyncio protocols, httptools' C parser, no ASGI messages.
 
 The migrating proxy's front door (`proxy.serve.serve`): a request goes
-parse -> handler -> `transport.write`, where uvicorn's ASGI cycle (scope,
-receive/send messages, a write per message) cost the proxy's one core ~350 us
-a request start and ~40% of its CPU (py-spy, benchmarks/proxy.py). The server
-side of `dynamo_ftctl.http1`.
+parse -> handler -> `transport.write`, with no ASGI scope, receive/send messages
+or write per message between (what that cycle costs: docs/benchmarks.md,
+http_stack.py). The server side of `dynamo_ftctl.http1`.
 
 - `Request`: method, path, query, lower-cased headers and the whole body (by
   Content-Length or chunked; more than `max_body` bytes is 413).
@@ -64,7 +63,7 @@ __all__ = [
 DEFAULT_MAX_BODY = 16 * 1024 * 1024
 # Request bytes held for requests not yet answered, all connections together: sixteen
 # bodies at the bound above, thousands of real ones. Without it 30 clients each holding
-# 14 MiB of an unfinished body took the proxy from 140 to 540 MB (issue 22).
+# 14 MiB of an unfinished body take the proxy from 140 to 540 MB.
 DEFAULT_MAX_BUFFERED = 256 * 1024 * 1024
 # Client connections at most, however many descriptors the process may open (nginx's
 # worker_connections default is 512, HAProxy derives its maxconn from the fd limit).

@@ -47,7 +47,13 @@ _ERROR_FILE = "error.txt"
 
 
 class ShareFailed(FtctlError):
-    """A process of a multi-process run failed; the message is its error."""
+    """A process of a multi-process run failed; the message is its error. Exit 1, or 2
+    when the process failed on bad input (`usage`)."""
+
+    def __init__(self, message: str, *, usage: bool = False) -> None:
+        super().__init__(message)
+        if usage:
+            self.exit_code = ExitCode.USAGE
 
 
 def _arm_death_signal() -> Callable[[], None]:
@@ -152,10 +158,7 @@ def run_load_processes(config: LoadConfig, procs: int, *,
                 error = out / _ERROR_FILE
                 why = error.read_text() if error.exists() else f"exit status {code}"
                 msg = f"load process {j + 1} of {procs} failed: {why}"
-                failed = ShareFailed(msg)
-                if code == ExitCode.USAGE:
-                    failed.exit_code = ExitCode.USAGE
-                raise failed
+                raise ShareFailed(msg, usage=code == ExitCode.USAGE)
         merged = merge.merge_reports([merge.read_report_dir(out) for out in outs])
     return dataclasses.replace(merged, config=dataclasses.replace(merged.config,
                                                                   start_at=config.start_at))

@@ -10,9 +10,8 @@ is taken once, before any parsing, and is the stamp of every token in that
 read, so no await hop sits between the bytes and their time. SSE bodies are
 split on bytes (`client.SseStream`).
 
-Compared with aiohttp on this machine (benchmarks/http_clients.py,
-benchmarks/load.py): about 3x the requests per core, and TTFT stamps closer to
-the server's own. Error classes: `connect` (refused,
+Against aiohttp it sends more requests per core and stamps TTFT closer to the
+server's own (docs/benchmarks.md: load.py, http_clients.py). Error classes: `connect` (refused,
 reset or closed before the response began), `timeout` (the whole exchange,
 connect included, past `timeout_s`), `broken_stream` (cut after the headers,
 or unparseable after them), `4xx_*`/`5xx_*`, `other` (a 2xx body that is not

@@ -16,9 +16,8 @@ not an inference engine (that is `ftctl sim`).
 It stays off the package's HTTP server (`httpserver`, which every ftctl service
 uses) on purpose: its job is to misbehave in ways that server refuses to (a
 Content-Length it never fills, a chunked body cut before its last chunk, a hang
-with no timeout), and on that server a non-streamed answer cost the target ~20%
-more CPU (wrk, 32 connections, same run, issue 24: 0.049-0.062 vs 0.060-0.080
-CPU-ms a request), so the generator's ceiling would drop.
+with no timeout), and on that server a non-streamed answer costs the target more
+CPU (docs/benchmarks.md, load.py), which would lower the generator's ceiling.
 
 Run it with `python -m dynamo_ftctl.loadgen.target --port 0`; it prints
 `listening on 127.0.0.1:PORT` on stdout once it accepts connections.

@@ -86,8 +86,7 @@ def _mix(x: int) -> int:
     A request's draws are hashed from (seed, index) instead of seeding a
     `random.Random` per request: seeding a Mersenne twister cost a third of building
     a request, and building one cost about half a closed-loop request's CPU
-    (benchmarks/load.py). Deterministic for a seed, as before (other prompts than
-    before this change for the same seed).
+    (benchmarks/load.py). Deterministic for a seed.
     """
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

@@ -5,3 +5,5 @@
 The migrating proxy that uses them is `dynamo_ftctl.proxy`. Import-free on purpose:
 each module is imported by whoever needs it, so `import dynamo_ftctl.migrate` stays cheap.
 """
+
+__all__: list[str] = []

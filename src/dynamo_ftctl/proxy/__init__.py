@@ -12,3 +12,5 @@ Moving one request's state between workers is `dynamo_ftctl.migrate`. Import-fre
 purpose: each module is imported by whoever needs it, so `import dynamo_ftctl.proxy`
 stays cheap.
 """
+
+__all__: list[str] = []

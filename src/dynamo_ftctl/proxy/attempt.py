@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, Unreachable
+from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, NoConnection
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.proxy.codec import ClientPiece, dumps, loads, sse_batch
@@ -359,7 +359,7 @@ class Upstream:
 def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:
     """How a transport error ended an attempt: a connection never made says nothing of the
     request; one lost once the request went out may be a worker that crashes on it."""
-    if isinstance(exc, Unreachable):
+    if isinstance(exc, NoConnection):
         return "unreachable"
     if isinstance(exc, ConnectError | ConnectionBroken):
         return "lost"

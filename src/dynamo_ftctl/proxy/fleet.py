@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.auth import bearer_headers, token_from_env
 from dynamo_ftctl.discovery import Discovery, with_discovered
 from dynamo_ftctl.errors import InvalidInput
-from dynamo_ftctl.http1 import Unreachable
+from dynamo_ftctl.http1 import NoConnection
 from dynamo_ftctl.proxy.admission import (
     Thresholds,
     degradation_level,
@@ -437,7 +437,7 @@ class Fleet:
                     "POST", f"{slot.url}/v1/completions", body,
                     {"Content-Type": "application/json"},
                     timeout_s=self.config.stall_timeout_s, limit=_PROBE_LIMIT)
-            except (Unreachable, TimeoutError) as exc:
+            except (NoConnection, TimeoutError) as exc:
                 return f"{type(exc).__name__}: {exc}".rstrip(": ")
             except (OSError, ValueError) as exc:  # dropped mid-answer: maybe a batch death
                 failure = f"{type(exc).__name__}: {exc}".rstrip(": ")

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_ftctl.engine.config import EngineConfig
-from dynamo_ftctl.engine.scheduler import BatchDeath, Engine, EngineRequest, RequestParams
-from dynamo_ftctl.engine.validation import ParamError, parse_generation
+from dynamo_ftctl.engine.errors import BatchDeath, ParamError
+from dynamo_ftctl.engine.scheduler import Engine, EngineRequest, RequestParams
+from dynamo_ftctl.engine.validation import parse_generation
 from dynamo_ftctl.errors import InvalidInput
 
 torch = pytest.importorskip("torch")

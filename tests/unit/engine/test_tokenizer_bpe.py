@@ -11,13 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamo_ftctl.engine.config import EngineConfig
+from dynamo_ftctl.engine.errors import UnencodableText
 from dynamo_ftctl.engine.tokenizer import (
     BPE_JSON,
     CORPUS_COMMIT,
     SPECIAL_NAMES,
     ByteTokenizer,
     IncrementalDetokenizer,
-    UnencodableText,
     load_tokenizer,
     main,
 )

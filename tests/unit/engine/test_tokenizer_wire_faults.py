@@ -6,6 +6,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from dynamo_ftctl.engine.errors import UnencodableText
 from dynamo_ftctl.engine.faults import FaultState, parse_fault, parse_fault_flag, xid_crash_lines
 from dynamo_ftctl.engine.tokenizer import (
     ASSISTANT,
@@ -14,7 +15,6 @@ from dynamo_ftctl.engine.tokenizer import (
     USER,
     ByteTokenizer,
     IncrementalDetokenizer,
-    UnencodableText,
 )
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.gpu.kmsg import parse_xid_line

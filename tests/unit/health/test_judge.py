@@ -7,9 +7,9 @@ import json
 import pytest
 
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
+from dynamo_ftctl.health.errors import BadResponse
 from dynamo_ftctl.health.judge import (
     Answer,
-    BadResponse,
     build_request,
     judge_answer,
     parse_answer,

@@ -20,10 +20,10 @@ from dynamo_ftctl.http1 import (
     ConnectError,
     Connection,
     ConnectionBroken,
+    NoConnection,
     Pool,
     ProtocolError,
     Response,
-    Unreachable,
 )
 from tests.loopback import Handler, Server
 from tests.waiting import until
@@ -160,7 +160,7 @@ def test_early_close_mid_body_is_a_broken_connection_never_reused() -> None:
 
 def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
     """A connection closed before any byte of the answer, and a refused one, raise ConnectError;
-    only the refused one is `Unreachable` (the server never saw the request)."""
+    only the refused one is `NoConnection` (the server never saw the request)."""
     async def handler(reader: asyncio.StreamReader, _w: asyncio.StreamWriter, _n: int) -> None:
         await read_request(reader)
 
@@ -171,9 +171,9 @@ def test_closed_before_the_answer_and_refused_are_connect_errors() -> None:
     async def scenario(server: Server, pool: Pool) -> None:
         with pytest.raises(ConnectError) as closed:
             await pool.request("POST", server.url, b"x", head_timeout_s=5.0)
-        assert not isinstance(closed.value, Unreachable)
+        assert not isinstance(closed.value, NoConnection)
         assert server.connections == 1  # a fresh connection's failure is not retried
-        with pytest.raises(Unreachable):
+        with pytest.raises(NoConnection):
             await pool.request("POST", dead, b"x", connect_timeout_s=5.0)
 
     run_with(handler, scenario)
@@ -473,7 +473,7 @@ def test_body_until_close_is_whole_and_the_client_fetches_it() -> None:
 
 def test_https_to_a_server_without_tls_is_unreachable() -> None:
     """An https:// URL to a server that does not speak TLS fails with an HttpError (the
-    handshake is refused: `Unreachable`), as a plain-http failure would."""
+    handshake is refused: `NoConnection`), as a plain-http failure would."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       _n: int) -> None:
         await reader.read(1)
@@ -483,7 +483,7 @@ def test_https_to_a_server_without_tls_is_unreachable() -> None:
     async def scenario(server: Server, _pool: Pool) -> None:
         client = Client()
         try:
-            with pytest.raises(Unreachable):
+            with pytest.raises(NoConnection):
                 await client.request("GET", server.url.replace("http://", "https://"),
                                      connect_timeout_s=5.0, head_timeout_s=5.0)
         finally:
@@ -532,7 +532,7 @@ def test_https_answers_come_through_the_same_pool_and_connection_is_reused(
         client, stranger = Client(ssl_context=trusting), Client()
         try:
             got = [await client.fetch("GET", url, timeout_s=10.0) for _ in range(2)]
-            with pytest.raises(Unreachable):
+            with pytest.raises(NoConnection):
                 await stranger.fetch("GET", url, timeout_s=10.0)
             return got
         finally:
