@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dynamo_ftctl import http1
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.daemon import REPORT_PROBE_GAP_S, HealthDaemon, WatchedWorker, create_app
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
-from dynamo_ftctl.health.transport import HttpReply
 from dynamo_ftctl.httpserver import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
 from dynamo_ftctl.metrics import REGISTRY
@@ -137,15 +137,14 @@ def test_concurrency_is_bounded() -> None:
     peak = 0
 
     class Slow(AsyncFakeWorkers):
-        async def post_json(self, url: str, body: bytes, *, timeout_s: float,  # type: ignore[override]
-                            headers: object = None) -> HttpReply:
+        async def handle_async_request(self, request: http1.Request) -> http1.Reply:
             nonlocal in_flight, peak
             in_flight += 1
             peak = max(peak, in_flight)
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             in_flight -= 1
-            return good(json.loads(body)["prompt"])
+            return good(json.loads(request.body)["prompt"])
 
     daemon, _ = daemon_for("rf", 20, Slow(clock), clock, concurrency=4)
     asyncio.run(daemon.probe_round())
