@@ -11,7 +11,6 @@ more, and each exchange reads at most `MAX_PROBE_BYTES`).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import re
@@ -23,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, probe_client
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.http1.transport import Request
+from dynamo_ftctl.jsoncodec import dumps, loads
+from dynamo_ftctl.sse import iter_sse_events
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1.transport import AsyncTransport
@@ -115,7 +116,7 @@ class _Answer:
 
 async def _exchange(transport: AsyncTransport, method: str, url: str, body: Any | None = None,
                     *, headers: Mapping[str, str] | None = None, timeout_s: float) -> _Answer:
-    payload = b"" if body is None else json.dumps(body).encode()
+    payload = b"" if body is None else dumps(body)
     sent = dict(headers or {})
     if body is not None:
         sent["Content-Type"] = "application/json"
@@ -135,10 +136,10 @@ async def _exchange(transport: AsyncTransport, method: str, url: str, body: Any 
     return _Answer(status, data, got)
 
 
-def _json(data: bytes) -> Any:
+def _json(data: str | bytes) -> Any:
     """Parsed JSON, or None for garbage (bad UTF-8, bad JSON, nesting bombs)."""
     try:
-        return json.loads(data)
+        return loads(data)
     except (ValueError, RecursionError):
         return None
 
@@ -149,13 +150,11 @@ def _events(data: bytes) -> list[Any]:
         doc = _json(data)
         return [doc] if doc is not None else []
     out = []
-    for line in data.splitlines():
-        if line.startswith(b"data:"):
-            chunk = line[5:].strip()
-            if chunk and chunk != b"[DONE]":
-                doc = _json(chunk)
-                if doc is not None:
-                    out.append(doc)
+    for event in iter_sse_events([data]):
+        if event.data.strip() and not event.is_done:
+            doc = _json(event.data)
+            if doc is not None:
+                out.append(doc)
     return out
 
 

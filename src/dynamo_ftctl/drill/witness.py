@@ -12,13 +12,14 @@ greedy.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.http1 import Client, HttpError
+from dynamo_ftctl.jsoncodec import dumps, loads
+from dynamo_ftctl.sse import SseDecoder
 
 if TYPE_CHECKING:
     from dynamo_ftctl.faults.scenario import Witness
@@ -73,7 +74,7 @@ def witness_body(witness: Witness, model: str, index: int) -> dict[str, Any]:
 
 async def _stream(client: Client, url: str, out: WitnessStream, timeout_s: float) -> None:
     """POST the stream's request to `url` and read its SSE events into `out` as they come."""
-    body = json.dumps(out.body).encode()
+    body = dumps(out.body)
     try:
         async with asyncio.timeout(timeout_s):
             response = await client.request("POST", f"{url}/v1/completions", body,
@@ -84,24 +85,33 @@ async def _stream(client: Client, url: str, out: WitnessStream, timeout_s: float
                     return
                 out.migrated = bool(response.header("x-ftctl-migrated"))
                 out.worker = (response.header(_WORKER) or "").split(",")[0] or None
-                buffer = b""
+                decoder = SseDecoder()
                 while chunk := await response.next_chunk():
-                    buffer += chunk
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        _take(line.rstrip(b"\r"), out)
-                _take(buffer, out)
+                    for block in decoder.blocks(chunk):
+                        _take(block, out)
+                _take(decoder.rest(), out)
     except (HttpError, TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
-def _take(line: bytes, out: WitnessStream) -> None:
-    if line.startswith(_MIGRATED):
-        out.migrated = True
+def _take(block: bytes, out: WitnessStream) -> None:
+    """One raw SSE event (LF line ends): the proxy's migration comment, or a chunk's ids."""
+    data: list[bytes] = []
+    for line in block.split(b"\n"):
+        if line.startswith(_MIGRATED):
+            out.migrated = True
+        elif line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+    payload = b"\n".join(data)
+    if not payload.startswith(b"{"):  # no data, or `[DONE]`
         return
-    if not line.startswith(b"data: {"):
+    try:
+        doc = loads(payload)
+    except ValueError:
+        out.error = f"malformed SSE data: {payload[:80]!r}"
         return
-    doc = json.loads(line[6:])
+    if not isinstance(doc, dict):
+        return
     if "error" in doc:
         out.error = f"SSE error event: {str(doc['error'])[:200]}"
         return

@@ -119,3 +119,25 @@ def test_errors_status_cut_body_and_no_reference_are_recorded() -> None:
         assert witness_counts(cut, WITNESS.max_tokens)["failed"] == 2
 
     asyncio.run(main())
+
+
+def test_crlf_events_and_malformed_data_are_read_as_sse() -> None:
+    """CRLF line ends (split between reads) are one SSE stream through `sse.SseDecoder`;
+    data that is not JSON is the stream's error, not a crash of the drill."""
+    crlf = _event([1, 2]).replace(b"\n", b"\r\n")
+    pieces = [crlf[:-1], crlf[-1:] + b": x-ftctl-migrated: w1 -> w2\r\n\r\n",
+              _event([3, 4], "length").replace(b"\n", b"\r\n")]
+
+    async def main() -> None:
+        streams = new_witnesses(WITNESS, "m")[:1]
+        async with Server(_sse(pieces)) as proxy:
+            await run_witnesses(WITNESS, proxy.url, streams)
+        assert (streams[0].ids, streams[0].migrated, streams[0].finished) == \
+            ([1, 2, 3, 4], True, True)
+        assert streams[0].error is None
+        broken = new_witnesses(WITNESS, "m")[:1]
+        async with Server(_sse([b"data: {not json\n\n"])) as bad:
+            await run_witnesses(WITNESS, bad.url, broken)
+        assert (broken[0].error or "").startswith("malformed SSE data")
+
+    asyncio.run(main())
