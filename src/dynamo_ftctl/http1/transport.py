@@ -61,6 +61,11 @@ class Reply(msgspec.Struct, frozen=True):
         """The Content-Type header, "" when there is none."""
         return self.headers.get("content-type", "")
 
+    @property
+    def text(self) -> str:
+        """The body as UTF-8 text (U+FFFD for each bad sequence)."""
+        return self.body.decode("utf-8", "replace")
+
     def json(self) -> Any:
         """The body parsed as JSON (`ValueError` when it is not)."""
         from dynamo_ftctl.jsoncodec import loads

@@ -6,8 +6,9 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
 
-import httpx
 import pytest
 
 from dynamo_ftctl import http1
@@ -18,6 +19,7 @@ from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
 from dynamo_ftctl.httpserver import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
+from dynamo_ftctl.jsoncodec import dumps
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.migrate.routing import parse_daemon_weights
 
@@ -169,9 +171,9 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
             assert parse_daemon_weights(doc) == {"rg0": 1.0, "rg1": 0.0}
             assert doc["workers"][1]["last"]["kind"] == "token_mismatch"
             bad = await client.post("/report", content=b"{nope")
-            assert bad.status_code == 400
+            assert bad.status == 400
             unknown = await client.post("/report", json={"worker": "zz"})
-            assert unknown.status_code == 400
+            assert unknown.status == 400
             assert "unknown worker" in unknown.json()["error"]
             ok = await client.post("/report", json={"worker": "rg0", "ok": False})
             assert ok.json()["states"] == {"rg0": "suspicious"}
@@ -211,25 +213,48 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- reports under attack
 
 
+class _Api:
+    """The daemon's routes called from `client`'s address with no socket: the router gets
+    the `httpserver.Request` the server would have parsed; answers are `http1.Reply`s."""
+
+    def __init__(self, daemon: HealthDaemon, token: str | None, client: tuple[str, int],
+                 headers: dict[str, str] | None) -> None:
+        self.router = create_app(daemon, token=token)
+        self.client = client
+        self.headers = dict(headers or {})
+
+    async def request(self, method: str, path: str, *, json: Any = None, content: bytes = b"",
+                      headers: dict[str, str] | None = None,
+                      params: dict[str, str] | None = None) -> http1.Reply:
+        body = content if json is None else dumps(json)
+        sent = {**self.headers, **(headers or {})}
+        parsed = Request(method=method, path=path, query=urlencode(params or {}),
+                         headers=[(k.lower().encode(), v.encode()) for k, v in sent.items()],
+                         body=body, client=self.client)
+        reply = await self.router(parsed)
+        assert isinstance(reply, Reply)
+        answer = {"content-type": reply.content_type}
+        answer.update((k.lower(), v) for k, v in reply.headers.items())
+        return http1.Reply(reply.status, reply.body, answer)
+
+    async def get(self, path: str, **kwargs: Any) -> http1.Reply:
+        return await self.request("GET", path, **kwargs)
+
+    async def post(self, path: str, **kwargs: Any) -> http1.Reply:
+        return await self.request("POST", path, **kwargs)
+
+    async def __aenter__(self) -> _Api:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
 def api(daemon: HealthDaemon, *, token: str | None = TOKEN,
         client: tuple[str, int] = ("10.0.0.1", 40000),
-        headers: dict[str, str] | None = None) -> httpx.AsyncClient:
-    """An HTTP client for the daemon's routes, coming from `client`'s address (no socket:
-    the router is called with the `httpserver.Request` the server would have parsed)."""
-    router = create_app(daemon, token=token)
-
-    async def answer(request: httpx.Request) -> httpx.Response:
-        parsed = Request(method=request.method, path=request.url.path,
-                         query=request.url.query.decode(),
-                         headers=[(k.lower(), v) for k, v in request.headers.raw],
-                         body=await request.aread(), client=client)
-        reply = await router(parsed)
-        assert isinstance(reply, Reply)
-        return httpx.Response(reply.status, content=reply.body,
-                              headers={"content-type": reply.content_type, **reply.headers})
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://d",
-                             headers=headers)
+        headers: dict[str, str] | None = None) -> _Api:
+    """A client for the daemon's routes, coming from `client`'s address."""
+    return _Api(daemon, token, client, headers)
 
 
 FORGED = {"worker": "ta0", "ok": False, "reason": "forged"}
@@ -255,7 +280,7 @@ def test_forged_reports_without_the_token_change_nothing(
     async def go() -> list[int]:
         async with api(daemon) as client:
             codes = [(await client.post("/report", json=FORGED, headers=headers,
-                                        params=params)).status_code for _ in range(5)]
+                                        params=params)).status for _ in range(5)]
         await daemon.settle()
         return codes
 
@@ -276,9 +301,9 @@ def test_reports_are_refused_with_403_while_the_daemon_has_no_token() -> None:
         async with api(daemon, token=None) as client:
             refused = await client.post("/report", json={**FORGED, "worker": "tb0"},
                                         headers={"Authorization": "Bearer "})
-            assert refused.status_code == 403
+            assert refused.status == 403
             assert "FTCTL_DAEMON_TOKEN is not set" in refused.json()["error"]
-            assert (await client.get("/workers")).status_code == 200
+            assert (await client.get("/workers")).status == 200
 
     asyncio.run(go())
     assert daemon.entries["tb0"].health.state is HealthState.HEALTHY
@@ -289,7 +314,7 @@ def test_a_lowercase_bearer_report_is_taken() -> None:
     clock = FakeClock()
     daemon, _ = daemon_for("tc", 1, AsyncFakeWorkers(clock), clock)
 
-    async def go() -> httpx.Response:
+    async def go() -> http1.Reply:
         async with api(daemon) as client:
             response = await client.post("/report", json={**FORGED, "worker": "tc0"},
                                          headers={"authorization": f"bearer {TOKEN}"})
@@ -308,15 +333,15 @@ def test_reports_beyond_the_burst_get_429_per_source() -> None:
     async def go() -> None:
         body = {**FORGED, "worker": "td0"}
         async with api(daemon) as one, api(daemon, client=("10.0.0.2", 1)) as two:
-            codes = [(await one.post("/report", json=body, headers=AUTH)).status_code
+            codes = [(await one.post("/report", json=body, headers=AUTH)).status
                      for _ in range(4)]
             assert codes == [200, 200, 200, 429]
             limited = await one.post("/report", json=body, headers=AUTH)
-            assert limited.status_code == 429
-            assert limited.headers["Retry-After"] == "2"
-            assert (await two.post("/report", json=body, headers=AUTH)).status_code == 200
+            assert limited.status == 429
+            assert limited.header("Retry-After") == "2"
+            assert (await two.post("/report", json=body, headers=AUTH)).status == 200
             clock.advance(2.0)
-            assert (await one.post("/report", json=body, headers=AUTH)).status_code == 200
+            assert (await one.post("/report", json=body, headers=AUTH)).status == 200
         await daemon.settle()
 
     asyncio.run(go())
