@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import httpx
+from tests import fetch
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -12,6 +12,6 @@ if TYPE_CHECKING:
 
 def hung(worker: SimWorker) -> bool:
     """The worker's hang fault has begun (it starts a moment after the admin call)."""
-    resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
+    resp = fetch.get(f"{worker.url}/admin/fault",
                      headers={"Authorization": f"Bearer {worker.admin_token}"})
     return bool(resp.json()["hung"])
