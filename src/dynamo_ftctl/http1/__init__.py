@@ -16,7 +16,8 @@ About 3x aiohttp's requests per core on this machine
   `handle_async_request`; `BlockingClient` beside it, one exchange for blocking
   code on a private event loop (`fetch_blocking`, its one-call form).
 - `transport`: the seam. `Request` in, `Reply` out; `Transport` (blocking) and
-  `AsyncTransport` (awaited); `MockTransport(handler)` for tests.
+  `AsyncTransport` (awaited), `StreamingTransport` (read as it comes);
+  `MockTransport(handler)` for tests.
 - `errors`: the tree below.
 
 Errors, all `HttpError` (an `OSError`, as connection errors are) or the
@@ -51,7 +52,9 @@ from dynamo_ftctl.http1.transport import (
     AsyncTransport,
     MockTransport,
     Reply,
+    ReplyStream,
     Request,
+    StreamingTransport,
     Transport,
 )
 
@@ -78,9 +81,11 @@ __all__ = [
     "Pool",
     "ProtocolError",
     "Reply",
+    "ReplyStream",
     "Request",
     "Response",
     "Sink",
+    "StreamingTransport",
     "Transport",
     "Unreachable",
     "fetch_blocking",

@@ -71,6 +71,13 @@ class Client:
         first = None if response.body_at is None else response.body_at - started
         return Reply(response.status, body, headers, first)
 
+    async def open_stream(self, request: Request) -> Response:
+        """The answer to `request` once its headers are in (`transport.StreamingTransport`),
+        within `request.timeout_s`; read it with `next_chunk`, `close` it when done."""
+        async with asyncio.timeout(request.timeout_s):
+            return await self.request(request.method, request.url, request.body,
+                                      request.headers or None)
+
     async def close(self) -> None:
         """Hang up on every connection."""
         self.pool.close()

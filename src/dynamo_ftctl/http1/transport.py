@@ -6,7 +6,9 @@ client: `Transport.handle_request` for blocking code, `AsyncTransport.handle_asy
 for awaiting code. The real ones are `http1.BlockingClient` and `http1.Client`;
 tests pass `MockTransport(handler)`, as httpx's tests do. A failure below HTTP's
 status codes raises an `OSError` (http1's `HttpError` tree, or `TimeoutError`);
-a status of any value is a `Reply`.
+a status of any value is a `Reply`. A caller that reads an answer as it comes (a
+stream of tokens) takes a `StreamingTransport`: `open_stream` gives a
+`ReplyStream` once the headers are in (`http1.Response` is one).
 
 This module imports neither asyncio nor ssl: the one-shot canary probe loads it.
 """
@@ -18,7 +20,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-__all__ = ["DEFAULT_LIMIT", "AsyncTransport", "MockTransport", "Reply", "Request", "Transport"]
+__all__ = ["DEFAULT_LIMIT", "AsyncTransport", "MockTransport", "Reply", "ReplyStream", "Request",
+           "StreamingTransport", "Transport"]
 
 # A body read whole stops here unless the request says otherwise: a JSON answer or a
 # /metrics page is far smaller.
@@ -89,18 +92,73 @@ class AsyncTransport(Protocol):
         ...
 
 
+class ReplyStream(Protocol):
+    """An answer whose headers are in and whose body comes piece by piece."""
+
+    @property
+    def status(self) -> int | None:
+        """The status code (set once the headers are in)."""
+        ...
+
+    def header(self, name: str) -> str | None:
+        """A header's value (`name` in lower case), or None."""
+        ...
+
+    async def next_chunk(self, timeout_s: float | None = None) -> bytes:
+        """The body bytes read since the last call (b"" at the end); `TimeoutError` after
+        `timeout_s` without any, `HttpError` when the connection broke."""
+        ...
+
+    def close(self) -> None:
+        """Done with the answer (before its end: hang up)."""
+        ...
+
+
+class StreamingTransport(Protocol):
+    """Awaited exchanges read as they come: `http1.Client`, or a `MockTransport`."""
+
+    async def open_stream(self, request: Request) -> ReplyStream:
+        """The answer to `request` once its headers are in (within `request.timeout_s`)."""
+        ...
+
+
+class _Chunks:
+    """A `ReplyStream` over a whole `Reply`: its body in the pieces given (the mock's)."""
+
+    def __init__(self, reply: Reply, pieces: list[bytes]) -> None:
+        self._reply = reply
+        self._pieces = pieces
+
+    @property
+    def status(self) -> int | None:
+        return self._reply.status
+
+    def header(self, name: str) -> str | None:
+        return self._reply.header(name)
+
+    async def next_chunk(self, timeout_s: float | None = None) -> bytes:
+        del timeout_s
+        return self._pieces.pop(0) if self._pieces else b""
+
+    def close(self) -> None:
+        self._pieces.clear()
+
+
 Handler = Callable[[Request], "Reply | Awaitable[Reply]"]
 
 
 class MockTransport:
-    """Both transports over one `handler(request) -> Reply` (httpx's `MockTransport`).
+    """Every transport over one `handler(request) -> Reply` (httpx's `MockTransport`).
 
     The handler answers, or raises what a real transport would (`http1.Unreachable`,
-    `TimeoutError`, ...). An async handler serves only `handle_async_request`.
+    `TimeoutError`, ...). An async handler serves only the awaited calls. `open_stream`
+    hands the body out in pieces of `chunk_size` bytes (all at once by default), so a
+    reader's split-read path is tested too.
     """
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, *, chunk_size: int | None = None) -> None:
         self.handler = handler
+        self.chunk_size = chunk_size
 
     def handle_request(self, request: Request) -> Reply:
         """The handler's reply to `request`."""
@@ -117,3 +175,10 @@ class MockTransport:
         """The handler's reply to `request`, awaited when the handler is async."""
         reply = self.handler(request)
         return reply if isinstance(reply, Reply) else await reply
+
+    async def open_stream(self, request: Request) -> ReplyStream:
+        """The handler's reply to `request`, its body read back in pieces."""
+        reply = await self.handle_async_request(request)
+        size = self.chunk_size or max(1, len(reply.body))
+        body = reply.body
+        return _Chunks(reply, [body[i:i + size] for i in range(0, len(body), size)])

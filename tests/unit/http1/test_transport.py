@@ -121,3 +121,24 @@ def test_the_seam_loads_without_asyncio_or_ssl() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_the_async_client_opens_a_stream_read_as_it_comes(server: BackgroundServer) -> None:
+    """`Client.open_stream` gives the answer once its headers are in; `next_chunk` reads the
+    body to b"" (a `StreamingTransport`)."""
+
+    async def ask() -> tuple[int | None, str | None, bytes]:
+        client = Client()
+        try:
+            stream = await client.open_stream(_echo_request(server))
+            try:
+                parts = []
+                while piece := await stream.next_chunk(5):
+                    parts.append(piece)
+                return stream.status, stream.header("x-seen"), b"".join(parts)
+            finally:
+                stream.close()
+        finally:
+            await client.close()
+
+    assert asyncio.run(ask()) == (201, "yes", b'{"got":{"a":1},"auth":"Bearer t"}')
