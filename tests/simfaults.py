@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import httpx
+from tests import fetch
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 def hung(worker: SimWorker) -> bool:
     """The worker's hang fault has begun (it starts a moment after the admin call)."""
-    resp = httpx.get(f"{worker.url}/admin/fault", timeout=5,
+    resp = fetch.get(f"{worker.url}/admin/fault",
                      headers={"Authorization": f"Bearer {worker.admin_token}"})
     return bool(resp.json()["hung"])
 
@@ -20,7 +20,7 @@ def hung(worker: SimWorker) -> bool:
 def health_stalls(url: str, timeout_s: float = 0.5) -> bool:
     """GET /health of `url` has no answer within `timeout_s` (a hung worker)."""
     try:
-        httpx.get(f"{url}/health", timeout=timeout_s)
-    except httpx.TimeoutException:
+        fetch.get(f"{url}/health", timeout=timeout_s)
+    except TimeoutError:
         return True
     return False

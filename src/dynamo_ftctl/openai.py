@@ -21,7 +21,6 @@ This module does no I/O and imports nothing heavy (no httpx, no aiohttp).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import msgspec
 
 from dynamo_ftctl.errors import FtctlError
+from dynamo_ftctl.jsoncodec import loads, loads_strict
 from dynamo_ftctl.sse import (
     DONE,
     SseDecoder,
@@ -229,22 +229,6 @@ MAX_JSON_DEPTH = 64
 """Arrays and objects a request body may nest: OpenAI's own bodies nest under ten deep
 (a tool's JSON schema a little more); 100,000 nested `[` made the proxy answer 500."""
 
-_DECODER = msgspec.json.Decoder()
-
-
-def _refuse_constant(name: str) -> Any:
-    msg = f"{name} is not a JSON number"
-    raise ValueError(msg)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        msg = f"number out of range: {text[:32]}"
-        raise ValueError(msg)
-    return value
-
-
 def _nests_deeper(doc: Any, limit: int) -> bool:
     """`doc` has arrays or objects more than `limit` deep (iterative: no recursion limit)."""
     stack: list[tuple[Any, int]] = [(doc, 1)]
@@ -263,16 +247,11 @@ def parse_request_json(data: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) ->
     objects deeper than `max_depth`."""
     too_deep = f"JSON nested deeper than {max_depth} arrays or objects"
     try:
-        doc = _DECODER.decode(data)
+        # msgspec, then json for lone-surrogate escapes ("\ud800", which the engine
+        # answers); NaN, Infinity and 1e999 refused either way.
+        doc = loads_strict(data)
     except RecursionError:
         raise ValueError(too_deep) from None
-    except msgspec.DecodeError:
-        # msgspec refuses lone-surrogate escapes ("\ud800"), which json reads (the
-        # engine answers them); json alone would also read NaN, Infinity and 1e999.
-        try:
-            doc = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
-        except RecursionError:
-            raise ValueError(too_deep) from None
     if not isinstance(doc, dict | list):
         return doc
     # Counting brackets (in C) clears nearly every body without a walk: fewer of them
@@ -302,7 +281,7 @@ def parse_error_body(
     """An `ApiError` from an error body (OpenAI or vLLM's flat form); None if it is not one."""
     if isinstance(obj, bytes | str):
         try:
-            obj = json.loads(obj)
+            obj = loads(obj)
         except ValueError:
             return None
     if not isinstance(obj, Mapping):
@@ -356,7 +335,7 @@ def parse_sse_event(event: SseEvent | bytes | str, index: int = 0) -> StreamChun
     if data.strip() == DONE:
         return None
     try:
-        obj = json.loads(data)
+        obj = loads(data)
     except ValueError:
         msg = f"malformed stream event (not JSON): {data[:80]!r}"
         raise ApiError(msg, type="malformed_event") from None

@@ -7,8 +7,8 @@ This package owns capability discovery, one noun per module:
   worker when it fails or restarts (`CapabilityCache`);
 - `report`: the one-shot fleet report behind `ftctl inventory show --probe`
   (`probe_inventory_sync`);
-- `fetch`: the one `Fetch` seam every probe goes through, and its default over
-  `dynamo_ftctl.http1` (`ClientFetch`).
+- `fetch`: the probes' body cap and their default transport (`probe_client`, an
+  `http1.Client`); every probe is one `http1.Request` through an `http1.AsyncTransport`.
 
 It knows nothing about routing: what the proxy does with an answer is the
 proxy's business.
@@ -17,14 +17,7 @@ proxy's business.
 from __future__ import annotations
 
 from dynamo_ftctl.capabilities.cache import CapabilityCache
-from dynamo_ftctl.capabilities.fetch import (
-    MAX_PROBE_BYTES,
-    ClientFetch,
-    Fetch,
-    FetchResult,
-    WholeBodyClient,
-    fetch_through,
-)
+from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, fetch_through, probe_client
 from dynamo_ftctl.capabilities.probe import (
     DEFAULT_TIMEOUT_S,
     KV_USAGE_METRICS,
@@ -51,16 +44,13 @@ __all__ = [
     "Capabilities",
     "CapabilityCache",
     "CapabilityReport",
-    "ClientFetch",
-    "Fetch",
-    "FetchResult",
     "LoadMetric",
-    "WholeBodyClient",
     "fetch_through",
     "known_good_failure",
     "known_good_request",
     "load_metric_from_metrics",
     "probe_capabilities",
+    "probe_client",
     "probe_inventory",
     "probe_inventory_sync",
     "start_time_from_metrics",

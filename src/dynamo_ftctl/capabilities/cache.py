@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from dynamo_ftctl.capabilities.fetch import Fetch
 from dynamo_ftctl.capabilities.probe import (
     DEFAULT_TIMEOUT_S,
     Capabilities,
@@ -16,6 +15,7 @@ from dynamo_ftctl.capabilities.probe import (
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
+    from dynamo_ftctl.http1.transport import AsyncTransport
     from dynamo_ftctl.inventory import Worker
 
 __all__ = ["CapabilityCache"]
@@ -26,13 +26,20 @@ class CapabilityCache:
 
     Entries live until `invalidate` (a failed worker) or `note_start_time` sees a new
     process start time (a restarted one). An unreachable answer is kept only
-    `retry_unreachable_s`, so a worker that comes back is found again.
+    `retry_unreachable_s`, so a worker that comes back is found again. Every probe
+    goes through `transport` (`fetch`: its old name, still passed by the proxy).
     """
 
-    def __init__(self, *, fetch: Fetch, timeout_s: float = DEFAULT_TIMEOUT_S,
+    def __init__(self, *, transport: AsyncTransport | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
                  clock: Clock = SYSTEM_CLOCK, retry_unreachable_s: float = 5.0,
-                 admin_token: Callable[[Worker], str | None] | None = None) -> None:
-        self.fetch = fetch
+                 admin_token: Callable[[Worker], str | None] | None = None,
+                 fetch: AsyncTransport | None = None) -> None:
+        chosen = transport or fetch
+        if chosen is None:
+            msg = "CapabilityCache needs a transport"
+            raise TypeError(msg)
+        self.transport: AsyncTransport = chosen
         self.timeout_s = timeout_s
         self.clock = clock
         self.retry_unreachable_s = retry_unreachable_s
@@ -75,7 +82,8 @@ class CapabilityCache:
 
     async def _run(self, worker: Worker, generation: int) -> Capabilities:
         try:
-            caps = await probe_capabilities(worker, fetch=self.fetch, timeout_s=self.timeout_s,
+            caps = await probe_capabilities(worker, transport=self.transport,
+                                            timeout_s=self.timeout_s,
                                             admin_token=self._admin_token(worker) or "",
                                             clock=self.clock)
         finally:

@@ -5,13 +5,12 @@ None, "unknown"); change a worker's state (the KV probe asks for a request id
 that cannot exist and never aborts; nothing is posted to /sleep or /admin/fault;
 the generation probes ask for one greedy token); read an unbounded body or wait
 without a deadline (each probe has `timeout_s`, the worker as a whole a little
-more, and `ClientFetch` reads at most `MAX_PROBE_BYTES`).
+more, and each exchange reads at most `MAX_PROBE_BYTES`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import re
@@ -20,10 +19,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, ClientFetch, Fetch
+from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, probe_client
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
+from dynamo_ftctl.http1.transport import Request
+from dynamo_ftctl.jsoncodec import dumps, loads
+from dynamo_ftctl.sse import iter_sse_events
 
 if TYPE_CHECKING:
+    from dynamo_ftctl.http1.transport import AsyncTransport
     from dynamo_ftctl.inventory import Worker
 
 __all__ = [
@@ -43,7 +46,7 @@ __all__ = [
 # Each probe is one short exchange; a worker that needs longer to say /health is
 # not one a proxy should route to yet.
 DEFAULT_TIMEOUT_S = 3.0
-# Past the probes' own timeout, how long the whole worker may take (a fetch that
+# Past the probes' own timeout, how long the whole worker may take (a transport that
 # ignores its timeout must not hang the probe).
 _GRACE_S = 1.0
 
@@ -111,32 +114,32 @@ class _Answer:
     failure: str | None = None
 
 
-async def _exchange(fetch: Fetch, method: str, url: str, body: Any | None = None, *,
-                    headers: Mapping[str, str] | None = None, timeout_s: float) -> _Answer:
-    payload = b"" if body is None else json.dumps(body).encode()
+async def _exchange(transport: AsyncTransport, method: str, url: str, body: Any | None = None,
+                    *, headers: Mapping[str, str] | None = None, timeout_s: float) -> _Answer:
+    payload = b"" if body is None else dumps(body)
     sent = dict(headers or {})
     if body is not None:
         sent["Content-Type"] = "application/json"
     try:
         async with asyncio.timeout(timeout_s):
-            result = await fetch(method, url, payload, sent, timeout_s)
+            reply = await transport.handle_async_request(
+                Request(method, url, payload, sent, timeout_s, MAX_PROBE_BYTES))
     except TimeoutError:
         return _Answer(failure=f"no answer within {timeout_s:g} s")
-    # The fetch is injected: whatever it raises (OSError, its client's own errors)
+    # The transport is injected: whatever it raises (OSError, a mock's own errors)
     # means "no answer" for this probe, never a crash of the probe.
     except Exception as exc:
         return _Answer(failure=str(exc) or type(exc).__name__)
-    status, data = int(result[0]), result[1]
-    got: Mapping[str, str] = result[2] if len(result) > 2 else {}
-    if len(data) > MAX_PROBE_BYTES:  # a fetch that does not bound its reads
+    status, data, got = reply.status, reply.body, reply.headers
+    if len(data) > MAX_PROBE_BYTES:  # a transport that does not bound its reads
         return _Answer(status, b"", got, failure=f"body over {MAX_PROBE_BYTES} bytes")
     return _Answer(status, data, got)
 
 
-def _json(data: bytes) -> Any:
+def _json(data: str | bytes) -> Any:
     """Parsed JSON, or None for garbage (bad UTF-8, bad JSON, nesting bombs)."""
     try:
-        return json.loads(data)
+        return loads(data)
     except (ValueError, RecursionError):
         return None
 
@@ -147,13 +150,11 @@ def _events(data: bytes) -> list[Any]:
         doc = _json(data)
         return [doc] if doc is not None else []
     out = []
-    for line in data.splitlines():
-        if line.startswith(b"data:"):
-            chunk = line[5:].strip()
-            if chunk and chunk != b"[DONE]":
-                doc = _json(chunk)
-                if doc is not None:
-                    out.append(doc)
+    for event in iter_sse_events([data]):
+        if event.data.strip() and not event.is_done:
+            doc = _json(event.data)
+            if doc is not None:
+                out.append(doc)
     return out
 
 
@@ -228,7 +229,8 @@ class _Found:
         self.notes.append(f"{what}: HTTP {answer.status}")
 
 
-async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float,
+async def _probe_generation(found: _Found, transport: AsyncTransport, worker: Worker,
+                            timeout_s: float,
                             *, chat: bool) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body: dict[str, Any] = {"model": worker.model, "max_tokens": 1, "temperature": 0,
@@ -237,7 +239,7 @@ async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout
         body["messages"] = [{"role": "user", "content": PROBE_PROMPT}]
     else:
         body["prompt"] = PROBE_PROMPT
-    answer = await _exchange(fetch, "POST", f"{worker.url}{path}", body, timeout_s=timeout_s)
+    answer = await _exchange(transport, "POST", f"{worker.url}{path}", body, timeout_s=timeout_s)
     what = f"POST {path}"
     if not found.saw(what, answer):
         return
@@ -261,9 +263,10 @@ async def _probe_generation(found: _Found, fetch: Fetch, worker: Worker, timeout
         found.values["prompt_token_ids"] = seen[1]
 
 
-async def _probe_tokenize(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
+async def _probe_tokenize(found: _Found, transport: AsyncTransport, worker: Worker,
+                          timeout_s: float) -> None:
     body = {"model": worker.model, "prompt": PROBE_PROMPT}
-    answer = await _exchange(fetch, "POST", f"{worker.url}/tokenize", body, timeout_s=timeout_s)
+    answer = await _exchange(transport, "POST", f"{worker.url}/tokenize", body, timeout_s=timeout_s)
     if not found.saw("POST /tokenize", answer):
         return
     if answer.status in _MISSING:
@@ -275,8 +278,9 @@ async def _probe_tokenize(found: _Found, fetch: Fetch, worker: Worker, timeout_s
         found.unknown("POST /tokenize", answer)
 
 
-async def _probe_health(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    answer = await _exchange(fetch, "GET", f"{worker.url}/health", timeout_s=timeout_s)
+async def _probe_health(found: _Found, transport: AsyncTransport, worker: Worker,
+                        timeout_s: float) -> None:
+    answer = await _exchange(transport, "GET", f"{worker.url}/health", timeout_s=timeout_s)
     if not found.saw("GET /health", answer):
         return
     if answer.status == 200:
@@ -307,8 +311,9 @@ def start_time_from_metrics(text: bytes) -> float | None:
     return value if math.isfinite(value) else None
 
 
-async def _probe_metrics(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    answer = await _exchange(fetch, "GET", f"{worker.url}/metrics", timeout_s=timeout_s)
+async def _probe_metrics(found: _Found, transport: AsyncTransport, worker: Worker,
+                         timeout_s: float) -> None:
+    answer = await _exchange(transport, "GET", f"{worker.url}/metrics", timeout_s=timeout_s)
     if not found.saw("GET /metrics", answer):
         return
     if answer.status in _MISSING:
@@ -322,8 +327,9 @@ async def _probe_metrics(found: _Found, fetch: Fetch, worker: Worker, timeout_s:
         found.unknown("GET /metrics", answer)
 
 
-async def _probe_sleep(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    answer = await _exchange(fetch, "GET", f"{worker.url}/is_sleeping", timeout_s=timeout_s)
+async def _probe_sleep(found: _Found, transport: AsyncTransport, worker: Worker,
+                       timeout_s: float) -> None:
+    answer = await _exchange(transport, "GET", f"{worker.url}/is_sleeping", timeout_s=timeout_s)
     if not found.saw("GET /is_sleeping", answer):
         return
     if answer.status in _MISSING:
@@ -338,14 +344,15 @@ async def _probe_sleep(found: _Found, fetch: Fetch, worker: Worker, timeout_s: f
         found.unknown("GET /is_sleeping", answer)
 
 
-async def _probe_kv_export(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float,
+async def _probe_kv_export(found: _Found, transport: AsyncTransport, worker: Worker,
+                           timeout_s: float,
                            token: str | None) -> None:
     # A request id that cannot exist, and no `abort`: the sim's export route answers
     # 404 NotFoundError for it and touches nothing; a server without the route
     # answers its router's plain 404.
     rid = f"ftctl-capability-probe-{uuid.uuid4().hex}"
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    answer = await _exchange(fetch, "GET", f"{worker.admin_url.rstrip('/')}/admin/kv/{rid}",
+    answer = await _exchange(transport, "GET", f"{worker.admin_url.rstrip('/')}/admin/kv/{rid}",
                              headers=headers, timeout_s=timeout_s)
     what = "GET /admin/kv/{id}"
     if not found.saw(what, answer):
@@ -366,8 +373,9 @@ async def _probe_kv_export(found: _Found, fetch: Fetch, worker: Worker, timeout_
         found.unknown(what, answer)
 
 
-async def _probe_models(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    answer = await _exchange(fetch, "GET", f"{worker.url}/v1/models", timeout_s=timeout_s)
+async def _probe_models(found: _Found, transport: AsyncTransport, worker: Worker,
+                        timeout_s: float) -> None:
+    answer = await _exchange(transport, "GET", f"{worker.url}/v1/models", timeout_s=timeout_s)
     if not found.saw("GET /v1/models", answer):
         return
     if answer.status != 200:
@@ -390,8 +398,9 @@ async def _probe_models(found: _Found, fetch: Fetch, worker: Worker, timeout_s: 
             found.values["owned_by"] = owner[:40]
 
 
-async def _probe_version(found: _Found, fetch: Fetch, worker: Worker, timeout_s: float) -> None:
-    answer = await _exchange(fetch, "GET", f"{worker.url}/version", timeout_s=timeout_s)
+async def _probe_version(found: _Found, transport: AsyncTransport, worker: Worker,
+                         timeout_s: float) -> None:
+    answer = await _exchange(transport, "GET", f"{worker.url}/version", timeout_s=timeout_s)
     if not found.saw("GET /version", answer) or answer.status != 200:
         return
     doc = _json(answer.body)
@@ -415,31 +424,35 @@ def admin_token_of(worker: Worker) -> str | None:
 
 
 async def probe_capabilities(
-    worker: Worker, *, fetch: Fetch | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    worker: Worker, *, transport: AsyncTransport | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     admin_token: str | None = None, clock: Clock = SYSTEM_CLOCK,
 ) -> Capabilities:
     """Probe one worker's capabilities, every probe at once; never raises for a missing one.
 
-    `fetch` defaults to a fresh `ClientFetch` closed on return. `admin_token`
+    `transport` defaults to a fresh `probe_client()` closed on return. `admin_token`
     defaults to the variable the worker's `admin.token_env` names.
     """
-    if fetch is None:
-        async with ClientFetch() as own:
-            return await probe_capabilities(worker, fetch=own, timeout_s=timeout_s,
+    if transport is None:
+        own = probe_client()
+        try:
+            return await probe_capabilities(worker, transport=own, timeout_s=timeout_s,
                                             admin_token=admin_token, clock=clock)
+        finally:
+            await own.close()
     token = admin_token if admin_token is not None else admin_token_of(worker)
     found = _Found()
     start = clock.now()
     jobs = [
-        _probe_generation(found, fetch, worker, timeout_s, chat=False),
-        _probe_generation(found, fetch, worker, timeout_s, chat=True),
-        _probe_tokenize(found, fetch, worker, timeout_s),
-        _probe_health(found, fetch, worker, timeout_s),
-        _probe_metrics(found, fetch, worker, timeout_s),
-        _probe_sleep(found, fetch, worker, timeout_s),
-        _probe_kv_export(found, fetch, worker, timeout_s, token),
-        _probe_models(found, fetch, worker, timeout_s),
-        _probe_version(found, fetch, worker, timeout_s),
+        _probe_generation(found, transport, worker, timeout_s, chat=False),
+        _probe_generation(found, transport, worker, timeout_s, chat=True),
+        _probe_tokenize(found, transport, worker, timeout_s),
+        _probe_health(found, transport, worker, timeout_s),
+        _probe_metrics(found, transport, worker, timeout_s),
+        _probe_sleep(found, transport, worker, timeout_s),
+        _probe_kv_export(found, transport, worker, timeout_s, token),
+        _probe_models(found, transport, worker, timeout_s),
+        _probe_version(found, transport, worker, timeout_s),
     ]
     tasks = [asyncio.ensure_future(job) for job in jobs]
     try:

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.capabilities.cache import CapabilityCache
-from dynamo_ftctl.capabilities.fetch import ClientFetch, Fetch
+from dynamo_ftctl.capabilities.fetch import probe_client
 from dynamo_ftctl.capabilities.probe import DEFAULT_TIMEOUT_S, Capabilities
 
 if TYPE_CHECKING:
+    from dynamo_ftctl.http1.transport import AsyncTransport
     from dynamo_ftctl.inventory import Inventory
 
 __all__ = ["CapabilityReport", "probe_inventory", "probe_inventory_sync"]
@@ -86,18 +87,21 @@ class CapabilityReport:
 
 
 async def probe_inventory(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                          fetch: Fetch | None = None) -> CapabilityReport:
-    """Probe every worker of `inventory` at once."""
+                          transport: AsyncTransport | None = None) -> CapabilityReport:
+    """Probe every worker of `inventory` at once (through `transport`, or a
+    `probe_client()` of its own)."""
     start = time.monotonic()
     async with contextlib.AsyncExitStack() as stack:
-        if fetch is None:
-            fetch = await stack.enter_async_context(ClientFetch())
-        cache = CapabilityCache(fetch=fetch, timeout_s=timeout_s)
+        if transport is None:
+            own = probe_client()
+            stack.push_async_callback(own.close)
+            transport = own
+        cache = CapabilityCache(transport=transport, timeout_s=timeout_s)
         workers = await cache.probe_all(inventory.workers)
     return CapabilityReport(inventory.cluster, workers, round(time.monotonic() - start, 4))
 
 
 def probe_inventory_sync(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                         fetch: Fetch | None = None) -> CapabilityReport:
+                         transport: AsyncTransport | None = None) -> CapabilityReport:
     """`probe_inventory` for callers without an event loop (the CLI)."""
-    return asyncio.run(probe_inventory(inventory, timeout_s=timeout_s, fetch=fetch))
+    return asyncio.run(probe_inventory(inventory, timeout_s=timeout_s, transport=transport))

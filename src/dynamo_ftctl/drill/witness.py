@@ -12,16 +12,18 @@ greedy.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.http1 import Client, HttpError
+from dynamo_ftctl.http1 import Client, HttpError, Request
+from dynamo_ftctl.jsoncodec import dumps, loads
+from dynamo_ftctl.sse import SseDecoder
 
 if TYPE_CHECKING:
     from dynamo_ftctl.faults.scenario import Witness
+    from dynamo_ftctl.http1 import StreamingTransport
 
 __all__ = [
     "WitnessStream",
@@ -71,37 +73,49 @@ def witness_body(witness: Witness, model: str, index: int) -> dict[str, Any]:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def _stream(client: Client, url: str, out: WitnessStream, timeout_s: float) -> None:
+async def _stream(transport: StreamingTransport, url: str, out: WitnessStream,
+                  timeout_s: float) -> None:
     """POST the stream's request to `url` and read its SSE events into `out` as they come."""
-    body = json.dumps(out.body).encode()
+    request = Request("POST", f"{url}/v1/completions", dumps(out.body),
+                      {"content-type": "application/json"}, timeout_s)
     try:
         async with asyncio.timeout(timeout_s):
-            response = await client.request("POST", f"{url}/v1/completions", body,
-                                            {"content-type": "application/json"})
-            async with response:
+            response = await transport.open_stream(request)
+            try:
                 if response.status != 200:
                     out.error = f"HTTP {response.status}"
                     return
                 out.migrated = bool(response.header("x-ftctl-migrated"))
                 out.worker = (response.header(_WORKER) or "").split(",")[0] or None
-                buffer = b""
+                decoder = SseDecoder()
                 while chunk := await response.next_chunk():
-                    buffer += chunk
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        _take(line.rstrip(b"\r"), out)
-                _take(buffer, out)
+                    for block in decoder.blocks(chunk):
+                        _take(block, out)
+                _take(decoder.rest(), out)
+            finally:
+                response.close()
     except (HttpError, TimeoutError) as exc:
         out.error = f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
-def _take(line: bytes, out: WitnessStream) -> None:
-    if line.startswith(_MIGRATED):
-        out.migrated = True
+def _take(block: bytes, out: WitnessStream) -> None:
+    """One raw SSE event (LF line ends): the proxy's migration comment, or a chunk's ids."""
+    data: list[bytes] = []
+    for line in block.split(b"\n"):
+        if line.startswith(_MIGRATED):
+            out.migrated = True
+        elif line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+    payload = b"\n".join(data)
+    if not payload.startswith(b"{"):  # no data, or `[DONE]`
         return
-    if not line.startswith(b"data: {"):
+    try:
+        doc = loads(payload)
+    except ValueError:
+        out.error = f"malformed SSE data: {payload[:80]!r}"
         return
-    doc = json.loads(line[6:])
+    if not isinstance(doc, dict):
+        return
     if "error" in doc:
         out.error = f"SSE error event: {str(doc['error'])[:200]}"
         return
@@ -111,37 +125,50 @@ def _take(line: bytes, out: WitnessStream) -> None:
             out.finished = True
 
 
+def _given(transport: StreamingTransport | None) -> StreamingTransport:
+    assert transport is not None
+    return transport
+
+
 def new_witnesses(witness: Witness, model: str) -> list[WitnessStream]:
     """The witness streams, not sent yet (`run_witnesses` fills them in as they go)."""
     return [WitnessStream(i, witness_body(witness, model, i)) for i in range(witness.streams)]
 
 
-async def run_witnesses(witness: Witness, url: str, streams: list[WitnessStream]) -> None:
-    """Send every witness stream to `url` at once; each records what it got as it goes."""
-    client = Client()
+async def run_witnesses(witness: Witness, url: str, streams: list[WitnessStream], *,
+                        transport: StreamingTransport | None = None) -> None:
+    """Send every witness stream to `url` at once; each records what it got as it goes.
+    Through `transport` (None: an `http1.Client` of its own, closed on return)."""
+    client = Client() if transport is None else None
+    chosen: StreamingTransport = client if client is not None else _given(transport)
     try:
-        await asyncio.gather(*(_stream(client, url, s, witness.timeout_s) for s in streams))
+        await asyncio.gather(*(_stream(chosen, url, s, witness.timeout_s) for s in streams))
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
 
 
 async def compare_witnesses(witness: Witness, streams: list[WitnessStream],
-                            worker_url: str) -> None:
+                            worker_url: str, *,
+                            transport: StreamingTransport | None = None) -> None:
     """Run each request once more straight from `worker_url` (no proxy, no fault),
-    `witness.reference_concurrency` at a time: the reference its ids must equal."""
+    `witness.reference_concurrency` at a time: the reference its ids must equal.
+    Through `transport` (None: an `http1.Client` of its own, closed on return)."""
     slots = asyncio.Semaphore(witness.reference_concurrency)
-    client = Client()
+    client = Client() if transport is None else None
+    chosen: StreamingTransport = client if client is not None else _given(transport)
 
     async def reference(stream: WitnessStream) -> None:
         async with slots:
             fault_free = WitnessStream(stream.index, stream.body)
-            await _stream(client, worker_url, fault_free, witness.timeout_s)
+            await _stream(chosen, worker_url, fault_free, witness.timeout_s)
             stream.reference = fault_free.ids if fault_free.ok else None
 
     try:
         await asyncio.gather(*(reference(s) for s in streams))
     finally:
-        await client.close()
+        if client is not None:
+            await client.close()
 
 
 def witness_counts(streams: list[WitnessStream], max_tokens: int) -> dict[str, Any]:

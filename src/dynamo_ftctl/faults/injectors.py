@@ -6,7 +6,7 @@ A `Step` is data (JSON-able, so pending reverts survive a crash on disk);
     signal  os.kill(pid, SIGKILL | SIGTERM | SIGSTOP | SIGCONT), or os.kill(-pgid, …) to a
             whole process group (`process.group`: an engine of several processes)
     http    POST {admin_url}/admin/fault with a bearer token read from the
-            environment variable the inventory names (`http1.fetch_blocking`, one shot)
+            environment variable the inventory names (an `http1.Transport`, one shot)
     kmsg    append the exact `NVRM: Xid (PCI:…): N, pid=…, name=…, …` line to
             /dev/kmsg (or a file, for tests), so GPU health agents fire
     dcgm    `dcgmi test --inject --gpuid G -f 230 -v N` (always with --gpuid), run through
@@ -33,10 +33,11 @@ from typing import Any, Literal
 
 from dynamo_ftctl.auth import NETPROXY_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.errors import InvalidInput, Unreachable
+from dynamo_ftctl.http1.transport import Reply, Request, Transport
 from dynamo_ftctl.process import SPAWNER, Spawner
 from dynamo_ftctl.safefiles import open_device
 
-__all__ = ["Fetch", "InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
+__all__ = ["InjectorKind", "Injectors", "Step", "xid_kmsg_line"]
 
 InjectorKind = Literal["signal", "http", "kmsg", "dcgm", "net", "load"]
 _HTTP_TIMEOUT_S = 5.0
@@ -44,17 +45,15 @@ _DCGMI_TIMEOUT_S = 15.0
 # DCGM field 230 is DCGM_FI_DEV_XID_ERRORS (dcgm_fields.h): the last Xid seen on the GPU.
 DCGM_XID_FIELD = 230
 
-# One blocking HTTP exchange: (method, url, body, headers, timeout_s) -> (status, body).
-# Failures raise OSError (http1's HttpError; TimeoutError is one).
-Fetch = Callable[[str, str, bytes, dict[str, str], float], tuple[int, bytes]]
 
 
-def http1_fetch(method: str, url: str, body: bytes, headers: dict[str, str],
-                timeout_s: float) -> tuple[int, bytes]:
-    """The real `Fetch`, `http1.fetch_blocking` (imported on the first HTTP step)."""
-    from dynamo_ftctl.http1 import fetch_blocking
+class _LateClient:
+    """`http1.BlockingClient`, imported on the first HTTP step (a signal needs no asyncio)."""
 
-    return fetch_blocking(method, url, body, headers, timeout_s=timeout_s)
+    def handle_request(self, request: Request) -> Reply:
+        from dynamo_ftctl.http1 import BlockingClient
+
+        return BlockingClient().handle_request(request)
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class Injectors:
     """Executes steps; every side effect goes through a replaceable seam."""
 
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
-    fetch: Fetch = http1_fetch
+    transport: Transport = field(default_factory=_LateClient)  # http and net; OSError fails
     kill: Callable[[int, int], None] = os.kill
     spawner: Spawner = SPAWNER  # dcgmi, and the overload fault's load process
 
@@ -148,12 +147,14 @@ class Injectors:
             payload = json.dumps(body).encode()
             headers = {**headers, "Content-Type": "application/json"}
         try:
-            status, answer = self.fetch(method, url, payload, headers, _HTTP_TIMEOUT_S)
+            reply = self.transport.handle_request(
+                Request(method, url, payload, headers, _HTTP_TIMEOUT_S))
         except OSError as exc:  # refused, reset, timed out (TimeoutError is an OSError)
             msg = f"{method} {url}: {type(exc).__name__}: {exc or 'timed out'}"
             raise Unreachable(msg) from None
+        status = reply.status
         if status >= 400:
-            text = answer[:200].decode("utf-8", "replace")
+            text = reply.body[:200].decode("utf-8", "replace")
             msg = f"{method} {url}: HTTP {status}: {text}"
             raise Unreachable(msg) if status >= 500 else InvalidInput(msg)
         return f"HTTP {status}"

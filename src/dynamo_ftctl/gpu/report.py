@@ -15,11 +15,14 @@ then needs no pool, and it keeps httpx out of `ftctl gpu watch`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import bearer_headers
 from dynamo_ftctl.gpu.events import GpuEvent
-from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
+from dynamo_ftctl.health.transport import Http1Transport, TransportError, post_json
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.http1.transport import Transport
 
 __all__ = ["CanaryReporter", "report_url"]
 
@@ -34,7 +37,7 @@ class CanaryReporter:
     """Posts actionable GPU events to a canary daemon."""
 
     def __init__(
-        self, url: str, *, token: str | None = None, transport: SyncTransport | None = None,
+        self, url: str, *, token: str | None = None, transport: Transport | None = None,
         timeout_s: float = 2.0,
     ) -> None:
         self.url = report_url(url)
@@ -61,9 +64,8 @@ class CanaryReporter:
         accepted = 0
         for body in self.bodies(event):
             try:
-                reply = self._transport.post_json(self.url, json.dumps(body).encode(),
-                                                  timeout_s=self._timeout_s,
-                                                  headers=self._headers)
+                reply = post_json(self._transport, self.url, json.dumps(body).encode(),
+                                  timeout_s=self._timeout_s, headers=self._headers)
             except TransportError as exc:
                 self.failures += 1
                 warn(f"cannot report {body['worker']} to {self.url}: {exc.message}")

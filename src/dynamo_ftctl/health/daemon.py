@@ -53,7 +53,7 @@ from dynamo_ftctl.health.state import (
     Transition,
     WorkerHealth,
 )
-from dynamo_ftctl.health.transport import AsyncTransport
+from dynamo_ftctl.http1.transport import AsyncTransport
 from dynamo_ftctl.redact import install_log_redaction, redact_url
 
 if TYPE_CHECKING:

@@ -4,24 +4,27 @@ A probe's callers meet only `dynamo_ftctl.errors` classes: `record`, `probe` and
 daemon translate these into `Unreachable` (exit 3), `CheckFailed` (exit 1) or a
 verdict::
 
+    http1.HttpError
+    └── TransportError    the POST failed before a complete response (`kind` says how)
     Exception
-    ├── TransportError    the POST failed before a complete response (`kind` says how)
     ├── BadResponse       the worker answered, but not with a usable completion
     └── TokenIdsRefused   the worker refused the `return_token_ids` field
 
-This module imports nothing, so the one-shot probe pays nothing for it.
+It imports only `http1.errors` (no asyncio), so the one-shot probe pays nothing for it.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+from dynamo_ftctl.http1.errors import HttpError
+
 __all__ = ["BadResponse", "FailureKind", "TokenIdsRefused", "TransportError"]
 
 FailureKind = Literal["refused", "timeout", "reset", "too_large", "endless_body", "protocol"]
 
 
-class TransportError(Exception):
+class TransportError(HttpError):
     """The exchange failed before a complete response; `transient` ones may be retried."""
 
     def __init__(self, kind: FailureKind, message: str) -> None:

@@ -1,8 +1,9 @@
 """The daemon's fan-out transport: `ClientTransport` over one shared `http1.Client`.
 
-`health.transport` holds the contract (`AsyncTransport`, `HttpReply`,
-`TransportError`) and the one-shot probe's blocking transport; this module is the
-async side, apart so that the one-shot probe never imports asyncio or http1.
+An `http1.AsyncTransport` that raises `health.transport.TransportError`s;
+`health.transport` holds those errors, `apost_json` and the one-shot probe's
+blocking transport; this module is the async side, apart so that the one-shot
+probe never imports asyncio or http1's client.
 
 The daemon sends 30,000 requests a round for 10,000 workers (benchmarks/canary.py):
 each is one `ProbeExchange` on a pooled keep-alive connection, the answer collected
@@ -13,13 +14,12 @@ one timer: no task, stream reader or timeout context per request.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from dynamo_ftctl.health.transport import (
+    JSON_HEADERS,
     MAX_BODY_BYTES,
-    HttpReply,
     TransportError,
     endless,
     too_large,
@@ -32,6 +32,7 @@ from dynamo_ftctl.http1 import (
     NoConnection,
     ProtocolError,
 )
+from dynamo_ftctl.http1.transport import Reply, Request
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client, Key, Pool
@@ -105,8 +106,6 @@ class ProbeExchange(Exchange):
             self.connection.abandon()
 
 
-# Every probe sends the same header set: `Pool.encode` caches its bytes by these items.
-_JSON_HEADERS = {"Content-Type": "application/json"}
 # Request heads cached per URL (one per worker and endpoint): the pool's own cache
 # stops at 4,096 URLs, and 10,000 workers would parse their URLs on every request.
 _MAX_HEADS = 1 << 16
@@ -144,10 +143,10 @@ class ClientTransport:
             await self._client.close()
             self._client = None
 
-    def _encode(self, pool: Pool, url: str, body: bytes,
-                headers: Mapping[str, str] | None) -> tuple[Key, bytes]:
-        if headers:
-            return pool.encode("POST", url, body, {**_JSON_HEADERS, **headers})
+    def _encode(self, pool: Pool, request: Request) -> tuple[Key, bytes]:
+        url, body, headers = request.url, request.body, request.headers
+        if request.method != "POST" or headers != JSON_HEADERS:
+            return pool.encode(request.method, url, body, headers)
         hit = self._heads.get(url)
         if hit is None:
             key, head = pool.head("POST", url)
@@ -157,11 +156,14 @@ class ClientTransport:
                 self._heads[url] = hit
         return hit[0], b"%sContent-Length: %d\r\n\r\n%s" % (hit[1], len(body), body)
 
-    async def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                        headers: Mapping[str, str] | None = None) -> HttpReply:
+    async def handle_async_request(self, request: Request) -> Reply:
+        """The answer to `request` (`http1.AsyncTransport`); `TransportError` when no
+        complete response came. The body stops at `request.limit` or `max_bytes`."""
         loop = asyncio.get_running_loop()
         pool = self.session.pool
-        key, request = self._encode(pool, url, body, headers)
+        url, timeout_s = request.url, request.timeout_s
+        max_bytes = min(self.max_bytes, request.limit)
+        key, wire = self._encode(pool, request)
         started = loop.time()
         deadline = started + timeout_s
         conn = pool.take_idle(key)
@@ -175,8 +177,8 @@ class ClientTransport:
                         from None
                 except NoConnection as exc:  # refused, unreachable, TLS refused: never sent
                     raise _refused(url, exc) from None
-            ex = ProbeExchange(loop.create_future(), self.max_bytes, conn)
-            conn.start(ex, request)
+            ex = ProbeExchange(loop.create_future(), max_bytes, conn)
+            conn.start(ex, wire)
             timer = loop.call_at(deadline, ex.expire)
             try:
                 await ex.future
@@ -207,7 +209,9 @@ class ClientTransport:
             assert ex.status is not None  # set once the headers are in
             data = ex.body[0] if len(ex.body) == 1 else b"".join(ex.body)
             first = None if ex.first_at is None else ex.first_at - started
-            return HttpReply(ex.status, data, ex.content_type.decode("latin-1"), first)
+            headers = {"content-type": ex.content_type.decode("latin-1")} \
+                if ex.content_type else {}
+            return Reply(ex.status, data, headers, first)
 
 
 def _refused(url: str, exc: Exception) -> TransportError:

@@ -29,7 +29,7 @@ import msgspec
 
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
 from dynamo_ftctl.health.errors import BadResponse
-from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.http1.transport import Reply
 
 __all__ = [
     "Answer",
@@ -129,7 +129,7 @@ def _snippet(body: bytes, limit: int = 80) -> str:
     return repr(text + ("..." if len(body) > limit else ""))
 
 
-def _describe_error_status(reply: HttpReply) -> str:
+def _describe_error_status(reply: Reply) -> str:
     from dynamo_ftctl.openai import parse_error_body
 
     error = parse_error_body(reply.body, status=reply.status)
@@ -233,7 +233,7 @@ def _completion_tokens(doc: dict[str, Any]) -> int | None:
     return value
 
 
-def parse_answer(reply: HttpReply) -> Answer:
+def parse_answer(reply: Reply) -> Answer:
     """The answer in a reply; `BadResponse` with one readable reason otherwise."""
     from dynamo_ftctl.openai import (
         extract_finish_reason,

@@ -40,14 +40,14 @@ from dynamo_ftctl.health.judge import (
     parse_answer,
 )
 from dynamo_ftctl.health.transport import (
-    AsyncTransport,
     Http1Transport,
-    HttpReply,
-    SyncTransport,
     TransportError,
+    apost_json,
+    post_json,
 )
 
 if TYPE_CHECKING:
+    from dynamo_ftctl.http1.transport import AsyncTransport, Reply, Transport
     from dynamo_ftctl.inventory import CanaryConfig
 
 __all__ = [
@@ -195,7 +195,7 @@ def _check_model(target: ProbeTarget, canary_set: CanarySet) -> None:
         raise InvalidInput(msg)
 
 
-def _judge(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, latency: float,
+def _judge(canary_set: CanarySet, prompt: CanaryPrompt, reply: Reply, latency: float,
            ) -> tuple[Verdict, float | None]:
     try:
         answer = parse_answer(reply)
@@ -207,7 +207,7 @@ def _judge(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, latenc
     return judge_answer(prompt, answer), answer.top_logprob
 
 
-def _timing(reply: HttpReply, latency: float) -> Timing:
+def _timing(reply: Reply, latency: float) -> Timing:
     """The answer's TTFT (its first body byte; the whole answer when the transport cannot
     tell) and its latency."""
     first = reply.first_byte_s
@@ -292,7 +292,7 @@ def _request(canary_set: CanarySet, prompt: CanaryPrompt) -> tuple[str, bytes]:
     return built
 
 
-def _checked(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, latency: float,
+def _checked(canary_set: CanarySet, prompt: CanaryPrompt, reply: Reply, latency: float,
              attempts: int) -> PromptCheck:
     verdict, top = _judge(canary_set, prompt, reply, latency)
     ttft = _timing(reply, latency).ttft_s if canary_set.kind == "shape" else None
@@ -306,14 +306,14 @@ def _checked(canary_set: CanarySet, prompt: CanaryPrompt, reply: HttpReply, late
 
 def _probe_prompt(
     target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig, *,
-    transport: SyncTransport, clock: Clock,
+    transport: Transport, clock: Clock,
 ) -> PromptCheck:
     path, body = build_request(canary_set, prompt)
     tries = _Attempts(canary_set, prompt, config, clock)
     while True:
-        outcome: HttpReply | TransportError
+        outcome: Reply | TransportError
         try:
-            outcome = transport.post_json(target.url + path, body, timeout_s=tries.begin())
+            outcome = post_json(transport, target.url + path, body, timeout_s=tries.begin())
         except TransportError as exc:
             outcome = exc
         if isinstance(step := tries.after(outcome), PromptCheck):
@@ -338,13 +338,13 @@ class _Attempts:
         self._start = self._clock.now()
         return _timeout(self._prompt, self._config)
 
-    def after(self, outcome: HttpReply | TransportError) -> PromptCheck | float:
+    def after(self, outcome: Reply | TransportError) -> PromptCheck | float:
         return _after_attempt(self._set, self._prompt, self._config, attempts=self.count,
                               outcome=outcome, latency=self._clock.now() - self._start)
 
 
 def _after_attempt(canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryConfig, *,
-                   attempts: int, outcome: HttpReply | TransportError, latency: float,
+                   attempts: int, outcome: Reply | TransportError, latency: float,
                    ) -> PromptCheck | float:
     """What one attempt leads to: the prompt's check, or the seconds to wait before the
     next attempt (a transient transport error or a retryable status, within the budget)."""
@@ -357,7 +357,7 @@ def _after_attempt(canary_set: CanarySet, prompt: CanaryPrompt, config: CanaryCo
 
 def _run_prompts_sync(
     target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig,
-    transport: SyncTransport, clock: Clock,
+    transport: Transport, clock: Clock,
 ) -> list[PromptCheck]:
     def probe(prompt: CanaryPrompt) -> PromptCheck:
         return _probe_prompt(target, canary_set, prompt, config, transport=transport, clock=clock)
@@ -400,7 +400,7 @@ def _in_threads(probe: Callable[[CanaryPrompt], PromptCheck],
 
 def probe_worker(
     target: ProbeTarget, canary_set: CanarySet, config: CanaryConfig, *,
-    transport: SyncTransport | None = None, clock: Clock = SYSTEM_CLOCK,
+    transport: Transport | None = None, clock: Clock = SYSTEM_CLOCK,
     store: BaselineStore | None = None,
 ) -> ProbeResult:
     """Probe one worker once (blocking); the baseline lives in `store` when given."""
@@ -410,7 +410,7 @@ def probe_worker(
 
 def probe_workers(
     targets: Sequence[ProbeTarget], canary_set: CanarySet, config: CanaryConfig, *,
-    transport: SyncTransport | None = None, clock: Clock = SYSTEM_CLOCK,
+    transport: Transport | None = None, clock: Clock = SYSTEM_CLOCK,
     store: BaselineStore | None = None, set_name: str = "",
 ) -> ProbeReport:
     """Probe workers one after another; the state file is locked only to judge latency."""
@@ -444,10 +444,10 @@ async def _aprobe_prompt(
     path, body = _request(canary_set, prompt)
     tries = _Attempts(canary_set, prompt, config, clock)
     while True:
-        outcome: HttpReply | TransportError
+        outcome: Reply | TransportError
         try:
-            outcome = await transport.post_json(target.url + path, body,
-                                                timeout_s=tries.begin())
+            outcome = await apost_json(transport, target.url + path, body,
+                                       timeout_s=tries.begin())
         except TransportError as exc:
             outcome = exc
         if isinstance(step := tries.after(outcome), PromptCheck):

@@ -45,11 +45,12 @@ from dynamo_ftctl.health.canaryset import (
 )
 from dynamo_ftctl.health.errors import BadResponse, TokenIdsRefused
 from dynamo_ftctl.health.judge import Answer, build_request, parse_answer
-from dynamo_ftctl.health.transport import Http1Transport, SyncTransport, TransportError
+from dynamo_ftctl.health.transport import Http1Transport, TransportError, post_json
 from dynamo_ftctl.structs import convert_struct, replace
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.probe import ProbeTarget
+    from dynamo_ftctl.http1.transport import Transport
 
 __all__ = ["DEFAULT_PROMPTS", "DEFAULT_SAMPLES", "DEFAULT_WARMUP_TIMEOUT_S", "LOGPROB_MARGIN",
            "MIN_BASELINE_S", "TOKEN_MARGIN", "record_canary_set", "record_shape_set"]
@@ -83,12 +84,12 @@ class _Timed:
 
 
 def _ask(target: ProbeTarget, canary_set: CanarySet, prompt: CanaryPrompt,
-         transport: SyncTransport, timeout_s: float, *, clock: Clock = SYSTEM_CLOCK,
+         transport: Transport, timeout_s: float, *, clock: Clock = SYSTEM_CLOCK,
          ) -> _Timed:
     path, body = build_request(canary_set, prompt)
     started = clock.now()
     try:
-        reply = transport.post_json(target.url + path, body, timeout_s=timeout_s)
+        reply = post_json(transport, target.url + path, body, timeout_s=timeout_s)
     except TransportError as exc:
         msg = f"worker {target.name!r}: {exc.message}"
         raise Unreachable(msg) from None
@@ -112,7 +113,7 @@ class _Session:
     every later request (`draft` is the set as it is now being asked).
     """
 
-    def __init__(self, target: ProbeTarget, draft: CanarySet, transport: SyncTransport,
+    def __init__(self, target: ProbeTarget, draft: CanarySet, transport: Transport,
                  clock: Clock, on_progress: Callable[[int, int], None] | None) -> None:
         self.target, self.draft, self.transport, self.clock = target, draft, transport, clock
         self.on_progress = on_progress
@@ -160,7 +161,7 @@ def _now_iso() -> str:
 def record_canary_set(
     target: ProbeTarget, *, model: str, prompts: Sequence[tuple[str, str]] = DEFAULT_PROMPTS,
     max_tokens: int = 8, repeats: int = 3, timeout_s: float = 10.0,
-    endpoint: str = "completions", transport: SyncTransport | None = None,
+    endpoint: str = "completions", transport: Transport | None = None,
     warmup_timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S,
     on_warmup: Callable[[float], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -213,7 +214,7 @@ def record_canary_set(
 def record_shape_set(
     target: ProbeTarget, *, model: str, prompts: Sequence[tuple[str, str]] = DEFAULT_PROMPTS,
     max_tokens: int = 8, samples: int = DEFAULT_SAMPLES, timeout_s: float = 10.0,
-    endpoint: str = "completions", transport: SyncTransport | None = None,
+    endpoint: str = "completions", transport: Transport | None = None,
     latency_tolerance: float = DEFAULT_LATENCY_TOLERANCE,
     warmup_timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S,
     on_warmup: Callable[[float], None] | None = None,

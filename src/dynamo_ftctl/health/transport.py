@@ -1,14 +1,20 @@
-"""The HTTP seam of canary probes: one POST of a JSON body, bounded in time and size.
+"""How canary probes reach a worker: one POST of a JSON body, bounded in time and size.
 
-Two implementations share one contract (`HttpReply` or a `TransportError`):
+The seam is the package's one (`http1.Transport` for blocking code,
+`http1.AsyncTransport` for the daemon); `post_json`/`apost_json` make the POST
+and turn every failure into a `TransportError` with a kind the verdicts read.
+Two transports are tuned for probes:
 
-- `Http1Transport`: one blocking socket per POST, parsed by httptools, for the
+- `Http1Transport`: one blocking socket per request, parsed by httptools, for the
   one-shot probe. A probe has 150 ms for everything, interpreter included:
   httpx costs ~60 ms to import and `http.client` ~18 ms (it imports
-  `email.parser` and `ssl`); one POST needs no connection pool.
+  `email.parser` and `ssl`); one POST needs no connection pool, and this module
+  loads neither asyncio nor http1's client.
 - `health.fanout.ClientTransport` (also `AiohttpTransport`, its old name): one
-  shared `dynamo_ftctl.http1.Client` for the daemon's fan-out to many workers (its
-  own module, so the one-shot probe never loads asyncio or http1).
+  shared `dynamo_ftctl.http1.Client` for the daemon's fan-out to many workers.
+
+Any other transport (`http1.BlockingClient`, a `MockTransport` in tests) works
+too: its `OSError`s are classified by `as_transport_error`.
 
 Both stop at `max_bytes` and at an overall deadline, so a 10 MB body or an SSE
 stream that never ends costs at most the timeout. A timeout before any response
@@ -20,25 +26,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import msgspec
-
 from dynamo_ftctl.health.errors import FailureKind, TransportError
+from dynamo_ftctl.http1.errors import (
+    BodyTooLarge,
+    ConnectError,
+    NoConnection,
+    ProtocolError,
+)
+from dynamo_ftctl.http1.transport import AsyncTransport, Reply, Request, Transport
 
 if TYPE_CHECKING:
     import _socket
 
 __all__ = [
+    "JSON_HEADERS",
     "MAX_BODY_BYTES",
-    "AsyncTransport",
     "FailureKind",
     "Http1Transport",
-    "HttpReply",
-    "SyncTransport",
     "TransportError",
+    "apost_json",
+    "as_transport_error",
     "endless",
+    "post_json",
     "too_large",
 ]
 
@@ -46,32 +58,52 @@ __all__ = [
 MAX_BODY_BYTES = 1024 * 1024
 
 
-class HttpReply(msgspec.Struct, frozen=True):
-    """A complete HTTP response; `first_byte_s`: seconds from the call to the first body
-    byte (a stream's first event: what a shape set times as TTFT), None when unknown."""
-
-    status: int
-    body: bytes
-    content_type: str
-    first_byte_s: float | None = None
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-class SyncTransport(Protocol):
-    """Blocking POST of a JSON body."""
+def as_transport_error(exc: OSError) -> TransportError:
+    """`exc`, a transport's failure, as the `TransportError` a verdict reads."""
+    if isinstance(exc, TransportError):
+        return exc
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, TimeoutError):
+        return TransportError("timeout", f"no response in time ({text})")
+    if isinstance(exc, NoConnection | ConnectionRefusedError):
+        return TransportError("refused", f"cannot connect: {text}")
+    if isinstance(exc, BodyTooLarge):
+        return TransportError("too_large", f"response body too large ({text})")
+    if isinstance(exc, ProtocolError):
+        return TransportError("protocol", f"not an HTTP response ({text})")
+    if isinstance(exc, ConnectError):
+        return TransportError("reset", f"connection lost before answering: {text}")
+    return TransportError("reset", f"connection lost: {text}")
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
-        """POST `body` to `url`; `TransportError` when no complete response came."""
-        ...
+
+def _json_request(url: str, body: bytes, timeout_s: float, headers: Mapping[str, str] | None,
+                  max_bytes: int) -> Request:
+    sent = JSON_HEADERS if not headers else {**JSON_HEADERS, **headers}
+    return Request("POST", url, body, sent, timeout_s, max_bytes)
 
 
-class AsyncTransport(Protocol):
-    """Non-blocking POST of a JSON body."""
+def post_json(transport: Transport, url: str, body: bytes, *, timeout_s: float,
+              headers: Mapping[str, str] | None = None,
+              max_bytes: int = MAX_BODY_BYTES) -> Reply:
+    """POST `body` (JSON) to `url`; `TransportError` when no complete response came."""
+    try:
+        return transport.handle_request(_json_request(url, body, timeout_s, headers, max_bytes))
+    except OSError as exc:
+        raise as_transport_error(exc) from None
 
-    async def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                        headers: Mapping[str, str] | None = None) -> HttpReply:
-        """POST `body` to `url`; `TransportError` when no complete response came."""
-        ...
+
+async def apost_json(transport: AsyncTransport, url: str, body: bytes, *, timeout_s: float,
+                     headers: Mapping[str, str] | None = None,
+                     max_bytes: int = MAX_BODY_BYTES) -> Reply:
+    """`post_json` for the daemon: the same request and errors, awaited."""
+    try:
+        return await transport.handle_async_request(
+            _json_request(url, body, timeout_s, headers, max_bytes))
+    except OSError as exc:
+        raise as_transport_error(exc) from None
 
 
 def too_large(received: int, limit: int) -> TransportError:
@@ -90,11 +122,12 @@ class _Reply:
     """httptools callbacks collecting one response, stopping at `max_bytes`."""
 
     __slots__ = ("body", "complete", "content_type", "first_at", "framed", "got_headers",
-                 "max_bytes", "overflow")
+                 "headers", "max_bytes", "overflow")
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.content_type = ""
+        self.headers: dict[str, str] = {}
         self.got_headers = False
         self.framed = False  # Content-Length or chunked; else the body ends when the peer closes
         self.body = bytearray()
@@ -104,6 +137,7 @@ class _Reply:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lower = name.lower()
+        self.headers[lower.decode("latin-1")] = value.decode("latin-1")
         if lower == b"content-type":
             self.content_type = value.decode("latin-1")
         elif lower in (b"content-length", b"transfer-encoding"):
@@ -126,16 +160,19 @@ class _Reply:
 class Http1Transport:
     """HTTP/1.1 over one blocking socket per call, parsed by httptools (the one-shot probe).
 
-    Not `http.client`: importing it costs about 18 ms of a probe's 150 ms budget
-    (it pulls in `email.parser` and `ssl`); httptools is the C parser the proxy's
-    server already uses. `ssl` is imported only for https URLs.
+    An `http1.Transport` that raises `TransportError`s. Not `http.client`:
+    importing it costs about 18 ms of a probe's 150 ms budget (it pulls in
+    `email.parser` and `ssl`); httptools is the C parser the proxy's server
+    already uses. `ssl` is imported only for https URLs. A body stops at the
+    request's `limit` or `max_bytes`, whichever is smaller.
     """
 
     def __init__(self, max_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_bytes = max_bytes
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
+    def handle_request(self, request: Request) -> Reply:
+        """The answer to `request`; `TransportError` when no complete response came."""
+        url, timeout_s = request.url, request.timeout_s
         parts = urlsplit(url)
         host = parts.hostname or "127.0.0.1"
         # host[:port]: user info is no part of a Host header, nor of a message
@@ -153,7 +190,7 @@ class Http1Transport:
         except OSError as exc:
             raise TransportError("refused", f"cannot connect to {authority}: "
                                             f"{exc.strerror or exc}") from None
-        reply = _Reply(self.max_bytes)
+        reply = _Reply(min(self.max_bytes, request.limit))
         try:
             if https:
                 import socket
@@ -162,7 +199,7 @@ class Http1Transport:
                 plain = socket.socket(fileno=sock.detach())  # ssl wraps socket.socket only
                 plain.settimeout(timeout_s)
                 sock = ssl.create_default_context().wrap_socket(plain, server_hostname=host)
-            sock.sendall(_request(authority, parts.path or "/", parts.query, body, headers))
+            sock.sendall(_request(request, authority, parts.path or "/", parts.query))
             status = _read(sock, reply, deadline)
         except TransportError:
             raise
@@ -176,7 +213,7 @@ class Http1Transport:
         finally:
             sock.close()
         first = None if reply.first_at is None else reply.first_at - started
-        return HttpReply(status, bytes(reply.body), reply.content_type, first)
+        return Reply(status, bytes(reply.body), reply.headers, first)
 
 
 def _connect(host: str, port: int, timeout_s: float) -> _socket.socket:
@@ -206,12 +243,12 @@ def _connect(host: str, port: int, timeout_s: float) -> _socket.socket:
     raise errors[0] if errors else OSError(f"no address for {host}")
 
 
-def _request(netloc: str, path: str, query: str, body: bytes,
-             headers: Mapping[str, str] | None) -> bytes:
+def _request(request: Request, netloc: str, path: str, query: str) -> bytes:
     target = f"{path}?{query}" if query else path
-    lines = [f"POST {target} HTTP/1.1", f"Host: {netloc}", "Content-Type: application/json",
+    body = request.body
+    lines = [f"{request.method} {target} HTTP/1.1", f"Host: {netloc}",
              "Accept: application/json", "Connection: close", f"Content-Length: {len(body)}"]
-    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    lines += [f"{name}: {value}" for name, value in request.headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 

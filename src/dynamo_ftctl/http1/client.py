@@ -1,10 +1,12 @@
-"""`Client`: the package's one HTTP client for async code, http:// and https:// alike.
+"""`Client` for async code and `BlockingClient` beside it, http:// and https:// alike.
 
-A `Pool` behind two calls: `request` (the answer streamed, once its headers are
-in) and `fetch` (one whole exchange within a deadline). https goes through the
-same connections and parser, over asyncio's TLS. `fetch_blocking` is `fetch`
-for blocking code (the etcd lock's threads, health waits, the fault injector's
-admin calls): one exchange on a private event loop, no pool kept.
+`Client` is a `Pool` behind three calls: `request` (the answer streamed, once its
+headers are in), `fetch` (one whole exchange within a deadline) and
+`handle_async_request` (the same as a `transport.AsyncTransport`). https goes
+through the same connections and parser, over asyncio's TLS. `BlockingClient` is
+a `transport.Transport` for blocking code (the etcd lock's threads, health waits,
+the fault injector's admin calls): one exchange on a private event loop, no pool
+kept; `fetch_blocking` is its one-call form.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from dynamo_ftctl.http1.pool import Pool
-from dynamo_ftctl.http1.response import DEFAULT_LIMIT, Response
+from dynamo_ftctl.http1.response import Response
+from dynamo_ftctl.http1.transport import DEFAULT_LIMIT, Reply, Request
 
-__all__ = ["AnyResponse", "Client", "fetch_blocking"]
+__all__ = ["AnyResponse", "BlockingClient", "Client", "fetch_blocking"]
+
+T = TypeVar("T")
 
 # What `Client.request` returns (once a `Response` or an aiohttp answer; kept for callers).
 AnyResponse = Response
@@ -48,39 +56,45 @@ class Client:
                 assert response.status is not None  # set before the headers are complete
                 return response.status, await response.read(limit)
 
+    async def handle_async_request(self, request: Request) -> Reply:
+        """One whole exchange (`transport.AsyncTransport`): within `request.timeout_s`,
+        the body at most `request.limit` bytes (`BodyTooLarge` past it)."""
+        started = time.monotonic()
+        async with asyncio.timeout(request.timeout_s):
+            response = await self.request(request.method, request.url, request.body,
+                                          request.headers or None)
+            async with response:
+                body = await response.read(request.limit)
+        assert response.status is not None  # set before the headers are complete
+        headers = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in response.headers.items()}
+        first = None if response.body_at is None else response.body_at - started
+        return Reply(response.status, body, headers, first)
+
+    async def open_stream(self, request: Request) -> Response:
+        """The answer to `request` once its headers are in (`transport.StreamingTransport`),
+        within `request.timeout_s`; read it with `next_chunk`, `close` it when done."""
+        async with asyncio.timeout(request.timeout_s):
+            return await self.request(request.method, request.url, request.body,
+                                      request.headers or None)
+
     async def close(self) -> None:
         """Hang up on every connection."""
         self.pool.close()
 
 
-def fetch_blocking(method: str, url: str, body: bytes = b"",
-                   headers: dict[str, str] | None = None, *, timeout_s: float,
-                   limit: int = DEFAULT_LIMIT,
-                   ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    """`Client.fetch` for blocking code: (status, body), on a private event loop.
-
-    Raises what `fetch` raises (`HttpError`, `TimeoutError`). Called from a
-    thread whose event loop is running (a blocking lock call in async code), it
-    runs in a helper thread: a second loop cannot run on that thread.
-    """
-
-    async def exchange() -> tuple[int, bytes]:
-        client = Client(ssl_context=ssl_context)
-        try:
-            return await client.fetch(method, url, body, headers, timeout_s=timeout_s,
-                                      limit=limit)
-        finally:
-            await client.close()
-
+def _run_blocking(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to its end on a private event loop; in a helper thread when this
+    thread's loop is running (a second loop cannot run on it)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(exchange())
-    outcome: list[tuple[int, bytes] | BaseException] = []
+        return asyncio.run(work)
+    outcome: list[T | BaseException] = []
 
     def run() -> None:
         try:
-            outcome.append(asyncio.run(exchange()))
+            outcome.append(asyncio.run(work))
         except BaseException as exc:  # handed to the calling thread
             outcome.append(exc)
 
@@ -91,3 +105,43 @@ def fetch_blocking(method: str, url: str, body: bytes = b"",
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+class BlockingClient:
+    """The blocking client (`transport.Transport`): each request one exchange on a
+    private event loop, its connection closed after it.
+
+    Raises what `Client.handle_async_request` raises (`HttpError`, `TimeoutError`).
+    Called from a thread whose event loop is running (a blocking lock call in async
+    code), the exchange runs in a helper thread.
+    """
+
+    def __init__(self, *, user_agent: str = "ftctl",
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self._user_agent = user_agent
+        self._ssl_context = ssl_context
+
+    def handle_request(self, request: Request) -> Reply:
+        """The answer to `request` (`transport.Transport`)."""
+
+        async def exchange() -> Reply:
+            client = Client(user_agent=self._user_agent, ssl_context=self._ssl_context)
+            try:
+                return await client.handle_async_request(request)
+            finally:
+                await client.close()
+
+        return _run_blocking(exchange())
+
+
+def fetch_blocking(method: str, url: str, body: bytes = b"",
+                   headers: dict[str, str] | None = None, *, timeout_s: float,
+                   limit: int = DEFAULT_LIMIT,
+                   ssl_context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """`Client.fetch` for blocking code: (status, body), through a `BlockingClient`.
+
+    Raises what `fetch` raises (`HttpError`, `TimeoutError`).
+    """
+    request = Request(method, url, body, headers or {}, timeout_s, limit)
+    reply = BlockingClient(ssl_context=ssl_context).handle_request(request)
+    return reply.status, reply.body

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from dynamo_ftctl.http1.connection import Exchange
 from dynamo_ftctl.http1.errors import BodyTooLarge, HttpError
+from dynamo_ftctl.http1.transport import DEFAULT_LIMIT
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1.connection import Connection
@@ -26,8 +27,6 @@ __all__ = ["DEFAULT_LIMIT", "Response", "Sink", "read_whole"]
 
 # Unread body bytes of a `Response` above which its socket stops being read.
 _HIGH_WATER = 256 * 1024
-# `read()`'s default size limit: a JSON answer or a /metrics page is far smaller.
-DEFAULT_LIMIT = 10 * 1024 * 1024
 
 Sink = Callable[[bytes], bool]
 

@@ -17,10 +17,11 @@ TTL/3. Tokens need no floor: etcd never reuses a revision.
 
 The gateway speaks protobuf-JSON: keys and values are base64, 64-bit numbers
 are strings and zero values (`succeeded: false`, `create_revision: 0`) are
-omitted. HTTP goes through `dynamo_ftctl.http1` (imported on first request,
-so `ftctl lock` with flock never loads it): the JSON calls as one blocking
-exchange each (`PostJson`, the seam tests cut to make a partition), the watch
-as a stream on a private event loop.
+omitted. HTTP goes through `dynamo_ftctl.http1` (its client imported on first
+request, so `ftctl lock` with flock never loads it): the JSON calls as one
+blocking exchange each through a `http1.Transport` (a `BlockingClient`, or the
+`MockTransport` tests cut to make a partition), the watch as a stream on a
+private event loop.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput, LockTimeout, Unreachable
+from dynamo_ftctl.http1.transport import Request, Transport
 from dynamo_ftctl.lock.protocol import (
     Lease,
     LeaseLost,
@@ -46,22 +48,11 @@ from dynamo_ftctl.lock.protocol import (
     record_released,
 )
 
-__all__ = ["EtcdLock", "PostJson", "post_json"]
+__all__ = ["EtcdLock"]
 
 BACKEND = "etcd"
 
-# One POST of a JSON body to a URL within a timeout: (status, body). Failures raise
-# OSError (http1's HttpError and TimeoutError are ones).
-PostJson = Callable[[str, bytes, float], tuple[int, bytes]]
-
 _JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-def post_json(url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
-    """The real `PostJson`: one blocking http1 exchange."""
-    from dynamo_ftctl.http1 import fetch_blocking
-
-    return fetch_blocking("POST", url, body, _JSON_HEADERS, timeout_s=timeout_s)
 
 
 def _b64(text: str | bytes) -> str:
@@ -77,13 +68,15 @@ class EtcdLock:
     """The etcd backend of `FailoverLock`.
 
     `on_lost` is called (from a helper thread) with a `LeaseLost` when the lease
-    can no longer be trusted; the holder must stop serving at once.
+    can no longer be trusted; the holder must stop serving at once. `transport`
+    carries the JSON calls (None: an `http1.BlockingClient`, made on the first);
+    its failures are `OSError`s, and each sends the call to the next endpoint.
     """
 
     def __init__(
         self, endpoints: Sequence[str], key: str, engine_id: int = 0, *, ttl_s: float = 5.0,
         on_lost: Callable[[LeaseLost], None] | None = None, clock: Clock = SYSTEM_CLOCK,
-        post: PostJson = post_json, request_timeout_s: float = 2.0,
+        transport: Transport | None = None, request_timeout_s: float = 2.0,
         metrics: bool = False,
     ) -> None:
         if not endpoints:
@@ -100,7 +93,7 @@ class EtcdLock:
         self._clock = clock
         self._metrics = metrics
         self._timeout = request_timeout_s
-        self._send = post
+        self._transport = transport
         # Declare the lease lost this long before etcd could expire it.
         self._margin = min(0.5, self._ttl / 10)
         self._cond = threading.Condition()
@@ -142,16 +135,27 @@ class EtcdLock:
                 raise LeaseLost(msg)
             return self._lease
 
+    def _transport_or_default(self) -> Transport:
+        if self._transport is None:
+            from dynamo_ftctl.http1 import BlockingClient
+
+            self._transport = BlockingClient()
+        return self._transport
+
     def _post(self, path: str, body: dict[str, Any],
               timeout: float | None = None) -> dict[str, Any]:
         last: Exception | None = None
         payload = json.dumps(body, separators=(",", ":")).encode()
+        transport = self._transport_or_default()
         for endpoint in self._endpoints:
+            request = Request("POST", f"{endpoint}{path}", payload, _JSON_HEADERS,
+                              timeout or self._timeout)
             try:
-                status, raw = self._send(f"{endpoint}{path}", payload, timeout or self._timeout)
+                reply = transport.handle_request(request)
             except OSError as exc:  # refused, reset, timed out: the next endpoint
                 last = exc
                 continue
+            status, raw = reply.status, reply.body
             try:
                 doc = json.loads(raw)
             except ValueError:

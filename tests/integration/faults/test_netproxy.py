@@ -8,11 +8,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy, Toxic, parse_toxic
+from tests import fetch
 
 pytestmark = pytest.mark.integration
 
@@ -197,24 +197,24 @@ def test_control_api_adds_lists_and_clears() -> None:
     async def body(proxy: NetProxy) -> None:
         control = await ControlServer(proxy, token=TOKEN).start()
         try:
-            async with aiohttp.ClientSession(control.url, headers=AUTH) as http:
-                async with http.post("/toxics", json={"name": "l", "kind": "latency",
-                                                      "latency_ms": 5}) as r:
-                    assert r.status == 201
-                async with http.post("/toxics", json={"kind": "bandwidth"}) as r:
-                    assert r.status == 400
-                    assert "rate_kbps" in (await r.json())["error"]
-                async with http.post("/toxics", json={"kind": "blackhole"}) as r:
-                    assert r.status == 201
-                async with http.get("/toxics") as r:
-                    names = [t["name"] for t in (await r.json())["toxics"]]
-                    assert names == ["l", "blackhole_downstream"]
-                async with http.delete("/toxics/l") as r:
-                    assert r.status == 200
-                async with http.delete("/toxics/l") as r:
-                    assert r.status == 404
-                async with http.delete("/toxics") as r:
-                    assert (await r.json())["removed"] == 1
+            async with fetch.Session(control.url, headers=AUTH) as http:
+                r = await http.post("/toxics", json={"name": "l", "kind": "latency",
+                                                     "latency_ms": 5})
+                assert r.status == 201
+                r = await http.post("/toxics", json={"kind": "bandwidth"})
+                assert r.status == 400
+                assert "rate_kbps" in r.json()["error"]
+                r = await http.post("/toxics", json={"kind": "blackhole"})
+                assert r.status == 201
+                r = await http.get("/toxics")
+                names = [t["name"] for t in r.json()["toxics"]]
+                assert names == ["l", "blackhole_downstream"]
+                r = await http.delete("/toxics/l")
+                assert r.status == 200
+                r = await http.delete("/toxics/l")
+                assert r.status == 404
+                r = await http.delete("/toxics")
+                assert r.json()["removed"] == 1
             assert proxy.toxics() == ()
         finally:
             await control.stop()
@@ -238,21 +238,21 @@ def test_control_api_changes_need_the_bearer_token(headers: dict[str, str],
     async def body(proxy: NetProxy) -> None:
         control = await ControlServer(proxy, token=TOKEN).start()
         try:
-            async with aiohttp.ClientSession(control.url) as http:
+            async with fetch.Session(control.url) as http:
                 blackhole = {"kind": "blackhole"}
-                async with http.post("/toxics", json=blackhole, headers=headers,
-                                     params=params) as r:
-                    assert r.status == 401
-                    assert r.headers["WWW-Authenticate"] == "Bearer"
+                r = await http.post("/toxics", json=blackhole, headers=headers,
+                                    params=params)
+                assert r.status == 401
+                assert r.header("WWW-Authenticate") == "Bearer"
                 assert proxy.toxics() == ()
-                async with http.post("/toxics", json=blackhole,
-                                     headers={"authorization": f"bearer {TOKEN}"}) as r:
-                    assert r.status == 201
+                r = await http.post("/toxics", json=blackhole,
+                                    headers={"authorization": f"bearer {TOKEN}"})
+                assert r.status == 201
                 for path in ("/toxics/blackhole_downstream", "/toxics"):
-                    async with http.delete(path, headers=headers, params=params) as r:
-                        assert r.status == 401
-                async with http.get("/toxics") as r:
-                    assert len((await r.json())["toxics"]) == 1
+                    r = await http.delete(path, headers=headers, params=params)
+                    assert r.status == 401
+                r = await http.get("/toxics")
+                assert len(r.json()["toxics"]) == 1
             assert len(proxy.toxics()) == 1
         finally:
             await control.stop()
@@ -266,14 +266,14 @@ def test_control_api_without_a_token_refuses_every_change() -> None:
     async def body(proxy: NetProxy) -> None:
         control = await ControlServer(proxy).start()
         try:
-            async with aiohttp.ClientSession(control.url, headers=AUTH) as http:
-                async with http.post("/toxics", json={"kind": "blackhole"}) as r:
-                    assert r.status == 403
-                    assert "FTCTL_NETPROXY_TOKEN" in (await r.json())["error"]
-                async with http.delete("/toxics") as r:
-                    assert r.status == 403
-                async with http.get("/health") as r:
-                    assert r.status == 200
+            async with fetch.Session(control.url, headers=AUTH) as http:
+                r = await http.post("/toxics", json={"kind": "blackhole"})
+                assert r.status == 403
+                assert "FTCTL_NETPROXY_TOKEN" in r.json()["error"]
+                r = await http.delete("/toxics")
+                assert r.status == 403
+                r = await http.get("/health")
+                assert r.status == 200
             assert proxy.toxics() == ()
         finally:
             await control.stop()

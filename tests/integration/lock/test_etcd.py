@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import signal
 import socket
@@ -13,13 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from dynamo_ftctl.errors import LockTimeout
-from dynamo_ftctl.http1 import ConnectError
+from dynamo_ftctl.http1 import BlockingClient, ConnectError, MockTransport, Reply, Request
 from dynamo_ftctl.lock import EtcdLock, LeaseLost
-from dynamo_ftctl.lock.etcd import post_json
+from tests import fetch
 from tests.waiting import wait_until
 
 pytestmark = [
@@ -61,10 +61,10 @@ def etcd(tmp_path: Path) -> Iterator[str]:
     try:
         def health() -> object:
             assert proc.poll() is None, (tmp_path / "etcd.log").read_text()[-2000:]
-            return httpx.get(f"{client_url}/health", timeout=1).json().get("health")
+            return fetch.get(f"{client_url}/health", timeout=1).json().get("health")
 
         wait_until(health, 30, "etcd healthy", accept=lambda h: h == "true",
-                   ignore=(httpx.HTTPError, ValueError), interval=0.05)
+                   ignore=(OSError, ValueError), interval=0.05)
         yield client_url
     finally:
         proc.kill()
@@ -73,16 +73,19 @@ def etcd(tmp_path: Path) -> Iterator[str]:
 
 
 class Partition:
-    """The real `post_json` (a `PostJson`), cut off for keep-alives like a network partition."""
+    """The real blocking client behind a `MockTransport`, cut off for keep-alives like a
+    network partition."""
 
     def __init__(self) -> None:
         self.cut = threading.Event()
+        self.client = BlockingClient()
+        self.transport = MockTransport(self.handle)
 
-    def __call__(self, url: str, body: bytes, timeout_s: float) -> tuple[int, bytes]:
-        if self.cut.is_set() and url.endswith("/v3/lease/keepalive"):
+    def handle(self, request: Request) -> Reply:
+        if self.cut.is_set() and request.url.endswith("/v3/lease/keepalive"):
             msg = "partitioned"
             raise ConnectError(msg)
-        return post_json(url, body, timeout_s)
+        return self.client.handle_request(request)
 
 
 def test_acquire_release_and_tokens_are_create_revisions(etcd: str) -> None:
@@ -144,7 +147,7 @@ def test_partitioned_holder_is_told_before_the_new_token_exists(etcd: str) -> No
     """With keep-alives cut, the holder learns it lost the lease before a waiter gets the key."""
     partition = Partition()
     told: list[tuple[float, LeaseLost]] = []
-    holder = EtcdLock([etcd], "/t/d", 0, ttl_s=TTL, post=partition,
+    holder = EtcdLock([etcd], "/t/d", 0, ttl_s=TTL, transport=partition.transport,
                       on_lost=lambda exc: told.append((time.monotonic(), exc)))
     old = holder.acquire(5)
     waiter = EtcdLock([etcd], "/t/d", 1, ttl_s=TTL)
@@ -254,8 +257,9 @@ def test_cli_acquire_forwards_sigterm_to_the_command(
 def delete_key(etcd: str, key: str) -> None:
     """`etcdctl del KEY`, through the JSON gateway."""
     body = {"key": base64.b64encode(key.encode()).decode()}
-    response = httpx.post(f"{etcd}/v3/kv/deleterange", json=body, timeout=5)
-    assert response.status_code == 200
+    request = Request("POST", f"{etcd}/v3/kv/deleterange", json.dumps(body).encode(),
+                      {"Content-Type": "application/json"}, timeout_s=5)
+    assert BlockingClient().handle_request(request).status == 200
 
 
 def test_deleted_key_tells_the_holder_and_the_next_token_is_higher(etcd: str) -> None:

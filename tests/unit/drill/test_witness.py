@@ -13,6 +13,7 @@ from dynamo_ftctl.drill.witness import (
     witness_counts,
 )
 from dynamo_ftctl.faults.scenario import Witness
+from dynamo_ftctl.http1 import MockTransport, NoConnection, Reply, Request
 from tests.loopback import Server
 
 WITNESS = Witness(streams=2, max_tokens=4, prompt_tokens=4, timeout_s=5)
@@ -117,5 +118,54 @@ def test_errors_status_cut_body_and_no_reference_are_recorded() -> None:
             await compare_witnesses(WITNESS, cut, dying.url)
         assert all(s.reference is None for s in cut)
         assert witness_counts(cut, WITNESS.max_tokens)["failed"] == 2
+
+    asyncio.run(main())
+
+
+def test_crlf_events_and_malformed_data_are_read_as_sse() -> None:
+    """CRLF line ends (split between reads) are one SSE stream through `sse.SseDecoder`;
+    data that is not JSON is the stream's error, not a crash of the drill."""
+    crlf = _event([1, 2]).replace(b"\n", b"\r\n")
+    pieces = [crlf[:-1], crlf[-1:] + b": x-ftctl-migrated: w1 -> w2\r\n\r\n",
+              _event([3, 4], "length").replace(b"\n", b"\r\n")]
+
+    async def main() -> None:
+        streams = new_witnesses(WITNESS, "m")[:1]
+        async with Server(_sse(pieces)) as proxy:
+            await run_witnesses(WITNESS, proxy.url, streams)
+        assert (streams[0].ids, streams[0].migrated, streams[0].finished) == \
+            ([1, 2, 3, 4], True, True)
+        assert streams[0].error is None
+        broken = new_witnesses(WITNESS, "m")[:1]
+        async with Server(_sse([b"data: {not json\n\n"])) as bad:
+            await run_witnesses(WITNESS, bad.url, broken)
+        assert (broken[0].error or "").startswith("malformed SSE data")
+
+    asyncio.run(main())
+
+
+def test_witnesses_take_a_streaming_transport() -> None:
+    """`run_witnesses(transport=MockTransport(...))`: no socket; the body read back in
+    7-byte pieces is the same stream, and a refused connection is the stream's error."""
+    sse = _event([1, 2]) + b": x-ftctl-migrated: w1 -> w2\n\n" + _event([3, 4], "length")
+
+    def worker(request: Request) -> Reply:
+        assert request.json()["return_token_ids"] is True
+        return Reply(200, sse + b"data: [DONE]\n\n", {"x-ftctl-worker": "w1,w2"})
+
+    def refused(request: Request) -> Reply:
+        raise NoConnection(f"refused: {request.url}")
+
+    async def main() -> None:
+        streams = new_witnesses(WITNESS, "m")
+        await run_witnesses(WITNESS, "http://proxy", streams,
+                            transport=MockTransport(worker, chunk_size=7))
+        await compare_witnesses(WITNESS, streams, "http://w",
+                                transport=MockTransport(worker))
+        assert all(s.ids == [1, 2, 3, 4] and s.migrated and s.intact for s in streams)
+        assert [s.worker for s in streams] == ["w1", "w1"]
+        gone = new_witnesses(WITNESS, "m")
+        await run_witnesses(WITNESS, "http://proxy", gone, transport=MockTransport(refused))
+        assert all((s.error or "").startswith("NoConnection: refused") for s in gone)
 
     asyncio.run(main())

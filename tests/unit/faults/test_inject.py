@@ -25,6 +25,7 @@ from dynamo_ftctl.faults.inject import (
     run_injection,
 )
 from dynamo_ftctl.faults.injectors import Injectors, Step
+from dynamo_ftctl.http1 import MockTransport, Reply, Request
 from dynamo_ftctl.inventory import Inventory, parse_inventory
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.process import FakeSpawner
@@ -68,20 +69,20 @@ class Recorder:
         self.spawner = FakeSpawner()
         self.status = status
 
-    def fetch(self, method: str, url: str, body: bytes, headers: dict[str, str],
-              timeout_s: float) -> tuple[int, bytes]:
-        """The `Fetch` seam: records the request, answers `status` with a JSON body."""
-        assert timeout_s > 0
-        doc = json.loads(body) if body else None
-        self.requests.append((method, url, doc, headers.get("Authorization")))
-        return self.status, json.dumps({"ok": self.status < 400}).encode()
+    def handle(self, request: Request) -> Reply:
+        """The transport's handler: records the request, answers `status` with a JSON body."""
+        assert request.timeout_s > 0
+        doc = request.json() if request.body else None
+        self.requests.append((request.method, request.url, doc,
+                              request.headers.get("Authorization")))
+        return Reply(self.status, json.dumps({"ok": self.status < 400}).encode())
 
     def injectors(self) -> Injectors:
         def kill(pid: int, sig: int) -> None:
             self.signals.append((pid, sig))
 
         return Injectors(environ={"T_TOKEN": "s3cret", "FTCTL_NETPROXY_TOKEN": "n3t"},
-                         fetch=self.fetch, kill=kill, spawner=self.spawner)
+                         transport=MockTransport(self.handle), kill=kill, spawner=self.spawner)
 
 
 def _counter(fault: str, worker: str) -> float:

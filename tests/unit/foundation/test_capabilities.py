@@ -17,14 +17,13 @@ from typer.testing import CliRunner
 from dynamo_ftctl.capabilities import (
     Capabilities,
     CapabilityCache,
-    ClientFetch,
-    FetchResult,
     fetch_through,
     load_metric_from_metrics,
     probe_capabilities,
     start_time_from_metrics,
 )
 from dynamo_ftctl.clock import FakeClock
+from dynamo_ftctl.http1 import MockTransport, Reply, Request
 from dynamo_ftctl.inventory import Worker, parse_inventory
 from tests.integration.proxy.test_proxy_sim import threaded_server
 from tests.loopback import Server
@@ -51,39 +50,40 @@ STRICT_400 = (400, b'{"detail":[{"type":"extra_forbidden","loc":["body","return_
 Answer = tuple[int, bytes] | Callable[[], Any]
 
 
-class FakeFetch:
-    """A `Fetch` answering from a route table; records each call; unknown routes are 404."""
+class FakeWorker(MockTransport):
+    """A `MockTransport` answering from a route table; records each call; unknown routes
+    are 404."""
 
     def __init__(self, routes: Mapping[tuple[str, str], Answer] | None = None,
                  headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(self.answer)
         self.routes = dict(VLLM if routes is None else routes)
-        self.headers = dict(headers or {})
+        self.headers = {name.lower(): value for name, value in (headers or {}).items()}
         self.calls: list[tuple[str, str, bytes, dict[str, str]]] = []
 
-    async def __call__(self, method: str, url: str, body: bytes,
-                       headers: Mapping[str, str] | None, timeout_s: float) -> FetchResult:
-        self.calls.append((method, url, body, dict(headers or {})))
-        path = urlsplit(url).path
+    async def answer(self, request: Request) -> Reply:
+        self.calls.append((request.method, request.url, request.body, dict(request.headers)))
+        path = urlsplit(request.url).path
         if path.startswith("/admin/kv/"):
             path = "/admin/kv/{id}"
-        answer = self.routes.get((method, path), (404, b'{"detail":"Not Found"}'))
+        answer = self.routes.get((request.method, path), (404, b'{"detail":"Not Found"}'))
         if callable(answer):
             answer = await answer()
         status, data = answer
-        return status, data, self.headers
+        return Reply(status, data, self.headers)
 
     def body_of(self, path: str) -> dict[str, Any]:
         return next(json.loads(b) for _, u, b, _ in self.calls if u.endswith(path))
 
 
-def probe(fetch: Any, **kwargs: Any) -> Capabilities:
-    return asyncio.run(probe_capabilities(WORKER, fetch=fetch, admin_token="t", **kwargs))
+def probe(transport: Any, **kwargs: Any) -> Capabilities:
+    return asyncio.run(probe_capabilities(WORKER, transport=transport, admin_token="t", **kwargs))
 
 
 def test_vllm_like_worker_supports_everything_but_kv_export() -> None:
     """A vLLM-like worker: token ids on both endpoints, tokenize, health, metrics, sleep, models."""
-    fetch = FakeFetch(headers={"Server": "uvicorn"})
-    caps = probe(fetch)
+    worker = FakeWorker(headers={"Server": "uvicorn"})
+    caps = probe(worker)
     assert caps.reachable
     assert caps.error is None
     assert (caps.token_ids, caps.prompt_token_ids, caps.chat_token_ids) == (True, True, True)
@@ -103,52 +103,52 @@ def test_vllm_like_worker_supports_everything_but_kv_export() -> None:
 
 def test_the_generation_probe_asks_for_one_greedy_streamed_token_with_ids() -> None:
     """The completion probe sends return_token_ids, max_tokens 1, temperature 0, stream, model."""
-    fetch = FakeFetch()
-    probe(fetch)
-    body = fetch.body_of("/v1/completions")
+    worker = FakeWorker()
+    probe(worker)
+    body = worker.body_of("/v1/completions")
     assert body["return_token_ids"] is True
     assert (body["max_tokens"], body["temperature"], body["stream"], body["model"]) == (
         1, 0, True, "m")
-    assert fetch.body_of("/v1/chat/completions")["messages"][0]["role"] == "user"
+    assert worker.body_of("/v1/chat/completions")["messages"][0]["role"] == "user"
 
 
 def test_chunks_without_ids_mean_no_token_ids() -> None:
     """A server that ignores return_token_ids: token_ids False, and it is not strict."""
-    fetch = FakeFetch({**VLLM, ("POST", "/v1/completions"): (
+    worker = FakeWorker({**VLLM, ("POST", "/v1/completions"): (
         200, b'data: {"choices":[{"text":"x"}]}\n\ndata: [DONE]\n\n')})
-    caps = probe(fetch)
+    caps = probe(worker)
     assert (caps.token_ids, caps.prompt_token_ids, caps.strict_fields) == (False, False, False)
 
 
 @pytest.mark.parametrize("status", [400, 422])
 def test_an_error_naming_the_field_means_strict_fields(status: int) -> None:
     """400/422 naming return_token_ids: no token ids, and the server refuses unknown fields."""
-    fetch = FakeFetch({**VLLM, ("POST", "/v1/completions"): (status, STRICT_400[1]),
+    worker = FakeWorker({**VLLM, ("POST", "/v1/completions"): (status, STRICT_400[1]),
                        ("POST", "/v1/chat/completions"): (status, STRICT_400[1])})
-    caps = probe(fetch)
+    caps = probe(worker)
     assert (caps.token_ids, caps.chat_token_ids, caps.strict_fields) == (False, False, True)
 
 
 def test_an_error_not_naming_the_field_is_unknown() -> None:
     """A 400 about something else (wrong model) says nothing about token ids."""
-    fetch = FakeFetch({**VLLM, ("POST", "/v1/completions"): (400, b'{"error":"no model m"}')})
-    caps = probe(fetch)
+    worker = FakeWorker({**VLLM, ("POST", "/v1/completions"): (400, b'{"error":"no model m"}')})
+    caps = probe(worker)
     assert caps.token_ids is None
     assert "POST /v1/completions: HTTP 400" in caps.notes
 
 
 def test_a_plain_json_completion_is_read_too() -> None:
     """A server that answers a stream request with one JSON body is judged on that body."""
-    fetch = FakeFetch({**VLLM, ("POST", "/v1/completions"): (
+    worker = FakeWorker({**VLLM, ("POST", "/v1/completions"): (
         200, b'{"choices":[{"text":"x","token_ids":[3]}],"prompt_token_ids":[1]}')})
-    caps = probe(fetch)
+    caps = probe(worker)
     assert (caps.token_ids, caps.prompt_token_ids) == (True, True)
 
 
 def test_a_bare_server_says_no_to_each_missing_route() -> None:
     """Only /v1 routes: tokenize, health, metrics, sleep, kv_export are no, not unknown."""
     routes = {k: v for k, v in VLLM.items() if k[1].startswith("/v1/")}
-    caps = probe(FakeFetch(routes))
+    caps = probe(FakeWorker(routes))
     assert (caps.tokenize, caps.health, caps.metrics, caps.sleep, caps.kv_export) == (
         False, False, False, False, False)
     assert caps.load_metric == "none"
@@ -174,11 +174,11 @@ def test_start_time_parsing_refuses_garbage() -> None:
 
 def test_kv_export_route_found_with_the_sim_404_and_token() -> None:
     """The sim's export route answers NotFoundError for an unknown id: kv_export, token sent."""
-    fetch = FakeFetch({**VLLM, ("GET", "/admin/kv/{id}"): (
+    worker = FakeWorker({**VLLM, ("GET", "/admin/kv/{id}"): (
         404, b'{"error":{"message":"no request","type":"NotFoundError","param":null}}')})
-    caps = probe(fetch)
+    caps = probe(worker)
     assert caps.kv_export is True
-    (call,) = [c for c in fetch.calls if "/admin/kv/" in c[1]]
+    (call,) = [c for c in worker.calls if "/admin/kv/" in c[1]]
     assert call[0] == "GET"
     assert "abort" not in call[1]
     assert call[3]["Authorization"] == "Bearer t"
@@ -187,15 +187,15 @@ def test_kv_export_route_found_with_the_sim_404_and_token() -> None:
 @pytest.mark.parametrize(("status", "expected"), [(401, None), (403, False), (500, None)])
 def test_kv_export_when_the_admin_api_refuses(status: int, expected: bool | None) -> None:
     """401 (token needed) is unknown; 403 (admin API disabled) is no; a 500 is unknown."""
-    fetch = FakeFetch({**VLLM, ("GET", "/admin/kv/{id}"): (status, b'{"error":{}}')})
-    assert probe(fetch).kv_export is expected
+    worker = FakeWorker({**VLLM, ("GET", "/admin/kv/{id}"): (status, b'{"error":{}}')})
+    assert probe(worker).kv_export is expected
 
 
 def test_a_sleeping_worker_has_sleep_and_unknown_health() -> None:
     """/health 503 while asleep: the route is there but says nothing now; asleep is recorded."""
-    fetch = FakeFetch({**VLLM, ("GET", "/health"): (503, b"{}"),
+    worker = FakeWorker({**VLLM, ("GET", "/health"): (503, b"{}"),
                        ("GET", "/is_sleeping"): (200, b'{"is_sleeping":true}')})
-    caps = probe(fetch)
+    caps = probe(worker)
     assert (caps.health, caps.sleep, caps.asleep) == (None, True, True)
 
 
@@ -212,7 +212,7 @@ def test_garbage_answers_leave_fields_unknown_or_no() -> None:
         ("GET", "/v1/models"): (200, b'{"data":[{"id":5},"x",{"id":"m","max_model_len":true}]}'),
         ("GET", "/version"): (200, b"[1]"),
     }
-    caps = probe(FakeFetch(routes))
+    caps = probe(FakeWorker(routes))
     assert caps.reachable
     assert (caps.token_ids, caps.chat_token_ids) == (None, None)
     assert caps.tokenize is False
@@ -224,19 +224,19 @@ def test_garbage_answers_leave_fields_unknown_or_no() -> None:
 
 
 def test_a_body_over_the_cap_is_refused() -> None:
-    """A fetch that returns more than MAX_PROBE_BYTES: that probe's answer is thrown away."""
+    """A transport that returns more than MAX_PROBE_BYTES: that probe's answer is thrown away."""
     huge = b"vllm:kv_cache_usage_perc 1\n" + b"#" * (3 * 1024 * 1024)
-    caps = probe(FakeFetch({**VLLM, ("GET", "/metrics"): (200, huge)}))
+    caps = probe(FakeWorker({**VLLM, ("GET", "/metrics"): (200, huge)}))
     assert caps.metrics is None
     assert any("body over" in n for n in caps.notes)
 
 
 def test_an_unreachable_worker_has_an_error_and_no_fields() -> None:
     """Every exchange refused: error set, every capability unknown, nothing raised."""
-    async def refused(*_: Any) -> FetchResult:
+    async def refused(_: Request) -> Reply:
         raise ConnectionRefusedError("connection refused")
 
-    caps = probe(refused)
+    caps = probe(MockTransport(refused))
     assert not caps.reachable
     assert caps.error is not None
     assert caps.error.startswith("unreachable: ")
@@ -245,13 +245,14 @@ def test_an_unreachable_worker_has_an_error_and_no_fields() -> None:
     assert caps.models == ()
 
 
-def test_a_fetch_that_ignores_its_timeout_is_cut_at_the_deadline() -> None:
-    """A fetch that never returns: each probe gives up after timeout_s; the worker is unreachable."""
-    async def hang(*_: Any) -> FetchResult:
+def test_a_transport_that_ignores_its_timeout_is_cut_at_the_deadline() -> None:
+    """A transport that never returns: each probe gives up after timeout_s; the worker is
+    unreachable."""
+    async def hang(_: Request) -> Reply:
         await asyncio.Event().wait()
         raise AssertionError
 
-    caps = probe(hang, timeout_s=0.05)
+    caps = probe(MockTransport(hang), timeout_s=0.05)
     assert not caps.reachable
     assert "no answer within 0.05 s" in (caps.error or "")
 
@@ -261,7 +262,7 @@ def test_one_slow_route_does_not_hide_the_others() -> None:
     async def hang() -> Any:
         await asyncio.Event().wait()
 
-    caps = probe(FakeFetch({**VLLM, ("POST", "/tokenize"): hang}), timeout_s=0.05)
+    caps = probe(FakeWorker({**VLLM, ("POST", "/tokenize"): hang}), timeout_s=0.05)
     assert caps.reachable
     assert caps.tokenize is None
     assert caps.health is True
@@ -270,7 +271,7 @@ def test_one_slow_route_does_not_hide_the_others() -> None:
 def test_probed_at_and_elapsed_come_from_the_clock() -> None:
     """probed_at is the clock's wall time (the seam for tests)."""
     clock = FakeClock(start=100.0)
-    caps = probe(FakeFetch(), clock=clock)
+    caps = probe(FakeWorker(), clock=clock)
     assert caps.probed_at == clock.wall()
 
 
@@ -278,7 +279,7 @@ def test_probed_at_and_elapsed_come_from_the_clock() -> None:
 # The cache
 
 
-class CountingFetch(FakeFetch):
+class CountingWorker(FakeWorker):
     """Counts /v1/models calls (one per probe) and can hold them until released."""
 
     def __init__(self, start_time: float = 1.0) -> None:
@@ -303,17 +304,17 @@ class CountingFetch(FakeFetch):
 def test_concurrent_probes_of_one_worker_share_one_exchange() -> None:
     """Ten callers at once: one probe in flight, all get the same answer, then it is cached."""
     async def main() -> None:
-        fetch = CountingFetch()
-        fetch.hold = True
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker()
+        worker.hold = True
+        cache = CapabilityCache(transport=worker)
         callers = [asyncio.ensure_future(cache.probe(WORKER)) for _ in range(10)]
         await asyncio.sleep(0)
-        fetch.release.set()
+        worker.release.set()
         results = await asyncio.gather(*callers)
-        assert fetch.probes == 1
+        assert worker.probes == 1
         assert all(r is results[0] for r in results)
         assert await cache.probe(WORKER) is results[0]
-        assert fetch.probes == 1
+        assert worker.probes == 1
         assert cache.get("w1") is results[0]
 
     asyncio.run(main())
@@ -322,16 +323,16 @@ def test_concurrent_probes_of_one_worker_share_one_exchange() -> None:
 def test_one_cancelled_caller_does_not_cancel_the_shared_probe() -> None:
     """A caller that gives up leaves the in-flight probe to the others."""
     async def main() -> None:
-        fetch = CountingFetch()
-        fetch.hold = True
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker()
+        worker.hold = True
+        cache = CapabilityCache(transport=worker)
         first = asyncio.ensure_future(cache.probe(WORKER))
         second = asyncio.ensure_future(cache.probe(WORKER))
         await asyncio.sleep(0.01)
         first.cancel()
-        fetch.release.set()
+        worker.release.set()
         assert (await second).reachable
-        assert fetch.probes == 1
+        assert worker.probes == 1
 
     asyncio.run(main())
 
@@ -339,13 +340,13 @@ def test_one_cancelled_caller_does_not_cancel_the_shared_probe() -> None:
 def test_invalidate_makes_the_next_probe_ask_again() -> None:
     """invalidate (the proxy saw the worker fail) drops the entry; the next probe re-asks."""
     async def main() -> None:
-        fetch = CountingFetch()
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker()
+        cache = CapabilityCache(transport=worker)
         await cache.probe(WORKER)
         cache.invalidate("w1")
         assert cache.get("w1") is None
         await cache.probe(WORKER)
-        assert fetch.probes == 2
+        assert worker.probes == 2
 
     asyncio.run(main())
 
@@ -353,19 +354,19 @@ def test_invalidate_makes_the_next_probe_ask_again() -> None:
 def test_a_probe_in_flight_when_invalidated_is_not_stored() -> None:
     """An answer begun before the failure is returned to its callers but not cached."""
     async def main() -> None:
-        fetch = CountingFetch()
-        fetch.hold = True
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker()
+        worker.hold = True
+        cache = CapabilityCache(transport=worker)
         stale = asyncio.ensure_future(cache.probe(WORKER))
         await asyncio.sleep(0.01)
         cache.invalidate("w1")
         fresh = asyncio.ensure_future(cache.probe(WORKER))
         await asyncio.sleep(0.01)
-        fetch.release.set()
+        worker.release.set()
         old, new = await stale, await fresh
         assert old is not new
         assert cache.get("w1") is new
-        assert fetch.probes == 2
+        assert worker.probes == 2
 
     asyncio.run(main())
 
@@ -373,17 +374,17 @@ def test_a_probe_in_flight_when_invalidated_is_not_stored() -> None:
 def test_a_new_start_time_is_a_restart() -> None:
     """note_start_time with the probed value changes nothing; a new value invalidates."""
     async def main() -> None:
-        fetch = CountingFetch(start_time=1.0)
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker(start_time=1.0)
+        cache = CapabilityCache(transport=worker)
         caps = await cache.probe(WORKER)
         assert caps.process_start_time == 1.0
         assert cache.note_start_time("w1", 1.0) is False
         assert cache.get("w1") is caps
         assert cache.note_start_time("w1", 2.0) is True
         assert cache.get("w1") is None
-        fetch.set_start_time(2.0)
+        worker.set_start_time(2.0)
         await cache.probe(WORKER)
-        assert fetch.probes == 2
+        assert worker.probes == 2
         assert cache.note_start_time("w1", 2.0) is False
 
     asyncio.run(main())
@@ -391,19 +392,19 @@ def test_a_new_start_time_is_a_restart() -> None:
 
 def test_start_times_noted_before_any_probe_still_detect_a_restart() -> None:
     """The proxy's scrape may note a start time first; a later different one is a restart."""
-    cache = CapabilityCache(fetch=FakeFetch())
+    cache = CapabilityCache(transport=FakeWorker())
     assert cache.note_start_time("w9", 5.0) is False
     assert cache.note_start_time("w9", 6.0) is True
 
 
 def test_an_unreachable_answer_is_kept_only_briefly() -> None:
     """An unreachable worker is re-probed after retry_unreachable_s (fake clock)."""
-    async def refused(*_: Any) -> FetchResult:
+    async def refused(_: Request) -> Reply:
         raise ConnectionRefusedError("refused")
 
     async def main() -> None:
         clock = FakeClock()
-        cache = CapabilityCache(fetch=refused, clock=clock,
+        cache = CapabilityCache(transport=MockTransport(refused), clock=clock,
                                 retry_unreachable_s=5.0)
         caps = await cache.probe(WORKER)
         assert cache.get("w1") is caps
@@ -416,14 +417,14 @@ def test_an_unreachable_answer_is_kept_only_briefly() -> None:
 def test_probe_all_probes_workers_concurrently() -> None:
     """probe_all runs every worker's probe at once (all held, then all released)."""
     async def main() -> None:
-        fetch = CountingFetch()
-        fetch.hold = True
-        cache = CapabilityCache(fetch=fetch)
+        worker = CountingWorker()
+        worker.hold = True
+        cache = CapabilityCache(transport=worker)
         workers = [Worker(name=f"w{i}", url=f"http://w{i}:1", model="m") for i in range(5)]
         job = asyncio.ensure_future(cache.probe_all(workers))
         await asyncio.sleep(0.01)
-        assert fetch.probes == 5  # all five are waiting at once
-        fetch.release.set()
+        assert worker.probes == 5  # all five are waiting at once
+        worker.release.set()
         assert [c.worker for c in await job] == [w.name for w in workers]
         assert set(cache.snapshot()) == {w.name for w in workers}
 
@@ -431,7 +432,7 @@ def test_probe_all_probes_workers_concurrently() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The default fetch against hostile loopback servers
+# The default transport against hostile loopback servers
 
 
 async def _hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -465,8 +466,8 @@ async def _hostile(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _
 
 @pytest.mark.parametrize("client", ["default", "through"])
 def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
-    """Endless, huge, trickling and silent answers: the default `ClientFetch` and
-    `fetch_through(http1.Client())` stop each in time."""
+    """Endless, huge, trickling and silent answers: the default client and the proxy's
+    `http1.Client` stop each in time."""
     from dynamo_ftctl.http1 import Client
 
     async def main() -> tuple[Capabilities, float]:
@@ -474,13 +475,11 @@ def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
             worker = Worker(name="evil", url=server.url, model="m")
             loop = asyncio.get_running_loop()
             start = loop.time()
-            if client == "default":
-                fetch: Any = await stack.enter_async_context(ClientFetch(max_bytes=256 * 1024))
-            else:
-                proxy_client = Client()
-                stack.push_async_callback(proxy_client.close)
-                fetch = fetch_through(proxy_client, max_bytes=256 * 1024)
-            caps = await probe_capabilities(worker, fetch=fetch, timeout_s=1.0)
+            transport = None
+            if client == "through":
+                transport = Client()
+                stack.push_async_callback(transport.close)
+            caps = await probe_capabilities(worker, transport=transport, timeout_s=1.0)
             return caps, loop.time() - start
 
     caps, elapsed = asyncio.run(main())
@@ -490,8 +489,7 @@ def test_hostile_worker_over_real_sockets_is_bounded(client: str) -> None:
     assert len([n for n in caps.notes if n.startswith(("GET /metrics", "GET /v1/models"))]) == 2
     assert any(n.startswith("GET /version") for n in caps.notes)
     assert caps.token_ids is None
-    if client == "default":  # only it hands the probe the headers
-        assert caps.server == "(evil)"
+    assert caps.server == "(evil)"  # both hand the probe the headers
 
 
 def test_default_fetch_reports_a_closed_port_as_unreachable() -> None:
@@ -503,7 +501,7 @@ def test_default_fetch_reports_a_closed_port_as_unreachable() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The CLI (a real loopback worker in a thread, so the command's own fetch is used)
+# The CLI (a real loopback worker in a thread, so the command's own client is used)
 
 
 class _Vllm(BaseHTTPRequestHandler):
@@ -575,15 +573,16 @@ def test_cli_probe_json_exits_three_when_one_is_unreachable(vllm_url: str, tmp_p
     assert by_name["w1"]["token_ids"] is None
 
 
-def test_the_proxy_client_works_as_the_fetch(vllm_url: str) -> None:
-    """`fetch_through(http1.Client())`: the proxy's own client probes a real socket."""
+def test_the_proxy_client_works_as_the_transport(vllm_url: str) -> None:
+    """`http1.Client()` as the transport (the proxy's own client, through `fetch_through`
+    as the proxy still passes it) probes a real socket."""
     from dynamo_ftctl.http1 import Client
 
     async def main() -> Capabilities:
         client = Client()
         try:
             worker = Worker(name="w0", url=vllm_url, model="m")
-            return await probe_capabilities(worker, fetch=fetch_through(client), timeout_s=2)
+            return await probe_capabilities(worker, transport=fetch_through(client), timeout_s=2)
         finally:
             await client.close()
 

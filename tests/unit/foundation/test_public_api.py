@@ -60,14 +60,18 @@ def _bound(body: list[ast.stmt]) -> set[str]:
 
 
 def _served_lazily(tree: ast.Module) -> set[str]:
-    """The strings a module-level `__getattr__` mentions: the names it may serve."""
-    return {
-        const.value
-        for node in tree.body
-        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
-        for const in ast.walk(node)
-        if isinstance(const, ast.Constant) and isinstance(const.value, str)
-    }
+    """The strings a module-level `__getattr__` mentions, and the keys of the module's
+    dicts it reads (`_LATE = {"Client": "client", ...}`): the names it may serve."""
+    hooks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "__getattr__"]
+    used = {name.id for hook in hooks for name in ast.walk(hook) if isinstance(name, ast.Name)}
+    served = {const.value for hook in hooks for const in ast.walk(hook)
+              if isinstance(const, ast.Constant) and isinstance(const.value, str)}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id in used for t in node.targets):
+            served |= {k.value for k in node.value.keys
+                       if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return served
 
 
 def _declared(tree: ast.Module) -> list[str] | None:

@@ -7,7 +7,6 @@ import json
 import socket
 from pathlib import Path
 
-import httpx
 import pytest
 
 from dynamo_ftctl.errors import InvalidInput
@@ -20,7 +19,9 @@ from dynamo_ftctl.gpu.daemon import (
     watch_nvml,
 )
 from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap
+from dynamo_ftctl.http1 import ConnectError
 from dynamo_ftctl.inventory import parse_inventory
+from tests import fetch
 
 KERN_LOG = """\
 [ 966.503025] NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, name=vllm, An uncorrectable double bit error
@@ -82,15 +83,15 @@ def test_nvml_watch_with_the_fake_and_its_metrics(tmp_path: Path,
     scraped: list[str] = []
 
     def on_event(_event: GpuEvent) -> None:
-        scraped.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text)
+        scraped.append(fetch.get(f"http://127.0.0.1:{port}/metrics").text)
 
     summary = watch_nvml(FeedOptions(node="node-a", count=1, metrics_port=port),
                          interval_s=0.01, duration_s=10.0, on_event=on_event,
                          on_warning=lambda _w: None)
     assert summary.events == 1
     assert 'ftctl_xid_events_total{gpu="0",xid="79"}' in scraped[0]
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    with pytest.raises(ConnectError):
+        fetch.get(f"http://127.0.0.1:{port}/metrics")
 
 
 def test_metrics_server_refuses_a_busy_port() -> None:

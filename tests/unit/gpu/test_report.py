@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 
 import pytest
@@ -10,20 +9,19 @@ import pytest
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.gpu.events import GpuEvent, WorkerMap, xid_event
 from dynamo_ftctl.gpu.report import CanaryReporter, report_url
-from dynamo_ftctl.health.transport import HttpReply, TransportError
+from dynamo_ftctl.health.transport import TransportError
+from dynamo_ftctl.http1 import MockTransport, Reply, Request
 
 
-class _Transport:
-    """The blocking POST seam, answered by `handler(url, body, headers)`."""
+def _Transport(handler: Callable[[str, dict[str, object], Mapping[str, str]],
+                                 Reply]) -> MockTransport:
+    """A `MockTransport` whose requests are answered by `handler(url, body, headers)`."""
 
-    def __init__(self, handler: Callable[[str, dict[str, object], Mapping[str, str]],
-                                         HttpReply]) -> None:
-        self.handler = handler
+    def handle(request: Request) -> Reply:
+        assert request.timeout_s > 0
+        return handler(request.url, request.json(), request.headers)
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
-        assert timeout_s > 0
-        return self.handler(url, json.loads(body), headers or {})
+    return MockTransport(handle)
 
 
 class _W:
@@ -50,11 +48,11 @@ def test_actionable_event_is_posted_per_worker() -> None:
     """An Xid 48 posts one ok=false body per affected worker, with the daemon's token."""
     seen: list[dict[str, object]] = []
 
-    def handler(url: str, body: dict[str, object], headers: Mapping[str, str]) -> HttpReply:
+    def handler(url: str, body: dict[str, object], headers: Mapping[str, str]) -> Reply:
         assert url == "http://daemon:9400/report"
         assert {k.lower(): v for k, v in headers.items()}["authorization"] == "Bearer d4emon"
         seen.append(body)
-        return HttpReply(200, b'{"accepted": true}', "application/json")
+        return Reply(200, b'{"accepted": true}', {"content-type": "application/json"})
 
     reporter = CanaryReporter("http://daemon:9400", token="d4emon",
                               transport=_Transport(handler))
@@ -70,10 +68,10 @@ def test_actionable_event_is_posted_per_worker() -> None:
 
 def test_daemon_down_or_refusing_is_counted_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
     """Connection errors and HTTP errors are warnings and counts; the watcher goes on."""
-    def refuse(_url: str, body: dict[str, object], _headers: Mapping[str, str]) -> HttpReply:
+    def refuse(_url: str, body: dict[str, object], _headers: Mapping[str, str]) -> Reply:
         if body["worker"] == "w1":
             raise TransportError("refused", "connection refused by daemon:9400")
-        return HttpReply(404, b"no such worker", "text/plain")
+        return Reply(404, b"no such worker", {"content-type": "text/plain"})
 
     reporter = CanaryReporter("http://daemon:9400", transport=_Transport(refuse))
     assert reporter.report(_event(79)) == 0

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.canaryset import CanarySet
-from dynamo_ftctl.health.transport import HttpReply, TransportError
+from dynamo_ftctl.health.transport import TransportError
+from dynamo_ftctl.http1 import MockTransport, Reply, Request
 from dynamo_ftctl.structs import convert_struct
 
 SET = convert_struct({
@@ -22,23 +23,23 @@ SET = convert_struct({
 GOLDEN = {"one": [1, 2, 3], "two": [4, 5, 6]}
 
 
-def answer(ids: list[int], top: float = -0.7) -> HttpReply:
+def answer(ids: list[int], top: float = -0.7) -> Reply:
     body = {"choices": [{"index": 0, "text": "x" * len(ids), "token_ids": ids,
                          "finish_reason": "length",
                          "logprobs": {"tokens": ["x"] * len(ids),
                                       "token_logprobs": [top] * len(ids),
                                       "top_logprobs": [{"x": top}] * len(ids)}}]}
-    return HttpReply(200, json.dumps(body).encode(), "application/json")
+    return Reply(200, json.dumps(body).encode(), {"content-type": "application/json"})
 
 
-Behaviour = Callable[[str], "HttpReply | TransportError"]
+Behaviour = Callable[[str], "Reply | TransportError"]
 
 
-def good(prompt: str) -> HttpReply:
+def good(prompt: str) -> Reply:
     return answer(GOLDEN[prompt])
 
 
-def corrupt(prompt: str) -> HttpReply:
+def corrupt(prompt: str) -> Reply:
     ids = list(GOLDEN[prompt])
     ids[1] += 100
     return answer(ids)
@@ -53,15 +54,20 @@ def reset(_: str) -> TransportError:
 
 
 @dataclass
-class FakeWorkers:
-    """Answers by worker URL; each call takes `latency_s[url]` of fake time."""
+class FakeWorkers(MockTransport):
+    """A `MockTransport` answering by worker URL; each call takes `latency_s[url]` of fake
+    time."""
 
     clock: FakeClock
     behaviour: dict[str, Behaviour] = field(default_factory=dict)
     latency_s: dict[str, float] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
 
-    def _answer(self, url: str, body: bytes) -> HttpReply:
+    def __post_init__(self) -> None:
+        super().__init__(self._answer)
+
+    def _answer(self, request: Request) -> Reply:
+        url, body = request.url, request.body
         base = url.split("/v1/", maxsplit=1)[0]
         self.calls.append(base)
         self.clock.advance(self.latency_s.get(base, 0.01))
@@ -71,19 +77,7 @@ class FakeWorkers:
             raise result
         return result
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
-        del timeout_s, headers
-        return self._answer(url, body)
-
 
 @dataclass
 class AsyncFakeWorkers(FakeWorkers):
-    """The same, as an async transport for the daemon."""
-
-    async def post_json(  # type: ignore[override]
-        self, url: str, body: bytes, *, timeout_s: float,
-        headers: Mapping[str, str] | None = None,
-    ) -> HttpReply:
-        del timeout_s, headers
-        return self._answer(url, body)
+    """The same, named for the daemon (a `MockTransport` serves awaited calls too)."""

@@ -6,18 +6,20 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
 
-import httpx
 import pytest
 
+from dynamo_ftctl import http1
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.daemon import REPORT_PROBE_GAP_S, HealthDaemon, WatchedWorker, create_app
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
-from dynamo_ftctl.health.transport import HttpReply
 from dynamo_ftctl.httpserver import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
+from dynamo_ftctl.jsoncodec import dumps
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.proxy.balancer import parse_daemon_weights
 
@@ -137,15 +139,14 @@ def test_concurrency_is_bounded() -> None:
     peak = 0
 
     class Slow(AsyncFakeWorkers):
-        async def post_json(self, url: str, body: bytes, *, timeout_s: float,  # type: ignore[override]
-                            headers: object = None) -> HttpReply:
+        async def handle_async_request(self, request: http1.Request) -> http1.Reply:
             nonlocal in_flight, peak
             in_flight += 1
             peak = max(peak, in_flight)
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             in_flight -= 1
-            return good(json.loads(body)["prompt"])
+            return good(json.loads(request.body)["prompt"])
 
     daemon, _ = daemon_for("rf", 20, Slow(clock), clock, concurrency=4)
     asyncio.run(daemon.probe_round())
@@ -170,9 +171,9 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
             assert parse_daemon_weights(doc) == {"rg0": 1.0, "rg1": 0.0}
             assert doc["workers"][1]["last"]["kind"] == "token_mismatch"
             bad = await client.post("/report", content=b"{nope")
-            assert bad.status_code == 400
+            assert bad.status == 400
             unknown = await client.post("/report", json={"worker": "zz"})
-            assert unknown.status_code == 400
+            assert unknown.status == 400
             assert "unknown worker" in unknown.json()["error"]
             ok = await client.post("/report", json={"worker": "rg0", "ok": False})
             assert ok.json()["states"] == {"rg0": "suspicious"}
@@ -212,25 +213,48 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- reports under attack
 
 
+class _Api:
+    """The daemon's routes called from `client`'s address with no socket: the router gets
+    the `httpserver.Request` the server would have parsed; answers are `http1.Reply`s."""
+
+    def __init__(self, daemon: HealthDaemon, token: str | None, client: tuple[str, int],
+                 headers: dict[str, str] | None) -> None:
+        self.router = create_app(daemon, token=token)
+        self.client = client
+        self.headers = dict(headers or {})
+
+    async def request(self, method: str, path: str, *, json: Any = None, content: bytes = b"",
+                      headers: dict[str, str] | None = None,
+                      params: dict[str, str] | None = None) -> http1.Reply:
+        body = content if json is None else dumps(json)
+        sent = {**self.headers, **(headers or {})}
+        parsed = Request(method=method, path=path, query=urlencode(params or {}),
+                         headers=[(k.lower().encode(), v.encode()) for k, v in sent.items()],
+                         body=body, client=self.client)
+        reply = await self.router(parsed)
+        assert isinstance(reply, Reply)
+        answer = {"content-type": reply.content_type}
+        answer.update((k.lower(), v) for k, v in reply.headers.items())
+        return http1.Reply(reply.status, reply.body, answer)
+
+    async def get(self, path: str, **kwargs: Any) -> http1.Reply:
+        return await self.request("GET", path, **kwargs)
+
+    async def post(self, path: str, **kwargs: Any) -> http1.Reply:
+        return await self.request("POST", path, **kwargs)
+
+    async def __aenter__(self) -> _Api:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
 def api(daemon: HealthDaemon, *, token: str | None = TOKEN,
         client: tuple[str, int] = ("10.0.0.1", 40000),
-        headers: dict[str, str] | None = None) -> httpx.AsyncClient:
-    """An HTTP client for the daemon's routes, coming from `client`'s address (no socket:
-    the router is called with the `httpserver.Request` the server would have parsed)."""
-    router = create_app(daemon, token=token)
-
-    async def answer(request: httpx.Request) -> httpx.Response:
-        parsed = Request(method=request.method, path=request.url.path,
-                         query=request.url.query.decode(),
-                         headers=[(k.lower(), v) for k, v in request.headers.raw],
-                         body=await request.aread(), client=client)
-        reply = await router(parsed)
-        assert isinstance(reply, Reply)
-        return httpx.Response(reply.status, content=reply.body,
-                              headers={"content-type": reply.content_type, **reply.headers})
-
-    return httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://d",
-                             headers=headers)
+        headers: dict[str, str] | None = None) -> _Api:
+    """A client for the daemon's routes, coming from `client`'s address."""
+    return _Api(daemon, token, client, headers)
 
 
 FORGED = {"worker": "ta0", "ok": False, "reason": "forged"}
@@ -256,7 +280,7 @@ def test_forged_reports_without_the_token_change_nothing(
     async def go() -> list[int]:
         async with api(daemon) as client:
             codes = [(await client.post("/report", json=FORGED, headers=headers,
-                                        params=params)).status_code for _ in range(5)]
+                                        params=params)).status for _ in range(5)]
         await daemon.settle()
         return codes
 
@@ -277,9 +301,9 @@ def test_reports_are_refused_with_403_while_the_daemon_has_no_token() -> None:
         async with api(daemon, token=None) as client:
             refused = await client.post("/report", json={**FORGED, "worker": "tb0"},
                                         headers={"Authorization": "Bearer "})
-            assert refused.status_code == 403
+            assert refused.status == 403
             assert "FTCTL_DAEMON_TOKEN is not set" in refused.json()["error"]
-            assert (await client.get("/workers")).status_code == 200
+            assert (await client.get("/workers")).status == 200
 
     asyncio.run(go())
     assert daemon.entries["tb0"].health.state is HealthState.HEALTHY
@@ -290,7 +314,7 @@ def test_a_lowercase_bearer_report_is_taken() -> None:
     clock = FakeClock()
     daemon, _ = daemon_for("tc", 1, AsyncFakeWorkers(clock), clock)
 
-    async def go() -> httpx.Response:
+    async def go() -> http1.Reply:
         async with api(daemon) as client:
             response = await client.post("/report", json={**FORGED, "worker": "tc0"},
                                          headers={"authorization": f"bearer {TOKEN}"})
@@ -309,15 +333,15 @@ def test_reports_beyond_the_burst_get_429_per_source() -> None:
     async def go() -> None:
         body = {**FORGED, "worker": "td0"}
         async with api(daemon) as one, api(daemon, client=("10.0.0.2", 1)) as two:
-            codes = [(await one.post("/report", json=body, headers=AUTH)).status_code
+            codes = [(await one.post("/report", json=body, headers=AUTH)).status
                      for _ in range(4)]
             assert codes == [200, 200, 200, 429]
             limited = await one.post("/report", json=body, headers=AUTH)
-            assert limited.status_code == 429
-            assert limited.headers["Retry-After"] == "2"
-            assert (await two.post("/report", json=body, headers=AUTH)).status_code == 200
+            assert limited.status == 429
+            assert limited.header("Retry-After") == "2"
+            assert (await two.post("/report", json=body, headers=AUTH)).status == 200
             clock.advance(2.0)
-            assert (await one.post("/report", json=body, headers=AUTH)).status_code == 200
+            assert (await one.post("/report", json=body, headers=AUTH)).status == 200
         await daemon.settle()
 
     asyncio.run(go())

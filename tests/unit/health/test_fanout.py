@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from dynamo_ftctl.health.fanout import ClientTransport
-from dynamo_ftctl.health.transport import TransportError
+from dynamo_ftctl.health.transport import TransportError, apost_json
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -68,7 +68,7 @@ def test_a_kept_connection_carries_the_next_requests() -> None:
         transport = ClientTransport()
         try:
             for _ in range(3):
-                reply = await transport.post_json(url, b"{}", timeout_s=5)
+                reply = await apost_json(transport, url, b"{}", timeout_s=5)
                 assert (reply.status, reply.body) == (200, b"{}")
         finally:
             await transport.close()
@@ -83,8 +83,8 @@ def test_a_kept_connection_closed_as_it_is_reused_is_retried_once_on_a_new_one()
     async def body(url: str, log: list[_Server]) -> None:
         transport = ClientTransport()
         try:
-            await transport.post_json(url, b"{}", timeout_s=5)
-            reply = await transport.post_json(url, b"{}", timeout_s=5)
+            await apost_json(transport, url, b"{}", timeout_s=5)
+            reply = await apost_json(transport, url, b"{}", timeout_s=5)
         finally:
             await transport.close()
         assert reply.status == 200
@@ -99,7 +99,7 @@ def test_a_fresh_connection_closed_before_answering_is_a_reset_not_retried() -> 
         transport = ClientTransport()
         try:
             with pytest.raises(TransportError) as err:
-                await transport.post_json(url, b"{}", timeout_s=5)
+                await apost_json(transport, url, b"{}", timeout_s=5)
         finally:
             await transport.close()
         assert err.value.kind == "reset"
@@ -114,7 +114,7 @@ def test_a_cancelled_probe_hangs_up_its_connection() -> None:
     async def body(url: str, log: list[_Server]) -> None:
         transport = ClientTransport()
         try:
-            task = asyncio.ensure_future(transport.post_json(url, b"{}", timeout_s=30))
+            task = asyncio.ensure_future(apost_json(transport, url, b"{}", timeout_s=30))
             while not log or not log[0].requests:
                 await asyncio.sleep(0.01)
             task.cancel()
@@ -142,9 +142,9 @@ def test_extra_headers_travel_with_the_json_content_type() -> None:
         del log
         transport = ClientTransport()
         try:
-            await transport.post_json(url, b"{}", timeout_s=5,
+            await apost_json(transport, url, b"{}", timeout_s=5,
                                       headers={"Authorization": "Bearer t"})
-            await transport.post_json(url, b"{}", timeout_s=5)
+            await apost_json(transport, url, b"{}", timeout_s=5)
         finally:
             await transport.close()
 

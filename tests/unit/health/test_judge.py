@@ -14,7 +14,7 @@ from dynamo_ftctl.health.judge import (
     judge_answer,
     parse_answer,
 )
-from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.http1 import Reply
 from dynamo_ftctl.structs import replace
 
 PROMPT = CanaryPrompt(name="p", prompt="hi", max_tokens=4, expected_token_ids=(5, 6, 7, 8),
@@ -32,8 +32,8 @@ def completion(ids: list[int] | None, text: str = "abcd", top: float = -0.7) -> 
     return json.dumps({"choices": [choice]}).encode()
 
 
-def reply(body: bytes, status: int = 200, kind: str = "application/json") -> HttpReply:
-    return HttpReply(status, body, kind)
+def reply(body: bytes, status: int = 200, kind: str = "application/json") -> Reply:
+    return Reply(status, body, {"content-type": kind} if kind else {})
 
 
 def test_request_is_greedy_and_asks_for_ids_and_logprobs() -> None:
@@ -99,7 +99,7 @@ def test_logit_drift_outside_range() -> None:
     (reply(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', 200, "text/event-stream"),
      "stream ended without a finish reason"),
 ])
-def test_garbage_becomes_one_clear_reason(got: HttpReply, words: str) -> None:
+def test_garbage_becomes_one_clear_reason(got: Reply, words: str) -> None:
     """HTML pages, truncated JSON, error bodies and unfinished streams are BadResponse."""
     with pytest.raises(BadResponse) as info:
         parse_answer(got)

@@ -9,7 +9,7 @@ import pytest
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.canaryset import SHAPE_NOTE, CanarySet
 from dynamo_ftctl.health.probe import ProbeTarget, probe_workers
-from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.http1 import Reply
 from dynamo_ftctl.inventory import CanaryConfig
 from dynamo_ftctl.structs import convert_struct
 
@@ -25,7 +25,7 @@ SHAPE = convert_struct({
 
 
 def stream(text: str, *, tokens: int = 4, finish: str | None = "length",
-           first_byte_s: float | None = 0.01) -> HttpReply:
+           first_byte_s: float | None = 0.01) -> Reply:
     """An SSE completion of `tokens` chunks (usage at the end), as the sim streams one."""
     events = [{"choices": [{"index": 0, "text": text[i:i + 1] if i < len(text) else "",
                             "finish_reason": None}]} for i in range(tokens)]
@@ -33,10 +33,10 @@ def stream(text: str, *, tokens: int = 4, finish: str | None = "length",
     events.append({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": tokens,
                                             "total_tokens": tokens + 1}})
     body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-    return HttpReply(200, body.encode(), "text/event-stream", first_byte_s)
+    return Reply(200, body.encode(), {"content-type": "text/event-stream"}, first_byte_s)
 
 
-def probe(reply: HttpReply, latency_s: float = 0.02) -> tuple[object, ...]:
+def probe(reply: Reply, latency_s: float = 0.02) -> tuple[object, ...]:
     """Probe one fake worker answering `reply`: (verdict, kind, reason, report)."""
     clock = FakeClock()
     fake = FakeWorkers(clock, behaviour={URL: lambda _: reply}, latency_s={URL: latency_s})
@@ -62,7 +62,7 @@ def test_any_text_of_the_right_shape_is_healthy() -> None:
     (stream("abcd", first_byte_s=0.01), 0.5, "slow_answer", "answer took 500 ms"),
     (stream("abcd", first_byte_s=None), 0.15, "slow_answer", "time to first token"),
 ])
-def test_an_answer_off_its_shape_is_unhealthy(reply: HttpReply, latency: float, kind: str,
+def test_an_answer_off_its_shape_is_unhealthy(reply: Reply, latency: float, kind: str,
                                               words: str) -> None:
     """Empty, short, a wrong finish, cut, slow to start or to end: exit 1, one line."""
     verdict, got, reason, report = probe(reply, latency)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.probe import ProbeTarget, probe_worker
 from dynamo_ftctl.health.record import record_canary_set
-from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.http1 import Reply, Request
 from dynamo_ftctl.inventory import CanaryConfig
 
 URL = "http://strict"
@@ -25,16 +24,15 @@ class StrictServer:
     suffix: str = " Paris"
     bodies: list[dict[str, object]] = field(default_factory=list)
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
-        del url, timeout_s, headers
-        doc = json.loads(body)
+    def handle_request(self, request: Request) -> Reply:
+        """The `http1.Transport` seam."""
+        doc = request.json()
         self.bodies.append(doc)
         if "return_token_ids" in doc:
-            return HttpReply(422, REFUSAL, "application/json")
+            return Reply(422, REFUSAL, {"content-type": "application/json"})
         answer = {"choices": [{"index": 0, "text": doc["prompt"][-3:] + self.suffix,
                                "finish_reason": "length"}]}
-        return HttpReply(200, json.dumps(answer).encode(), "application/json")
+        return Reply(200, json.dumps(answer).encode(), {"content-type": "application/json"})
 
 
 def test_record_on_a_server_refusing_token_ids_keeps_golden_text() -> None:

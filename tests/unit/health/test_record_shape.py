@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -13,7 +13,7 @@ from dynamo_ftctl.errors import CheckFailed
 from dynamo_ftctl.health.canaryset import CanarySet
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.record import MIN_BASELINE_S, record_shape_set
-from dynamo_ftctl.health.transport import HttpReply
+from dynamo_ftctl.http1 import Reply, Request
 
 TARGET = ProbeTarget("w1", "http://w1")
 
@@ -25,17 +25,16 @@ class Scripted:
     clock: FakeClock
     script: Iterator[tuple[str, int, str | None, float, float]]
 
-    def post_json(self, url: str, body: bytes, *, timeout_s: float,
-                  headers: Mapping[str, str] | None = None) -> HttpReply:
-        del url, timeout_s, headers
-        assert json.loads(body)["stream"] is True
+    def handle_request(self, request: Request) -> Reply:
+        """The `http1.Transport` seam."""
+        assert request.json()["stream"] is True
         text, tokens, finish, seconds, first = next(self.script)
         self.clock.advance(seconds)
         events = [{"choices": [{"index": 0, "text": text, "finish_reason": finish}]},
                   {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": tokens,
                                             "total_tokens": tokens + 1}}]
         data = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        return HttpReply(200, data.encode(), "text/event-stream", first)
+        return Reply(200, data.encode(), {"content-type": "text/event-stream"}, first)
 
 
 def record(script: list[tuple[str, int, str | None, float, float]], **options: float,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import socket
 
-import httpx
 import pytest
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.failover import EngineState, HealthServer, StateChange
+from tests import fetch
 
 
 def test_state_routes_answer_by_engine_state() -> None:
@@ -24,18 +24,18 @@ def test_state_routes_answer_by_engine_state() -> None:
     try:
         base = f"http://127.0.0.1:{server.port}"
         assert server.port != 0
-        assert httpx.get(f"{base}/health", timeout=5).status_code == 503
+        assert fetch.get(f"{base}/health", timeout=5).status == 503
         current["state"] = EngineState.STANDBY
-        answer = httpx.get(f"{base}/health", timeout=5)
-        assert (answer.status_code, answer.json()["state"]) == (200, "STANDBY")
-        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
-        assert httpx.get(f"{base}/", timeout=5).status_code == 200
-        assert httpx.get(f"{base}/active", timeout=5).status_code == 503
+        answer = fetch.get(f"{base}/health", timeout=5)
+        assert (answer.status, answer.json()["state"]) == (200, "STANDBY")
+        assert fetch.get(f"{base}/healthz", timeout=5).status == 200
+        assert fetch.get(f"{base}/", timeout=5).status == 200
+        assert fetch.get(f"{base}/active", timeout=5).status == 503
         current["state"] = EngineState.ACTIVE
-        assert httpx.get(f"{base}/active", timeout=5).status_code == 200
-        metrics = httpx.get(f"{base}/metrics", timeout=5)
-        assert metrics.headers["content-type"].startswith("text/plain")
-        assert httpx.post(f"{base}/health", timeout=5).status_code == 405
+        assert fetch.get(f"{base}/active", timeout=5).status == 200
+        metrics = fetch.get(f"{base}/metrics", timeout=5)
+        assert metrics.content_type.startswith("text/plain")
+        assert fetch.post(f"{base}/health", timeout=5).status == 405
     finally:
         server.stop()
 
