@@ -114,6 +114,8 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        if target.stdout is not None:
+            target.stdout.close()
 
 
 def test_the_compiled_proxy_relays_plain_and_streamed_completions(compiled_proxy: str) -> None:
