@@ -113,7 +113,7 @@ test: dev debs vllm hf-serve dynamo lint
 	$(BIN)/pytest -q -p no:cacheprovider -p no:xdist -m dynamo tests/integration/dynamo
 
 # The proxy's hot modules compiled with mypyc (hatch_build.py, MYPYC_MODULES) into a wheel
-# under dist/, for this CPython and platform: ~20-25% less proxy CPU a request
+# under dist/, for this CPython and platform: 18-29% less proxy CPU a request
 # (benchmarks/proxy_peers.py --compiled). The same modules run as Python where not built.
 compiled: dev
 	FTCTL_MYPYC=1 $(BIN)/python -m pip wheel --no-deps --no-build-isolation -w dist .
