@@ -35,7 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -164,18 +164,20 @@ class Run(NamedTuple):
 
 
 def wrk(url: str, pid: int, directory: Path, seconds: float, *, tokens: int,
-        stream: bool) -> Run:
+        stream: bool, cpu_of: Callable[[int], float] = cpu_seconds) -> Run:
+    """One wrk run against `url`; `cpu_of(pid)` is the CPU time counted (the process's
+    own by default)."""
     script = directory / f"post-{tokens}-{stream}.lua"
     body = (f'{{"model":"m","prompt":"hi","max_tokens":{tokens},'
             f'"stream":{str(stream).lower()}}}')
     script.write_text(f"wrk.method = \"POST\"\nwrk.body = '{body}'\n"
                       'wrk.headers["Content-Type"] = "application/json"\n')
-    cpu0 = cpu_seconds(pid)
+    cpu0 = cpu_of(pid)
     out = subprocess.run(["taskset", "-c", str(CLIENT_CPU), "wrk", "-t1",
                           f"-c{CONNECTIONS}", f"-d{max(1, round(seconds))}s",
                           "-s", str(script), f"{url}/v1/completions"],
                          capture_output=True, text=True, check=True, timeout=seconds + 30)
-    cpu = cpu_seconds(pid) - cpu0
+    cpu = cpu_of(pid) - cpu0
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out.stdout)
     total = re.search(r"(\d+) requests in", out.stdout)
     if rps is None or total is None:

@@ -28,7 +28,7 @@ these names for the callers that know them from there).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import msgspec
@@ -38,7 +38,6 @@ __all__ = [
     "RelayBlock",
     "SseDecoder",
     "SseEvent",
-    "aiter_sse_events",
     "format_sse",
     "iter_sse_events",
     "iter_sse_lines",
@@ -251,16 +250,6 @@ def iter_sse_events(chunks: Iterable[bytes]) -> Iterator[SseEvent]:
     for chunk in chunks:
         yield from decoder.feed(chunk)
     yield from decoder.flush()
-
-
-async def aiter_sse_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[SseEvent]:
-    """The SSE events of an async byte stream (a response read chunk by chunk)."""
-    decoder = SseDecoder()
-    async for chunk in chunks:
-        for event in decoder.feed(chunk):
-            yield event
-    for event in decoder.flush():
-        yield event
 
 
 def format_sse(payload: Mapping[str, Any] | str) -> bytes:

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httptools
 
@@ -241,12 +241,16 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        parts = httptools.parse_url(self._url)
+        # Any: httptools' stubs say bytes where an absent part is None, and a compiled
+        # build (mypyc) would check the stubs' word.
+        parts: Any = httptools.parse_url(self._url)
+        path: bytes | None = parts.path
+        query: bytes | None = parts.query
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
             method=self.parser.get_method().decode("latin-1"),
-            path=(parts.path or b"/").decode("latin-1"),
-            query=(parts.query or b"").decode("latin-1"),
+            path=(path or b"/").decode("latin-1"),
+            query=(query or b"").decode("latin-1"),
             headers=self._headers, body=body, client=self.client,
         )
         self._body = []

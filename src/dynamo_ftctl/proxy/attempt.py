@@ -9,15 +9,16 @@ that is not a valid completion chunk (bad JSON, an HTML page, an SSE error event
 more tokens than asked for), the stream ends without a finish reason, or no token
 comes within `stall_timeout_s`. Nothing a failed worker sent reaches the client.
 
-`Reader` turns an answer's body into client chunks piece by piece, recording each
-chunk in the `StreamLedger`. Once a streamed answer's head and first tokens are
-out, its later tokens take the fast lane: the upstream `Response.sink` parses each
-piece in the socket's callback (`Reader.sink`, the same code the task runs) and
-writes it at once through the client's `httpserver.Pusher` (`Lane`). Per token
-that skips a future, a timer, a task step and three async generators: ~25% less
-proxy CPU per streamed token (its CPU time over the tokens it relayed, 32 streams,
-against the task path). The task wakes when the lane ends (a failure, [DONE], a
-stop string) or gives way (the client reads slower than the worker writes).
+`Reader` (proxy/reader.py) turns the answer's body into client chunks piece by
+piece, recording each chunk in the `StreamLedger`. Once a streamed answer's head and
+first tokens are out, its later tokens take the fast lane: the upstream
+`Response.sink` parses each piece in the socket's callback (`Reader.sink`, the same
+code the task runs) and writes it at once through the client's `httpserver.Pusher`
+(`Lane`). Per token that skips a future, a timer, a task step and three async
+generators: ~25% less proxy CPU per streamed token (its CPU time over the tokens it
+relayed, 32 streams, against the task path). The task wakes when the lane ends (a
+failure, [DONE], a stop string) or gives way (the client reads slower than the worker
+writes).
 
 This room knows one worker and one answer; whose fault a failure is, and what
 comes next, is the migration policy's (`proxy/policy.py`).
@@ -32,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, NoConnection
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
-from dynamo_ftctl.proxy.codec import ClientPiece, dumps, loads, sse_batch
-from dynamo_ftctl.proxy.judgment import Outcome, OutcomeKind
-from dynamo_ftctl.sse import DONE, RelayBlock, SseDecoder
+from dynamo_ftctl.proxy.codec import ClientPiece, dumps
+from dynamo_ftctl.proxy.judgment import OutcomeKind
+from dynamo_ftctl.proxy.reader import KvShare, Reader, UpstreamFailure, failed
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
@@ -43,34 +44,14 @@ if TYPE_CHECKING:
     from dynamo_ftctl.proxy.balancer import WorkerSlot
     from dynamo_ftctl.proxy.ledger import Endpoint, StreamLedger
 
-__all__ = ["Lane", "Reader", "Upstream", "UpstreamFailure", "estimate_prompt_tokens"]
+__all__ = ["KvShare", "Lane", "Reader", "Upstream", "UpstreamFailure", "estimate_prompt_tokens"]
 
-# A worker that streams this many events in a row without a token is babbling.
-_MAX_EVENTS_WITHOUT_TOKEN = 1000
 # How long to wait for the end of an upstream body after its [DONE].
 _DRAIN_S = 0.1
-# Bytes a worker may send without completing one event: more is garbage, not a token.
-_MAX_EVENT_BYTES = 8 * 1024 * 1024
-_DONE = DONE.encode()  # the data of the last event of an OpenAI stream
 # An error answer's body is read for the judgment (and a 4xx's for the client) up to this.
 _ERROR_BODY_LIMIT = 64 * 1024
 # Tokens per KV block until a worker's vllm:cache_config_info says (vLLM's default on GPUs).
 _DEFAULT_BLOCK_SIZE = 16
-
-
-class UpstreamFailure(Exception):
-    """The attempt ended without a whole answer; `outcome` says how, for `judgment.judge`.
-
-    This room does not decide whose fault it was: the policy asks the judgment.
-    """
-
-    def __init__(self, outcome: Outcome) -> None:
-        super().__init__(outcome.message)
-        self.outcome = outcome
-
-
-def _failed(kind: OutcomeKind, message: str, **found: Any) -> UpstreamFailure:
-    return UpstreamFailure(Outcome(kind, message, **found))
 
 
 def estimate_prompt_tokens(endpoint: Endpoint, body: Mapping[str, Any]) -> int:
@@ -98,169 +79,6 @@ class Lane:
     def bind(self, pusher: Pusher) -> None:
         """`Stream.on_push`: the client's stream takes pieces straight from now on."""
         self.pusher = pusher
-
-
-class KvShare:
-    """The KV blocks one attempt fills on its worker, kept in the slot's `kv_blocks`.
-
-    Admission reads the worker's KV usage from that count between two scrapes.
-    Each request's tokens are rounded up to whole blocks, as the engine allocates
-    them (the sum of tokens over the block size ran up to a block per request low).
-    """
-
-    __slots__ = ("_block_size", "_blocks", "_slot", "_tokens")
-
-    def __init__(self, slot: WorkerSlot, block_size: int) -> None:
-        self._slot = slot
-        self._block_size = block_size
-        self._tokens = 0
-        self._blocks = 0
-
-    def grow(self, tokens: int) -> None:
-        self._tokens += tokens
-        blocks = -(-self._tokens // self._block_size)
-        self._slot.kv_blocks += blocks - self._blocks
-        self._blocks = blocks
-
-    def release(self) -> None:
-        self._slot.kv_blocks -= self._blocks
-        self._blocks = 0
-
-
-class Reader:
-    """One upstream answer's body turned into client chunks, piece by piece (no I/O).
-
-    `feed` records what it finds in the ledger and returns the client chunks; it
-    never raises: a failure is kept in `failure`, and `over` says the answer must
-    not be read further (a failure, [DONE], or a stop string matched). The task
-    (`Upstream.attempt`) and the fast lane (`sink`) feed it in turn, in order.
-    """
-
-    __slots__ = ("_chunked", "_decoder", "_held", "_idle_events", "_kv", "_last_token",
-                 "_ledger", "_name", "_now", "_render", "_stall", "_unparsed", "done", "failure")
-
-    def __init__(self, name: str, ledger: StreamLedger, stall_s: float,
-                 now: Callable[[], float], kv: KvShare) -> None:
-        self._name = name
-        self._ledger = ledger
-        self._kv = kv
-        self._stall = stall_s
-        self._now = now
-        self._decoder = SseDecoder()
-        self._last_token = now()
-        self._idle_events = 0
-        self._unparsed = 0  # bytes since the last complete event
-        self.done = False  # [DONE] seen
-        self.failure: Exception | None = None
-        self._render = ledger.client_streams
-        # Relayed blocks (vendor `event:` blocks, comments) wait here until this answer's
-        # first client chunk goes with them: an attempt that fails before it sends none.
-        self._held: list[bytes] = []
-        self._chunked = False
-
-    @property
-    def over(self) -> bool:
-        return self.done or self.failure is not None or self._ledger.stopped
-
-    def feed(self, piece: bytes) -> list[ClientPiece]:
-        """The client chunks of `piece` (several events of one read go out as one write),
-        and the blocks it relays unchanged (vendor `event:` blocks, comments), in order."""
-        ledger = self._ledger
-        batch: list[ClientPiece] = []
-        events = self._decoder.feed_relay(piece)
-        start = ledger.generated_count
-        if not events:
-            self._unparsed += len(piece)
-            if self._unparsed > _MAX_EVENT_BYTES:
-                self.failure = _failed(
-                    "garbage", f"{self._name}: {self._unparsed:,} bytes without a complete event")
-            elif self._now() - self._last_token > self._stall:
-                self.failure = _failed("stalled", f"{self._name}: no token for {self._stall:g} s")
-            return batch
-        self._unparsed = 0
-        now = self._now()  # the events of one read arrived together: one clock read
-        for data in events:
-            if type(data) is not bytes:
-                if not self._relay(data, batch):
-                    break
-                self._idle_events += 1  # comments alone are no sign of life
-                if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
-                        or now - self._last_token > self._stall:
-                    self.failure = _failed(
-                        "stalled", f"{self._name}: events but no token for {self._stall:g} s")
-                    break
-                continue
-            if len(data) < 16 and data.strip() == _DONE:
-                self.done = True
-                if self._held:
-                    batch.extend(self._held)
-                    self._held.clear()
-                break
-            before = ledger.generated_count
-            try:
-                # A non-streamed client's chunks are never sent: not rendered either.
-                chunk = ledger.observe(loads(data), render=self._render)
-            except (MalformedChunk, ValueError) as exc:
-                self.failure = exc
-                break
-            if ledger.generated_count > before or ledger.finished:
-                self._last_token = now
-                self._idle_events = 0
-            else:
-                self._idle_events += 1
-                if self._idle_events > _MAX_EVENTS_WITHOUT_TOKEN \
-                        or now - self._last_token > self._stall:
-                    self.failure = _failed(
-                        "stalled", f"{self._name}: events but no token for {self._stall:g} s")
-                    break
-            if chunk is not None:
-                if self._held:
-                    batch.extend(self._held)
-                    self._held.clear()
-                self._chunked = True
-                batch.append(chunk)
-            if ledger.stopped:
-                break
-        if ledger.generated_count != start:
-            self._kv.grow(ledger.generated_count - start)
-        return batch
-
-    def _relay(self, block: RelayBlock | bytes, batch: list[ClientPiece]) -> bool:
-        """Pass a block that is not a chunk on to the client, unchanged and in order; False
-        when it ends the answer (`event: error`, Dynamo's way of failing a stream)."""
-        assert isinstance(block, RelayBlock)
-        if block.event == "error":
-            text = b"\n".join(line[1:].strip() for line in block.raw.split(b"\n")
-                              if line.startswith(b":")).decode("utf-8", "replace")
-            self.failure = ErrorEvent(f"error event from worker: {text or 'no message'}",
-                                      {"error": {"message": text}})
-            return False
-        if self._render:  # a client that does not stream gets one JSON answer, no events
-            (batch if self._chunked else self._held).append(block.raw)
-        return True
-
-    def sink(self, resp: UpstreamResponse, pusher: Pusher) -> Callable[[bytes], bool]:
-        """`resp.sink` for the fast lane: each piece parsed and written to the client at once.
-
-        It refuses pieces while the client cannot take them (they wait for the task,
-        which writes them and waits for the client), and ends itself on the piece
-        that makes the reader `over` (the task then raises or finishes).
-        """
-
-        def take(piece: bytes) -> bool:
-            if not pusher.writable:
-                return False
-            try:
-                batch = self.feed(piece)
-                if batch:
-                    pusher.write(sse_batch(batch))
-            except Exception as exc:  # a bug must not escape into the socket's callback
-                self.failure = exc
-            if self.over:
-                resp.end_sink()
-            return True
-
-        return take
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,14 +121,14 @@ class Upstream:
             status = resp.status or 0
             content_type = resp.header("content-type") or ""
             if status != 200:
-                raise _failed("status", f"HTTP {status} from {slot.name}", status=status,
+                raise failed("status", f"HTTP {status} from {slot.name}", status=status,
                               body=await _error_body(resp, stall),
                               content_type=content_type or "application/json",
                               retry_after=resp.header("retry-after"))
             if not content_type.startswith("text/event-stream"):
                 msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
                       "not an event stream"
-                raise _failed("garbage", msg)
+                raise failed("garbage", msg)
             reader = Reader(slot.name, ledger, stall, self.now, kv)
             token_out = False  # the policy has seen a batch with this attempt's first token
             while piece := await resp.next_chunk(stall):
@@ -337,19 +155,19 @@ class Upstream:
             if reader.done and not ledger.stopped and not resp.complete:
                 await resp.wait_complete(_DRAIN_S)
             if not ledger.finished:
-                raise _failed("garbage", f"{slot.name}: stream ended without a finish reason")
+                raise failed("garbage", f"{slot.name}: stream ended without a finish reason")
         except UpstreamFailure:
             raise
         except ErrorEvent as exc:
-            raise _failed("event", f"{slot.name}: {exc}", status=exc.status,
+            raise failed("event", f"{slot.name}: {exc}", status=exc.status,
                           body=dumps(exc.doc)) from None
         except (MalformedChunk, ValueError, UnicodeDecodeError) as exc:
-            raise _failed("garbage", f"{slot.name}: {exc}") from None
+            raise failed("garbage", f"{slot.name}: {exc}") from None
         except (OSError, TimeoutError) as exc:
             # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
             kind = type(exc).__name__
             msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
-            raise _failed(_transport_kind(exc), msg) from None
+            raise failed(_transport_kind(exc), msg) from None
         finally:
             kv.release()
             if resp is not None:

@@ -1,0 +1,137 @@
+"""The mypyc build of the proxy's hot modules (`FTCTL_MYPYC=1`, `make compiled`,
+hatch_build.MYPYC_MODULES): each compiles, imports as an extension, and a proxy run from
+the compiled tree relays non-streamed and streamed completions from the loopback target.
+
+The modules are compiled into a copy of src/ in the test's temporary directory (this
+checkout is never written); the pure-Python path is what every other test runs. Skipped
+where mypyc or a C compiler is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+START_S = 30.0
+
+
+def _hatch_build() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_ftctl_hatch_build", ROOT / "hatch_build.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def compiled_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of src/ with the compiled extensions beside the modules' `.py` files."""
+    if importlib.util.find_spec("mypyc") is None or shutil.which("cc") is None:
+        pytest.skip("needs mypyc (the dev extra's mypy) and a C compiler")
+    hatch_build = _hatch_build()
+    src = tmp_path_factory.mktemp("compiled") / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    built = hatch_build.compile_modules(ROOT, src)
+    assert not isinstance(built, str), built
+    return src
+
+
+def _env(src: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(src)}
+
+
+def test_every_listed_module_imports_as_an_extension(compiled_src: Path) -> None:
+    """Each module of MYPYC_MODULES is loaded from its compiled extension, not its .py."""
+    names = [m.removesuffix(".py").replace("/", ".") for m in _hatch_build().MYPYC_MODULES]
+    script = ("import importlib, json, sys\n"
+              "print(json.dumps({n: importlib.import_module(n).__file__ "
+              "for n in sys.argv[1:]}))")
+    out = subprocess.run([sys.executable, "-c", script, *names], env=_env(compiled_src),
+                         capture_output=True, text=True, check=True, timeout=60)
+    files = json.loads(out.stdout)
+    assert {n: f.endswith(".so") for n, f in files.items()} == dict.fromkeys(names, True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
+    """`ftctl proxy` from the compiled tree in front of the loopback target; its URL."""
+    env = _env(compiled_src)
+    target = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl.loadgen.target",
+                               "--port", "0"], env=env, stdout=subprocess.PIPE)
+    procs = [target]
+    try:
+        assert target.stdout is not None
+        match = re.search(rb":(\d+)\s*$", target.stdout.readline())
+        assert match is not None
+        port = _free_port()
+        inventory = tmp_path / "inv.yaml"
+        inventory.write_text(
+            f"cluster: c\nworkers:\n  - {{name: w0, url: 'http://127.0.0.1:"
+            f"{int(match.group(1))}', model: m}}\nproxy:\n  listen: 127.0.0.1:{port}\n")
+        proxy = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory),
+                                  "proxy"], env=env, stdout=subprocess.DEVNULL)
+        procs.append(proxy)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proxy.poll() is None, f"the proxy exited with {proxy.returncode}"
+            try:
+                httpx.get(f"{url}/health", timeout=1.0)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"{url} did not come up in {START_S} s"
+                time.sleep(0.05)
+        yield url
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if target.stdout is not None:
+            target.stdout.close()
+
+
+def test_the_compiled_proxy_relays_plain_and_streamed_completions(compiled_proxy: str) -> None:
+    """Through the compiled modules: a plain answer of 5 tokens with its usage, and a stream
+    of 7 token chunks ending in [DONE]."""
+    with httpx.Client(base_url=compiled_proxy, timeout=10) as client:
+        plain = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                      "max_tokens": 5})
+        assert plain.status_code == 200, plain.text
+        doc = plain.json()
+        assert (doc["choices"][0]["text"], doc["choices"][0]["finish_reason"],
+                doc["usage"]["completion_tokens"]) == ("xxxxx", "length", 5)
+        streamed = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                        "max_tokens": 7, "stream": True})
+        assert streamed.status_code == 200, streamed.text
+        data = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        text = "".join(c["text"] for d in data[:-1] for c in json.loads(d)["choices"])
+        assert text == "x" * 7
