@@ -28,8 +28,11 @@ def dns_server() -> Iterator[DnsServer]:
 
 
 def source(server: DnsServer, **overrides: Any) -> DnsWorkers:
+    """A `discovery:` entry for `server`. Its timeout only ends a wait for an answer that
+    never comes; one that answers may take seconds on a machine at load 10 (CI: an SRV
+    lookup missed a 1 s timeout), so the default is long and the failure tests set theirs."""
     settings: dict[str, Any] = {"name": "vllm", "dns": NAME, "model": "m", "port": 8000,
-                                "resolver": server.address, "timeout_s": 0.5}
+                                "resolver": server.address, "timeout_s": 10.0}
     return DnsWorkers(**{**settings, **overrides})
 
 
@@ -63,12 +66,13 @@ def test_srv_records_give_targets_and_ports_with_or_without_glue(dns_server: Dns
 @pytest.mark.parametrize("behaviour", ["servfail", "drop", "garbage"])
 def test_a_failed_resolution_raises_within_its_timeout(dns_server: DnsServer,
                                                        behaviour: str) -> None:
-    """SERVFAIL, silence and a garbled answer are `DiscoveryFailed`, within 2 x timeout_s."""
+    """SERVFAIL, silence and a garbled answer are `DiscoveryFailed`, not a hang: silence
+    ends at the timeout (the bound here leaves room for a busy machine)."""
     dns_server.behaviour[NAME] = behaviour
     started = time.monotonic()
     with pytest.raises(DiscoveryFailed):
-        resolve(source(dns_server))
-    assert time.monotonic() - started < 1.5
+        resolve(source(dns_server, timeout_s=0.5))
+    assert time.monotonic() - started < 10
 
 
 def test_a_cname_loop_is_a_failure_not_a_hang(dns_server: DnsServer) -> None:
@@ -77,11 +81,11 @@ def test_a_cname_loop_is_a_failure_not_a_hang(dns_server: DnsServer) -> None:
     dns_server.set_cname("b.loop.test", NAME)
     started = time.monotonic()
     try:
-        addresses, _ = resolve(source(dns_server))
+        addresses, _ = resolve(source(dns_server, timeout_s=0.5))
     except DiscoveryFailed:
         addresses = []
     assert addresses == []
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 10
 
 
 def test_thousands_of_records_are_capped_at_max_workers(dns_server: DnsServer) -> None:
@@ -108,7 +112,9 @@ def test_failures_and_one_empty_answer_keep_the_set_changes_apply(dns_server: Dn
     clock = FakeClock()
     dns_server.ttl = 2**31 - 1
     dns_server.set_a(NAME, ["10.0.0.1", "10.0.0.2"])
-    discovery = Discovery([source(dns_server, empty_after_rounds=2)], clock=clock)
+    # 2 s: the silent round waits that out (twice, at most); the others answer.
+    discovery = Discovery([source(dns_server, empty_after_rounds=2, timeout_s=2.0)],
+                          clock=clock)
     assert run_round(discovery, clock)
     assert names(discovery) == ["vllm-10.0.0.1-8000", "vllm-10.0.0.2-8000"]
     assert [w.url for w in discovery.workers] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
