@@ -112,8 +112,12 @@ class EtcdLock:
 
     @property
     def is_held(self) -> bool:
-        with self._cond:
-            return self._lease is not None and self._lost is None
+        """Held, and its last confirmed renewal still covers now (see `ensure_held`)."""
+        try:
+            self.ensure_held()
+        except LeaseLost:
+            return False
+        return True
 
     @property
     def lost(self) -> LeaseLost | None:
@@ -126,14 +130,24 @@ class EtcdLock:
         self._on_lost = callback
 
     def ensure_held(self) -> Lease:
-        """The lease, or `LeaseLost` when it was lost (call before every fenced write)."""
+        """The lease, or `LeaseLost` when it was lost (call before every fenced write).
+
+        The deadline is checked here too, not only by the watchdog thread: a holder asking
+        after `last confirmed renewal + TTL - margin` is told the lease is lost even when
+        a busy machine has not woken the watchdog yet.
+        """
         with self._cond:
             if self._lost is not None:
                 raise self._lost
             if self._lease is None:
                 msg = f"etcd lock {self._key}: not held"
                 raise LeaseLost(msg)
-            return self._lease
+            if self._clock.now() < self._expires:
+                return self._lease
+        self._lose(f"no keep-alive confirmed for {self._ttl} s")
+        with self._cond:
+            assert self._lost is not None or self._lease is None
+            raise self._lost or LeaseLost(f"etcd lock {self._key}: not held")
 
     def _transport_or_default(self) -> Transport:
         if self._transport is None:
