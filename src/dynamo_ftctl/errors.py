@@ -11,7 +11,7 @@ defines it (it subclasses one defined here); the others are defined here.
     ├── ApiError (1)               openai: an OpenAI error body or SSE error event
     ├── ShareFailed (1)            loadgen.processes: a process of `load --procs N` failed
     │                              (exit 2 when that process failed on bad input)
-    ├── ChildCrashed (1)           proxy.procs:   a child of `proxy --procs N` died at start
+    ├── ChildCrashed (1)           proxy.errors:  a child of `proxy --procs N` died at start
     ├── InvalidInput (2)           bad flags, inventory, scenario, canary set
     │   ├── InventoryError (2)     carries file, line and key path
     │   ├── MissingExtra (2)       the command needs an optional extra: names what to install

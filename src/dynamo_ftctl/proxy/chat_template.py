@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.proxy.errors import TemplateFailed
 
 __all__ = ["ChatTemplate", "TemplateFailed"]
 
@@ -34,10 +35,6 @@ _TEMPLATE_MAX = 1024 * 1024
 _CONFIG_MAX = 16 * 1024 * 1024
 # A rendered prompt longer than this is not a conversation a server would take.
 _RENDERED_MAX = 64 * 1024 * 1024
-
-
-class TemplateFailed(ValueError):
-    """The template could not render this conversation (`raise_exception`, a Jinja error)."""
 
 
 def _read(path: Path, limit: int) -> str | None:

@@ -11,42 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynamo_ftctl.proxy.errors import ErrorEvent, MalformedChunk
+
 __all__ = ["MAX_TOKEN_ID", "ErrorEvent", "MalformedChunk", "chat_choice", "chat_logprobs",
            "choice_of", "int_list", "token_ids"]
 
 # Token ids are at most this (exclusive): engines keep them in 32-bit integers (vLLM's
 # int32 tensors), and no vocabulary comes near it.
 MAX_TOKEN_ID = 2**31
-
-
-class MalformedChunk(ValueError):
-    """An upstream chunk that is not a valid completion chunk (garbage from a worker)."""
-
-
-class ErrorEvent(MalformedChunk):
-    """An SSE error event (`{"error": {...}}`); `status` is its HTTP-like code, if it has one.
-
-    vLLM streams a request's own validation errors this way once the headers are
-    out (`"code": 400`, type `BadRequestError`): those are the client's, not the
-    worker's (`proxy` passes them on); other codes are failures of the worker.
-    """
-
-    def __init__(self, message: str, doc: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.doc = doc
-        self.status = _error_status(doc.get("error"))
-
-
-def _error_status(error: Any) -> int | None:
-    """The code of an OpenAI error object as an HTTP status (400 for a named bad request)."""
-    if not isinstance(error, dict):
-        return None
-    code = error.get("code")
-    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
-        return code
-    if error.get("type") in ("invalid_request_error", "BadRequestError"):
-        return 400
-    return None
 
 
 def choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ import random
 import secrets
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.proxy.errors import NotContinuable, RequestRejected
 from dynamo_ftctl.proxy.ledger import LENGTH_KEYS
 
 if TYPE_CHECKING:
@@ -65,30 +66,6 @@ _CHAT_ONLY_KEYS = (
 )
 # What the proxy does with stop strings itself (never sent upstream).
 _STOP_KEYS = ("stop", "include_stop_str_in_output")
-
-
-class NotContinuable(Exception):
-    """The generation cannot go on elsewhere; `finish_reason` says how to end it cleanly.
-
-    `finish_reason` is "length" when the output reached max_tokens or the
-    model's maximum length (a clean end), None when the request must end with
-    an error (migration limit spent, n>1, ...).
-    """
-
-    def __init__(self, message: str, finish_reason: str | None = None) -> None:
-        super().__init__(message)
-        self.finish_reason = finish_reason
-
-
-class RequestRejected(ValueError):
-    """The client's body cannot be served by the migrating proxy (HTTP 400).
-
-    `param` names the offending field, as OpenAI's error body does.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # Stop strings a request may carry (OpenAI allows 4; vLLM does not bound them).

@@ -48,6 +48,7 @@ from dynamo_ftctl.proxy.admission import (
 from dynamo_ftctl.proxy.balancer import Balancer, WorkerSlot, parse_daemon_weights
 from dynamo_ftctl.proxy.board import SharedBalancer
 from dynamo_ftctl.proxy.codec import dumps
+from dynamo_ftctl.proxy.errors import ScrapeFailed
 from dynamo_ftctl.redact import redact_url
 
 if TYPE_CHECKING:
@@ -79,10 +80,6 @@ class _Probe:
 
     started: int
     task: asyncio.Future[str | None]
-
-
-class ScrapeFailed(Exception):
-    """A scrape that got no page (the worker or the daemon answered another status)."""
 
 
 class Fleet:

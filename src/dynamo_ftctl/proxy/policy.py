@@ -45,7 +45,7 @@ import itertools
 import json
 import logging
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,7 @@ from dynamo_ftctl.proxy.continuation import (
     first_request,
     retry_request,
 )
+from dynamo_ftctl.proxy.errors import ProxyError, StreamAborted
 from dynamo_ftctl.proxy.judgment import Blame, QueryMemory, Verdict, fingerprint, judge
 from dynamo_ftctl.proxy.prefix import prefix_key
 
@@ -81,25 +82,6 @@ log = logging.getLogger("ftctl.proxy")
 # waits for their failures before it goes elsewhere (a batch death arrives as many
 # failures within milliseconds; this bounds the wait when the others are fine).
 _SETTLE_S = 0.25
-
-
-class ProxyError(Exception):
-    """A failure before any output: answered as an HTTP error."""
-
-    def __init__(self, status: int, body: dict[str, Any],
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(str(body))
-        self.status = status
-        self.body = body
-        self.headers = dict(headers or {})
-
-
-class StreamAborted(Exception):
-    """A failure after output began: ends the stream with an error event of type `kind`."""
-
-    def __init__(self, message: str, kind: str = "worker_failed") -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.process import ForkedChild
 from dynamo_ftctl.proxy.board import FleetBoard
+from dynamo_ftctl.proxy.errors import ChildCrashed
 
 __all__ = ["ChildCrashed", "ChildRun", "ProcsResult", "reserve_port", "serve_procs"]
 
@@ -54,10 +54,6 @@ _MIN_UPTIME_S = 1.0  # a child that dies sooner is crashing at start-up: not res
 _READY_TIMEOUT_S = 60.0  # a child that does not listen in this long has failed to start
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 _KILL_GRACE_S = 1.0  # past the shutdown deadline: the child's own hurry, then SIGKILL
-
-
-class ChildCrashed(FtctlError):
-    """A child of `ftctl proxy --procs N` died at start-up (or never became ready): exit 1."""
 
 
 @dataclass(frozen=True)

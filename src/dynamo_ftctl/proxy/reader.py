@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.proxy.codec import ClientPiece, loads, sse_batch
+from dynamo_ftctl.proxy.errors import UpstreamFailure
 from dynamo_ftctl.proxy.judgment import Outcome, OutcomeKind
 from dynamo_ftctl.sse import DONE, RelayBlock, SseDecoder
 
@@ -31,17 +32,6 @@ _MAX_EVENTS_WITHOUT_TOKEN = 1000
 # Bytes a worker may send without completing one event: more is garbage, not a token.
 _MAX_EVENT_BYTES = 8 * 1024 * 1024
 _DONE = DONE.encode()  # the data of the last event of an OpenAI stream
-
-
-class UpstreamFailure(Exception):
-    """The attempt ended without a whole answer; `outcome` says how, for `judgment.judge`.
-
-    This room does not decide whose fault it was: the policy asks the judgment.
-    """
-
-    def __init__(self, outcome: Outcome) -> None:
-        super().__init__(outcome.message)
-        self.outcome = outcome
 
 
 def failed(kind: OutcomeKind, message: str, **found: Any) -> UpstreamFailure:
