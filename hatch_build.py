@@ -41,6 +41,7 @@ LIBRARY = "dynamo_ftctl/kv/_rowcopy.so"  # its path inside the wheel
 # and per request outside the event loop's C (docs/benchmarks.md, proxy_peers.py).
 MYPYC_MODULES = (
     "dynamo_ftctl/sse.py",
+    "dynamo_ftctl/jsoncodec.py",
     "dynamo_ftctl/proxy/chunk.py",
     "dynamo_ftctl/proxy/codec.py",
     "dynamo_ftctl/proxy/ledger.py",

@@ -17,7 +17,7 @@ proxy's business.
 from __future__ import annotations
 
 from dynamo_ftctl.capabilities.cache import CapabilityCache
-from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, fetch_through, probe_client
+from dynamo_ftctl.capabilities.fetch import MAX_PROBE_BYTES, probe_client
 from dynamo_ftctl.capabilities.probe import (
     DEFAULT_TIMEOUT_S,
     KV_USAGE_METRICS,
@@ -45,7 +45,6 @@ __all__ = [
     "CapabilityCache",
     "CapabilityReport",
     "LoadMetric",
-    "fetch_through",
     "known_good_failure",
     "known_good_request",
     "load_metric_from_metrics",

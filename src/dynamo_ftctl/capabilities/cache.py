@@ -27,19 +27,14 @@ class CapabilityCache:
     Entries live until `invalidate` (a failed worker) or `note_start_time` sees a new
     process start time (a restarted one). An unreachable answer is kept only
     `retry_unreachable_s`, so a worker that comes back is found again. Every probe
-    goes through `transport` (`fetch`: its old name, still passed by the proxy).
+    goes through `transport`.
     """
 
-    def __init__(self, *, transport: AsyncTransport | None = None,
+    def __init__(self, *, transport: AsyncTransport,
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  clock: Clock = SYSTEM_CLOCK, retry_unreachable_s: float = 5.0,
-                 admin_token: Callable[[Worker], str | None] | None = None,
-                 fetch: AsyncTransport | None = None) -> None:
-        chosen = transport or fetch
-        if chosen is None:
-            msg = "CapabilityCache needs a transport"
-            raise TypeError(msg)
-        self.transport: AsyncTransport = chosen
+                 admin_token: Callable[[Worker], str | None] | None = None) -> None:
+        self.transport = transport
         self.timeout_s = timeout_s
         self.clock = clock
         self.retry_unreachable_s = retry_unreachable_s

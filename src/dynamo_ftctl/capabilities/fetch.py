@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import Client
-    from dynamo_ftctl.http1.transport import AsyncTransport
 
-__all__ = ["MAX_PROBE_BYTES", "fetch_through", "probe_client"]
+__all__ = ["MAX_PROBE_BYTES", "probe_client"]
 
 # vLLM's /metrics is 50-300 KiB (histograms per model); 2 MiB leaves room and bounds
 # what a hostile worker can make us hold.
@@ -27,9 +26,3 @@ def probe_client() -> Client:
     from dynamo_ftctl.http1 import Client
 
     return Client(user_agent="ftctl-probe")
-
-
-def fetch_through(client: AsyncTransport) -> AsyncTransport:
-    """`client` itself: an `http1.Client` is the transport. Kept for the proxy's call
-    site (`migrate/fleet.py`) until it passes `transport=` to `CapabilityCache`."""
-    return client

@@ -131,13 +131,13 @@ class Fleet:
 
     async def start(self) -> None:
         """Start the scrape loop."""
-        from dynamo_ftctl.capabilities import CapabilityCache, fetch_through
+        from dynamo_ftctl.capabilities import CapabilityCache
 
         if self.config.daemon_urls and not token_from_env(self.config.health_token_env):
             log.warning("$%s is not set: worker failures are not reported to the canary "
                         "daemon at %s", self.config.health_token_env,
                         ", ".join(self.config.daemon_urls))
-        self.capabilities = CapabilityCache(fetch=fetch_through(self.http), clock=self.clock)
+        self.capabilities = CapabilityCache(transport=self.http, clock=self.clock)
         if self._static.discovery:
             await self._follow_dns()
         self._spawn(self._scrape_forever())

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 from dynamo_ftctl.capabilities import (
     Capabilities,
     CapabilityCache,
-    fetch_through,
     load_metric_from_metrics,
     probe_capabilities,
     start_time_from_metrics,
@@ -574,15 +573,14 @@ def test_cli_probe_json_exits_three_when_one_is_unreachable(vllm_url: str, tmp_p
 
 
 def test_the_proxy_client_works_as_the_transport(vllm_url: str) -> None:
-    """`http1.Client()` as the transport (the proxy's own client, through `fetch_through`
-    as the proxy still passes it) probes a real socket."""
+    """`http1.Client()` as the transport (the proxy's own client) probes a real socket."""
     from dynamo_ftctl.http1 import Client
 
     async def main() -> Capabilities:
         client = Client()
         try:
             worker = Worker(name="w0", url=vllm_url, model="m")
-            return await probe_capabilities(worker, transport=fetch_through(client), timeout_s=2)
+            return await probe_capabilities(worker, transport=client, timeout_s=2)
         finally:
             await client.close()
 
