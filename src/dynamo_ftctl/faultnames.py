@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["FAULTS", "FaultSpec", "fault_names", "is_known_fault"]
+__all__ = ["FAULTS", "FaultSpec", "check_fault", "fault_names", "is_known_fault"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,16 @@ def fault_names() -> list[str]:
     from dynamo_ftctl.xid import XID_CATALOG
 
     return [*FAULTS, *(f"xid{code}" for code in sorted(XID_CATALOG))]
+
+
+def check_fault(value: str) -> str:
+    """A fault of the catalog (a struct field's check); ValueError with a close match otherwise."""
+    if not is_known_fault(value):
+        # structs (msgspec) is loaded only on this error path: the catalog stays light.
+        from dynamo_ftctl.structs import close_matches
+
+        close = close_matches(value, fault_names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        msg = f"unknown fault {value!r}{hint}; `ftctl inject --list` shows the catalog"
+        raise ValueError(msg)
+    return value

@@ -29,10 +29,10 @@ from dynamo_ftctl.documents import (
     parse_yaml,
 )
 from dynamo_ftctl.errors import InvalidInput, InventoryError
+from dynamo_ftctl.faultnames import check_fault
 from dynamo_ftctl.structs import (
     KeyedValueError,
     StrictStruct,
-    check_fault,
     check_host_port,
     check_http_url,
     check_name,

@@ -18,11 +18,11 @@ from msgspec import Meta
 
 from dynamo_ftctl.documents import format_key_path, load_yaml_document
 from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.faultnames import check_fault
 from dynamo_ftctl.inventory import Inventory, load_inventory
 from dynamo_ftctl.structs import (
     KeyedValueError,
     StrictStruct,
-    check_fault,
     check_name,
     convert_struct,
     doc,
