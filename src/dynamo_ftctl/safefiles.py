@@ -325,6 +325,12 @@ def _discard(dir_fd: int, tmp: str) -> None:
 # ----------------------------------------------------------------- files in place
 
 
+# Looks at a name that others keep creating and removing (a lock file replaced under its
+# contenders) before `open_regular` gives up: each attempt sees it present or absent and
+# opens it that way, and only a removal or creation in between sends it round again.
+_OPEN_ATTEMPTS = 100
+
+
 def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
                  dir_fd: int | None = None) -> int:
     """`os.open` of a regular file, never through a link, never blocking on a FIFO.
@@ -344,27 +350,38 @@ def open_regular(path: Path | str, flags: int, mode: int = 0o644, *,
     writing = bool(flags & _WRITE_FLAGS)
     base = (flags & ~(os.O_CREAT | os.O_EXCL | os.O_TRUNC)) | os.O_NOFOLLOW | os.O_CLOEXEC
     base |= os.O_NONBLOCK
-    before = _entry(dir_fd, name)
-    if before is not None and not stat.S_ISREG(before.st_mode):
-        raise OutputRefused(path, f"is {_kind(before.st_mode)}; {_ONLY_REGULAR}")
-    try:
-        if flags & os.O_CREAT and before is None:
-            try:
-                fd = os.open(name, base | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
-            except FileExistsError:
-                if flags & os.O_EXCL:
+    for _ in range(_OPEN_ATTEMPTS):
+        before = _entry(dir_fd, name)
+        if before is not None and not stat.S_ISREG(before.st_mode):
+            raise OutputRefused(path, f"is {_kind(before.st_mode)}; {_ONLY_REGULAR}")
+        try:
+            if flags & os.O_CREAT and before is None:
+                try:
+                    fd = os.open(name, base | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd)
+                except FileExistsError:
+                    if flags & os.O_EXCL:
+                        raise
+                    continue  # made meanwhile: look again
+            else:
+                try:
+                    fd = os.open(name, base, mode, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    if flags & os.O_CREAT:
+                        continue  # removed meanwhile (a lock file others replace): again
                     raise
-                fd = os.open(name, base, mode, dir_fd=dir_fd)
-        else:
-            fd = os.open(name, base, mode, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno in {errno.ELOOP, errno.ENXIO, errno.EISDIR}:
-            after = _entry(dir_fd, name)
-            if after is not None:
-                raise OutputRefused(path, f"is {_kind(after.st_mode)}; {_ONLY_REGULAR}") from None
-        if isinstance(exc, FileNotFoundError | FileExistsError):
-            raise
-        raise _failed(path, exc) from None
+        except OSError as exc:
+            if exc.errno in {errno.ELOOP, errno.ENXIO, errno.EISDIR}:
+                after = _entry(dir_fd, name)
+                if after is not None:
+                    raise OutputRefused(path, f"is {_kind(after.st_mode)}; "
+                                        f"{_ONLY_REGULAR}") from None
+            if isinstance(exc, FileNotFoundError | FileExistsError):
+                raise
+            raise _failed(path, exc) from None
+        break
+    else:
+        raise _failed(path, OSError(errno.EAGAIN, f"it was made and removed {_OPEN_ATTEMPTS} "
+                                    "times while it was being opened"))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -302,3 +302,32 @@ def test_the_yaml_cache_skips_a_planted_entry(cache: Path, tmp_path: Path) -> No
     assert _call_bounded(lambda: load_yaml_document(doc)) is None
     assert victim.read_text() == "keep\n"
     assert entry.is_symlink()
+
+
+
+@pytest.mark.parametrize("race", ["removed", "made"])
+def test_opening_with_create_survives_the_name_changing_between_look_and_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: str,
+) -> None:
+    """O_CREAT without O_EXCL opens the file whether another process removed it between
+    the look and the open ("removed": it looked present, it is gone) or made it ("made":
+    it looked absent, it is there): the name is looked at again, not reported missing
+    (CI: a lock contender died with "cannot open lock file: No such file or directory"
+    while the file was replaced under it)."""
+    import dynamo_ftctl.safefiles as safefiles
+
+    path = tmp_path / "failover.lock"
+    present = tmp_path / "present"
+    present.write_text("")
+    if race == "made":
+        path.write_text("")
+    stale = os.stat(present) if race == "removed" else None
+    real, looks = safefiles._entry, [stale]
+
+    def first_look_stale(dir_fd: int, name: str) -> os.stat_result | None:
+        return looks.pop() if looks else real(dir_fd, name)
+
+    monkeypatch.setattr(safefiles, "_entry", first_look_stale)
+    os.close(safefiles.open_regular(path, os.O_CREAT | os.O_RDWR))
+    assert path.is_file()
+    assert not looks
