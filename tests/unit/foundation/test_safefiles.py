@@ -321,7 +321,7 @@ def test_opening_with_create_survives_the_name_changing_between_look_and_open(
     present.write_text("")
     if race == "made":
         path.write_text("")
-    stale = os.stat(present) if race == "removed" else None
+    stale = present.stat() if race == "removed" else None
     real, looks = safefiles._entry, [stale]
 
     def first_look_stale(dir_fd: int, name: str) -> os.stat_result | None:
