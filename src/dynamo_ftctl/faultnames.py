@@ -7,14 +7,17 @@ The inventory's per-worker `faults` allowlist is checked against this catalog;
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["FAULTS", "FaultSpec", "check_fault", "fault_names", "is_known_fault"]
 
 
-@dataclass(frozen=True)
-class FaultSpec:
-    """One fault: what it does and whether it takes a worker out of service."""
+class FaultSpec(NamedTuple):
+    """One fault: what it does and whether it takes a worker out of service.
+
+    A NamedTuple, not a dataclass: `dataclasses` imports `inspect`, which the one-shot
+    canary probe (it loads the inventory, which checks fault names) must not pay for.
+    """
 
     name: str
     summary: str
