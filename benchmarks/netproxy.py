@@ -19,35 +19,16 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# The suite's echo upstream and round-trip timer, so that both measure the same thing.
+from tests.integration.faults.test_netproxy import _echo, _rtts
 
 from dynamo_ftctl.faults.netproxy import NetProxy, Toxic
-
-
-async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except ConnectionError:
-        pass
-    finally:
-        writer.close()
-
-
-async def _rtts(port: int, count: int) -> list[float]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    out = []
-    try:
-        for _ in range(count):
-            start = time.perf_counter()
-            writer.write(b"ping")
-            await writer.drain()
-            await reader.readexactly(4)
-            out.append(time.perf_counter() - start)
-    finally:
-        writer.close()
-    return out
 
 
 def _quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, object]) -> None:

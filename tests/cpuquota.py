@@ -15,15 +15,15 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["cpu_quota", "group_members"]
+__all__ = ["cpu_quota", "group_members", "group_states"]
 
 _ROOT = Path("/sys/fs/cgroup")
 _PERIOD_US = 100_000
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (from /proc/PID/stat)."""
-    members = []
+def group_states(pgid: int) -> dict[int, str]:
+    """pid → state letter (/proc/PID/stat) of every process in group `pgid`."""
+    out: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -31,9 +31,14 @@ def group_members(pgid: int) -> list[int]:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+        if int(fields[2]) == pgid:  # after ')': state, ppid, pgrp
+            out[int(entry.name)] = fields[0]
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    return [pid for pid, state in group_states(pgid).items() if state != "Z"]
 
 
 def _hierarchy() -> tuple[Path, Path] | None:

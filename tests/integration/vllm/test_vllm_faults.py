@@ -32,6 +32,7 @@ import httpx
 import pytest
 
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
+from tests.cpuquota import group_states
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
 
@@ -80,20 +81,6 @@ def group_gone(pgid: int) -> bool:
         return True
     return False
 
-
-def group_states(pgid: int) -> dict[int, str]:
-    """pid → state letter (/proc/PID/stat) of every process in the group."""
-    out: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # after ')': state, ppid, pgrp
-            out[int(entry.name)] = fields[0]
-    return out
 
 
 def answers(url: str, timeout_s: float = 2.0) -> bool:
