@@ -17,13 +17,14 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import httpx
 import pytest
+
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -95,15 +96,13 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
                                   "proxy"], env=env, stdout=subprocess.DEVNULL)
         procs.append(proxy)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_S
-        while True:
+
+        def answers() -> httpx.Response:
             assert proxy.poll() is None, f"the proxy exited with {proxy.returncode}"
-            try:
-                httpx.get(f"{url}/health", timeout=1.0)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"{url} did not come up in {START_S} s"
-                time.sleep(0.05)
+            return httpx.get(f"{url}/health", timeout=1.0)
+
+        wait_until(answers, START_S, f"{url} answering", accept=lambda r: True,
+                   ignore=(httpx.TransportError,), interval=0.05)
         yield url
     finally:
         for proc in procs:

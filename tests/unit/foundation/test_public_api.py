@@ -22,10 +22,6 @@ import dynamo_ftctl
 SRC = Path(dynamo_ftctl.__file__).parent
 SNAPSHOT = Path(__file__).with_name("public_api.json")
 
-# Modules still without `__all__`: migrate/ is being moved into proxy/.
-WITHOUT_ALL: frozenset[str] = frozenset()
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(SRC.parent).with_suffix("").parts
     return ".".join(parts).removesuffix(".__init__")
@@ -104,8 +100,6 @@ def test_module_declares_what_it_has(module: str) -> None:
     """A module's `__all__` exists, has no repeats, and names only what the module binds."""
     tree = _tree(module)
     declared = _declared(tree)
-    if module in WITHOUT_ALL:
-        pytest.skip("migrate/ is being moved into proxy/")
     assert declared is not None, f"{module} has no __all__"
     assert len(set(declared)) == len(declared), f"{module}: a name repeats in __all__"
     unknown = set(declared) - _bound(tree.body) - _served_lazily(tree)
@@ -122,11 +116,6 @@ def test_checks_see_a_bad_all() -> None:
         "__all__ = ['Real', 'Lazy', 'Hidden']\n")
     assert _declared(tree) == ["Real", "Lazy", "Hidden"]
     assert {"Real", "Lazy", "Hidden"} - _bound(tree.body) - _served_lazily(tree) == {"Hidden"}
-
-
-def test_without_all_lists_only_modules_that_lack_it() -> None:
-    """Each exemption is still needed: a module that gained `__all__` leaves the list."""
-    assert {m for m in WITHOUT_ALL if m in MODULES and _declared(_tree(m)) is not None} == set()
 
 
 def test_package_api_is_the_snapshot() -> None:
