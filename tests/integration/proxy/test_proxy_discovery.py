@@ -3,10 +3,7 @@ real `ftctl sim` workers: workers join and leave under load without a failed req
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,15 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.dnsserver import DnsServer
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
     ProxyProcess,
     Streamed,
-    _wait_for_url,
     set_fault,
+    spawn_proxy,
     stream,
     wait_until,
 )
@@ -59,19 +55,7 @@ def start_proxy(tmp_path: Path, entry: dict[str, Any]) -> ProxyProcess:
         "discovery": [entry],
         "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1, "stall_timeout_s": 5.0},
     }
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump(inventory))
-    log = tmp_path / "proxy.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
-                                stdout=subprocess.DEVNULL, stderr=sink, env=dict(os.environ))
-    proxy = ProxyProcess(url="", proc=proc, log=log)
-    try:
-        proxy.url = _wait_for_url(log, proc, 30.0)
-    except BaseException:
-        proxy.stop()
-        raise
-    return proxy
+    return spawn_proxy(inventory, tmp_path)
 
 
 def workers(proxy: ProxyProcess) -> set[str]:

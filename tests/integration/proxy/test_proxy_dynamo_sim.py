@@ -4,22 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-import yaml
 
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
     ProxyProcess,
-    _wait_for_url,
     set_fault,
+    spawn_proxy,
 )
 
 if TYPE_CHECKING:
@@ -54,15 +50,8 @@ def dynamo_proxy(dynamo_workers: list[SimWorker], tmp_path: Path) -> Iterator[Pr
                     for w in dynamo_workers],
         "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1, "stall_timeout_s": 5.0},
     }
-    path = tmp_path / "inventory.yaml"
-    path.write_text(yaml.safe_dump(inventory))
-    log = tmp_path / "proxy.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
-                                stdout=subprocess.DEVNULL, stderr=sink, env=dict(os.environ))
-    proxy = ProxyProcess(url="", proc=proc, log=log)
+    proxy = spawn_proxy(inventory, tmp_path)
     try:
-        proxy.url = _wait_for_url(log, proc, 30.0)
         yield proxy
     finally:
         proxy.stop()

@@ -38,11 +38,12 @@ MODEL = "ftctl-sim-tiny"
 
 @dataclass
 class ProxyProcess:
-    """A running proxy: its URL, process and log file."""
+    """A running proxy: its URL, process and log file (and its inventory's, where known)."""
 
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    inventory: Path | None = None
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -72,6 +73,26 @@ def _wait_for_url(proxy_log: Path, proc: subprocess.Popen[bytes], deadline_s: fl
     return found.group(1)
 
 
+def spawn_proxy(inventory: dict[str, Any], tmp_path: Path, name: str = "proxy",
+                env: dict[str, str] | None = None) -> ProxyProcess:
+    """`ftctl proxy` over `inventory` (written to tmp_path/<name>.yaml, its stderr to
+    <name>.log), once it serves; stopped again when it does not come up."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(inventory))
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
+                                stdout=subprocess.DEVNULL, stderr=sink,
+                                env=dict(os.environ) if env is None else env)
+    proxy = ProxyProcess(url="", proc=proc, log=log, inventory=path)
+    try:
+        proxy.url = _wait_for_url(log, proc, 30.0)
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
+
+
 ProxyFactory = Callable[..., ProxyProcess]
 
 
@@ -92,19 +113,10 @@ def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
             "proxy": {"listen": "127.0.0.1:0", "scrape_interval_s": 0.1,
                       "stall_timeout_s": 5.0, **settings},
         }
-        path = tmp_path / f"inventory-{index}.yaml"
-        path.write_text(yaml.safe_dump(inventory))
-        log = tmp_path / f"proxy-{index}.log"
         env = {**os.environ, "FTCTL_ADMIN_TOKEN": PROXY_ADMIN_TOKEN,
                "SIM_ADMIN_TOKEN": worker_admin_token or ""}
-        with log.open("wb") as sink:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dynamo_ftctl", "-i", str(path), "proxy"],
-                stdout=subprocess.DEVNULL, stderr=sink, env=env,
-            )
-        proxy = ProxyProcess(url="", proc=proc, log=log)
+        proxy = spawn_proxy(inventory, tmp_path, f"proxy-{index}", env)
         started.append(proxy)
-        proxy.url = _wait_for_url(log, proc, 30.0)
         return proxy
 
     try:
@@ -764,7 +776,8 @@ def test_sighup_reloads_the_inventory_without_dropping_a_stream(
     first, second = (sim_worker_factory(name=n) for n in ("h0", "h1"))
     set_fault(first, {"kind": "slow", "delay_ms": 20})
     proxy = proxy_factory([("h0", first.url)])
-    path = tmp_path / "inventory-0.yaml"
+    assert proxy.inventory is not None
+    path = proxy.inventory
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "temperature": 0,
             "ignore_eos": True}
     with ThreadPoolExecutor(12) as pool:
