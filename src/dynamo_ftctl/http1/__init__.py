@@ -58,14 +58,13 @@ from dynamo_ftctl.http1.transport import (
 )
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.http1.client import AnyResponse, BlockingClient, Client, fetch_blocking
+    from dynamo_ftctl.http1.client import BlockingClient, Client, fetch_blocking
     from dynamo_ftctl.http1.connection import Connection, Exchange
     from dynamo_ftctl.http1.pool import Key, Pool
     from dynamo_ftctl.http1.response import Response, Sink
 
 __all__ = [
     "DEFAULT_LIMIT",
-    "AnyResponse",
     "AsyncTransport",
     "BlockingClient",
     "BodyTooLarge",
@@ -92,7 +91,7 @@ __all__ = [
 
 # The names whose modules import asyncio, loaded when first asked for.
 _LATE = {
-    "AnyResponse": "client", "BlockingClient": "client", "Client": "client",
+    "BlockingClient": "client", "Client": "client",
     "fetch_blocking": "client", "Connection": "connection", "Exchange": "connection",
     "Key": "pool", "Pool": "pool", "Response": "response", "Sink": "response",
 }

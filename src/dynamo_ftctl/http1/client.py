@@ -22,13 +22,9 @@ from dynamo_ftctl.http1.pool import Pool
 from dynamo_ftctl.http1.response import Response
 from dynamo_ftctl.http1.transport import DEFAULT_LIMIT, Reply, Request
 
-__all__ = ["AnyResponse", "BlockingClient", "Client", "fetch_blocking"]
+__all__ = ["BlockingClient", "Client", "fetch_blocking"]
 
 T = TypeVar("T")
-
-# What `Client.request` returns (once a `Response` or an aiohttp answer; kept for callers).
-AnyResponse = Response
-
 
 class Client:
     """Requests to http:// and https:// URLs through one `Pool`."""
@@ -73,7 +69,14 @@ class Client:
 
     async def open_stream(self, request: Request) -> Response:
         """The answer to `request` once its headers are in (`transport.StreamingTransport`),
-        within `request.timeout_s`; read it with `next_chunk`, `close` it when done."""
+        within `request.timeout_s` (with `request.connect_timeout_s`: connected within
+        that, the headers within `timeout_s` of the request going out); read it with
+        `next_chunk`, `close` it when done."""
+        if request.connect_timeout_s is not None:
+            return await self.request(request.method, request.url, request.body,
+                                      request.headers or None,
+                                      connect_timeout_s=request.connect_timeout_s,
+                                      head_timeout_s=request.timeout_s)
         async with asyncio.timeout(request.timeout_s):
             return await self.request(request.method, request.url, request.body,
                                       request.headers or None)

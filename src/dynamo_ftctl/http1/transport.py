@@ -29,7 +29,12 @@ DEFAULT_LIMIT = 10 * 1024 * 1024
 
 
 class Request(msgspec.Struct, frozen=True):
-    """One whole exchange to make: within `timeout_s`, its answer's body at most `limit` bytes."""
+    """One whole exchange to make: within `timeout_s`, its answer's body at most `limit` bytes.
+
+    With `connect_timeout_s`, a streamed exchange (`StreamingTransport.open_stream`) has its
+    connection within that and its answer's headers within `timeout_s` of the request
+    going out, each bound on its own (a dead worker is told from a slow one).
+    """
 
     method: str
     url: str
@@ -37,6 +42,7 @@ class Request(msgspec.Struct, frozen=True):
     headers: dict[str, str] = msgspec.field(default_factory=dict)
     timeout_s: float = 10.0
     limit: int = DEFAULT_LIMIT
+    connect_timeout_s: float | None = None
 
     def json(self) -> Any:
         """The body parsed as JSON (`ValueError` when it is not)."""
@@ -109,6 +115,21 @@ class ReplyStream(Protocol):
         `timeout_s` without any, `HttpError` when the connection broke."""
         ...
 
+    @property
+    def complete(self) -> bool:
+        """Whether the body has been read to its end."""
+        ...
+
+    @property
+    def body_wait_s(self) -> float | None:
+        """Seconds from the request going out to the first body byte (None: not yet, or
+        not timed by this transport)."""
+        ...
+
+    async def wait_complete(self, timeout_s: float) -> bool:
+        """Read the rest of the body (dropped) for at most `timeout_s`; whether it ended."""
+        ...
+
     def close(self) -> None:
         """Done with the answer (before its end: hang up)."""
         ...
@@ -139,6 +160,19 @@ class _Chunks:
     async def next_chunk(self, timeout_s: float | None = None) -> bytes:
         del timeout_s
         return self._pieces.pop(0) if self._pieces else b""
+
+    @property
+    def complete(self) -> bool:
+        return not self._pieces
+
+    @property
+    def body_wait_s(self) -> float | None:
+        return self._reply.first_byte_s
+
+    async def wait_complete(self, timeout_s: float) -> bool:
+        del timeout_s
+        self._pieces.clear()
+        return True
 
     def close(self) -> None:
         self._pieces.clear()

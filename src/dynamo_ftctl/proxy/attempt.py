@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.http1 import AnyResponse, ConnectError, ConnectionBroken, NoConnection
+from dynamo_ftctl.http1 import ConnectError, ConnectionBroken, NoConnection, Request
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.proxy.codec import ClientPiece, dumps
@@ -38,7 +38,7 @@ from dynamo_ftctl.proxy.judgment import OutcomeKind
 from dynamo_ftctl.proxy.reader import KvShare, Reader, UpstreamFailure, failed
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.http1 import Client
+    from dynamo_ftctl.http1 import ReplyStream, StreamingTransport
     from dynamo_ftctl.httpserver import Pusher
     from dynamo_ftctl.proxy.admission import WorkerLoad
     from dynamo_ftctl.proxy.balancer import WorkerSlot
@@ -83,12 +83,15 @@ class Lane:
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """The workers' side of the proxy: one attempt at a time, on the shared client's pools.
+    """The workers' side of the proxy: one attempt at a time, through one transport
+    (`http1.Client`'s pools in the proxy, a `MockTransport` in tests).
 
-    `stall_s` bounds the wait for the answer's head and between tokens.
+    `stall_s` bounds the wait for the answer's head and between tokens; `connect_timeout_s`
+    the connection. The fast lane (`Lane`) needs `http1.Client`'s answers; another
+    transport's are read by the task alone.
     """
 
-    http: Client
+    http: StreamingTransport
     stall_s: float
     connect_timeout_s: float
     now: Callable[[], float]
@@ -106,7 +109,7 @@ class Upstream:
         upstream connection unless its answer was read to the end.
         """
         stall = self.stall_s
-        resp: AnyResponse | None = None
+        resp: ReplyStream | None = None
         # The context the worker holds for this attempt: the prompt, and for a
         # continuation the tokens generated before (in its prompt or its KV import).
         kv = KvShare(slot, load.block_size if load is not None and load.block_size
@@ -115,9 +118,8 @@ class Upstream:
             len(ledger.prompt_ids) if ledger.prompt_ids is not None
             else estimate_prompt_tokens(ledger.endpoint, ledger.body)))
         try:
-            resp = await self.http.request("POST", url, body, headers,
-                                           connect_timeout_s=self.connect_timeout_s,
-                                           head_timeout_s=stall)
+            resp = await self.http.open_stream(Request(
+                "POST", url, body, headers, stall, connect_timeout_s=self.connect_timeout_s))
             status = resp.status or 0
             content_type = resp.header("content-type") or ""
             if status != 200:
@@ -186,10 +188,17 @@ def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:
     return "garbage"  # not HTTP, a body past its limit
 
 
-async def _error_body(resp: AnyResponse, stall_s: float) -> bytes:
-    """An error answer's body, at most `_ERROR_BODY_LIMIT` bytes; b"" when it cannot be read."""
+async def _error_body(resp: ReplyStream, stall_s: float) -> bytes:
+    """An error answer's body; b"" when it cannot be read or runs past `_ERROR_BODY_LIMIT`."""
+    pieces: list[bytes] = []
+    size = 0
     try:
-        return await resp.read(_ERROR_BODY_LIMIT, timeout_s=stall_s)
-    except (OSError, TimeoutError, ValueError):
+        while piece := await resp.next_chunk(stall_s):
+            size += len(piece)
+            if size > _ERROR_BODY_LIMIT:
+                return b""
+            pieces.append(piece)
+    except (OSError, TimeoutError):
         return b""
+    return b"".join(pieces)
 
