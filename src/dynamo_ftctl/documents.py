@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.errors import InventoryError
+from dynamo_ftctl.jsoncodec import loads
 
 __all__ = [
     "MAX_ALIAS_NODES",
@@ -241,7 +242,7 @@ def parse_json(text: str | bytes, path: Path, *, line: int | None = None) -> Any
     """`text` as JSON; `InventoryError` naming `path` (and `line`) when it is not JSON or
     nests more than `MAX_DEPTH` levels."""
     try:
-        doc = json.loads(text)
+        doc = loads(text)
     except json.JSONDecodeError as exc:
         msg = f"not JSON: {exc.msg}"
         where = line if line is not None else exc.lineno

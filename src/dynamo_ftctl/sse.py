@@ -38,6 +38,7 @@ __all__ = [
     "RelayBlock",
     "SseDecoder",
     "SseEvent",
+    "data_and_comments",
     "format_sse",
     "iter_sse_events",
     "iter_sse_lines",
@@ -231,6 +232,31 @@ def _named(block: bytes) -> tuple[str | None, list[str] | None]:
 def _plain_data(block: bytes) -> bytes | None:
     """The data of a raw event that is one `data: ` line (nearly every event), else None."""
     return block[6:] if block.startswith(b"data: ") and b"\n" not in block else None
+
+
+_NO_COMMENTS: tuple[bytes, ...] = ()
+
+
+def data_and_comments(block: bytes) -> tuple[bytes | None, tuple[bytes, ...]]:
+    """A raw event's data (its `data:` lines joined by LF; None when it has none) and its
+    comment lines (after the colon, one leading space dropped), as the spec reads them.
+
+    A one-line `data: ` event, nearly every event, costs one slice and no list.
+    """
+    plain = _plain_data(block)
+    if plain is not None:
+        return plain, _NO_COMMENTS
+    data: list[bytes] = []
+    comments: list[bytes] = []
+    for line in block.split(b"\n"):
+        field, sep, value = line.partition(b":")
+        if sep and value.startswith(b" "):
+            value = value[1:]
+        if field == b"data":
+            data.append(value)
+        elif not field and sep:
+            comments.append(value)
+    return (b"\n".join(data) if data else None), tuple(comments)
 
 
 def iter_sse_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:

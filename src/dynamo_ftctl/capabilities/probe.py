@@ -145,17 +145,14 @@ def _json(data: str | bytes) -> Any:
 
 
 def _events(data: bytes) -> list[Any]:
-    """The JSON documents of an SSE stream, or the one document of a plain body."""
-    if not data.lstrip().startswith(b"data:"):
+    """The JSON documents of an SSE stream, or the one document of a plain body (a JSON
+    body has no `data:` field line, so it holds no SSE event)."""
+    events = [event.data for event in iter_sse_events([data])
+              if event.data.strip() and not event.is_done]
+    if not events:
         doc = _json(data)
         return [doc] if doc is not None else []
-    out = []
-    for event in iter_sse_events([data]):
-        if event.data.strip() and not event.is_done:
-            doc = _json(event.data)
-            if doc is not None:
-                out.append(doc)
-    return out
+    return [doc for doc in map(_json, events) if doc is not None]
 
 
 def _int_list(value: Any) -> bool:

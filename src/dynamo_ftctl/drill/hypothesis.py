@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.drill.state import ProbeOutcome
 from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.http1 import Client, HttpError
+from dynamo_ftctl.jsoncodec import loads
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -128,7 +129,7 @@ async def _shed(run: DrillRun, probe: Probe) -> tuple[bool, str]:
                 continue
             if status == 503:
                 try:
-                    answer = json.loads(content)
+                    answer = loads(content)
                 except ValueError:
                     answer = content.decode(errors="replace")[:200]
                 if retry_after is not None and answer == want:
@@ -220,7 +221,7 @@ def detections(run: DrillRun, log: Path) -> dict[str, float | None]:
     transitions = []
     for line in log.read_text().splitlines():
         with contextlib.suppress(ValueError):
-            transitions.append(json.loads(line))
+            transitions.append(loads(line))
     for label, worker, wall in run.injected_at:
         drained = [t["ts"] for t in transitions
                    if t.get("worker") == worker and t.get("weight") == 0 and t["ts"] >= wall]

@@ -20,6 +20,7 @@ from dynamo_ftctl.drill.report import placement_text
 from dynamo_ftctl.drill.state import TimelineEvent
 from dynamo_ftctl.errors import FtctlError
 from dynamo_ftctl.http1 import Client, HttpError
+from dynamo_ftctl.jsoncodec import loads
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -292,12 +293,11 @@ def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:
 async def _proxy_view(run: DrillRun) -> str:
     """The proxy's routing state of each worker (its /health), for a report that must
     say why no witness stream went to the worker a fault is about."""
-    import json
 
     client = Client()
     try:
         _, body = await client.fetch("GET", f"{run.target_url}/health", timeout_s=2.0)
-        workers = json.loads(body)["workers"]
+        workers = loads(body)["workers"]
         return ", ".join(f"{name} weight {w['weight']} breaker {w['breaker']} busy "
                          f"{w['busy']} outstanding {w['outstanding']}"
                          for name, w in workers.items())

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.http1 import Client, HttpError, Request
 from dynamo_ftctl.jsoncodec import dumps, loads
-from dynamo_ftctl.sse import SseDecoder
+from dynamo_ftctl.sse import SseDecoder, data_and_comments
 
 if TYPE_CHECKING:
     from dynamo_ftctl.faults.scenario import Witness
@@ -35,7 +35,7 @@ __all__ = [
     "witness_counts",
 ]
 
-_MIGRATED = b": x-ftctl-migrated:"
+_MIGRATED = b"x-ftctl-migrated:"  # a comment line's text
 _WORKER = "x-ftctl-worker"  # the proxy's answer header: the workers the stream went to
 
 
@@ -100,14 +100,10 @@ async def _stream(transport: StreamingTransport, url: str, out: WitnessStream,
 
 def _take(block: bytes, out: WitnessStream) -> None:
     """One raw SSE event (LF line ends): the proxy's migration comment, or a chunk's ids."""
-    data: list[bytes] = []
-    for line in block.split(b"\n"):
-        if line.startswith(_MIGRATED):
-            out.migrated = True
-        elif line.startswith(b"data:"):
-            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
-    payload = b"\n".join(data)
-    if not payload.startswith(b"{"):  # no data, or `[DONE]`
+    payload, comments = data_and_comments(block)
+    if any(comment.startswith(_MIGRATED) for comment in comments):
+        out.migrated = True
+    if payload is None or not payload.startswith(b"{"):  # no data, or `[DONE]`
         return
     try:
         doc = loads(payload)

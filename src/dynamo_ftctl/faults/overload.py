@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_ftctl.errors import Unreachable
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.process import SPAWNER, Identity, Spawner
 
 __all__ = ["OverloadLoad", "main", "start_overload", "stop_overload"]
@@ -102,7 +103,7 @@ def stop_overload(pid_file: Path, *, kill: Callable[[int, int], None] = os.kill,
     `kill` sends the signals (the injectors' seam); `spawner` collects the end of a load
     this process started."""
     try:
-        pid = int(json.loads(pid_file.read_text())["pid"])
+        pid = int(loads(pid_file.read_text())["pid"])
     except FileNotFoundError:
         return "no load running (pid file gone)"
     except (OSError, ValueError, KeyError, TypeError) as exc:

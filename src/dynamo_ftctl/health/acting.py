@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dynamo_ftctl.errors import InvalidInput, LeaseLost
+from dynamo_ftctl.jsoncodec import loads
 
 if TYPE_CHECKING:
     from dynamo_ftctl.lock.flock import FlockLock
@@ -80,7 +81,7 @@ class ActingGate:
 
         path = acted_path(self.path)
         try:
-            doc = json.loads(read_regular(path, _ACTED_MAX))
+            doc = loads(read_regular(path, _ACTED_MAX))
         except FileNotFoundError:
             self._acted = {}
             return

@@ -11,11 +11,11 @@ reports to a `HealthDaemon` (health/daemon.py, which re-exports these names).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.auth import RateLimiter, check_bearer
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.daemon import HealthDaemon
@@ -58,7 +58,7 @@ def create_app(daemon: HealthDaemon, *, token: str | None = None) -> Router:
         if len(request.body) > _MAX_REPORT_BYTES:
             return json_reply({"error": "report body over 64 KiB"}, 413)
         try:
-            body = json.loads(request.body)
+            body = loads(request.body)
         except ValueError:
             return json_reply({"error": "body is not JSON"}, 400)
         if not isinstance(body, dict):

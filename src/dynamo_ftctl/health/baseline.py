@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 
 __all__ = [
     "MIN_SAMPLES",
@@ -179,6 +180,6 @@ class BaselineStore:
         if len(raw) > _MAX_STATE_BYTES:
             return Baselines()  # a cache: a damaged one is rebuilt, not fatal
         try:
-            return Baselines.from_json(json.loads(raw))
+            return Baselines.from_json(loads(raw))
         except (ValueError, RecursionError):
             return Baselines()

@@ -30,6 +30,7 @@ import msgspec
 from dynamo_ftctl.health.canaryset import CanaryPrompt, CanarySet
 from dynamo_ftctl.health.errors import BadResponse
 from dynamo_ftctl.http1.transport import Reply
+from dynamo_ftctl.jsoncodec import loads
 
 __all__ = [
     "Answer",
@@ -253,7 +254,7 @@ def parse_answer(reply: Reply) -> Answer:
     if fast is not None:
         return fast
     try:
-        doc = json.loads(reply.body)
+        doc = loads(reply.body)
     except UnicodeDecodeError:
         raise BadResponse(f"response is not UTF-8 text: {_snippet(reply.body)}") from None
     except json.JSONDecodeError as exc:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 
 __all__ = [
     "DTYPE_BYTES",
@@ -228,7 +229,7 @@ def decode_kv(data: bytes | bytearray | memoryview) -> KvPayload:
         msg = "header checksum mismatch (header corrupted)"
         raise _bad(msg)
     try:
-        doc = json.loads(bytes(head))
+        doc = loads(bytes(head))
     except ValueError:
         msg = "header is not valid JSON"
         raise _bad(msg) from None

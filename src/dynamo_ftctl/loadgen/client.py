@@ -25,7 +25,7 @@ from dynamo_ftctl.openai import (
     extract_usage,
     parse_error_body,
 )
-from dynamo_ftctl.sse import SseDecoder, SseEvent
+from dynamo_ftctl.sse import SseDecoder, SseEvent, data_and_comments
 
 __all__ = [
     "SERVER_TTFT_FIELD",
@@ -156,7 +156,7 @@ class _StreamState:
 
 
 # `ftctl proxy` says a stream migrated after its headers left in a trailing comment.
-_MIGRATED_COMMENT = b": " + MIGRATED_HEADER.encode() + b":"
+_MIGRATED_COMMENT = MIGRATED_HEADER.encode() + b":"  # a comment line's text
 
 
 class SseStream:
@@ -196,20 +196,13 @@ class SseStream:
         return self.state.verdict()
 
     def _event(self, event: bytes, stamp: float) -> bool:
-        if event.startswith(b"data: ") and b"\n" not in event:
-            data = event[6:]
-        else:
-            parts: list[bytes] = []
-            for line in event.split(b"\n"):
-                name, sep, value = line.partition(b":")
-                if name == b"data":
-                    parts.append(value[1:] if value[:1] == b" " else value)
-                elif not name and sep and line.startswith(_MIGRATED_COMMENT):
-                    hops = migrated_hops(line[len(_MIGRATED_COMMENT):].strip()) or 1
-                    self.migrated = max(self.migrated, hops)
-            if not parts:
-                return False
-            data = b"\n".join(parts)
+        data, comments = data_and_comments(event)
+        for comment in comments:
+            if comment.startswith(_MIGRATED_COMMENT):
+                hops = migrated_hops(comment[len(_MIGRATED_COMMENT):].strip()) or 1
+                self.migrated = max(self.migrated, hops)
+        if data is None:
+            return False
         if len(data) < 16 and data.strip() == b"[DONE]":
             self.state.done = True
             return True

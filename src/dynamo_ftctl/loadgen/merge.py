@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from dynamo_ftctl.errors import InvalidInput, InventoryError
+from dynamo_ftctl.jsoncodec import decode_fast
 from dynamo_ftctl.loadgen.compare import load_report_json
 from dynamo_ftctl.loadgen.config import (
     LoadConfig,
@@ -36,7 +37,7 @@ __all__ = ["config_from_json", "merge_dirs", "merge_reports", "read_report_dir"]
 
 # A line of requests.jsonl is a few hundred bytes; one of a megabyte is not one.
 _MAX_LINE_BYTES = 1 << 20
-_decode_row = msgspec.json.Decoder().decode
+_decode_row = decode_fast
 
 
 def _ms_to_s(value: float | None) -> float | None:

@@ -16,13 +16,13 @@ import asyncio
 import contextlib
 import gc
 import itertools
-import json
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock, MonotonicClock
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.loadgen.config import LoadConfig
 from dynamo_ftctl.loadgen.record import RequestRecord
 from dynamo_ftctl.loadgen.schedule import plan_arrivals, trace_offsets
@@ -433,7 +433,7 @@ def _first_model(status: int | None, body: bytes) -> str | None:
     if status != 200:
         return None
     try:
-        doc = json.loads(body)
+        doc = loads(body)
     except ValueError:
         return None
     data = doc.get("data") if isinstance(doc, dict) else None

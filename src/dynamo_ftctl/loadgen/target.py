@@ -36,6 +36,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from dynamo_ftctl.jsoncodec import loads
+
 __all__ = ["TargetConfig", "main", "serve"]
 
 # Outcomes a script may name; a number is an HTTP status.
@@ -142,7 +144,7 @@ async def _answer(state: _State, path: str, body: bytes, writer: asyncio.StreamW
         writer.write(_json_response(404, {"error": {"message": f"no route {path}"}}))
         return True
     try:
-        request = json.loads(body) if body else {}
+        request = loads(body) if body else {}
     except ValueError:
         writer.write(_json_response(400, {"error": {"message": "body is not JSON"}}))
         return True

@@ -39,6 +39,7 @@ from typing import Any
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import InvalidInput, LockTimeout, Unreachable
 from dynamo_ftctl.http1.transport import Request, Transport
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.lock.protocol import (
     Lease,
     LeaseLost,
@@ -171,7 +172,7 @@ class EtcdLock:
                 continue
             status, raw = reply.status, reply.body
             try:
-                doc = json.loads(raw)
+                doc = loads(raw)
             except ValueError:
                 doc = {}
             if not isinstance(doc, dict):
@@ -264,7 +265,7 @@ class EtcdLock:
                     for line in lines:
                         if not line.strip():
                             continue
-                        result = json.loads(line).get("result", {})
+                        result = loads(line).get("result", {})
                         if result.get("canceled") or any(
                             event.get("type") == "DELETE" for event in result.get("events", ())
                         ):
@@ -444,7 +445,7 @@ class EtcdLock:
             return None
         kv = kvs[0]
         try:
-            data = json.loads(_unb64(kv.get("value", "")).decode("utf-8"))
+            data = loads(_unb64(kv.get("value", "")).decode("utf-8"))
         except (ValueError, UnicodeDecodeError):
             data = {}
         if not isinstance(data, dict):

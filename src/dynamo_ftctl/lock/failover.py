@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import os
 import secrets
 import signal
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from dynamo_ftctl.auth import ADMIN_TOKEN_ENV, bearer_headers, token_from_env
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import CheckFailed, FtctlError, InvalidInput, LockTimeout, Unreachable
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.lock.protocol import FailoverLock, Lease, LeaseLost
 from dynamo_ftctl.process import SPAWNER, Child
 
@@ -320,7 +320,7 @@ class _Run:
                 status, body = 0, b""
             if status in (0, 404):
                 return  # an engine without /is_sleeping is awake when /wake_up returns
-            if status == 200 and not json.loads(body).get("is_sleeping", False):
+            if status == 200 and not loads(body).get("is_sleeping", False):
                 return
             if self.clock.now() >= deadline:
                 raise too_slow

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.lock.protocol import OwnerInfo
 from dynamo_ftctl.lock.watch import FileIdentity, lock_file_gone
 from dynamo_ftctl.safefiles import open_regular
@@ -55,7 +56,7 @@ _HOST = socket.gethostname()
 
 def parse_owner(data: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(data.decode("utf-8")) if data.strip() else {}
+        doc = loads(data.decode("utf-8")) if data.strip() else {}
     except (UnicodeDecodeError, ValueError, RecursionError):  # 4 KiB of "[" is too deep
         return {}
     return doc if isinstance(doc, dict) else {}

@@ -44,6 +44,7 @@ from msgspec import Meta
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import FtctlError, InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.kv.layout import KVGeometry
 from dynamo_ftctl.migrate.cost import (
     GPUS,
@@ -279,7 +280,7 @@ async def _served_model(client: Client, ep: Endpoint, timeout_s: float) -> tuple
         status, body = await fetch(client, "GET", f"{ep.url}/v1/models", timeout_s=timeout_s)
     if status != 200:
         raise refusal(ep, "GET /v1/models", status, body)
-    first = json.loads(body)["data"][0]
+    first = loads(body)["data"][0]
     return str(first["id"]), int(first.get("max_model_len") or 2048)
 
 
@@ -523,7 +524,7 @@ async def store_request(
     if status != 200:
         raise refusal(ep, "completion", status, answer)
     try:
-        report = json.loads(answer)["kv_transfer_params"][REPORT_PARAM]
+        report = loads(answer)["kv_transfer_params"][REPORT_PARAM]
         report["loaded_tokens"] = int(report["loaded_tokens"])
     except (ValueError, KeyError, TypeError):
         msg = (f"{ep.name}: the answer carries no report of ftctl's KV connector (is the "

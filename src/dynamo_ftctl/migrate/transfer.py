@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.errors import FtctlError, InvalidInput, Unreachable
 from dynamo_ftctl.http1.response import DEFAULT_LIMIT
+from dynamo_ftctl.jsoncodec import loads
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -240,7 +241,7 @@ def _detail(body: bytes) -> str:
     """The OpenAI error message of an answer's body, or the body as text."""
     text = body.decode("utf-8", "replace")
     try:
-        doc = json.loads(body)
+        doc = loads(body)
     except ValueError:
         return text
     error = doc.get("error") if isinstance(doc, dict) else None
@@ -264,7 +265,7 @@ def _route_missing(status: int, body: bytes) -> bool:
     if status != 404:
         return status in _NO_ROUTE
     try:
-        doc = json.loads(body)
+        doc = loads(body)
     except ValueError:
         return True
     error = doc.get("error") if isinstance(doc, dict) else None

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.proxy.errors import TemplateFailed
 
 __all__ = ["ChatTemplate", "TemplateFailed"]
@@ -77,7 +78,7 @@ class ChatTemplate:
         config: dict[str, Any] = {}
         if config_text is not None:
             try:
-                loaded = json.loads(config_text)
+                loaded = loads(config_text)
             except ValueError as exc:
                 msg = f"{directory / 'tokenizer_config.json'}: not JSON: {exc}"
                 raise InvalidInput(msg) from None

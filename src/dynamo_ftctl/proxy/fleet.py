@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import json
 import logging
 import math
 import os
@@ -39,6 +38,7 @@ from dynamo_ftctl.auth import bearer_headers, token_from_env
 from dynamo_ftctl.discovery import Discovery, with_discovered
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.http1 import NoConnection
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.proxy.admission import (
     Thresholds,
     degradation_level,
@@ -223,7 +223,7 @@ class Fleet:
             return
         if slot.max_model_len is None and (caps is None or caps.max_model_len is not None):
             with contextlib.suppress(Exception):
-                doc = json.loads(await self._get(f"{slot.url}/v1/models"))
+                doc = loads(await self._get(f"{slot.url}/v1/models"))
                 for entry in doc.get("data", ()):
                     length = entry.get("max_model_len")
                     if entry.get("id") == slot.model and isinstance(length, int):
@@ -244,7 +244,7 @@ class Fleet:
         alone (fail open), said once in the log when it starts and when it ends."""
         async def ask(base: str) -> dict[str, float] | None:
             try:
-                got = parse_daemon_weights(json.loads(await self._get(f"{base}/workers")))
+                got = parse_daemon_weights(loads(await self._get(f"{base}/workers")))
             except Exception:  # this daemon away: the others may answer
                 got = None
             self.metrics.PROXY_DAEMON_UP.labels(redact_url(base)).set(got is not None)

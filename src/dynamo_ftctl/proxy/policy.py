@@ -42,13 +42,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.migrate.cost import prefill_reuse
 from dynamo_ftctl.openai import error_body
 from dynamo_ftctl.proxy.attempt import UpstreamFailure, estimate_prompt_tokens
@@ -656,7 +656,7 @@ def _import_failed(method: str, ledger: StreamLedger, slot: WorkerSlot,
 def _refusal_body(status: int, body: bytes) -> dict[str, Any]:
     """The client's answer to a 4xx: the worker's JSON error, or its text in one."""
     try:
-        doc = json.loads(body)
+        doc = loads(body)
     except ValueError:
         doc = None
     if isinstance(doc, dict):

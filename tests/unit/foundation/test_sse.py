@@ -7,7 +7,14 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_ftctl.sse import SseDecoder, SseEvent, format_sse, iter_sse_events, iter_sse_lines
+from dynamo_ftctl.sse import (
+    SseDecoder,
+    SseEvent,
+    data_and_comments,
+    format_sse,
+    iter_sse_events,
+    iter_sse_lines,
+)
 
 
 def _reference_events(stream: bytes) -> list[SseEvent]:
@@ -66,6 +73,37 @@ def test_feed_data_gives_each_events_data_as_bytes(stream: bytes, cuts: list[int
     expected = [event.data for read in reads for event in whole.feed(read)]
     got = [data.decode("utf-8", "replace") for read in reads for data in raw.feed_data(read)]
     assert got == expected
+
+
+def _reference_comments(stream: bytes) -> list[bytes]:
+    """Every comment line's text (after the colon, one leading space dropped)."""
+    out = []
+    for line in re.split(rb"\r\n|\r|\n", stream):
+        if line.startswith(b":"):
+            out.append(line[2:] if line.startswith(b": ") else line[1:])
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from([*_PIECES, b": x-ftctl-migrated: 2"]), max_size=40)
+       .map(b"".join), st.lists(st.integers(0, 200), max_size=6))
+def test_data_and_comments_of_raw_blocks_read_as_the_spec(stream: bytes,
+                                                         cuts: list[int]) -> None:
+    """The raw-block face (`blocks` + `data_and_comments`, the load generator's and the
+    drill's) gives each event's data and every comment line as the spec reads them."""
+    decoder = SseDecoder()
+    blocks = [block for read in _reads(stream, cuts) for block in decoder.blocks(read)]
+    blocks.append(decoder.rest())
+    read = [data_and_comments(block) for block in blocks]
+    data = [d.decode("utf-8", "replace") for d, _ in read if d is not None]
+    assert data == [event.data for event in _reference_events(stream)]
+    assert [c for _, comments in read for c in comments] == _reference_comments(stream)
+
+
+def test_a_one_line_event_costs_no_list() -> None:
+    assert data_and_comments(b'data: {"a":1}') == (b'{"a":1}', ())
+    assert data_and_comments(b": c\ndata:x\ndata: y") == (b"x\ny", (b"c",))
+    assert data_and_comments(b": only") == (None, (b"only",))
 
 
 @settings(max_examples=300, deadline=None)
