@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-import httpx
 import pytest
 
+from dynamo_ftctl.http1 import HttpError, Reply
+from tests import fetch
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -97,12 +98,12 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
         procs.append(proxy)
         url = f"http://127.0.0.1:{port}"
 
-        def answers() -> httpx.Response:
+        def answers() -> Reply:
             assert proxy.poll() is None, f"the proxy exited with {proxy.returncode}"
-            return httpx.get(f"{url}/health", timeout=1.0)
+            return fetch.get(f"{url}/health", timeout=1.0)
 
         wait_until(answers, START_S, f"{url} answering", accept=lambda r: True,
-                   ignore=(httpx.TransportError,), interval=0.05)
+                   ignore=(HttpError, TimeoutError), interval=0.05)
         yield url
     finally:
         for proc in procs:
@@ -120,17 +121,16 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
 def test_the_compiled_proxy_relays_plain_and_streamed_completions(compiled_proxy: str) -> None:
     """Through the compiled modules: a plain answer of 5 tokens with its usage, and a stream
     of 7 token chunks ending in [DONE]."""
-    with httpx.Client(base_url=compiled_proxy, timeout=10) as client:
-        plain = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
-                                                      "max_tokens": 5})
-        assert plain.status_code == 200, plain.text
-        doc = plain.json()
-        assert (doc["choices"][0]["text"], doc["choices"][0]["finish_reason"],
-                doc["usage"]["completion_tokens"]) == ("xxxxx", "length", 5)
-        streamed = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
-                                                        "max_tokens": 7, "stream": True})
-        assert streamed.status_code == 200, streamed.text
-        data = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: ")]
-        assert data[-1] == "[DONE]"
-        text = "".join(c["text"] for d in data[:-1] for c in json.loads(d)["choices"])
-        assert text == "x" * 7
+    url = f"{compiled_proxy}/v1/completions"
+    plain = fetch.post(url, json={"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=10)
+    assert plain.status == 200, plain.text
+    doc = plain.json()
+    assert (doc["choices"][0]["text"], doc["choices"][0]["finish_reason"],
+            doc["usage"]["completion_tokens"]) == ("xxxxx", "length", 5)
+    streamed = fetch.post(url, json={"model": "m", "prompt": "hi", "max_tokens": 7,
+                                     "stream": True}, timeout=10)
+    assert streamed.status == 200, streamed.text
+    data = [line[6:] for line in streamed.text.split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    text = "".join(c["text"] for d in data[:-1] for c in json.loads(d)["choices"])
+    assert text == "x" * 7

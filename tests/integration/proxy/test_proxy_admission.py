@@ -8,9 +8,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
     ProxyFactory,
@@ -37,9 +37,9 @@ def cut_stream(url: str, request_id: str, after_tokens: int) -> str:
     worker knows the request by (the proxy's `x-ftctl-upstream-id`)."""
     body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "ignore_eos": True,
             "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
+    with fetch.stream("POST", f"{url}/v1/completions", json=body, timeout=60,
                       headers={"X-Request-Id": request_id}) as resp:
-        assert resp.status_code == 200, resp.read()
+        assert resp.status == 200, resp.read()
         seen = 0
         for line in resp.iter_lines():
             seen += line.startswith("data: {")
@@ -50,9 +50,9 @@ def cut_stream(url: str, request_id: str, after_tokens: int) -> str:
 
 def retained(worker: SimWorker, request_id: str) -> bool:
     """True while the worker still holds the KV of `request_id` for an export."""
-    resp = httpx.get(f"{worker.url}/admin/kv/{request_id}", timeout=10,
+    resp = fetch.get(f"{worker.url}/admin/kv/{request_id}", timeout=10,
                      headers={"Authorization": f"Bearer {worker.admin_token}"})
-    return resp.status_code == 200
+    return resp.status == 200
 
 
 def test_retained_kv_of_gone_clients_does_not_lock_the_proxy_into_shedding(
@@ -77,14 +77,14 @@ def test_retained_kv_of_gone_clients_does_not_lock_the_proxy_into_shedding(
     statuses: list[int] = []
 
     def admitted() -> bool:
-        statuses.append(httpx.post(f"{proxy.url}/v1/completions", json=small,
-                                   timeout=30).status_code)
+        statuses.append(fetch.post(f"{proxy.url}/v1/completions", json=small,
+                                   timeout=30).status)
         return statuses[-1] == 200
 
     # Well inside the sim's retention (60 s): refused until then is the lock-in.
     wait_until(admitted, 5, "a standard request to be admitted")
     assert statuses[0] == 200, statuses
-    assert not httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"]["r0"]["busy"]
+    assert not fetch.get(f"{proxy.url}/health", timeout=5).json()["workers"]["r0"]["busy"]
 
 
 def test_health_says_busy_while_requests_wait_in_the_engine(
@@ -100,16 +100,16 @@ def test_health_says_busy_while_requests_wait_in_the_engine(
     with ThreadPoolExecutor(6) as pool:
         # All admitted at once while the worker is idle (6 x 2 blocks of prompt); they
         # grow to 9 blocks each in a 24-block pool, so the engine preempts and queues.
-        futures = [pool.submit(httpx.post, f"{proxy.url}/v1/completions", json=body,
+        futures = [pool.submit(fetch.post, f"{proxy.url}/v1/completions", json=body,
                                timeout=120) for _ in range(6)]
         wait_until(lambda: gauge(worker.url, "vllm:num_requests_waiting") > 0, 20,
                    "requests waiting in the engine")
-        wait_until(lambda: httpx.get(f"{proxy.url}/health", timeout=5).json()
+        wait_until(lambda: fetch.get(f"{proxy.url}/health", timeout=5).json()
                    ["workers"]["h0"]["busy"], 3, "/health to say busy")
         assert gauge(proxy.url, 'ftctl_worker_busy{worker="h0"}') == 1
         set_fault(worker, {"kind": "clear"})
-        assert all(f.result(timeout=120).status_code == 200 for f in futures)
-    wait_until(lambda: not httpx.get(f"{proxy.url}/health", timeout=5).json()
+        assert all(f.result(timeout=120).status == 200 for f in futures)
+    wait_until(lambda: not fetch.get(f"{proxy.url}/health", timeout=5).json()
                ["workers"]["h0"]["busy"], 5, "/health to say free again")
 
 
@@ -143,7 +143,7 @@ def test_shedding_starts_between_two_scrapes_once_the_worker_is_full(
 
     def send() -> int:
         sent = time.monotonic() - start
-        status = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=120).status_code
+        status = fetch.post(f"{proxy.url}/v1/completions", json=body, timeout=120).status
         if status == 503:
             shed.append(sent)
         return status

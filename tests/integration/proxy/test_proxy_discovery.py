@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.dnsserver import DnsServer
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
@@ -59,7 +59,7 @@ def start_proxy(tmp_path: Path, entry: dict[str, Any]) -> ProxyProcess:
 
 
 def workers(proxy: ProxyProcess) -> set[str]:
-    return set(httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"])
+    return set(fetch.get(f"{proxy.url}/health", timeout=5).json()["workers"])
 
 
 class Load:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
     ProxyProcess,
@@ -58,15 +58,15 @@ def dynamo_proxy(dynamo_workers: list[SimWorker], tmp_path: Path) -> Iterator[Pr
 
 
 def _stream(url: str, body: dict[str, Any], *, usage: bool = True,
-            kill: Any = None) -> tuple[httpx.Headers, bytes, list[dict[str, Any]]]:
+            kill: Any = None) -> tuple[dict[str, str], bytes, list[dict[str, Any]]]:
     """Stream `body` from `url`; the headers, raw bytes and data chunks. `kill(headers, raw)`
     is called on each piece."""
     payload = {**body, "stream": True}
     if usage:
         payload["stream_options"] = {"include_usage": True}
     raw = b""
-    with httpx.stream("POST", f"{url}/v1/completions", json=payload, timeout=60) as resp:
-        assert resp.status_code == 200
+    with fetch.stream("POST", f"{url}/v1/completions", json=payload, timeout=60) as resp:
+        assert resp.status == 200
         headers = resp.headers
         for piece in resp.iter_bytes():
             raw += piece
@@ -121,7 +121,7 @@ def test_a_dynamo_worker_killed_mid_stream_costs_no_token_of_the_count(
     by_url = {w.name: w for w in dynamo_workers}
     killed: list[str] = []
 
-    def kill(headers: httpx.Headers, raw: bytes) -> None:
+    def kill(headers: dict[str, str], raw: bytes) -> None:
         if not killed and raw.count(b'"text":') >= 30:
             name = headers["x-ftctl-worker"].split(",")[-1]
             by_url[name].kill()

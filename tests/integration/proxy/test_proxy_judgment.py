@@ -10,9 +10,10 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from dynamo_ftctl.http1 import Reply
+from tests import fetch
 from tests.conftest import SIM_ADMIN_TOKEN
 from tests.integration.proxy.test_proxy_sim import MODEL, gauge, proxy_factory, wait_until
 
@@ -36,9 +37,20 @@ def poison() -> dict[str, Any]:
             "temperature": 1}
 
 
-def breakers_open(client: httpx.Client) -> list[str]:
-    workers = client.get("/health").json().get("workers", {})
+def health(url: str) -> dict[str, Any]:
+    """The /health document of the proxy at `url`."""
+    doc: dict[str, Any] = fetch.get(f"{url}/health", timeout=60).json()
+    return doc
+
+
+def breakers_open(url: str) -> list[str]:
+    workers = health(url).get("workers", {})
     return [n for n, w in workers.items() if isinstance(w, dict) and w.get("breaker") == "open"]
+
+
+def post(url: str, body: dict[str, Any]) -> Reply:
+    """A generation through the proxy at `url`, answered whole."""
+    return fetch.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
 def poisoned_fleet(sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory,
@@ -52,26 +64,24 @@ def test_a_burst_of_30_poison_requests_opens_no_breaker_and_healthy_requests_are
         sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory) -> None:
     """30 batch-killers at once on 2 sims: each refused, then 5 healthy 200s, no breaker open."""
     url = poisoned_fleet(sim_worker_factory, proxy_factory, 2)
-    with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(30) as pool:
-        bad = set(pool.map(lambda _: client.post("/v1/completions", json=poison()).status_code,
-                           range(30)))
-        good = [client.post("/v1/completions", json=healthy()).status_code for _ in range(5)]
+    with ThreadPoolExecutor(30) as pool:
+        bad = set(pool.map(lambda _: post(url, poison()).status, range(30)))
+        good = [post(url, healthy()).status for _ in range(5)]
         assert bad <= {422, 502, 503}, bad
-        assert breakers_open(client) == []
+        assert breakers_open(url) == []
         assert good == [200] * 5
-        assert breakers_open(client) == []
+        assert breakers_open(url) == []
 
 
 def test_poison_on_a_one_worker_fleet_leaves_its_breaker_closed(
         sim_worker_factory: SimWorkerFactory, proxy_factory: ProxyFactory) -> None:
     """5 poison requests with no second opinion: each 422/502, the breaker stays closed."""
     url = poisoned_fleet(sim_worker_factory, proxy_factory, 1)
-    with httpx.Client(base_url=url, timeout=60) as client:
-        bad = [client.post("/v1/completions", json=poison()).status_code for _ in range(5)]
-        good = [client.post("/v1/completions", json=healthy()).status_code for _ in range(5)]
-        assert all(s in (422, 502) for s in bad), bad
-        assert good == [200] * 5
-        assert breakers_open(client) == []
+    bad = [post(url, poison()).status for _ in range(5)]
+    good = [post(url, healthy()).status for _ in range(5)]
+    assert all(s in (422, 502) for s in bad), bad
+    assert good == [200] * 5
+    assert breakers_open(url) == []
 
 
 class StandIn:
@@ -132,16 +142,13 @@ def test_a_429_with_retry_after_goes_elsewhere_or_reaches_the_client_and_moves_n
     sim = sim_worker_factory(name="sim")
     with stand_in(429, "30") as (_full, full_url):
         two = proxy_factory([("full", full_url), ("sim", sim.url)])
-        with httpx.Client(base_url=two.url, timeout=60) as client:
-            assert [client.post("/v1/completions", json=healthy()).status_code
-                    for _ in range(4)] == [200] * 4
-            assert breakers_open(client) == []
+        assert [post(two.url, healthy()).status for _ in range(4)] == [200] * 4
+        assert breakers_open(two.url) == []
         one = proxy_factory([("full", full_url)])
-        with httpx.Client(base_url=one.url, timeout=60) as client:
-            answer = client.post("/v1/completions", json=healthy())
-            assert answer.status_code == 429
-            assert 25 <= int(answer.headers["retry-after"]) <= 30
-            assert breakers_open(client) == []
+        answer = post(one.url, healthy())
+        assert answer.status == 429
+        assert 25 <= int(answer.headers["retry-after"]) <= 30
+        assert breakers_open(one.url) == []
 
 
 def test_a_frontend_answering_empty_404s_is_out_of_routing_and_back_once_it_serves(
@@ -150,20 +157,18 @@ def test_a_frontend_answering_empty_404s_is_out_of_routing_and_back_once_it_serv
     sim = sim_worker_factory(name="sim")
     with stand_in(404) as (empty, empty_url):
         url = proxy_factory([("empty", empty_url), ("sim", sim.url)]).url
-        with httpx.Client(base_url=url, timeout=60) as client:
-            assert [client.post("/v1/completions", json=healthy()).status_code
-                    for _ in range(6)] == [200] * 6
-            view = client.get("/health").json()["workers"]["empty"]
-            assert view["weight"] == 0
-            assert view["breaker"] == "closed"
-            empty.status = 200
-            wait_until(lambda: client.get("/health").json()["workers"]["empty"]["weight"], 10,
-                       "the frontend back in routing (weight > 0)", interval=0.05)
+        assert [post(url, healthy()).status for _ in range(6)] == [200] * 6
+        view = health(url)["workers"]["empty"]
+        assert view["weight"] == 0
+        assert view["breaker"] == "closed"
+        empty.status = 200
+        wait_until(lambda: health(url)["workers"]["empty"]["weight"], 10,
+                   "the frontend back in routing (weight > 0)", interval=0.05)
 
 
 def streamed_text(url: str, body: dict[str, Any]) -> str:
     text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as resp:
+    with fetch.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {"):
                 for choice in json.loads(line[6:]).get("choices") or ():
@@ -179,16 +184,16 @@ def test_a_batch_killing_request_is_refused_and_the_streams_it_ended_continue_id
     url = proxy_factory([(w.name, w.url) for w in workers]).url
     body = {"model": MODEL, "prompt": "Tokens must not be lost", "max_tokens": 48,
             "temperature": 0, "ignore_eos": True, "stream": True}
-    expected = httpx.post(f"{workers[0].url}/v1/completions", json={**body, "stream": False},
+    expected = fetch.post(f"{workers[0].url}/v1/completions", json={**body, "stream": False},
                           timeout=60).json()["choices"][0]["text"]
     for worker in workers:
-        httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 30},
+        fetch.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": 30},
                    headers={"Authorization": f"Bearer {SIM_ADMIN_TOKEN}"}, timeout=5)
-    with httpx.Client(base_url=url, timeout=60) as client, ThreadPoolExecutor(6) as pool:
+    with ThreadPoolExecutor(6) as pool:
         for _ in range(3):
             victims = [pool.submit(streamed_text, url, body) for _ in range(6)]
             wait_until(lambda: sum(gauge(w.url, "vllm:num_requests_running")
                                    for w in workers) >= 6, 20, "6 streams under way")
-            assert client.post("/v1/completions", json=poison()).status_code == 422
+            assert post(url, poison()).status == 422
             assert [v.result(timeout=90) for v in victims] == [expected] * 6
-        assert breakers_open(client) == []
+        assert breakers_open(url) == []

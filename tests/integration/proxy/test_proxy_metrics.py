@@ -10,10 +10,10 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl import metrics
+from tests import fetch
 from tests.integration.health.test_daemon_sim import DAEMON_TOKEN, daemon
 from tests.integration.proxy.test_proxy_sim import MODEL, proxy_factory, set_fault, wait_until
 
@@ -75,9 +75,8 @@ def _send(url: str, count: int) -> None:
     """`count` generations, half streamed, each on a new connection (any child answers)."""
     for i in range(count):
         body = {"model": MODEL, "prompt": f"hello {i}", "max_tokens": 6, "stream": i % 2 == 0}
-        with httpx.Client(timeout=30) as client:
-            reply = client.post(f"{url}/v1/completions", json=body)
-        assert reply.status_code == 200, reply.text
+        reply = fetch.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert reply.status == 200, reply.text
 
 
 def _queries() -> list[str]:
@@ -130,20 +129,20 @@ def test_each_process_serves_its_own_families_and_the_dashboard_finds_them(
         nonlocal sent
         _send(proxy.url, 2)
         sent += 2
-        page = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+        page = fetch.get(f"{proxy.url}/metrics", timeout=10).text
         return _sum(page, "dynamo_frontend_model_migration_total") > 0
 
     wait_until(migrated, 30.0, "a migration")
 
     def counted() -> bool:
-        page = httpx.get(f"{proxy.url}/metrics", timeout=10).text
+        page = fetch.get(f"{proxy.url}/metrics", timeout=10).text
         return (_sum(page, "dynamo_frontend_requests_total") == sent
                 and "ftctl_proxy_daemon_up{" in page
                 and _sum(page, "ftctl_proxy_daemon_up") >= 1)
 
     wait_until(counted, 20.0, f"{sent} requests counted and the daemon read")
-    proxy_page = httpx.get(f"{proxy.url}/metrics", timeout=10).text
-    daemon_page = httpx.get(f"{daemon_url}/metrics", timeout=10).text
+    proxy_page = fetch.get(f"{proxy.url}/metrics", timeout=10).text
+    daemon_page = fetch.get(f"{daemon_url}/metrics", timeout=10).text
 
     proxy_families, daemon_families = _families(proxy_page), _families(daemon_page)
     assert proxy_families >= PROCESS
@@ -164,7 +163,7 @@ def test_each_process_serves_its_own_families_and_the_dashboard_finds_them(
     assert 'request_type="stream"' in proxy_page
     assert 'request_type="unary"' in proxy_page
     for worker in workers.values():
-        sim_page = httpx.get(f"{worker.url}/metrics", timeout=10).text
+        sim_page = fetch.get(f"{worker.url}/metrics", timeout=10).text
         assert all(f.startswith("vllm:") for f in _families(sim_page)), _families(sim_page)
 
     served = _labels_by_series(proxy_page)

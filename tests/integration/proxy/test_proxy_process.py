@@ -15,9 +15,9 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
     ProxyFactory,
@@ -82,9 +82,9 @@ def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(
         proxy = proxy_factory([("w1", url)])
         texts: list[str] = []
         first = threading.Event()
-        with httpx.Client(timeout=10) as client, \
-                client.stream("POST", f"{proxy.url}/v1/completions", json=BODY) as resp:
-            assert resp.status_code == 200
+        with fetch.stream("POST", f"{proxy.url}/v1/completions", json=BODY,
+                          timeout=10) as resp:
+            assert resp.status == 200
             for line in resp.iter_lines():
                 if line.startswith("data: {"):
                     texts.append(json.loads(line[6:])["choices"][0]["text"])
@@ -101,7 +101,7 @@ def test_sigint_exits_130(proxy_factory: ProxyFactory) -> None:
     """SIGINT (Ctrl-C) stops the proxy with exit code 130 and says so in one last line."""
     with paced_worker() as url:
         proxy = proxy_factory([("w1", url)])
-        assert httpx.get(f"{proxy.url}/health", timeout=5).status_code == 200
+        assert fetch.get(f"{proxy.url}/health", timeout=5).status == 200
         proxy.proc.send_signal(signal.SIGINT)
         assert proxy.proc.wait(10) == 130
         assert proxy.log_text().endswith("interrupted\n")
@@ -136,7 +136,7 @@ def test_ipv6_listen_address(proxy_factory: ProxyFactory) -> None:
     with paced_worker() as url:
         proxy = proxy_factory([("w1", url)], listen="[::1]:0")
         assert proxy.url.startswith("http://[::1]:")
-        with httpx.Client(timeout=10) as client:
-            assert client.get(f"{proxy.url}/health").json()["status"] == "ok"
-            answer = client.post(f"{proxy.url}/v1/completions", json={**BODY, "stream": False})
+        assert fetch.get(f"{proxy.url}/health", timeout=10).json()["status"] == "ok"
+        answer = fetch.post(f"{proxy.url}/v1/completions", json={**BODY, "stream": False},
+                            timeout=10)
         assert answer.json()["choices"][0]["text"] == "a" * TOKENS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -11,11 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 import yaml
 
+from dynamo_ftctl.http1 import Reply
+from tests import fetch
 from tests.integration.proxy.test_proxy_process import TOKENS, paced_worker
 from tests.integration.proxy.test_proxy_sim import (
     MODEL,
@@ -44,13 +47,25 @@ def _health_by_pid(url: str, pids: int, deadline_s: float = 15.0) -> dict[int, d
     seen: dict[int, dict] = {}
 
     def more() -> bool:
-        with httpx.Client(timeout=5) as client:  # a new connection: the kernel picks a child
-            doc = client.get(f"{url}/health").json()
+        # A new connection (fetch keeps none): the kernel picks a child.
+        doc = fetch.get(f"{url}/health", timeout=5).json()
         seen[doc["pid"]] = doc
         return len(seen) >= pids
 
     wait_until(more, deadline_s, f"{pids} proxy processes answering /health")
     return seen
+
+
+def _on_one_connection(url: str, *requests: tuple[str, str, Any]) -> list[Reply]:
+    """(method, path, JSON body or None) requests sent in turn on one kept-alive
+    connection: the process that answers the first answers them all."""
+
+    async def send() -> list[Reply]:
+        async with fetch.Session(url, timeout=10) as session:
+            return [await session.request(method, path, json=body)
+                    for method, path, body in requests]
+
+    return asyncio.run(send())
 
 
 def _alive(pid: int) -> bool:
@@ -88,9 +103,8 @@ def test_two_processes_serve_one_port(proxy_factory: ProxyFactory) -> None:
         docs = _health_by_pid(proxy.url, 2)
         assert proxy.proc.pid not in docs  # the parent serves nothing
         for _ in range(4):
-            with httpx.Client(timeout=10) as client:
-                reply = client.post(f"{proxy.url}/v1/completions", json=GENERATION)
-            assert reply.status_code == 200, reply.text
+            reply = fetch.post(f"{proxy.url}/v1/completions", json=GENERATION, timeout=10)
+            assert reply.status == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == TOKENS
 
 
@@ -99,8 +113,8 @@ def test_a_breaker_opened_in_one_process_is_open_in_the_other(
     """One failed request (threshold 1) opens the worker's breaker in both processes."""
     proxy = _dead_worker_proxy(proxy_factory)
     _health_by_pid(proxy.url, 2)  # both up, breakers closed
-    with httpx.Client(timeout=10) as client:  # one request, so one process saw the failure
-        assert client.post(f"{proxy.url}/v1/completions", json=GENERATION).status_code >= 500
+    # One request, so one process saw the failure.
+    assert fetch.post(f"{proxy.url}/v1/completions", json=GENERATION, timeout=10).status >= 500
 
     def both_open() -> bool:
         docs = _health_by_pid(proxy.url, 2)
@@ -112,17 +126,18 @@ def test_a_breaker_opened_in_one_process_is_open_in_the_other(
 def test_metrics_sum_over_processes(proxy_factory: ProxyFactory) -> None:
     """/metrics from either process counts the rejections both made; gauges appear once."""
     proxy = _dead_worker_proxy(proxy_factory)
-    with httpx.Client(timeout=10) as client:
-        client.post(f"{proxy.url}/v1/completions", json=GENERATION)  # opens the breaker
+    fetch.post(f"{proxy.url}/v1/completions", json=GENERATION, timeout=10)  # opens the breaker
     wait_until(lambda: all(d["degradation_level"] == 4
                            for d in _health_by_pid(proxy.url, 2).values()),
                15.0, "level 4 in both processes")
     served: dict[int, int] = {}
 
     def reject_on_both() -> bool:
-        with httpx.Client(timeout=10) as client:  # /health names the process of this connection
-            pid = client.get(f"{proxy.url}/health").json()["pid"]
-            assert client.post(f"{proxy.url}/v1/completions", json=GENERATION).status_code == 503
+        # /health names the process of this connection.
+        health, answer = _on_one_connection(proxy.url, ("GET", "/health", None),
+                                            ("POST", "/v1/completions", GENERATION))
+        pid = health.json()["pid"]
+        assert answer.status == 503
         served[pid] = served.get(pid, 0) + 1
         return len(served) == 2 and min(served.values()) >= 3
 
@@ -132,9 +147,9 @@ def test_metrics_sum_over_processes(proxy_factory: ProxyFactory) -> None:
     pages: dict[int, str] = {}
 
     def page_from_both() -> bool:
-        with httpx.Client(timeout=10) as client:
-            pid = client.get(f"{proxy.url}/health").json()["pid"]
-            pages[pid] = client.get(f"{proxy.url}/metrics").text
+        health, page = _on_one_connection(proxy.url, ("GET", "/health", None),
+                                          ("GET", "/metrics", None))
+        pages[health.json()["pid"]] = page.text
         return len(pages) == 2
 
     wait_until(page_from_both, 15.0, "/metrics from both processes")
@@ -235,9 +250,9 @@ def test_sigterm_lets_streams_in_flight_finish(proxy_factory: ProxyFactory) -> N
         proxy = proxy_factory([("w0", worker)], procs=2)
         body = {**GENERATION, "stream": True, "temperature": 0}
         events: list[str] = []
-        with httpx.Client(timeout=10) as client, \
-                client.stream("POST", f"{proxy.url}/v1/completions", json=body) as reply:
-            assert reply.status_code == 200
+        with fetch.stream("POST", f"{proxy.url}/v1/completions", json=body,
+                          timeout=10) as reply:
+            assert reply.status == 200
             for line in reply.iter_lines():
                 if line.startswith("data: "):
                     if not events:

@@ -19,11 +19,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 import yaml
 
+from dynamo_ftctl.http1 import HttpError, Reply
 from dynamo_ftctl.openai import iter_sse_events
+from tests import fetch
 from tests.simfaults import hung
 from tests.waiting import wait_until
 
@@ -128,7 +129,7 @@ def proxy_factory(tmp_path: Path) -> Iterator[ProxyFactory]:
 
 def gauge(url: str, name: str) -> float:
     """One gauge (its first series) from the /metrics of `url` (a proxy or a worker)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+    text = fetch.get(f"{url}/metrics", timeout=5).text
     line = next(x for x in text.splitlines() if x.startswith((f"{name} ", f"{name}{{")))
     return float(line.rsplit(" ", 1)[1])
 
@@ -136,8 +137,8 @@ def gauge(url: str, name: str) -> float:
 def proxy_knows_max_len(proxy: ProxyProcess) -> bool:
     """True once the proxy learnt every worker's max_model_len (first scrape done)."""
     try:
-        doc = httpx.get(f"{proxy.url}/v1/models", timeout=2).json()
-    except httpx.HTTPError:
+        doc = fetch.get(f"{proxy.url}/v1/models", timeout=2).json()
+    except (HttpError, TimeoutError):
         return False
     return all("max_model_len" in entry for entry in doc["data"])
 
@@ -146,9 +147,9 @@ MAX_TOKENS = 24
 
 
 def set_fault(worker: SimWorker, fault: dict[str, Any]) -> None:
-    resp = httpx.post(f"{worker.url}/admin/fault", json=fault, timeout=5,
+    resp = fetch.post(f"{worker.url}/admin/fault", json=fault, timeout=5,
                       headers={"Authorization": f"Bearer {worker.admin_token}"})
-    assert resp.status_code == 200, resp.text
+    assert resp.status == 200, resp.text
 
 
 def request_body(i: int) -> tuple[str, dict[str, Any]]:
@@ -169,7 +170,7 @@ def request_body(i: int) -> tuple[str, dict[str, Any]]:
 
 def reference(worker: SimWorker, endpoint: str, body: dict[str, Any]) -> tuple[list[int], str]:
     """Token ids and text of the fault-free run, straight from a worker."""
-    doc = httpx.post(f"{worker.url}{endpoint}", json={**body, "stream": False}, timeout=60).json()
+    doc = fetch.post(f"{worker.url}{endpoint}", json={**body, "stream": False}, timeout=60).json()
     choice = doc["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
     return choice["token_ids"], text
@@ -195,9 +196,9 @@ def stream(proxy: ProxyProcess, endpoint: str, body: dict[str, Any],
            on_chunk: Any = None, headers: dict[str, str] | None = None) -> Streamed:
     """Stream a request through the proxy and collect everything the client sees."""
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{proxy.url}{endpoint}", json=payload, timeout=60,
+    with fetch.stream("POST", f"{proxy.url}{endpoint}", json=payload, timeout=60,
                       headers=headers) as resp:
-        out = Streamed(status=resp.status_code, headers=dict(resp.headers))
+        out = Streamed(status=resp.status, headers=dict(resp.headers))
         raw = b""
         for piece in resp.iter_bytes():
             raw += piece
@@ -277,7 +278,7 @@ def test_hundred_streams_with_a_worker_failing_at_a_random_token_are_identical(
             migrated += got.migrated > 0
     # About 90% start on a worker that breaks; all of those must have been migrated.
     assert migrated >= 70, migrated
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    metrics = fetch.get(f"{proxy.url}/metrics", timeout=5).text
     assert 'ftctl_migrations_total{method="reprefill"' in metrics
 
 
@@ -289,13 +290,13 @@ def test_lone_surrogate_prompts_are_400s_and_leave_every_breaker_closed(
     breaker closed, no failure logged), and a normal request is served."""
     workers = [sim_worker_factory(name=f"p{i}", args=["--tokenizer", "byte"]) for i in range(2)]
     proxy = proxy_factory([(w.name, w.url) for w in workers])
-    poison = json.dumps({"model": MODEL, "prompt": "\ud800", "max_tokens": 2})
+    poison = json.dumps({"model": MODEL, "prompt": "\ud800", "max_tokens": 2}).encode()
     for _ in range(4):  # more than breaker_threshold (3)
-        resp = httpx.post(f"{proxy.url}/v1/completions", content=poison, timeout=30,
+        resp = fetch.post(f"{proxy.url}/v1/completions", content=poison, timeout=30,
                           headers={"Content-Type": "application/json"})
-        assert resp.status_code == 400, resp.text
+        assert resp.status == 400, resp.text
         assert resp.json()["error"]["param"] == "prompt"
-    health = httpx.get(f"{proxy.url}/health", timeout=5).json()
+    health = fetch.get(f"{proxy.url}/health", timeout=5).json()
     assert {w["breaker"] for w in health["workers"].values()} == {"closed"}
     assert "worker failed" not in proxy.log_text()
     got = stream(proxy, *request_body(0))
@@ -345,7 +346,7 @@ def test_client_disconnect_cancels_the_upstream_request(
     set_fault(sim_worker, {"kind": "slow", "delay_ms": 50})
     proxy = proxy_factory([("w", sim_worker.url)])
     endpoint, body = request_body(0)
-    with httpx.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
+    with fetch.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
                       json={**body, "stream": True, "max_tokens": 400}) as resp:
         for _ in resp.iter_bytes():
             break
@@ -354,7 +355,7 @@ def test_client_disconnect_cancels_the_upstream_request(
                "the worker to drop the abandoned request")
 
 
-def upstream_ms(headers: httpx.Headers) -> float:
+def upstream_ms(headers: dict[str, str]) -> float:
     """The worker's time to first token that the proxy reports in Server-Timing."""
     match = re.fullmatch(r'upstream;desc="first token";dur=(\d+\.\d{3})',
                          headers["server-timing"])
@@ -389,9 +390,9 @@ def test_server_timing_names_the_workers_share_of_the_time_to_first_token(
 
     def first_token() -> tuple[float, float]:
         started = time.monotonic()
-        with httpx.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
+        with fetch.stream("POST", f"{proxy.url}{endpoint}", timeout=30,
                           json={**body, "stream": True, "max_tokens": 2}) as resp:
-            assert resp.status_code == 200
+            assert resp.status == 200
             for piece in resp.iter_bytes():
                 if b'"token_ids"' in piece:
                     return upstream_ms(resp.headers), (time.monotonic() - started) * 1e3
@@ -399,8 +400,8 @@ def test_server_timing_names_the_workers_share_of_the_time_to_first_token(
 
     def whole() -> tuple[float, float]:
         started = time.monotonic()
-        resp = httpx.post(f"{proxy.url}{endpoint}", json={**body, "max_tokens": 2}, timeout=30)
-        assert resp.status_code == 200
+        resp = fetch.post(f"{proxy.url}{endpoint}", json={**body, "max_tokens": 2}, timeout=30)
+        assert resp.status == 200
         return upstream_ms(resp.headers), (time.monotonic() - started) * 1e3
 
     for send in (first_token, whole):
@@ -471,15 +472,15 @@ def test_priority_shedding_order_under_each_degradation_level(
         seen: dict[int, dict[str, int]] = {}
         for level, values in LEVEL_WEIGHTS.items():
             weights.update(zip(names, values, strict=True))
-            wait_until(lambda level=level: httpx.get(f"{proxy.url}/health", timeout=5)
+            wait_until(lambda level=level: fetch.get(f"{proxy.url}/health", timeout=5)
                        .json()["degradation_level"] == level, 10, f"degradation level {level}")
             seen[level] = {}
             for tier in ("premium", "standard", "best_effort"):
-                resp = httpx.post(f"{proxy.url}/v1/completions", timeout=30,
+                resp = fetch.post(f"{proxy.url}/v1/completions", timeout=30,
                                   headers={"x-ftctl-priority": tier},
                                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-                seen[level][tier] = resp.status_code
-                if resp.status_code == 503:
+                seen[level][tier] = resp.status
+                if resp.status == 503:
                     assert resp.headers["retry-after"] == "1"
     assert seen == {
         0: {"premium": 200, "standard": 200, "best_effort": 200},
@@ -488,7 +489,7 @@ def test_priority_shedding_order_under_each_degradation_level(
         3: {"premium": 200, "standard": 503, "best_effort": 503},
         4: {"premium": 200, "standard": 503, "best_effort": 503},
     }
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    metrics = fetch.get(f"{proxy.url}/metrics", timeout=5).text
     assert 'ftctl_proxy_rejected_requests_total{priority="best_effort",reason="degradation_level_1"}' \
         in metrics
 
@@ -505,14 +506,14 @@ def test_overload_answers_503_then_a_runtime_threshold_change_admits(
     load = {"model": MODEL, "prompt": "fault tolerance " * 6, "max_tokens": 100,
             "temperature": 0}
     small = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    answers: list[httpx.Response] = []
+    answers: list[Reply] = []
 
     def probe() -> bool:
-        answers.append(httpx.post(f"{proxy.url}/v1/completions", json=small, timeout=30))
-        return answers[-1].status_code == 503
+        answers.append(fetch.post(f"{proxy.url}/v1/completions", json=small, timeout=30))
+        return answers[-1].status == 503
 
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(httpx.post, f"{worker.url}/v1/completions", json=load,
+        futures = [pool.submit(fetch.post, f"{worker.url}/v1/completions", json=load,
                                timeout=60) for _ in range(4)]
         wait_until(probe, 20, "the proxy to report all workers busy")  # bounded load loop
         rejected = answers[-1]
@@ -520,17 +521,17 @@ def test_overload_answers_503_then_a_runtime_threshold_change_admits(
         assert rejected.json() == {
             "message": "Service temporarily unavailable: All workers are busy, please retry "
                        "later", "type": "service_unavailable", "code": 503}
-        denied = httpx.post(f"{proxy.url}/busy_threshold", timeout=5,
+        denied = fetch.post(f"{proxy.url}/busy_threshold", timeout=5,
                             json={"model": MODEL, "active_decode_blocks_threshold": 1.0})
-        assert denied.status_code == 401
-        changed = httpx.post(f"{proxy.url}/busy_threshold", timeout=5,
+        assert denied.status == 401
+        changed = fetch.post(f"{proxy.url}/busy_threshold", timeout=5,
                              headers={"Authorization": f"Bearer {PROXY_ADMIN_TOKEN}"},
                              json={"model": MODEL, "active_decode_blocks_threshold": 1.0})
-        assert changed.status_code == 200
-        assert httpx.get(f"{proxy.url}/busy_threshold", params={"model": MODEL},
+        assert changed.status == 200
+        assert fetch.get(f"{proxy.url}/busy_threshold?model={MODEL}",
                          timeout=5).json()["active_decode_blocks_threshold"] == 1.0
-        assert httpx.post(f"{proxy.url}/v1/completions", json=small, timeout=30) \
-            .status_code == 200
+        assert fetch.post(f"{proxy.url}/v1/completions", json=small, timeout=30) \
+            .status == 200
         set_fault(worker, {"kind": "clear"})
         for future in futures:
             future.result(timeout=60)
@@ -595,7 +596,7 @@ def test_garbage_from_a_worker_is_a_failure_never_output(
             got = stream(proxy, endpoint, body)
             assert got.error is None
             assert (got.ids, got.text) == expected
-    metrics = httpx.get(f"{proxy.url}/metrics", timeout=5).text
+    metrics = fetch.get(f"{proxy.url}/metrics", timeout=5).text
     assert 'ftctl_migrations_total{method="retry",source_group="bad",target_group="good"}' \
         in metrics
 
@@ -603,7 +604,7 @@ def test_garbage_from_a_worker_is_a_failure_never_output(
 def token_texts(worker: SimWorker, endpoint: str, body: dict[str, Any]) -> list[str]:
     """The text of each token of the fault-free run, streamed straight from a worker."""
     payload = {**body, "stream": True}
-    with httpx.stream("POST", f"{worker.url}{endpoint}", json=payload, timeout=60) as resp:
+    with fetch.stream("POST", f"{worker.url}{endpoint}", json=payload, timeout=60) as resp:
         raw = resp.read()
     texts = []
     for event in iter_sse_events([raw]):
@@ -672,7 +673,7 @@ def calibration_file(path: Path, setup_s: float) -> Path:
 def migration_count(proxy: ProxyProcess, method: str) -> float:
     """ftctl_migrations_total summed over groups for one method."""
     total = 0.0
-    for line in httpx.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
+    for line in fetch.get(f"{proxy.url}/metrics", timeout=5).text.splitlines():
         if line.startswith("ftctl_migrations_total{") and f'method="{method}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -793,7 +794,7 @@ def test_sighup_reloads_the_inventory_without_dropping_a_stream(
     doc["workers"].append({"name": "h1", "url": second.url, "model": MODEL})
     path.write_text(yaml.safe_dump(doc))
     proxy.proc.send_signal(signal.SIGHUP)
-    wait_until(lambda: "h1" in httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"],
+    wait_until(lambda: "h1" in fetch.get(f"{proxy.url}/health", timeout=5).json()["workers"],
                10, "the reloaded inventory")
     served = [stream(proxy, "/v1/completions", body) for _ in range(4)]
     assert all(g.error is None for g in served)
@@ -801,7 +802,7 @@ def test_sighup_reloads_the_inventory_without_dropping_a_stream(
     path.write_text("workers: [unclosed\n")
     proxy.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: "inventory not reloaded" in proxy.log_text(), 10, "the refusal")
-    assert set(httpx.get(f"{proxy.url}/health", timeout=5).json()["workers"]) == {"h0", "h1"}
+    assert set(fetch.get(f"{proxy.url}/health", timeout=5).json()["workers"]) == {"h0", "h1"}
     assert proxy.log_text().count("inventory not reloaded") == 1
 
 
@@ -852,8 +853,8 @@ def test_parsed_requests_count_in_the_buffer_budget(proxy_factory: ProxyFactory)
         body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1}).encode()
         base = _vm(proxy.proc.pid, "VmRSS")
 
-        def post() -> httpx.Response:
-            return httpx.post(f"{proxy.url}/v1/completions", content=body, timeout=60,
+        def post() -> Reply:
+            return fetch.post(f"{proxy.url}/v1/completions", content=body, timeout=60,
                               headers={"Content-Type": "application/json"})
 
         with ThreadPoolExecutor(17) as pool:
@@ -862,7 +863,7 @@ def test_parsed_requests_count_in_the_buffer_budget(proxy_factory: ProxyFactory)
     finally:
         server.shutdown()
         server.server_close()
-    refused = [r for r in answers if r.status_code == 503]
-    assert {r.status_code for r in answers} == {400, 503}, [r.status_code for r in answers]
+    refused = [r for r in answers if r.status == 503]
+    assert {r.status for r in answers} == {400, 503}, [r.status for r in answers]
     assert all(r.headers.get("retry-after") for r in refused)
     assert grown < 64 * 1.6, f"the proxy grew {grown:.0f} MiB past its 64 MiB budget"

@@ -65,7 +65,7 @@ def test_the_front_door_answers_400_to_deep_or_non_finite_json(data: bytes,
         async with Cluster([worker]) as c:
             response = await c.client.post("/v1/completions", content=data,
                                            headers={"content-type": "application/json"})
-            assert response.status_code == 400
+            assert response.status == 400
             error = response.json()["error"]
             assert error["type"] == "invalid_request_error"
             assert reason in error["message"]
@@ -152,7 +152,7 @@ def test_token_ids_out_of_range_never_reach_the_client(run: Callable[..., Any],
                 resp = await c.client.post("/v1/completions", json={**body, "stream": False})
                 chunks = [resp.json()]
                 text = resp.json()["choices"][0]["text"]
-            assert resp.status_code == 200
+            assert resp.status == 200
             assert text == expected_text("hello world", 5, 20)
             seen = [i for chunk in chunks for choice in chunk.get("choices", ())
                     for i in choice.get("token_ids") or ()]
@@ -171,11 +171,11 @@ def test_a_flood_of_stop_strings_is_refused_and_health_stays_fast(
                 **BODY, "stream": False, "stop": ["x"] * 2_000_000})
             health = c.client.get("/health")
             resp, ok = await asyncio.gather(flood, health)
-            assert ok.status_code == 200
-            assert resp.status_code == 400
+            assert ok.status == 200
+            assert resp.status == 400
             assert resp.json()["error"]["param"] == "stop"
             resp = await c.client.post("/v1/completions", json={
                 **BODY, "stream": False, "stop": [f"s{i}" for i in range(64)]})
-            assert resp.status_code == 200
+            assert resp.status == 200
             assert not [r for r in worker.requests if "stop" in r]
     run(go())
