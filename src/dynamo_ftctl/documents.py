@@ -351,7 +351,7 @@ def _loader() -> Any:
     YAML 1.1 reads `on`, `off`, `yes`, `no`, `y`, `n` as booleans, which turns
     `canary.actions[].on` into `True` and a worker called `no` into `False`;
     here only true/false (any case) are booleans, as in YAML 1.2. Nor does a
-    date-like value become a datetime (`2020-13-45` failed inside PyYAML): it
+    date-like value become a datetime (PyYAML's constructor fails on `2020-13-45`): it
     stays a string, as in YAML 1.2's core schema.
     """
     global _LOADER  # noqa: PLW0603 - built once per process, on first use

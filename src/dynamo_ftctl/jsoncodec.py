@@ -1,7 +1,7 @@
 """The one JSON codec: msgspec, with the standard library for what msgspec refuses.
 
-msgspec is ~10x json's speed on a token chunk (1 vs 14 us to encode, 2.5 vs 11 us
-to decode), paid per token by the proxy and the load generator. It refuses a few
+msgspec is several times json's speed on a token chunk (docs/benchmarks.md), paid per
+token by the proxy and the load generator. It refuses a few
 documents json reads: lone-surrogate escapes ("\\ud800", which byte-level engines
 send), NaN and Infinity, integers past 64 bits; those go to `json`. Encoding falls
 back the same way for text holding lone surrogates, which only an ASCII-escaped

@@ -91,8 +91,7 @@ def _printer(ctx: typer.Context, json_flag: bool) -> Callable[[GpuEvent], None]:
 
     def show(event: GpuEvent) -> None:
         # `to_json()` is JSON-native already, so this skips output.emit_line's generic
-        # conversion: on a 1M-line log scan that conversion was a third of the run time
-        # (benchmarks/xid.py).
+        # conversion, a large share of a long log scan's run time (docs/benchmarks.md).
         text = json.dumps(event.to_json(), separators=(",", ":")) if machine else (
             event.describe())
         sys.stdout.write(text + "\n")

@@ -3,9 +3,8 @@
 An engine entrypoint runs `ftctl lock acquire --path P -- CMD` (or `--fd N`) and its
 handoff should cost what flock(1)'s does. Loading typer, click and the command tree
 costs ~40 ms at start-up, and, worse, a process that large takes milliseconds longer to
-exec CMD (the kernel tears down its address space inside execve: measured 2.9 ms
-against 5.2 ms for an exec of `date` from a process with the lock modules against one
-with the whole CLI). This path takes the flock backend with the lock file named by
+exec CMD (the kernel tears down its address space inside execve; docs/benchmarks.md,
+"lock.py", has the exec times). This path takes the flock backend with the lock file named by
 `--path` or $FAILOVER_LOCK_PATH; anything else (`--help`, `--backend`, the inventory,
 an option it does not know or a value it cannot read) goes to the full CLI, which
 says what is wrong.

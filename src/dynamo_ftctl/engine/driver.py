@@ -96,7 +96,7 @@ class AsyncEngine:
             try:
                 async with self.lock:
                     # Inline, not in the executor: a step is a few ms, and handing it to a
-                    # thread costs GIL switches (5 ms interval) that doubled TTFT here.
+                    # thread costs GIL switches (5 ms interval) that add to every TTFT.
                     events = self.engine.step()
             except Exception:
                 _log.exception("engine step failed; failing the running requests")

@@ -64,7 +64,7 @@ _YES = ("1", "true", "yes")
 
 
 def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Reply:
-    # allow_nan stays on, as it was under starlette: a logprob is clamped, never NaN.
+    # allow_nan is left on (json's default): a logprob is clamped, never NaN.
     return Reply(status, json.dumps(obj, separators=(",", ":")).encode(), "application/json",
                  dict(headers or {}))
 

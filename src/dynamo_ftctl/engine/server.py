@@ -33,7 +33,7 @@ __all__ = ["REQUEST_ID_HEADER", "SERVER_TTFT_FIELD", "DroppedByFault",
            "ServerSettings", "ServerState", "apply_fault", "build_state", "create_router",
            "serve"]
 
-# Between requests on a kept-alive connection (what uvicorn was given here before).
+# Between requests on a kept-alive connection.
 IDLE_TIMEOUT_S = 30.0
 SHUTDOWN_DEADLINE_S = 3.0
 

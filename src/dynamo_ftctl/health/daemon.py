@@ -78,10 +78,10 @@ _log = logging.getLogger("ftctl.canary")
 
 
 # At most one report-triggered probe per worker per second: unbounded, a stream of
-# reports makes the daemon probe one worker ~95 times a second. A failed probe still
+# reports would make the daemon probe one worker as fast as reports come. A failed probe still
 # confirms itself at once (the fast path to UNHEALTHY, at most failure_threshold probes).
 REPORT_PROBE_GAP_S = 1.0
-# Answers in flight get this long at SIGTERM (uvicorn's graceful shutdown was 2 s too).
+# Answers in flight get this long at SIGTERM.
 _SHUTDOWN_S = 2.0
 
 
@@ -567,7 +567,7 @@ def run_daemon(
     from dynamo_ftctl.httpapp import loop_factory
 
     try:
-        # uvloop when installed: half the CPU a probe costs (benchmarks/canary.py).
+        # uvloop when installed: a probe costs less CPU on it (docs/benchmarks.md).
         with asyncio.Runner(loop_factory=loop_factory()) as runner:
             return runner.run(main())
     finally:
@@ -579,8 +579,8 @@ def freeze_heap() -> None:
     """Move every object alive now (inventory, workers, metrics) out of the collector's view.
 
     They live as long as the daemon: the cyclic collector's full passes need not walk
-    them again every few thousand probes (10,000 workers: ~15% of a round's CPU,
-    benchmarks/canary.py). Garbage made later is collected as before.
+    them again every few thousand probes, which with 10,000 workers is a large share of
+    a round's CPU (docs/benchmarks.md). Garbage made later is collected as usual.
     """
     gc.collect()
     gc.freeze()

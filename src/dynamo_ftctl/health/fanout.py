@@ -221,5 +221,6 @@ def _refused(url: str, exc: Exception) -> TransportError:
     return TransportError("refused", f"cannot connect to {authority}: {detail}")
 
 
-# The name the daemon knows it by (it was an aiohttp session until the one client).
+# `ClientTransport` under its former name, kept for callers that import it
+# (docs/history.md, "Renamed").
 AiohttpTransport = ClientTransport

@@ -161,8 +161,9 @@ def _from_stream(body: bytes) -> Answer:
 
 
 # The usual answer, a completion with its choice at index 0, decoded by msgspec into
-# just the fields a verdict reads: ~10x less CPU than json.loads and walking every
-# position's logprobs (the daemon judges 30,000 answers a round for 10,000 workers).
+# just the fields a verdict reads, far cheaper than json.loads and walking every
+# position's logprobs (the daemon judges 30,000 answers a round for 10,000 workers;
+# docs/benchmarks.md).
 # Anything else (chat, an error body, other types, NaN) fails to decode, or is
 # refused by `_fast_answer`, and takes the general path below: same verdicts.
 class _FastLogprobs(msgspec.Struct):

@@ -308,8 +308,8 @@ class Connection(asyncio.Protocol):
 
     # -- timeouts
     # A timeout is armed and disarmed twice a request (request, then idle): the timer
-    # is not cancelled and made again each time (two handles a request, ~3% of the
-    # proxy's CPU on short requests) but kept while it fires no later than the
+    # is not cancelled and made again each time (two timer handles a request show in
+    # the proxy's profile on short requests) but kept while it fires no later than the
     # deadline; when it fires early, it is set again for the deadline.
     def _arm(self, seconds: float) -> None:
         if seconds <= 0 or self.closed:

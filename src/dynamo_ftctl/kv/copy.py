@@ -149,7 +149,7 @@ def _validate(
     if count == 1 or bool((arr[1:] > arr[:-1]).all()):
         return index, (low if high - low == count - 1 else None)
     if _counting_pays(count, num_blocks):
-        # Linear: one count per block of the cache (a 10k-id sort costs ~1 ms, this ~30 us).
+        # Linear: one count per block of the cache, cheaper than sorting the ids here.
         seen = np.bincount(arr, minlength=num_blocks)
         if seen.max() > 1:
             msg = f"{what}: duplicate block id {int(np.flatnonzero(seen > 1)[0])}"
@@ -458,7 +458,7 @@ def copy_blocks(
     else:
         if dst_device.type == "cpu" and d_start is None:
             # Scatter in ascending destination order: host writes then stream through
-            # memory (measured: +30-50% on the 100k-block CPU bench).
+            # memory (docs/benchmarks.md has the gain on the CPU bench).
             d_ids, s_ids = _sorted_by(d_ids, s_ids, dst[0].shape[0])
         s_index, d_index = s_ids.to(src_device), d_ids.to(dst_device)
         s_chunks = torch.split(s_index, chunk)

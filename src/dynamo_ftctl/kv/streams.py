@@ -77,8 +77,8 @@ class StreamOps(Protocol):
 class StagingPool:
     """Host staging buffers kept for reuse between copies.
 
-    A fresh large host allocation page-faults on first touch (measured: 1k-block
-    CPU copies ran 5x slower with new 1 MiB slots each call) and pinned memory
+    A fresh large host allocation page-faults on first touch (CPU copies with new
+    slots each call are several times slower; docs/benchmarks.md) and pinned memory
     costs a driver call, so buffers come back here when their copy is done.
     Thread-safe; keeps at most `per_key` buffers per (shape, dtype, pinned).
     """

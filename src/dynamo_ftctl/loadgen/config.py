@@ -36,10 +36,9 @@ Arrival = Literal["constant", "poisson", "gamma"]
 # https alike. `aiohttp` names the client it replaced: refused with a message saying so.
 Client = Literal["auto", "http1", "aiohttp"]
 # Busy-wait (yielding to the event loop) this long before each planned send, after
-# sleeping on a timer until then; see `LoadConfig.spin_s`. Measured here (uvloop,
-# Poisson arrivals, schedule lag p99 / generator CPU): at 20 req/s 0 us: 1.39 ms / 2%,
-# 1 ms: 0.19 ms / 3%, 5 ms: 1.29 ms / 11%; at 200 req/s 0 us: 3.0 ms / 12%,
-# 1 ms: 0.37 ms / 25%, 5 ms: 0.39 ms / 66% (the old fixed 5 ms).
+# sleeping on a timer until then; see `LoadConfig.spin_s`. 1 ms keeps the schedule
+# lag's p99 well under a millisecond at a fraction of the CPU a longer spin burns
+# (docs/benchmarks.md, "load.py and http_clients.py", has the figures).
 DEFAULT_SPIN_S = 0.001
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "": 1.0}

@@ -236,8 +236,8 @@ def _steady_gc() -> Iterator[None]:
 
     Everything alive before the run (modules, pydantic: hundreds of
     thousands of objects) is frozen out of the collector, so the full collection
-    that would otherwise fall in the middle of a run (100-160 ms measured here,
-    a whole p99 of schedule lag) has only the run's own objects to scan, and
+    that would otherwise fall in the middle of a run (long enough to be the whole p99
+    of schedule lag; docs/benchmarks.md) has only the run's own objects to scan, and
     young collections run less often. Nested runs (a drill's, a sweep's) share
     the outermost setting; everything is restored after.
     """

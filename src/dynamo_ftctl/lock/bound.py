@@ -36,7 +36,7 @@ WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
 TERM_GRACE_S = 5.0
 TERM_GRACE_ENV = "FTCTL_LOCK_TERM_GRACE"
 # Time for the watcher to be scheduled and its signal delivered, on top of the interval
-# and the grace (the bound test measures 5.0x s against 6.0 s with the defaults).
+# and the grace (tests/integration/lock/test_no_overlap.py holds the defaults' 6.0 s).
 SCHEDULING_MARGIN_S = 0.5
 
 

@@ -1,11 +1,12 @@
 """`flock(2)` failover lock for the engines of one node (a file on a shared emptyDir).
 
 The kernel releases an flock with the holder's last descriptor, process death
-included, so a waiter blocked in `flock(LOCK_EX)` runs the instant the holder
-dies. Waiting is therefore a blocking `flock` in a helper thread, never a
-`LOCK_NB` polling loop (which hands over 25 ms late on average, 50 ms at
-worst). A waiter that gives up (timeout, cancelled task) leaves its thread in
-the kernel queue; if that thread later gets the lock it releases it at once.
+included, so a waiter blocked in `flock(LOCK_EX)` runs the instant the holder dies.
+Waiting is therefore a blocking `flock` in a helper thread, never a `LOCK_NB`
+polling loop (which hands over half its interval late on average, a whole interval
+at worst; docs/benchmarks.md, "lock.py"). A waiter that gives up (timeout, cancelled
+task) leaves its thread in the kernel queue; if that thread later gets the lock it
+releases it at once.
 
 The lock file holds the owner data as JSON (engine id, pid, host, acquired-at
 and the fencing token), written in place while the lock is held (a rename would

@@ -129,7 +129,7 @@ class FileWatch:
             self._start_locked()
             if handle.due < self._wakes_at:
                 # Only then: a thread woken on every acquisition would take the GIL from
-                # the acquirer (measured: p90 of a release/acquire loop 0.1 -> 0.7 ms).
+                # the acquirer, on the handoff's path.
                 self._cond.notify()
         return handle
 
@@ -287,12 +287,12 @@ def prepare_watcher(path: Path, *, interval_s: float, grace_s: float) -> Pending
     """Start the watcher of the lock this process is about to take (see `PendingWatcher`).
 
     A new interpreter started with posix_spawn (vfork and exec), not a fork: a forked
-    copy would share this process's memory copy-on-write, and the handoff would then
-    pay a page fault for each page it touches (measured: 0.5 ms between the grant and
-    the exec). The watcher holds no lock (it closes every descriptor but stdio, its
-    pipe and the holder's pidfd) and, once armed, exits when this process (or the
-    program it became) does. It is a child of the command: it exits only once the
-    command has, so the command never reaps it while running.
+    copy would share this process's memory copy-on-write, and the handoff would then pay
+    a page fault for each page it touches between the grant and the exec
+    (docs/benchmarks.md, "lock.py"). The watcher holds no lock (it closes every
+    descriptor but stdio, its pipe and the holder's pidfd) and, once armed, exits when
+    this process (or the program it became) does. It is a child of the command: it exits
+    only once the command has, so the command never reaps it while running.
     """
     holder = os.getpid()
     try:

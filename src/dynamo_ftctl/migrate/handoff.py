@@ -58,6 +58,7 @@ class KvHandoff:
         self._client: Client | None = None  # one-shot KV exports
 
     async def aclose(self) -> None:
+        """Close the client of the KV exports, if one was opened; the handoff may open another."""
         if self._client is not None:
             await self._client.close()
             self._client = None

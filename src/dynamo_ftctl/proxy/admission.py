@@ -13,14 +13,14 @@
   the proxy's own requests: the blocks their prompt and output tokens fill on
   the worker, over the pool's size from `vllm:cache_config_info` (vLLM's and
   the sim's). Dynamo's router counts the blocks of the requests it routed the
-  same way (its active decode blocks over the worker's total blocks); a scrape
-  every second left a filling worker looking free for up to a second.
+  same way (its active decode blocks over the worker's total blocks); counted only
+  at a scrape every second, a filling worker would look free for up to a second.
 - **No lock-in.** KV held by a rank that runs nothing and queues nothing is
   cache, not load (Dynamo counts active decode blocks, vLLM counts evictable
   blocks free), so such a rank is never busy for its KV usage. Without this, a
-  worker whose figure counted idle blocks (the sim's retained KV did) was busy
-  for as long as it stayed idle, and it stayed idle because it was busy: every
-  request was refused and nothing reached the worker to free them. A rank that
+  worker whose figure counts idle blocks (retained KV) would be busy for as long
+  as it stays idle, and stay idle because it is busy: every request refused,
+  nothing reaches the worker to free them. A rank that
   does run or queue requests finishes them without the proxy's help, so its
   figure falls by itself; a worker whose metrics cannot be read counts only the
   proxy's own backlog (as Dynamo counts a rank without data free). No trickle of
@@ -64,7 +64,7 @@ __all__ = [
 Priority = Literal["premium", "standard", "best_effort"]
 PRIORITIES: tuple[Priority, ...] = ("premium", "standard", "best_effort")
 
-# The body Dynamo's frontend answers with when every worker is busy (issue #9).
+# The body Dynamo's frontend answers with when every worker is busy.
 BUSY_BODY: dict[str, Any] = {
     "message": "Service temporarily unavailable: All workers are busy, please retry later",
     "type": "service_unavailable",

@@ -15,8 +15,8 @@ first tokens are out, its later tokens take the fast lane: the upstream
 `Response.sink` parses each piece in the socket's callback (`Reader.sink`, the same
 code the task runs) and writes it at once through the client's `httpserver.Pusher`
 (`Lane`). Per token that skips a future, a timer, a task step and three async
-generators: ~25% less proxy CPU per streamed token (its CPU time over the tokens it
-relayed, 32 streams, against the task path). The task wakes when the lane ends (a
+generators (docs/benchmarks.md, "proxy.py", has the CPU per token it saves). The
+task wakes when the lane ends (a
 failure, [DONE], a stop string) or gives way (the client reads slower than the worker
 writes).
 

@@ -173,6 +173,7 @@ class Balancer:
         self._order = list(self.slots)
 
     def weight(self, slot: WorkerSlot) -> float:
+        """`slot.weight` at the clock's now (an open breaker past `recovery_s` turns half-open)."""
         return slot.weight(self._clock.now(), self._recovery_s)
 
     def routable(self, model: str | None = None) -> list[WorkerSlot]:
@@ -197,6 +198,7 @@ class Balancer:
         return sum(self.weight(s) for s in self.slots.values()) / len(self.slots)
 
     def serves(self, model: str) -> bool:
+        """Whether any worker, routable or not, is configured for `model`."""
         return any(s.model == model for s in self.slots.values())
 
     def pick(

@@ -103,12 +103,14 @@ class SharedBalancer(Balancer):
             del self._seen[board.index, name]
 
     def record_success(self, slot: WorkerSlot) -> None:
+        """`Balancer.record_success`, posted on this process's row for the others."""
         super().record_success(slot)
         at = self.board.at(self.board.index, slot.name)
         self.board.cells[at + _SUCCESSES] += 1
         self.board.cells[at + _LAST_SUCCESS] = time.monotonic_ns()
 
     def record_failure(self, slot: WorkerSlot) -> None:
+        """`Balancer.record_failure`, posted on this process's row for the others."""
         super().record_failure(slot)
         at = self.board.at(self.board.index, slot.name)
         self.board.cells[at + _FAILURES] += 1

@@ -22,6 +22,8 @@ MAX_TOKEN_ID = 2**31
 
 
 def choice_of(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The chunk's one choice; None when `choices` is empty (a usage chunk). `MalformedChunk`
+    when `choices` is not a list of objects or holds more than choice 0."""
     choices = doc.get("choices")
     if not isinstance(choices, list):
         raise MalformedChunk("chunk has no 'choices' list")
@@ -49,8 +51,10 @@ def token_ids(value: Any, what: str) -> list[int] | None:
 
 
 def int_list(value: Any, what: str) -> list[int]:
+    """`value` itself when it is a list of integers (bools excluded); `MalformedChunk`
+    naming `what` otherwise."""
     # Fast path for what a JSON decoder gives: a list of exact ints, checked in C
-    # (a 120-token prompt's ids: 3 us instead of 12 us for the generator below).
+    # (a fraction of the generator's cost below on a prompt's ids).
     if type(value) is list and (not value or set(map(type, value)) == _INT):
         return value
     if not isinstance(value, list) or not all(

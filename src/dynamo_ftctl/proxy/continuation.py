@@ -131,9 +131,9 @@ def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
 
 
 # Seeds of sampled requests: they need only differ, not be secret. A generator seeded
-# once from the OS (`secrets.randbelow`, a urandom call a request, was ~3% of the
-# proxy's CPU on short requests), seeded again in a forked child, whose sequence
-# must not repeat its parent's or its siblings'.
+# once from the OS (not a urandom call a request, which shows in the proxy's profile
+# on short requests), seeded again in a forked child, whose sequence must not repeat
+# its parent's or its siblings'.
 _SEEDS = random.Random(secrets.randbits(64))
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=lambda: _SEEDS.seed(secrets.randbits(64)))
@@ -229,12 +229,13 @@ def rewind(ledger: StreamLedger) -> int:
     """Leave the unsettled ids out of the continuation's prompt; how many were left out.
 
     A worker holds back the text of a token that ends inside a character, and vLLM's
-    detokenizer, given a token-id prompt that ends there, sent the prompt's whole
-    text as the continuation's first delta (tokenizers' DecodeStream, primed with
-    the prompt, lost its prefix; vLLM issue 17448). Starting the continuation before
-    those ids makes it generate them again, text included. The client saw their ids
-    (if it asked for ids) but not their text: a greedy run gives the same ids, which
-    are not sent twice; a sampled one may not, so with ids visible it is not rewound.
+    detokenizer, given a token-id prompt that ends there, sent the prompt's whole text
+    as the continuation's first delta (tokenizers' DecodeStream, primed with the prompt,
+    lost its prefix: https://github.com/vllm-project/vllm/issues/17448). Starting the
+    continuation before those ids makes it generate them again, text included. The
+    client saw their ids (if it asked for ids) but not their text: a greedy run gives
+    the same ids, which are not sent twice; a sampled one may not, so with ids visible
+    it is not rewound.
     """
     held = min(ledger.unsettled, len(ledger.generated_ids))
     temperature = ledger.body.get("temperature")

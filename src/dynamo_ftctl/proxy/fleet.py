@@ -497,6 +497,7 @@ class Fleet:
     # ------------------------------------------------------------------ busy state
 
     def thresholds_for(self, model: str) -> Thresholds:
+        """`model`'s busy thresholds: those set at run time, else `proxy.busy`'s."""
         return self.thresholds.get(model) or self._default_thresholds
 
     def note_prompt(self, prompt_tokens: int) -> None:
@@ -529,13 +530,14 @@ class Fleet:
             self._busy(slot, mean)
 
     def level(self) -> int:
+        """The degradation level (0 to 4) of the healthy capacity as weighted now."""
         return degradation_level(self.balancer.healthy_capacity())
 
     def refresh_gauges(self) -> None:
         """Set the gauges (each scrape of /metrics and of the workers does).
 
         The hot path only counts (`queued`, the breakers): a gauge's `set` takes
-        a lock, and three per request were ~4% of a request's CPU.
+        a lock, too dear to take three times a request.
         """
         self.metrics.DEGRADATION_LEVEL.set(self.level())
         self.metrics.QUEUED_REQUESTS.set(self.queued)
@@ -577,6 +579,7 @@ class Fleet:
         return {"object": "list", "data": data}
 
     def busy_threshold_doc(self, model: str) -> dict[str, Any]:
+        """`model`'s busy thresholds as the JSON body of `/busy_threshold`."""
         t = self.thresholds_for(model)
         return {"model": model,
                 "active_decode_blocks_threshold": t.active_decode_blocks_threshold,

@@ -57,7 +57,7 @@ Endpoint = Literal["completions", "chat"]
 # The client's output limit (completions' name, chat's newer name).
 LENGTH_KEYS = ("max_tokens", "max_completion_tokens")
 # Request ids: a random tag per process and a counter (uuid4 costs a urandom call
-# per request, 1.4% of the proxy's CPU on short requests), laid out as a version-4
+# per request, which shows in the proxy's profile on short requests), laid out as a version-4
 # UUID: servers that validate `X-Request-Id` as a UUID refuse anything else (400).
 _ID_TAG = secrets.token_hex(8)
 _ID_COUNTER = itertools.count()
@@ -89,9 +89,11 @@ class Usage:
 
     @property
     def total_tokens(self) -> int:
+        """Prompt and completion tokens together."""
         return self.prompt_tokens + self.completion_tokens
 
     def to_json(self) -> dict[str, int]:
+        """The OpenAI `usage` object: prompt, completion and total tokens."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -214,14 +216,17 @@ class StreamLedger:
 
     @property
     def client_wants_ids(self) -> bool:
+        """The client asked for token ids (`return_token_ids`): they reach it in its chunks."""
         return self._wants_ids
 
     @property
     def client_streams(self) -> bool:
+        """The client asked for a stream (`stream: true`), not one whole answer."""
         return self._streams
 
     @property
     def client_wants_usage(self) -> bool:
+        """The client gets a usage: always unstreamed, streamed only with `include_usage`."""
         options = self.body.get("stream_options")
         return not self.client_streams or (
             isinstance(options, dict) and bool(options.get("include_usage"))
@@ -234,6 +239,7 @@ class StreamLedger:
 
     @property
     def max_tokens(self) -> int | None:
+        """The client's output limit (`max_tokens` or `max_completion_tokens`); None without one."""
         return self._max_tokens
 
     @property
@@ -568,6 +574,8 @@ class StreamLedger:
 
     @property
     def finished(self) -> bool:
+        """A finish reason is recorded (a worker's, a stop string's or `finish_chunk`'s):
+        the answer has ended."""
         return self.finish_reason is not None
 
     def usage(self) -> Usage:

@@ -547,8 +547,8 @@ class MigrationPolicy:
         """The error that ends a request that failed `way` on two workers (neither charged).
 
         The request, not the fleet, is the suspect: tried on every worker, it would
-        open every breaker (issue 22: three such requests took a two-worker cluster
-        down for 60 s). Each worker is still asked the known-good request: one that
+        open every breaker, and a few such requests would take the whole cluster down.
+        Each worker is still asked the known-good request: one that
         fails it too counts a failure. A half-open breaker whose trial it was may
         try again.
         """

@@ -35,6 +35,7 @@ _DONE = DONE.encode()  # the data of the last event of an OpenAI stream
 
 
 def failed(kind: OutcomeKind, message: str, **found: Any) -> UpstreamFailure:
+    """The `UpstreamFailure` to raise for an attempt that ended as `kind` (`Outcome`'s fields)."""
     return UpstreamFailure(Outcome(kind, message, **found))
 
 
@@ -44,7 +45,8 @@ class KvShare:
 
     Admission reads the worker's KV usage from that count between two scrapes.
     Each request's tokens are rounded up to whole blocks, as the engine allocates
-    them (the sum of tokens over the block size ran up to a block per request low).
+    them (the sum of tokens over the block size would count up to a block per request
+    too few).
     """
 
     __slots__ = ("_block_size", "_blocks", "_slot", "_tokens")
@@ -56,12 +58,14 @@ class KvShare:
         self._blocks = 0
 
     def grow(self, tokens: int) -> None:
+        """`tokens` more on the worker: the slot's count grows by the whole blocks they start."""
         self._tokens += tokens
         blocks = -(-self._tokens // self._block_size)
         self._slot.kv_blocks += blocks - self._blocks
         self._blocks = blocks
 
     def release(self) -> None:
+        """The attempt ended: its blocks leave the slot's count (call once; again is a no-op)."""
         self._slot.kv_blocks -= self._blocks
         self._blocks = 0
 
@@ -99,6 +103,7 @@ class Reader:
 
     @property
     def over(self) -> bool:
+        """Nothing more is read: the answer ended, failed, or a stop string matched."""
         return self.done or self.failure is not None or self._ledger.stopped
 
     def feed(self, piece: bytes) -> list[ClientPiece]:

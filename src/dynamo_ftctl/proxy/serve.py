@@ -16,12 +16,13 @@ The proxy is four rooms, and a request walks through them in one direction:
 
 This module assembles them (`MigratingProxy`) and runs them (`serve`). No ASGI
 server: `dynamo_ftctl.httpserver` (asyncio protocols + httptools) serves every
-route; under uvicorn, the ASGI messages and a socket write per message were ~40%
-of the proxy's CPU and most of the TTFT it added (py-spy, benchmarks/proxy.py).
+route, without an ASGI cycle's messages and a socket write per message, which took a
+large share of the proxy's CPU and of the TTFT it added (docs/benchmarks.md,
+"http_stack.py").
 Upstream requests (the generations, the /metrics and /v1/models scrapes, the
 canary daemon's /workers and /report) go through `dynamo_ftctl.http1.Client`:
-asyncio protocols parsed by httptools with a keep-alive pool per worker, a third
-of aiohttp's CPU per request (benchmarks/proxy.py). https:// workers go through
+asyncio protocols parsed by httptools with a keep-alive pool per worker, cheaper per
+request than aiohttp (docs/benchmarks.md, "load.py"). https:// workers go through
 aiohttp, imported only when one is in the inventory.
 
 `ftctl proxy --procs N` runs N such proxies on one port (`proxy/procs.py`: a
@@ -204,9 +205,9 @@ def _serve_procs(inventory: Inventory, config: ProxyConfig, *,
                        restarts=result.restarts)
 
 
-# Young-generation collections every this many net allocations once serving (default 700:
-# a request allocates a few hundred objects, so the default collected every couple of
-# requests; 3% of a non-streamed request's CPU in py-spy, issue 33).
+# Young-generation collections every this many net allocations once serving. A request
+# allocates a few hundred objects, so the default (700) would collect every couple of
+# requests (docs/benchmarks.md, "proxy_peers.py", has the profile and the gain).
 _GC_GEN0 = 20_000
 
 

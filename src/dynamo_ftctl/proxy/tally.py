@@ -65,6 +65,8 @@ class TallyBook:
         return found
 
     def count(self, labels: tuple[str, str, str, str, str]) -> None:
+        """One request ended: `dynamo_frontend_requests_total` by (model, endpoint,
+        request_type, status, error_type), its child cached."""
         counter = self._counters.get(labels)
         if counter is None:
             counter = self._counters[labels] = self.metrics.DYNAMO_REQUESTS.labels(*labels)
