@@ -1,6 +1,6 @@
 """Chaos drills: the orchestration layer above the core services (docs/drill.md).
 
-`run_drill` runs a scenario (`faults.scenario`) top to bottom (`runner`):
+`run_drill` runs a scenario (`drill.scenario`) top to bottom (`runner`):
 hypothesis before (`hypothesis`) → method: load, timeline of faults and probes,
 witness streams (`method`, `witness`) → rollbacks, always (`rollback`) →
 hypothesis after → report (`counts`, `report`). With `local=True` it starts the

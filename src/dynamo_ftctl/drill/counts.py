@@ -14,8 +14,8 @@ from dynamo_ftctl.loadgen.record import SHED_STATUSES
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from dynamo_ftctl.drill.scenario import LoadProfile
     from dynamo_ftctl.drill.witness import WitnessStream
-    from dynamo_ftctl.faults.scenario import LoadProfile
     from dynamo_ftctl.loadgen.record import RequestRecord
     from dynamo_ftctl.loadgen.runner import LoadReport
 

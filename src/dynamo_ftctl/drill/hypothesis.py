@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
     from pathlib import Path
 
+    from dynamo_ftctl.drill.scenario import Probe
     from dynamo_ftctl.drill.state import DrillRun
-    from dynamo_ftctl.faults.scenario import Probe
 
 __all__ = ["check_probe", "check_probes", "detections", "judge_drained", "judge_metric"]
 

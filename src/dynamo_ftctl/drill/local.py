@@ -1,7 +1,7 @@
 """`--local`: start a scenario's inventory on loopback, and stop all of it whatever happens.
 
 `launch.sim` workers become `ftctl sim` engines (`engine.launcher`),
-`launch.command` workers any server the command starts (`faults.command_worker`,
+`launch.command` workers any server the command starts (`drill.command_worker`,
 a process group each); a worker without `launch` is already running and is used
 where the inventory says. A worker whose injectors include `net` gets a TCP
 fault proxy in front of it (in a thread's event loop: the drill's own loop runs
@@ -31,8 +31,8 @@ from dynamo_ftctl.structs import replace, to_data
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from dynamo_ftctl.drill.command_worker import CommandWorker
     from dynamo_ftctl.engine.launcher import LocalCluster
-    from dynamo_ftctl.faults.command_worker import CommandWorker
     from dynamo_ftctl.faults.netproxy import NetProxy
     from dynamo_ftctl.inventory import Inventory, Worker
 
@@ -149,8 +149,8 @@ def _spawn_ftctl(args: list[str], log: Path, env: dict[str, str]) -> Child:
 def _start_workers(inventory: Inventory, out_dir: Path, env: dict[str, str],
                    stack: LocalStack) -> list[tuple[Worker, str, str]]:
     """Start the sim and command workers on free ports: (worker, its URL, how it started)."""
+    from dynamo_ftctl.drill.command_worker import start_command_workers
     from dynamo_ftctl.engine.launcher import start_cluster
-    from dynamo_ftctl.faults.command_worker import start_command_workers
 
     launch_workers = []
     route_workers: list[tuple[Worker, str, str]] = []

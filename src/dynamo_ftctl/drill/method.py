@@ -25,9 +25,9 @@ from dynamo_ftctl.jsoncodec import loads
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
+    from dynamo_ftctl.drill.scenario import LoadProfile, TimelineEntry
     from dynamo_ftctl.drill.state import DrillRun
     from dynamo_ftctl.drill.witness import WitnessStream
-    from dynamo_ftctl.faults.scenario import LoadProfile, TimelineEntry
     from dynamo_ftctl.loadgen.config import LoadConfig
     from dynamo_ftctl.loadgen.runner import LoadReport
 

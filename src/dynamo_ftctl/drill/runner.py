@@ -25,15 +25,15 @@ from dynamo_ftctl.drill.local import LocalStack, local_secrets, start_local
 from dynamo_ftctl.drill.method import run_method
 from dynamo_ftctl.drill.report import REPORT_FILES, DrillReport, write_report
 from dynamo_ftctl.drill.rollback import run_rollbacks
+from dynamo_ftctl.drill.scenario import METRIC_KINDS, load_scenario
 from dynamo_ftctl.drill.state import DrillRun
 from dynamo_ftctl.errors import FtctlError, Unreachable, require_extra
-from dynamo_ftctl.faults.scenario import METRIC_KINDS, load_scenario
 from dynamo_ftctl.safefiles import check_output_path, make_output_dir
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from dynamo_ftctl.faults.scenario import LoadProfile
+    from dynamo_ftctl.drill.scenario import LoadProfile
     from dynamo_ftctl.loadgen.runner import LoadReport
 
 __all__ = ["run_drill"]

@@ -15,8 +15,8 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from dynamo_ftctl.clock import Clock
+    from dynamo_ftctl.drill.scenario import Scenario
     from dynamo_ftctl.drill.witness import WitnessStream
-    from dynamo_ftctl.faults.scenario import Scenario
     from dynamo_ftctl.health.canaryset import CanarySet
     from dynamo_ftctl.inventory import Inventory
 

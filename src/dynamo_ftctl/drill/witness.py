@@ -22,7 +22,7 @@ from dynamo_ftctl.jsoncodec import dumps, loads
 from dynamo_ftctl.sse import SseDecoder, data_and_comments
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.faults.scenario import Witness
+    from dynamo_ftctl.drill.scenario import Witness
     from dynamo_ftctl.http1 import StreamingTransport
 
 __all__ = [

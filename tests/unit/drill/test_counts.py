@@ -9,7 +9,7 @@ from dynamo_ftctl.drill import DrillReport
 from dynamo_ftctl.drill.counts import cut_streams, load_counts, loads_counts
 from dynamo_ftctl.drill.hypothesis import judge_metric
 from dynamo_ftctl.drill.report import write_report
-from dynamo_ftctl.faults.scenario import LoadProfile, Probe
+from dynamo_ftctl.drill.scenario import LoadProfile, Probe
 from dynamo_ftctl.loadgen.record import RequestRecord
 from tests.unit.drill.samples import LoadRun, drill_report, record
 

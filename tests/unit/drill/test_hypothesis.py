@@ -10,8 +10,8 @@ from pathlib import Path
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK
 from dynamo_ftctl.drill.hypothesis import check_probe, detections, judge_drained, judge_metric
+from dynamo_ftctl.drill.scenario import Probe, load_scenario
 from dynamo_ftctl.drill.state import DrillRun
-from dynamo_ftctl.faults.scenario import Probe, load_scenario
 from dynamo_ftctl.proxy.admission import BUSY_BODY
 from tests.loopback import Server
 

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamo_ftctl.drill.method import _load_config
+from dynamo_ftctl.drill.scenario import LoadProfile, load_scenario
 from dynamo_ftctl.engine.config import resolve_engine_config
-from dynamo_ftctl.faults.scenario import LoadProfile, load_scenario
 from dynamo_ftctl.inventory import Inventory
 
 DRILLS = Path(__file__).resolve().parents[3] / "drills"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+from dynamo_ftctl.drill.scenario import Witness
 from dynamo_ftctl.drill.witness import (
     compare_witnesses,
     new_witnesses,
     run_witnesses,
     witness_counts,
 )
-from dynamo_ftctl.faults.scenario import Witness
 from dynamo_ftctl.http1 import MockTransport, NoConnection, Reply, Request
 from tests.loopback import Server
 

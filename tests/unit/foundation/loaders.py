@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dynamo_ftctl.documents import load_yaml_document
+from dynamo_ftctl.drill.scenario import load_scenario
 from dynamo_ftctl.engine.config import resolve_engine_config
-from dynamo_ftctl.faults.scenario import load_scenario
 from dynamo_ftctl.health.canaryset import load_canary_set
 from dynamo_ftctl.inventory import load_inventory
 from dynamo_ftctl.migrate.calibrate import load_calibration

@@ -102,7 +102,7 @@ def test_loading_every_file_format_imports_no_pydantic(tmp_path: Path) -> None:
     pydantic (start-up budget: msgspec validates in ~10 ms where pydantic costs ~120 ms)."""
     code = (
         "import sys\n"
-        "import dynamo_ftctl.faults.scenario, dynamo_ftctl.engine.config\n"
+        "import dynamo_ftctl.drill.scenario, dynamo_ftctl.engine.config\n"
         "import dynamo_ftctl.migrate.calibrate, dynamo_ftctl.health.canaryset\n"
         "import dynamo_ftctl.loadgen.workload, dynamo_ftctl.inventory\n"
         "print('pydantic' in sys.modules)\n"

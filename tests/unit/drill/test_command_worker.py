@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from dynamo_ftctl.drill.command_worker import CommandWorker, expand_command, start_command_workers
 from dynamo_ftctl.errors import InvalidInput, InventoryError
-from dynamo_ftctl.faults.command_worker import CommandWorker, expand_command, start_command_workers
 from dynamo_ftctl.inventory import Inventory, parse_inventory
 from dynamo_ftctl.process import FakeChild, FakeSpawner
 

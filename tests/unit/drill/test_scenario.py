@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_ftctl.drill.scenario import load_scenario
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.faults.scenario import load_scenario
 
 DRILLS = Path(__file__).resolve().parents[3] / "drills"
 
