@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from dynamo_ftctl.faults.audit import read_audit
+from dynamo_ftctl.http1 import NoConnection
 from dynamo_ftctl.inventory import load_inventory
+from tests import fetch
 from tests.interrupt import sigint_deliverable
 from tests.waiting import wait_until
 
@@ -31,8 +32,8 @@ def _all_stopped(out: Path) -> None:
     urls = [f"http://{inventory.proxy.listen}"]
     urls += [u for w in inventory.workers for u in (w.url, w.admin_url)]
     for url in urls:
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{url}/health", timeout=2)
+        with pytest.raises(NoConnection):
+            fetch.get(f"{url}/health", timeout=2)
 
 
 def _drill(name: str, out: Path) -> subprocess.CompletedProcess[str]:

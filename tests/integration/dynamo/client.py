@@ -15,7 +15,7 @@ client.py ...` and prints one JSON document:
         `--targets` maps either to a pid. Prints what the client saw: text, tokens (content
         chunks), finish reason, usage, error, the longest gap between chunks, and so on.
 
-Standard library and httpx only (run with the suite's python).
+Standard library, dynamo_ftctl.http1 and tests/fetch.py only (run with the suite's python).
 """
 
 from __future__ import annotations
@@ -25,44 +25,47 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # run as a script: the repo root
+
+from dynamo_ftctl.http1 import HttpError
+from tests import fetch
 
 
 def wait(url: str, model: str, deadline_s: float) -> int:
     end = time.monotonic() + deadline_s
     last = ""
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < end:
-            try:
-                models = client.get(f"{url}/v1/models").json().get("data") or []
-                if any(m.get("id") == model for m in models):
-                    resp = client.post(f"{url}/v1/completions", json={
-                        "model": model, "prompt": "warm up", "max_tokens": 2})
-                    if resp.status_code == 200:
-                        print(json.dumps({"ready": True}))
-                        return 0
-                    last = f"{resp.status_code} {resp.text[:200]}"
-                else:
-                    last = f"models: {models}"
-            except (httpx.HTTPError, ValueError) as exc:
-                last = repr(exc)
-            time.sleep(0.2)  # a poll interval
+    while time.monotonic() < end:
+        try:
+            models = fetch.get(f"{url}/v1/models", timeout=5.0).json().get("data") or []
+            if any(m.get("id") == model for m in models):
+                resp = fetch.post(f"{url}/v1/completions", timeout=5.0, json={
+                    "model": model, "prompt": "warm up", "max_tokens": 2})
+                if resp.status == 200:
+                    print(json.dumps({"ready": True}))
+                    return 0
+                last = f"{resp.status} {resp.text[:200]}"
+            else:
+                last = f"models: {models}"
+        except (HttpError, TimeoutError, ValueError) as exc:
+            last = repr(exc)
+        time.sleep(0.2)  # a poll interval
     print(json.dumps({"ready": False, "last": last}))
     return 1
 
 
 def get(url: str) -> int:
-    resp = httpx.get(url, timeout=10)
-    print(json.dumps({"status": resp.status_code, "body": resp.text,
+    resp = fetch.get(url, timeout=10)
+    print(json.dumps({"status": resp.status, "body": resp.text,
                       "headers": dict(resp.headers)}))
     return 0
 
 
 def post(url: str, body: dict[str, Any]) -> int:
-    resp = httpx.post(url, json=body, timeout=60)
-    print(json.dumps({"status": resp.status_code, "body": resp.text,
+    resp = fetch.post(url, json=body, timeout=60)
+    print(json.dumps({"status": resp.status, "body": resp.text,
                       "headers": dict(resp.headers)}))
     return 0
 
@@ -79,9 +82,8 @@ def stream(url: str, body: dict[str, Any], act_at: int, sig: str, targets: dict[
     acted: float | None = None
     buffer = b""
     try:
-        with httpx.stream("POST", url, json=body,
-                          timeout=httpx.Timeout(deadline_s, connect=10)) as resp:
-            out["status"] = resp.status_code
+        with fetch.stream("POST", url, json=body, timeout=deadline_s) as resp:
+            out["status"] = resp.status
             out["headers"] = dict(resp.headers)
             for piece in resp.iter_bytes():
                 buffer += piece
@@ -128,10 +130,10 @@ def stream(url: str, body: dict[str, Any], act_at: int, sig: str, targets: dict[
                         out["acted_on"] = key
                         out["acted_at_s"] = acted - began
                         out["acted_after_tokens"] = out["tokens"]
-    except httpx.TimeoutException as exc:
+    except TimeoutError as exc:
         out["timed_out"] = True
         out["error"] = out["error"] or repr(exc)
-    except httpx.HTTPError as exc:
+    except HttpError as exc:
         out["error"] = out["error"] or repr(exc)
     out["elapsed_s"] = time.monotonic() - began
     print(json.dumps(out))

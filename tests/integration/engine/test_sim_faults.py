@@ -6,12 +6,14 @@ import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
-import httpx
 import pytest
+from tests import fetch
 from tests.simfaults import health_stalls
 from tests.waiting import wait_until
 
+from dynamo_ftctl.http1 import ConnectionBroken
 from dynamo_ftctl.openai import (
     StreamAccumulator,
     completion_request,
@@ -21,6 +23,7 @@ from dynamo_ftctl.openai import (
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
+    from dynamo_ftctl.http1 import Reply
 
 pytestmark = pytest.mark.integration
 MODEL = "ftctl-sim-tiny"
@@ -28,11 +31,11 @@ LONG = completion_request(MODEL, "a long answer", max_tokens=60, temperature=0.8
                           return_token_ids=True, extra={"ignore_eos": True})
 
 
-def admin(worker: SimWorker, body: dict[str, Any], token: str | None = "default") -> httpx.Response:
+def admin(worker: SimWorker, body: dict[str, Any], token: str | None = "default") -> Reply:
     """POST a fault with the worker's bearer token (or the given one, or none)."""
     token = worker.admin_token if token == "default" else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.post(f"{worker.url}/admin/fault", json=body, headers=headers, timeout=10)
+    return fetch.post(f"{worker.url}/admin/fault", json=body, headers=headers, timeout=10)
 
 
 def stream_ids(worker: SimWorker, body: dict[str, Any], *, limit: int | None = None,
@@ -40,13 +43,13 @@ def stream_ids(worker: SimWorker, body: dict[str, Any], *, limit: int | None = N
     """Stream a completion; stop reading after `limit` tokens; a dropped stream just ends."""
     acc = StreamAccumulator()
     try:
-        with httpx.stream("POST", f"{worker.url}/v1/completions", json={**body, "stream": True},
+        with fetch.stream("POST", f"{worker.url}/v1/completions", json={**body, "stream": True},
                           headers=headers, timeout=30) as response:
-            for event in iter_sse_events(response.iter_raw()):
+            for event in iter_sse_events(response.iter_bytes()):
                 acc.add(parse_sse_event(event))
                 if limit is not None and len(acc.token_ids) >= limit:
                     break
-    except httpx.RemoteProtocolError:
+    except ConnectionBroken:
         pass  # the server dropped the connection mid-stream
     return acc
 
@@ -55,19 +58,19 @@ def test_admin_auth(sim_worker_factory: Any) -> None:
     """No token configured: 403; token configured: 401 without or with a wrong one, 200 with it."""
     open_worker = sim_worker_factory(name="noauth", env={"FTCTL_ADMIN_TOKEN": ""},
                                      admin_token="")
-    assert admin(open_worker, {"kind": "clear"}).status_code == 403
+    assert admin(open_worker, {"kind": "clear"}).status == 403
     worker = sim_worker_factory(name="auth")
-    assert admin(worker, {"kind": "clear"}, token=None).status_code == 401
-    assert admin(worker, {"kind": "clear"}, token="wrong").status_code == 401
-    assert admin(worker, {"kind": "clear"}).status_code == 200
-    assert admin(worker, {"kind": "melt"}).status_code == 400
+    assert admin(worker, {"kind": "clear"}, token=None).status == 401
+    assert admin(worker, {"kind": "clear"}, token="wrong").status == 401
+    assert admin(worker, {"kind": "clear"}).status == 200
+    assert admin(worker, {"kind": "melt"}).status == 400
 
 
 def test_disconnect_slow_sdc_and_clear(sim_worker: SimWorker) -> None:
     """disconnect drops each stream after N tokens; slow delays tokens; sdc changes them; clear."""
     clean = stream_ids(sim_worker, LONG)
     assert clean.finished
-    assert admin(sim_worker, {"kind": "disconnect", "after_tokens": 7}).status_code == 200
+    assert admin(sim_worker, {"kind": "disconnect", "after_tokens": 7}).status == 200
     dropped = stream_ids(sim_worker, LONG)
     assert dropped.token_ids == clean.token_ids[:7]
     assert not dropped.finished
@@ -89,7 +92,7 @@ def test_disconnect_slow_sdc_and_clear(sim_worker: SimWorker) -> None:
 
 def test_crash_logs_an_xid_and_exits(sim_worker: SimWorker) -> None:
     """crash: the process exits non-zero after an NVRM Xid 48 line and a CUDA error on stderr."""
-    assert admin(sim_worker, {"kind": "crash", "xid": 48}).status_code == 200
+    assert admin(sim_worker, {"kind": "crash", "xid": 48}).status == 200
     code = sim_worker.wait_exit(timeout_s=20)
     assert code not in (None, 0)
     err = sim_worker.stderr_text()
@@ -99,7 +102,7 @@ def test_crash_logs_an_xid_and_exits(sim_worker: SimWorker) -> None:
 
 def test_hang_stops_answering_but_lives(sim_worker: SimWorker) -> None:
     """hang: /health times out while the process stays alive (SIGKILL ends it)."""
-    assert admin(sim_worker, {"kind": "hang"}).status_code == 200
+    assert admin(sim_worker, {"kind": "hang"}).status == 200
     wait_until(lambda: health_stalls(sim_worker.url), 10,
                "/health to stall (no answer in 0.5 s)", interval=0)
     assert sim_worker.alive
@@ -112,26 +115,26 @@ def test_kv_migration_between_workers(sim_worker_factory: Any) -> None:
     b = sim_worker_factory(name="b")
     auth = {"Authorization": f"Bearer {a.admin_token}"}
     reference = stream_ids(b, LONG)
-    assert admin(a, {"kind": "slow", "delay_ms": 20}).status_code == 200  # keep it running
+    assert admin(a, {"kind": "slow", "delay_ms": 20}).status == 200  # keep it running
     head = stream_ids(a, LONG, limit=15, headers={"X-Request-Id": "move-me"})
-    blob = httpx.get(f"{a.url}/admin/kv/move-me?abort=true", headers=auth, timeout=10)
-    assert blob.status_code == 200
-    assert blob.content[:4] == b"FTKV"
+    blob = fetch.get(f"{a.url}/admin/kv/move-me?abort=true", headers=auth, timeout=10)
+    assert blob.status == 200
+    assert blob.body[:4] == b"FTKV"
     from dynamo_ftctl.kv.wire import decode_kv
 
-    exported = decode_kv(blob.content).header
+    exported = decode_kv(blob.body).header
     generated = list(exported.token_ids[exported.prompt_len:])
     assert generated[:15] == head.token_ids
-    resumed = httpx.post(f"{b.url}/admin/kv/import?stream=false", content=blob.content,
+    resumed = fetch.post(f"{b.url}/admin/kv/import?stream=false", content=blob.body,
                          headers=auth, timeout=30)
-    assert resumed.status_code == 200, resumed.text
+    assert resumed.status == 200, resumed.text
     rest = resumed.json()["choices"][0]["token_ids"]
     assert generated + rest == reference.token_ids
-    corrupted = bytearray(blob.content)
+    corrupted = bytearray(blob.body)
     corrupted[-50] ^= 0xFF
-    bad = httpx.post(f"{b.url}/admin/kv/import", content=bytes(corrupted), headers=auth,
+    bad = fetch.post(f"{b.url}/admin/kv/import", content=bytes(corrupted), headers=auth,
                      timeout=10)
-    assert bad.status_code == 400
+    assert bad.status == 400
     assert "is corrupted" in bad.json()["error"]["message"]
 
 
@@ -139,16 +142,16 @@ def test_sleep_and_wake(sim_worker: SimWorker) -> None:
     """Asleep: /health and requests answer 503; after /wake_up the same outputs return."""
     body = {**LONG, "max_tokens": 5}
     auth = {"Authorization": f"Bearer {sim_worker.admin_token}"}
-    before = httpx.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
-    assert httpx.post(f"{sim_worker.url}/sleep?level=1", headers=auth,
-                      timeout=10).status_code == 200
-    assert httpx.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
-    assert httpx.get(f"{sim_worker.url}/health", timeout=10).status_code == 503
-    assert httpx.post(f"{sim_worker.url}/v1/completions", json=body,
-                      timeout=10).status_code == 503
-    assert httpx.post(f"{sim_worker.url}/wake_up", timeout=10).status_code == 401
-    assert httpx.post(f"{sim_worker.url}/wake_up", headers=auth, timeout=10).status_code == 200
-    after = httpx.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
+    before = fetch.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
+    assert fetch.post(f"{sim_worker.url}/sleep?level=1", headers=auth,
+                      timeout=10).status == 200
+    assert fetch.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+    assert fetch.get(f"{sim_worker.url}/health", timeout=10).status == 503
+    assert fetch.post(f"{sim_worker.url}/v1/completions", json=body,
+                      timeout=10).status == 503
+    assert fetch.post(f"{sim_worker.url}/wake_up", timeout=10).status == 401
+    assert fetch.post(f"{sim_worker.url}/wake_up", headers=auth, timeout=10).status == 200
+    after = fetch.post(f"{sim_worker.url}/v1/completions", json=body, timeout=30).json()
     assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
 
 
@@ -167,34 +170,34 @@ def test_sleep_and_wake_need_the_admin_token(sim_worker: SimWorker, headers: dic
     headers = {k: token if v == "default" else v for k, v in headers.items()}
     params = {k: token if v == "default" else v for k, v in params.items()}
     body = {**LONG, "max_tokens": 30, "stream": True}
-    with httpx.stream("POST", f"{sim_worker.url}/v1/completions", json=body,
+    with fetch.stream("POST", f"{sim_worker.url}/v1/completions", json=body,
                       timeout=30) as response:
-        events = iter_sse_events(response.iter_raw())
+        events = iter_sse_events(response.iter_bytes())
         acc = StreamAccumulator()
         acc.add(parse_sse_event(next(events)))  # the stream is running
         for path in ("/sleep", "/wake_up"):
-            denied = httpx.post(f"{sim_worker.url}{path}", headers=headers, params=params,
-                                timeout=10)
-            assert denied.status_code == 401, path
-            assert denied.headers["www-authenticate"] == "Bearer"
+            query = f"?{urlencode(params)}" if params else ""
+            denied = fetch.post(f"{sim_worker.url}{path}{query}", headers=headers, timeout=10)
+            assert denied.status == 401, path
+            assert denied.header("www-authenticate") == "Bearer"
         for event in events:
             acc.add(parse_sse_event(event))
     assert acc.finished
     assert len(acc.token_ids) == 30
-    assert httpx.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
+    assert fetch.get(f"{sim_worker.url}/is_sleeping", timeout=10).json() == {"is_sleeping": False}
     lower = {"authorization": f"bearer {token}"}
-    assert httpx.post(f"{sim_worker.url}/sleep", headers=lower, timeout=10).status_code == 200
-    assert httpx.post(f"{sim_worker.url}/wake_up", headers=lower, timeout=10).status_code == 200
+    assert fetch.post(f"{sim_worker.url}/sleep", headers=lower, timeout=10).status == 200
+    assert fetch.post(f"{sim_worker.url}/wake_up", headers=lower, timeout=10).status == 200
 
 
 def test_sleep_is_refused_without_a_configured_token(sim_worker_factory: Any) -> None:
     """An engine with no admin token answers 403 to /sleep and /wake_up and stays awake."""
     worker = sim_worker_factory(name="noauth", env={"FTCTL_ADMIN_TOKEN": ""}, admin_token="")
     for path in ("/sleep?level=1", "/wake_up"):
-        refused = httpx.post(f"{worker.url}{path}", headers={"Authorization": "Bearer x"},
+        refused = fetch.post(f"{worker.url}{path}", headers={"Authorization": "Bearer x"},
                              timeout=10)
-        assert refused.status_code == 403, path
-    assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+        assert refused.status == 403, path
+    assert fetch.get(f"{worker.url}/health", timeout=10).status == 200
 
 
 def _free_port() -> int:
@@ -220,7 +223,7 @@ def test_cluster_start_stop_and_failure(tmp_path: Path) -> None:
     cluster = start_cluster(inventory, state_dir=tmp_path / "state", timeout_s=90)
     try:
         for i, port in enumerate(ports):
-            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+            assert fetch.get(f"http://127.0.0.1:{port}/health", timeout=10).status == 200
             pid = int((tmp_path / "state" / f"w{i}.pid").read_text())
             assert pid == cluster[f"w{i}"].pid
         result = stop_cluster(inventory, state_dir=tmp_path / "state", timeout_s=10)

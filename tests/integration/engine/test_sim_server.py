@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
+from tests import fetch
 
 from dynamo_ftctl.engine.tokenizer import load_tokenizer
 from dynamo_ftctl.openai import (
@@ -19,36 +19,37 @@ from dynamo_ftctl.openai import (
 
 if TYPE_CHECKING:
     from dynamo_ftctl.engine.launcher import SimWorker
+    from dynamo_ftctl.http1 import Reply
 
 pytestmark = pytest.mark.integration
 MODEL = "ftctl-sim-tiny"
 
 
-def post(worker: SimWorker, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:
+def post(worker: SimWorker, path: str, body: dict[str, Any], **kw: Any) -> Reply:
     """POST JSON to the worker with a bounded timeout."""
-    return httpx.post(f"{worker.url}{path}", json=body, timeout=30, **kw)
+    return fetch.post(f"{worker.url}{path}", json=body, timeout=30, **kw)
 
 
 def stream(worker: SimWorker, path: str, body: dict[str, Any],
            headers: dict[str, str] | None = None) -> StreamAccumulator:
     """Run a streaming request and fold its events."""
     acc = StreamAccumulator()
-    with httpx.stream("POST", f"{worker.url}{path}", json=body, timeout=30,
+    with fetch.stream("POST", f"{worker.url}{path}", json=body, timeout=30,
                       headers=headers) as response:
-        assert response.status_code == 200
-        for event in iter_sse_events(response.iter_raw()):
+        assert response.status == 200
+        for event in iter_sse_events(response.iter_bytes()):
             acc.add(parse_sse_event(event))
     return acc
 
 
 def test_models_health_and_metrics(shared_sim_worker: SimWorker) -> None:
     """/v1/models names the model with max_model_len; /health is 200; /metrics has vLLM names."""
-    models = httpx.get(f"{shared_sim_worker.url}/v1/models", timeout=10).json()
+    models = fetch.get(f"{shared_sim_worker.url}/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] == 2048
-    assert httpx.get(f"{shared_sim_worker.url}/health", timeout=10).status_code == 200
+    assert fetch.get(f"{shared_sim_worker.url}/health", timeout=10).status == 200
     post(shared_sim_worker, "/v1/completions", completion_request(MODEL, "warm", max_tokens=2))
-    text = httpx.get(f"{shared_sim_worker.url}/metrics", timeout=10).text
+    text = fetch.get(f"{shared_sim_worker.url}/metrics", timeout=10).text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket"):
@@ -61,7 +62,7 @@ def test_stream_matches_non_stream_and_returns_ids(shared_sim_worker: SimWorker)
                               logprobs=3, return_token_ids=True)
     whole = post(shared_sim_worker, "/v1/completions", body,
                  headers={"X-Request-Id": "req-123"})
-    assert whole.headers["x-request-id"] == "req-123"
+    assert whole.header("x-request-id") == "req-123"
     data = whole.json()
     assert data["id"] == "req-123"
     choice = data["choices"][0]
@@ -137,15 +138,15 @@ def test_errors_are_openai_shaped(shared_sim_worker: SimWorker) -> None:
     """Too long: 400 with an OpenAI error body; wrong model: 404; bad field: 400 naming it."""
     too_long = post(shared_sim_worker, "/v1/completions",
                     completion_request(MODEL, [42] * 2040, max_tokens=100))
-    assert too_long.status_code == 400
+    assert too_long.status == 400
     error = too_long.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert "maximum context length is 2048" in error["message"]
     assert post(shared_sim_worker, "/v1/completions",
-                completion_request("nope", "x")).status_code == 404
+                completion_request("nope", "x")).status == 404
     bad = post(shared_sim_worker, "/v1/completions", {"model": MODEL, "prompt": "x",
                                                       "max_tokens": -1})
-    assert bad.status_code == 400
+    assert bad.status == 400
     assert bad.json()["error"]["param"] == "max_tokens"
 
 

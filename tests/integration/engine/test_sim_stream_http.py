@@ -6,8 +6,8 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-import httpx
 import pytest
+from tests import fetch
 from tests.waiting import wait_until
 
 from dynamo_ftctl.engine.server import SERVER_TTFT_FIELD
@@ -21,7 +21,7 @@ MODEL = "ftctl-sim-tiny"
 
 
 def _running(worker: SimWorker) -> float:
-    text = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    text = fetch.get(f"{worker.url}/metrics", timeout=10).text
     for line in text.splitlines():
         if line.startswith("vllm:num_requests_running"):
             return float(line.rsplit(" ", 1)[1])
@@ -43,10 +43,10 @@ def test_finish_chunk_carries_the_server_ttft(shared_sim_worker: SimWorker, chat
     docs = []
     client_ttft = None
     start = time.monotonic()
-    with httpx.stream("POST", f"{shared_sim_worker.url}{path}", json=body,
+    with fetch.stream("POST", f"{shared_sim_worker.url}{path}", json=body,
                       timeout=30) as response:
-        assert response.status_code == 200
-        for event in iter_sse_events(response.iter_raw()):
+        assert response.status == 200
+        for event in iter_sse_events(response.iter_bytes()):
             if event.is_done:
                 break
             doc = json.loads(event.data)
@@ -71,9 +71,9 @@ def test_a_client_that_leaves_frees_its_request(sim_worker: SimWorker) -> None:
     """Closing a long stream after a few events aborts it: no request stays running."""
     body = {**completion_request(MODEL, "abc", max_tokens=1500), "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{sim_worker.url}/v1/completions", json=body,
+    with fetch.stream("POST", f"{sim_worker.url}/v1/completions", json=body,
                       timeout=30) as response:
-        for seen, _ in enumerate(iter_sse_events(response.iter_raw()), start=1):
+        for seen, _ in enumerate(iter_sse_events(response.iter_bytes()), start=1):
             if seen == 5:
                 assert _running(sim_worker) == 1
                 break

@@ -7,8 +7,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
+from tests import fetch
 
 from dynamo_ftctl.loadgen.config import Length, Workload
 from dynamo_ftctl.loadgen.workload import RequestFactory
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from tests.conftest import SimWorkerFactory
 
     from dynamo_ftctl.engine.launcher import SimWorker
+    from dynamo_ftctl.http1 import Reply
 
 pytestmark = pytest.mark.integration
 MODEL = "ftctl-sim-tiny"
@@ -39,16 +40,16 @@ FULL = {
 }
 
 
-def post(worker: SimWorker, path: str, body: dict[str, Any]) -> httpx.Response:
+def post(worker: SimWorker, path: str, body: dict[str, Any]) -> Reply:
     """POST JSON to the worker with a bounded timeout."""
-    return httpx.post(f"{worker.url}{path}", json=body, timeout=30)
+    return fetch.post(f"{worker.url}{path}", json=body, timeout=30)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_every_accepted_field_is_accepted(shared_sim_worker: SimWorker, path: str) -> None:
     """A request naming every field the sim knows is answered, min_tokens honoured."""
     response = post(shared_sim_worker, path, FULL[path])
-    assert response.status_code == 200, response.text
+    assert response.status == 200, response.text
     assert len(response.json()["choices"][0]["token_ids"]) == 3
 
 
@@ -56,7 +57,7 @@ def test_every_accepted_field_is_accepted(shared_sim_worker: SimWorker, path: st
 def test_unknown_field_is_a_400_naming_it(shared_sim_worker: SimWorker, path: str) -> None:
     """An unknown field is refused with an OpenAI error whose param is that field."""
     response = post(shared_sim_worker, path, {**FULL[path], "frobnicate": 1, "zzz": 2})
-    assert response.status_code == 400
+    assert response.status == 400
     error = response.json()["error"]
     assert error["param"] == "frobnicate"
     assert error["type"] == "invalid_request_error"
@@ -75,7 +76,7 @@ def test_chat_only_field_on_completions_is_refused(shared_sim_worker: SimWorker)
 def test_unimplemented_penalty_is_refused(shared_sim_worker: SimWorker) -> None:
     """A penalty the sim cannot apply is a 400, not a silently different answer."""
     response = post(shared_sim_worker, COMPLETIONS, {**FULL[COMPLETIONS], "presence_penalty": 0.5})
-    assert response.status_code == 400
+    assert response.status == 400
     assert response.json()["error"]["param"] == "presence_penalty"
 
 
@@ -95,12 +96,12 @@ def test_our_own_clients_requests_are_accepted(shared_sim_worker: SimWorker) -> 
         spec = RequestFactory(workload, (shared_sim_worker.url,), model=MODEL).build(0)
         bodies.append((CHAT if api == "chat" else COMPLETIONS, json.loads(spec.body)))
     for path, body in bodies:
-        assert post(shared_sim_worker, path, body).status_code == 200, (path, body)
+        assert post(shared_sim_worker, path, body).status == 200, (path, body)
 
 
-def post_escaped(worker: SimWorker, path: str, body: dict[str, Any]) -> httpx.Response:
+def post_escaped(worker: SimWorker, path: str, body: dict[str, Any]) -> Reply:
     """POST `body` as ASCII-escaped JSON: lone surrogates travel as `\\udXXX` escapes."""
-    return httpx.post(f"{worker.url}{path}", content=json.dumps(body), timeout=30,
+    return fetch.post(f"{worker.url}{path}", content=json.dumps(body).encode(), timeout=30,
                       headers={"Content-Type": "application/json"})
 
 
@@ -124,7 +125,7 @@ def test_text_the_tokenizer_cannot_encode_is_a_400_naming_the_field(
     """A lone surrogate in any text the tokenizer sees is an OpenAI 400 naming the field,
     never a 500 (a proxy would take that for a failing worker: issue 22)."""
     response = post_escaped(shared_sim_worker, path, {"model": MODEL, "max_tokens": 2, **fields})
-    assert response.status_code == 400, response.text
+    assert response.status == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
@@ -139,7 +140,7 @@ def test_byte_tokenizer_takes_escaped_bytes_and_refuses_other_surrogates(
     for path, fields, param in UNENCODABLE:
         escaped_byte = "\udcff" in json.dumps(fields, ensure_ascii=False)
         response = post_escaped(worker, path, {"model": MODEL, "max_tokens": 2, **fields})
-        assert response.status_code == (200 if escaped_byte else 400), (fields, response.text)
+        assert response.status == (200 if escaped_byte else 400), (fields, response.text)
         if not escaped_byte:
             assert response.json()["error"]["param"] == param
     assert "Traceback" not in worker.stderr_text()
@@ -149,7 +150,7 @@ def test_lenient_fields_ignores_unknown_fields(sim_worker_factory: SimWorkerFact
     """With --lenient-fields an unknown field is ignored, as before strict validation."""
     worker = sim_worker_factory(name="lenient", args=["--lenient-fields"])
     response = post(worker, COMPLETIONS, {**FULL[COMPLETIONS], "frobnicate": 1})
-    assert response.status_code == 200
+    assert response.status == 200
 
 
 def test_first_request_waits_for_warm_up_while_health_answers(
@@ -163,19 +164,19 @@ def test_first_request_waits_for_warm_up_while_health_answers(
 
     def first() -> None:
         start = time.monotonic()
-        assert post(worker, COMPLETIONS, body).status_code == 200
+        assert post(worker, COMPLETIONS, body).status == 200
         took.append(time.monotonic() - start)
 
     thread = threading.Thread(target=first)
     thread.start()
     try:
-        health = httpx.get(f"{worker.url}/health", timeout=warmup / 2)
-        assert health.status_code == 200
+        health = fetch.get(f"{worker.url}/health", timeout=warmup / 2)
+        assert health.status == 200
         assert thread.is_alive(), "the first request finished before /health answered"
     finally:
         thread.join(timeout=60)
     assert took
     assert took[0] >= warmup
     start = time.monotonic()
-    assert post(worker, COMPLETIONS, body).status_code == 200
+    assert post(worker, COMPLETIONS, body).status == 200
     assert time.monotonic() - start < warmup  # warm now: no delay

@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.faults.inject import InjectOptions, plan_injection, revert_pending, run_injection
 from dynamo_ftctl.faults.injectors import Injectors
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
+from dynamo_ftctl.http1 import ConnectionBroken, NoConnection
 from dynamo_ftctl.inventory import Inventory, load_inventory
 from dynamo_ftctl.openai import (
     ApiError,
@@ -27,6 +27,7 @@ from dynamo_ftctl.openai import (
     parse_sse_event,
 )
 from dynamo_ftctl.process import FakeSpawner
+from tests import fetch
 from tests.simfaults import health_stalls
 from tests.waiting import wait_until
 
@@ -75,11 +76,11 @@ def _stream_or_error(url: str, body: dict[str, Any] = BODY,
     connection just ends the stream)."""
     acc = StreamAccumulator()
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+        with fetch.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                           timeout=30) as response:
-            for event in iter_sse_events(response.iter_raw()):
+            for event in iter_sse_events(response.iter_bytes()):
                 acc.add(parse_sse_event(event))
-    except httpx.RemoteProtocolError:
+    except ConnectionBroken:
         pass
     except ApiError as exc:
         return acc, str(exc)
@@ -146,11 +147,11 @@ def test_hang_by_signal_stops_serving_until_reverted(worker: SimWorker, tmp_path
               "state_dir": tmp_path / "s"}
     run_injection(plan_injection(inv, "w1", "hang"), **common)
     try:
-        with pytest.raises(httpx.TimeoutException):
-            httpx.get(f"{worker.url}/health", timeout=0.5)
+        with pytest.raises(TimeoutError):
+            fetch.get(f"{worker.url}/health", timeout=0.5)
     finally:
         revert_pending(all_=True, **common)
-    assert httpx.get(f"{worker.url}/health", timeout=10).status_code == 200
+    assert fetch.get(f"{worker.url}/health", timeout=10).status == 200
 
 
 @pytest.fixture
@@ -182,9 +183,9 @@ def netproxy(worker: SimWorker) -> Iterator[dict[str, str]]:
 
 def _ttft(url: str) -> float:
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions",
+    with fetch.stream("POST", f"{url}/v1/completions",
                       json={**BODY, "max_tokens": 2, "stream": True}, timeout=30) as response:
-        for _ in response.iter_raw():
+        for _ in response.iter_bytes():
             break
     return time.perf_counter() - started
 
@@ -199,11 +200,11 @@ def test_net_latency_through_the_fault_proxy(worker: SimWorker, netproxy: dict[s
     base = min(_ttft(netproxy["url"]) for _ in range(3))
     run_injection(plan_injection(inv, "w1", "net-latency", InjectOptions(delay_ms=100)),
                   **common)
-    assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"][0]["latency_ms"] == 100
+    assert fetch.get(f"{netproxy['control']}/toxics").json()["toxics"][0]["latency_ms"] == 100
     slow = min(_ttft(netproxy["url"]) for _ in range(3))
     assert slow >= 0.1  # every answer now waits 100 ms in the proxy
     revert_pending(all_=True, **common)
-    assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
+    assert fetch.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
     assert min(_ttft(netproxy["url"]) for _ in range(3)) < base + 0.05
     assert os.environ.get("FTCTL_TEST_ADMIN") is None  # the token never left the Injectors
 
@@ -221,8 +222,8 @@ def test_term_stops_the_engine_gracefully(worker: SimWorker, tmp_path: Path) -> 
     result = run_injection(plan, **_common(worker, tmp_path))
     assert result.outcomes == ("sent SIGTERM",)
     assert worker.wait_exit(timeout_s=20) is not None
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{worker.url}/health", timeout=2)
+    with pytest.raises(NoConnection):
+        fetch.get(f"{worker.url}/health", timeout=2)
 
 
 def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
@@ -243,12 +244,12 @@ def test_thermal_slows_tokens_sets_the_throttle_reason_and_reverts(
     assert hot.token_ids == clean.token_ids  # slower, not wrong
     assert dcgmi.runs == [["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "64"]]
     auth = {"Authorization": f"Bearer {worker.admin_token}"}
-    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
+    assert fetch.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
                      ).json()["slow_delay_ms"] == 40
     revert_pending(all_=True, **common)
     assert dcgmi.runs[-1] == ["dcgmi", "test", "--inject", "--gpuid", "3", "-f", "112", "-v", "0"]
     # Fast again: the delay is gone (how fast a stream then runs is the scheduler's).
-    assert httpx.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
+    assert fetch.get(f"{worker.url}/admin/fault", timeout=5, headers=auth
                      ).json()["slow_delay_ms"] == 0
     assert _stream(worker.url, quick).token_ids == clean.token_ids
 
@@ -303,7 +304,7 @@ def test_xid94_ends_only_the_request_on_the_faulty_context(
 
 
 def _metric(worker: SimWorker, name: str) -> float:
-    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
+    text = fetch.get(f"{worker.url}/metrics", timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " ")))
 
@@ -328,11 +329,11 @@ def test_hang_by_http_stalls_requests_but_not_the_loop(
         run_injection(plan_injection(inv, "w1", "hang"), **common)
         wait_until(lambda: health_stalls(worker.url), 10, "/health to stall (no answer in 0.5 s)",
                    interval=0)
-        state = httpx.get(f"{worker.url}/admin/fault", headers=auth, timeout=2).json()
+        state = fetch.get(f"{worker.url}/admin/fault", headers=auth, timeout=2).json()
         assert state["hung"] is True
         assert not stalled.done()
         revert_pending(all_=True, **common)
-        assert httpx.get(f"{worker.url}/health", timeout=5).status_code == 200
+        assert fetch.get(f"{worker.url}/health", timeout=5).status == 200
         assert stalled.result(timeout=60).token_ids == clean.token_ids
 
 
@@ -345,21 +346,21 @@ def test_net_bandwidth_through_the_fault_proxy(worker: SimWorker, netproxy: dict
     common = _common(worker, tmp_path)
     body = {**BODY, "max_tokens": 64, "logprobs": 5}
 
-    def fetch() -> tuple[int, float]:
+    def download() -> tuple[int, float]:
         started = time.perf_counter()
-        response = httpx.post(f"{netproxy['url']}/v1/completions", json=body, timeout=60)
-        assert response.status_code == 200
-        return len(response.content), time.perf_counter() - started
+        response = fetch.post(f"{netproxy['url']}/v1/completions", json=body, timeout=60)
+        assert response.status == 200
+        return len(response.body), time.perf_counter() - started
 
-    size, _ = fetch()
+    size, _ = download()
     assert size > 8 * 1024  # big enough that 2 KiB/s takes seconds
     run_injection(plan_injection(inv, "w1", "net-bandwidth", InjectOptions(rate_kbps=2)),
                   **common)
-    _, slow_s = fetch()
+    _, slow_s = download()
     assert slow_s >= size / (2 * 1024) * 0.8
     revert_pending(all_=True, **common)
-    assert httpx.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
-    _, again_s = fetch()
+    assert fetch.get(f"{netproxy['control']}/toxics").json()["toxics"] == []
+    _, again_s = download()
     assert again_s < size / (2 * 1024) * 0.8  # faster than 2 KiB/s allows: the limit lifted
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.integration.health.test_daemon_sim import ROOT, read_line
 from tests.waiting import wait_until
 
@@ -33,7 +33,7 @@ ACTION = ("import os; open(os.environ['MARK'], 'a').write("
 
 
 def workers_doc(url: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{url}/workers", timeout=5).json())
+    return dict(fetch.get(f"{url}/workers", timeout=5).json())
 
 
 def state_of(url: str, worker: str) -> str:

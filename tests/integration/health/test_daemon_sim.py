@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.waiting import wait_until
 
 if TYPE_CHECKING:
@@ -90,12 +90,12 @@ def daemon(sim_worker_factory: SimWorkerFactory, tmp_path: Path,
 
 
 def states(url: str) -> dict[str, str]:
-    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    doc = fetch.get(f"{url}/workers", timeout=5).json()
     return {w["name"]: w["state"] for w in doc["workers"]}
 
 
 def probed(url: str) -> bool:
-    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    doc = fetch.get(f"{url}/workers", timeout=5).json()
     return all(w["last"] is not None for w in doc["workers"])
 
 
@@ -107,18 +107,18 @@ def test_killed_worker_goes_unhealthy_fast_on_a_passive_report(daemon: Any) -> N
     workers["w2"].kill()
     assert workers["w2"].wait_exit(10) is not None
     report = {"worker": "w2", "ok": False, "reason": "stream broke", "source": "proxy"}
-    assert httpx.post(f"{url}/report", timeout=5, json=report).status_code == 401
-    response = httpx.post(f"{url}/report", timeout=5, json=report,
+    assert fetch.post(f"{url}/report", timeout=5, json=report).status == 401
+    response = fetch.post(f"{url}/report", timeout=5, json=report,
                           headers={"Authorization": f"Bearer {DAEMON_TOKEN}"})
-    assert response.status_code == 200
+    assert response.status == 200
     wait_until(lambda: states(url), 5, "w2 unhealthy", accept=lambda s: s["w2"] == "unhealthy")
     assert states(url)["w1"] == "healthy"
     wait_until(lambda: marker.exists() and "w2 unhealthy" in marker.read_text(), 10, "the action")
-    metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    metrics = fetch.get(f"{url}/metrics", timeout=5).text
     assert 'ftctl_worker_state{state="unhealthy",worker="w2"} 1.0' in metrics
     assert 'ftctl_circuit_breaker_state{worker="w2"} 1.0' in metrics
     assert "ftctl_canary_probe_duration_seconds_bucket" in metrics
-    assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+    assert fetch.get(f"{url}/health", timeout=5).json()["status"] == "ok"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     lines = [json.loads(line) for line in proc.stdout.read().splitlines()]
@@ -135,10 +135,11 @@ def test_probes_alone_find_a_corrupting_worker(daemon: Any) -> None:
     url, _, workers, _ = daemon
     wait_until(lambda: probed(url), 30, "the first round")
     worker = workers["w1"]
-    httpx.post(f"{worker.url}/admin/fault", json={"kind": "sdc"}, timeout=5,
-               headers={"Authorization": f"Bearer {worker.admin_token}"}).raise_for_status()
+    played = fetch.post(f"{worker.url}/admin/fault", json={"kind": "sdc"}, timeout=5,
+                        headers={"Authorization": f"Bearer {worker.admin_token}"})
+    assert played.status == 200, played.text
     wait_until(lambda: states(url), 10, "w1 unhealthy", accept=lambda s: s["w1"] == "unhealthy")
-    doc = httpx.get(f"{url}/workers", timeout=5).json()
+    doc = fetch.get(f"{url}/workers", timeout=5).json()
     w1 = next(w for w in doc["workers"] if w["name"] == "w1")
     assert w1["weight"] == 0.0
     assert w1["last"]["kind"] == "token_mismatch"

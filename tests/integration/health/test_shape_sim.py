@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.health.canaryset import SHAPE_NOTE, load_canary_set
+from tests import fetch
 from tests.simfaults import hung
 from tests.waiting import wait_until
 
@@ -54,9 +54,9 @@ def probe(worker: SimWorker, canary_set: Path, *extra: str) -> tuple[int, dict[s
 
 def fault(worker: SimWorker, **body: Any) -> None:
     """Play a fault on the worker through its admin API."""
-    response = httpx.post(f"{worker.url}/admin/fault", json=body, timeout=5,
+    response = fetch.post(f"{worker.url}/admin/fault", json=body, timeout=5,
                           headers={"Authorization": f"Bearer {worker.admin_token}"})
-    response.raise_for_status()
+    assert response.status == 200, response.text
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.http1 import Client
@@ -25,6 +24,7 @@ from dynamo_ftctl.migrate.calibrate import (
     start_in_flight,
 )
 from dynamo_ftctl.migrate.transfer import Endpoint, MigrationResult, migrate_request
+from tests import fetch
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +37,17 @@ def endpoint(worker: Any, name: str) -> Endpoint:
 
 def slow_down(worker: Any, delay_ms: float = 20) -> None:
     """Make decoding slow enough that the request is still running when it is moved."""
-    r = httpx.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": delay_ms},
+    r = fetch.post(f"{worker.url}/admin/fault", json={"kind": "slow", "delay_ms": delay_ms},
                    headers={"Authorization": f"Bearer {worker.admin_token}"}, timeout=10)
-    assert r.status_code == 200, r.text
+    assert r.status == 200, r.text
 
 
 def reference_ids(worker: Any) -> list[int]:
     body = {"model": "ftctl-sim-tiny", "prompt": prompt_ids(PROMPT_LEN), "max_tokens": MAX_TOKENS,
             "temperature": TEMPERATURE, "seed": SEED, "ignore_eos": True,
             "return_token_ids": True}
-    r = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
+    r = fetch.post(f"{worker.url}/v1/completions", json=body, timeout=60)
+    assert r.status == 200, r.text
     ids = r.json()["choices"][0]["token_ids"]
     assert len(ids) == MAX_TOKENS
     return list(ids)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from dynamo_ftctl.http1 import NoConnection, Reply
+from tests import fetch
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -66,8 +67,8 @@ class Wrapper:
                    interval=0)
         return self.seen[-1]
 
-    def health(self) -> httpx.Response:
-        return httpx.get(f"http://127.0.0.1:{self.health_port}/health", timeout=5)
+    def health(self) -> Reply:
+        return fetch.get(f"http://127.0.0.1:{self.health_port}/health", timeout=5)
 
 
 WrapperFactory = Callable[..., Wrapper]
@@ -130,12 +131,12 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     shadow = start_wrapper(1, fake_engine(s_port), f"http://127.0.0.1:{s_port}")
     shadow.wait_state("STANDBY")
     response = shadow.health()
-    assert response.status_code == 200
+    assert response.status == 200
     assert response.json()["state"] == "STANDBY"
     active_url = "http://127.0.0.1:{}/active"
-    assert httpx.get(active_url.format(shadow.health_port), timeout=5).status_code == 503
-    assert httpx.get(active_url.format(primary.health_port), timeout=5).status_code == 200
-    assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 503
+    assert fetch.get(active_url.format(shadow.health_port), timeout=5).status == 503
+    assert fetch.get(active_url.format(primary.health_port), timeout=5).status == 200
+    assert fetch.post(f"{shadow.engine_url}/v1/completions", timeout=5).status == 503
 
     os.kill(active["engine_pid"], signal.SIGKILL)
     assert primary.proc.wait(30) == 1
@@ -143,8 +144,8 @@ def test_primary_active_shadow_standby_then_handover(start_wrapper: WrapperFacto
     taken = shadow.wait_state("ACTIVE", timeout=30)
     assert taken["token"] > active["token"]
     assert shadow.health().json()["state"] == "ACTIVE"
-    assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 200
-    metrics = httpx.get(f"http://127.0.0.1:{shadow.health_port}/metrics", timeout=5).text
+    assert fetch.post(f"{shadow.engine_url}/v1/completions", timeout=5).status == 200
+    metrics = fetch.get(f"http://127.0.0.1:{shadow.health_port}/metrics", timeout=5).text
     assert 'ftctl_lock_holder{engine_id="1"' in metrics
     assert "ftctl_lock_acquire_seconds_count 1.0" in metrics
 
@@ -160,7 +161,7 @@ def test_sleep_and_wake_carry_the_engines_admin_token(start_wrapper: WrapperFact
                             f"http://127.0.0.1:{port}", "--standby", "sleep", env=env)
     assert wrapper.wait_state("STANDBY")["standby"] == "sleep"
     wrapper.wait_state("ACTIVE")
-    assert httpx.post(f"{wrapper.engine_url}/v1/completions", timeout=5).status_code == 200
+    assert fetch.post(f"{wrapper.engine_url}/v1/completions", timeout=5).status == 200
 
 
 def test_an_engine_checking_another_token_is_named(start_wrapper: WrapperFactory) -> None:
@@ -182,8 +183,8 @@ def test_init_answers_503_and_engine_death_exits_non_zero(start_wrapper: Wrapper
     wrapper = start_wrapper(0, engine, f"http://127.0.0.1:{free_port()}")
     init = wrapper.wait_state("INIT")
     response = wait_until(wrapper.health, 30, "the wrapper's health server",  # it starts
-                          ignore=(httpx.ConnectError,))  # right after the engine
-    assert response.status_code == 503
+                          ignore=(NoConnection,))  # right after the engine
+    assert response.status == 503
     assert response.json()["state"] == "INIT"
     os.kill(init["engine_pid"], signal.SIGKILL)
     assert wrapper.proc.wait(30) == 1
@@ -257,14 +258,14 @@ def test_two_sim_engines_shadow_takes_over_and_serves(start_wrapper: WrapperFact
     # Asleep, not cold: the sim takes the token the wrapper made for it on /sleep.
     assert wrappers[1].wait_state("STANDBY", timeout=120)["standby"] == "sleep"
     body = {"model": "ftctl-sim-tiny", "prompt": "hello", "max_tokens": 4}
-    served = httpx.post(f"{wrappers[0].engine_url}/v1/completions", json=body, timeout=30)
-    assert served.status_code == 200, served.text
-    asleep = httpx.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
-    assert asleep.status_code == 503
+    served = fetch.post(f"{wrappers[0].engine_url}/v1/completions", json=body, timeout=30)
+    assert served.status == 200, served.text
+    asleep = fetch.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
+    assert asleep.status == 503
 
     os.kill(first["engine_pid"], signal.SIGKILL)
     assert wrappers[0].proc.wait(30) == 1
     wrappers[1].wait_state("ACTIVE", timeout=60)
-    response = httpx.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
-    assert response.status_code == 200, response.text
+    response = fetch.post(f"{wrappers[1].engine_url}/v1/completions", json=body, timeout=30)
+    assert response.status == 200, response.text
     assert response.json()["choices"][0]["text"]

@@ -6,9 +6,10 @@ import signal
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
+from dynamo_ftctl.http1 import NoConnection
+from tests import fetch
 from tests.integration.lock import test_failover
 from tests.integration.lock.test_failover import (
     Wrapper,
@@ -57,9 +58,9 @@ def test_cold_shadow_starts_its_engine_only_with_the_lock(start_wrapper: Wrapper
     standby = shadow.wait_state("STANDBY")
     assert standby["engine_pid"] is None
     assert standby["standby"] == "cold"
-    assert shadow.health().status_code == 200
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{shadow.engine_url}/health", timeout=5)
+    assert shadow.health().status == 200
+    with pytest.raises(NoConnection):
+        fetch.get(f"{shadow.engine_url}/health", timeout=5)
 
     kill_wrapper(primary)
     assert gone(active["engine_pid"])
@@ -68,7 +69,7 @@ def test_cold_shadow_starts_its_engine_only_with_the_lock(start_wrapper: Wrapper
     assert waking["engine_pid"] is not None
     taken = shadow.wait_state("ACTIVE", timeout=30)
     assert taken["token"] > active["token"]
-    assert httpx.post(f"{shadow.engine_url}/v1/completions", timeout=5).status_code == 200
+    assert fetch.post(f"{shadow.engine_url}/v1/completions", timeout=5).status == 200
 
 
 def test_auto_without_sleep_mode_serves_or_waits_cold(
@@ -94,7 +95,7 @@ def test_auto_without_sleep_mode_serves_or_waits_cold(
     kill_wrapper(primary)
     taken = shadow.wait_state("ACTIVE", timeout=30)
     assert taken["token"] > active["token"]
-    assert httpx.get(f"{shadow.engine_url}/health", timeout=5).status_code == 200
+    assert fetch.get(f"{shadow.engine_url}/health", timeout=5).status == 200
 
 
 def test_standby_sleep_with_an_engine_refusing_sleep_exits_2(

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
+from dynamo_ftctl.http1 import HttpError
+from tests import fetch
 from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -153,25 +154,24 @@ def wait_healthy(server: VllmServer, began: float, deadline_s: float = START_DEA
                  warm: bool = True) -> None:
     """Poll GET /health until 200, then warm it up (a fresh server's first request takes
     6-10 s on this machine); fail with the log's tail if the server dies or is late."""
-    with httpx.Client(timeout=5.0) as client:
 
-        def healthy() -> bool:
-            code = server.proc.poll()
-            assert code is None, f"{server.name} exited ({code}):\n{server.log_tail()}"
-            return client.get(server.url + "/health").status_code == 200
+    def healthy() -> bool:
+        code = server.proc.poll()
+        assert code is None, f"{server.name} exited ({code}):\n{server.log_tail()}"
+        return fetch.get(server.url + "/health", timeout=5.0).status == 200
 
-        try:
-            wait_until(healthy, max(0.0, began + deadline_s - time.monotonic()),
-                       f"{server.name} /health 200", ignore=(httpx.TransportError,),
-                       interval=0.5)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{server.log_tail()}") from None
-        server.started_in_s = time.monotonic() - began
-        if not warm:
-            return
-        first = client.post(server.url + "/v1/completions", timeout=120, json={
-            "model": server.model, "prompt": "warm up", "max_tokens": 4})
-        assert first.status_code == 200, first.text
+    try:
+        wait_until(healthy, max(0.0, began + deadline_s - time.monotonic()),
+                   f"{server.name} /health 200", ignore=(HttpError, TimeoutError),
+                   interval=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{server.log_tail()}") from None
+    server.started_in_s = time.monotonic() - began
+    if not warm:
+        return
+    first = fetch.post(server.url + "/v1/completions", timeout=120, json={
+        "model": server.model, "prompt": "warm up", "max_tokens": 4})
+    assert first.status == 200, first.text
 
 
 def ftctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
     ProxyFactory,
     ProxyProcess,
@@ -90,9 +90,9 @@ def _body(endpoint: str, model: str) -> dict[str, Any]:
 
 def _pieces(server: VllmServer, endpoint: str, body: dict[str, Any]) -> list[str]:
     """The text pieces of a fault-free stream straight from `server`."""
-    with httpx.stream("POST", server.url + endpoint, json={**body, "stream": True},
+    with fetch.stream("POST", server.url + endpoint, json={**body, "stream": True},
                       timeout=120) as reply:
-        assert reply.status_code == 200, reply.read()
+        assert reply.status == 200, reply.read()
         raw = reply.read()
     pieces = []
     for line in raw.split(b"\n"):
@@ -128,30 +128,30 @@ def _proxy_over(pair: tuple[VllmServer, ...], factory: ProxyFactory,
 def test_engine_surface(hf_pair: tuple[VllmServer, ...]) -> None:
     """/health, /v1/models, /metrics, X-Request-Id, refused fields and a text-only stream."""
     server = hf_pair[0]
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        health = client.get("/health")
-        assert (health.status_code, health.json()) == (200, {"status": "ok"})
-        assert client.get("/v1/models").json() == {"object": "list", "data": []}
-        for path in ("/metrics", "/tokenize", "/version"):
-            assert client.get(path).status_code == 404, path
-        base = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
-        reply = client.post("/v1/completions", json=base,
-                            headers={"X-Request-Id": "ftctl/trace 1"})
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["id"] == reply.headers["x-request-id"] == "ftctl/trace 1"
-        assert reply.json()["model"] == f"{server.model}@main"
-        for field, value in (("return_token_ids", True), ("ignore_eos", True),
-                             ("min_tokens", 1)):
-            refused = client.post("/v1/completions", json={**base, field: value})
-            assert refused.status_code == 422, (field, refused.text)
-            assert field in refused.json()["detail"]
-        assert client.post("/v1/completions",
-                           json={**base, "prompt": [1, 2, 3]}).status_code == 400
-        chat = {**_body("/v1/chat/completions", server.model), "max_tokens": 4,
-                "continue_final_message": True, "add_generation_prompt": False}
-        refused = client.post("/v1/chat/completions", json=chat)
-        assert refused.status_code == 422, refused.text
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+    url = server.url
+    health = fetch.get(f"{url}/health", timeout=60)
+    assert (health.status, health.json()) == (200, {"status": "ok"})
+    assert fetch.get(f"{url}/v1/models", timeout=60).json() == {"object": "list", "data": []}
+    for path in ("/metrics", "/tokenize", "/version"):
+        assert fetch.get(url + path, timeout=60).status == 404, path
+    base = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+    reply = fetch.post(f"{url}/v1/completions", json=base, timeout=60,
+                       headers={"X-Request-Id": "ftctl/trace 1"})
+    assert reply.status == 200, reply.text
+    assert reply.json()["id"] == reply.header("x-request-id") == "ftctl/trace 1"
+    assert reply.json()["model"] == f"{server.model}@main"
+    for field, value in (("return_token_ids", True), ("ignore_eos", True),
+                         ("min_tokens", 1)):
+        refused = fetch.post(f"{url}/v1/completions", json={**base, field: value}, timeout=60)
+        assert refused.status == 422, (field, refused.text)
+        assert field in refused.json()["detail"]
+    assert fetch.post(f"{url}/v1/completions", json={**base, "prompt": [1, 2, 3]},
+                      timeout=60).status == 400
+    chat = {**_body("/v1/chat/completions", server.model), "max_tokens": 4,
+            "continue_final_message": True, "add_generation_prompt": False}
+    refused = fetch.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    assert refused.status == 422, refused.text
+    with fetch.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={**base, "stream": True, "max_tokens": 64}) as streamed:
         chunks = [json.loads(line[6:]) for line in streamed.iter_lines()
                   if line.startswith("data: {")]

@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
 
@@ -38,7 +38,7 @@ def words(seed: int, count: int) -> str:
 
 def prefix_counters(server: VllmServer) -> tuple[float, float]:
     """(hits, queries) in tokens, from the server's /metrics."""
-    page = httpx.get(f"{server.url}/metrics", timeout=10).text
+    page = fetch.get(f"{server.url}/metrics", timeout=10).text
     found = {}
     for name in ("hits", "queries"):
         values = re.findall(rf"^vllm:prefix_cache_{name}_total(?:{{[^}}]*}})? (\S+)$", page,
@@ -55,23 +55,22 @@ def test_conversation_stays_on_one_worker_and_hits_its_prefix_cache(
     model = vllm_pair[0].model
     proxy = proxy_factory([(s.name, s.url) for s in vllm_pair], model=model,
                           routing="cache_aware", breaker_threshold=100000)
-    wait_until(lambda: httpx.get(f"{proxy.url}/health", timeout=5).status_code == 200, 30,
+    wait_until(lambda: fetch.get(f"{proxy.url}/health", timeout=5).status == 200, 30,
                "the proxy's health")
     before = {s.name: prefix_counters(s) for s in vllm_pair}
     chats: dict[str, list[dict[str, Any]]] = {
         c: [{"role": "system", "content": words(ord(c), 300)}] for c in "abc"}
     served: dict[str, list[str]] = {c: [] for c in chats}
-    with httpx.Client(timeout=120) as client:
-        for turn in range(TURNS):
-            for conv, messages in chats.items():
-                messages.append({"role": "user", "content": words(turn + ord(conv), 30)})
-                answer = client.post(f"{proxy.url}/v1/chat/completions", json={
-                    "model": model, "messages": messages, "max_tokens": 24,
-                    "temperature": 0.0, "ignore_eos": True})
-                assert answer.status_code == 200, answer.text
-                served[conv].append(answer.headers["x-ftctl-worker"])
-                reply = answer.json()["choices"][0]["message"]["content"]
-                messages.append({"role": "assistant", "content": reply})
+    for turn in range(TURNS):
+        for conv, messages in chats.items():
+            messages.append({"role": "user", "content": words(turn + ord(conv), 30)})
+            answer = fetch.post(f"{proxy.url}/v1/chat/completions", timeout=120, json={
+                "model": model, "messages": messages, "max_tokens": 24,
+                "temperature": 0.0, "ignore_eos": True})
+            assert answer.status == 200, answer.text
+            served[conv].append(answer.headers["x-ftctl-worker"])
+            reply = answer.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
     assert all(len(set(workers)) == 1 for workers in served.values()), served
     assert {workers[0] for workers in served.values()} == {s.name for s in vllm_pair}, served
     for server in vllm_pair:

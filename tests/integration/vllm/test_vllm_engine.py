@@ -9,14 +9,13 @@ ids (`return_token_ids`) and greedy decoding continues the same way from ids.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
+from tests import fetch
 from tests.integration.vllm.server import VllmServer, ftctl, inventory_for, pinned_version
 
 pytestmark = [
@@ -27,35 +26,29 @@ pytestmark = [
 PROMPT = "The capital of France is"
 LENGTH = 150
 SPLITS = (30, 59, 120)
+TIMEOUT_S = 120.0  # long enough for 150 tokens on a busy core
 
 
-def _stream(client: httpx.Client, url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+def _stream(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """POST with stream=true; return the parsed SSE chunks (without [DONE])."""
     chunks = []
-    with client.stream("POST", url, json={**body, "stream": True}) as reply:
-        assert reply.status_code == 200, reply.read()
+    with fetch.stream("POST", url, json={**body, "stream": True}, timeout=TIMEOUT_S) as reply:
+        assert reply.status == 200, reply.read()
         for line in reply.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line.removeprefix("data: ")))
     return chunks
 
 
-def _complete(client: httpx.Client, server: VllmServer, prompt: str | list[int],
-              max_tokens: int, **sampling: Any) -> tuple[list[int], list[int]]:
+def _complete(server: VllmServer, prompt: str | list[int], max_tokens: int,
+              **sampling: Any) -> tuple[list[int], list[int]]:
     """A non-streamed completion: (prompt ids, generated ids)."""
-    reply = client.post(server.url + "/v1/completions", json={
+    reply = fetch.post(server.url + "/v1/completions", timeout=TIMEOUT_S, json={
         "model": server.model, "prompt": prompt, "max_tokens": max_tokens,
         "ignore_eos": True, "return_token_ids": True, "temperature": 0.0, **sampling})
-    assert reply.status_code == 200, reply.text
+    assert reply.status == 200, reply.text
     choice = reply.json()["choices"][0]
     return choice["prompt_token_ids"], choice["token_ids"]
-
-
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    """An HTTP client with a timeout long enough for 150 tokens on a busy core."""
-    with httpx.Client(timeout=120.0) as http:
-        yield http
 
 
 def test_canary_record_then_probe_both(vllm_pair: tuple[VllmServer, ...], tmp_path: Path) -> None:
@@ -87,18 +80,17 @@ def test_load_on_both_workers(vllm_pair: tuple[VllmServer, ...], tmp_path: Path)
     assert report["model"] == vllm_pair[0].model
 
 
-def test_streams_carry_token_ids(vllm_pair: tuple[VllmServer, ...],
-                                 client: httpx.Client) -> None:
+def test_streams_carry_token_ids(vllm_pair: tuple[VllmServer, ...]) -> None:
     """Streamed completions and chat with return_token_ids carry prompt and per-chunk ids."""
     server = vllm_pair[0]
     body = {"model": server.model, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
             "return_token_ids": True}
-    chunks = _stream(client, server.url + "/v1/completions", {**body, "prompt": PROMPT})
+    chunks = _stream(server.url + "/v1/completions", {**body, "prompt": PROMPT})
     # Completions: prompt ids inside choices[0] of the first chunk, null afterwards.
     assert chunks[0]["choices"][0]["prompt_token_ids"]
     assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
     assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 8
-    chat = _stream(client, server.url + "/v1/chat/completions",
+    chat = _stream(server.url + "/v1/chat/completions",
                    {**body, "messages": [{"role": "user", "content": PROMPT}]})
     # Chat: prompt ids at the TOP level of the first chunk (a role-only chunk, no token_ids).
     assert chat[0]["prompt_token_ids"]
@@ -110,44 +102,41 @@ def test_streams_carry_token_ids(vllm_pair: tuple[VllmServer, ...],
 
 @pytest.mark.parametrize("k", SPLITS)
 def test_greedy_continuation_from_ids_is_exact(vllm_pair: tuple[VllmServer, ...],
-                                               client: httpx.Client, k: int) -> None:
+                                               k: int) -> None:
     """Greedy: prompt ids + first k generated ids, on the other worker, give the rest exactly."""
     first, second = vllm_pair
-    prompt_ids, generated = _complete(client, first, PROMPT, LENGTH)
+    prompt_ids, generated = _complete(first, PROMPT, LENGTH)
     assert len(generated) == LENGTH
-    _, rest = _complete(client, second, prompt_ids + generated[:k], LENGTH - k)
+    _, rest = _complete(second, prompt_ids + generated[:k], LENGTH - k)
     assert rest == generated[k:]
 
 
-def test_chat_continues_as_completion_from_ids(vllm_pair: tuple[VllmServer, ...],
-                                               client: httpx.Client) -> None:
+def test_chat_continues_as_completion_from_ids(vllm_pair: tuple[VllmServer, ...]) -> None:
     """A chat stream's prompt ids + its first ids, sent to /v1/completions, continue it exactly."""
     first, second = vllm_pair
-    chat = _stream(client, first.url + "/v1/chat/completions", {
+    chat = _stream(first.url + "/v1/chat/completions", {
         "model": first.model, "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": LENGTH, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
     prompt_ids = chat[0]["prompt_token_ids"]
     generated = [i for c in chat for i in c["choices"][0].get("token_ids") or []]
     assert len(generated) == LENGTH
-    _, rest = _complete(client, second, prompt_ids + generated[:59], LENGTH - 59)
+    _, rest = _complete(second, prompt_ids + generated[:59], LENGTH - 59)
     assert rest == generated[59:]
 
 
-def test_retokenized_text_gives_other_ids(vllm_pair: tuple[VllmServer, ...],
-                                          client: httpx.Client) -> None:
+def test_retokenized_text_gives_other_ids(vllm_pair: tuple[VllmServer, ...]) -> None:
     """Re-tokenizing generated text does not give the generated ids back (why ids travel)."""
     server = vllm_pair[0]
-    reply = client.post(server.url + "/v1/completions", json={
+    reply = fetch.post(server.url + "/v1/completions", timeout=TIMEOUT_S, json={
         "model": server.model, "prompt": PROMPT, "max_tokens": LENGTH, "temperature": 0.0,
         "ignore_eos": True, "return_token_ids": True})
     choice = reply.json()["choices"][0]
-    tokenized = client.post(server.url + "/tokenize", json={
+    tokenized = fetch.post(server.url + "/tokenize", timeout=TIMEOUT_S, json={
         "model": server.model, "prompt": choice["text"], "add_special_tokens": False}).json()
     assert tokenized["tokens"] != choice["token_ids"]
 
 
-def test_seeded_continuation_is_not_exact(vllm_pair: tuple[VllmServer, ...],
-                                          client: httpx.Client) -> None:
+def test_seeded_continuation_is_not_exact(vllm_pair: tuple[VllmServer, ...]) -> None:
     """Seeded sampling repeats an uninterrupted run on any worker, but not from a split point.
 
     vLLM seeds a request's torch.Generator once from `seed` and draws from it once per sampled
@@ -156,31 +145,33 @@ def test_seeded_continuation_is_not_exact(vllm_pair: tuple[VllmServer, ...],
     """
     first, second = vllm_pair
     seeded = {"temperature": 0.9, "seed": 7}
-    prompt_ids, generated = _complete(client, first, PROMPT, LENGTH, **seeded)
-    assert _complete(client, second, PROMPT, LENGTH, **seeded)[1] == generated
-    _, greedy = _complete(client, first, PROMPT, LENGTH)
+    prompt_ids, generated = _complete(first, PROMPT, LENGTH, **seeded)
+    assert _complete(second, PROMPT, LENGTH, **seeded)[1] == generated
+    _, greedy = _complete(first, PROMPT, LENGTH)
     assert generated != greedy, "temperature 0.9 sampled the greedy answer: the test proves nothing"
     for k in SPLITS:
-        _, rest = _complete(client, second, prompt_ids + generated[:k], LENGTH - k, **seeded)
+        _, rest = _complete(second, prompt_ids + generated[:k], LENGTH - k, **seeded)
         assert rest != generated[k:], f"seeded continuation at k={k} was exact"
 
 
-def test_engine_surface(vllm_pair: tuple[VllmServer, ...], client: httpx.Client) -> None:
+def test_engine_surface(vllm_pair: tuple[VllmServer, ...]) -> None:
     """/health, /v1/models, /version, /metrics, X-Request-Id and unknown fields, as ftctl sees."""
     server = vllm_pair[0]
-    health = client.get(server.url + "/health")
-    assert (health.status_code, health.content) == (200, b"")
-    (model,) = client.get(server.url + "/v1/models").json()["data"]
+    health = fetch.get(server.url + "/health", timeout=TIMEOUT_S)
+    assert (health.status, health.body) == (200, b"")
+    (model,) = fetch.get(server.url + "/v1/models", timeout=TIMEOUT_S).json()["data"]
     assert (model["id"], model["max_model_len"]) == (server.model, 2048)
-    assert client.get(server.url + "/version").json() == {"version": pinned_version()}
-    metrics = client.get(server.url + "/metrics").text
+    version = fetch.get(server.url + "/version", timeout=TIMEOUT_S).json()
+    assert version == {"version": pinned_version()}
+    metrics = fetch.get(server.url + "/metrics", timeout=TIMEOUT_S).text
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
                  "vllm:num_requests_running", "vllm:generation_tokens_total"):
         assert f"\n{name}{{" in metrics, name
     # A request id that is not a UUID is taken as is (vLLM prefixes it), not echoed as a header.
-    reply = client.post(server.url + "/v1/completions", headers={"X-Request-Id": "ftctl/trace 1"},
-                        json={"model": server.model, "prompt": PROMPT, "max_tokens": 2,
-                              "ftctl_unknown_field": True})
-    assert reply.status_code == 200, reply.text  # unknown fields: ignored (logged at DEBUG)
+    reply = fetch.post(server.url + "/v1/completions", headers={"X-Request-Id": "ftctl/trace 1"},
+                       timeout=TIMEOUT_S,
+                       json={"model": server.model, "prompt": PROMPT, "max_tokens": 2,
+                             "ftctl_unknown_field": True})
+    assert reply.status == 200, reply.text  # unknown fields: ignored (logged at DEBUG)
     assert reply.json()["id"] == "cmpl-ftctl/trace 1"
     assert "x-request-id" not in reply.headers

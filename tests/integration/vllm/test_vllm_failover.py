@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from dynamo_ftctl.http1 import NoConnection, Reply
+from tests import fetch
 from tests.integration.lock.test_failover import Wrapper, free_port
 from tests.integration.vllm.server import SERVED_NAME, START_DEADLINE_S
 from tests.waiting import wait_until
@@ -107,10 +108,10 @@ def start_wrapper(tmp_path: Path) -> Iterator[StartWrapper]:
                 wrapper.proc.stdout.close()
 
 
-def complete(url: str) -> httpx.Response:
+def complete(url: str) -> Reply:
     """One short completion (a fresh server's first request takes 6-10 s)."""
     body = {"model": SERVED_NAME, "prompt": "the lock moves", "max_tokens": 4}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    return fetch.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
 def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
@@ -122,7 +123,7 @@ def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
                             f"http://127.0.0.1:{p_port}", "--standby", "cold")
     first = primary.wait_state("ACTIVE", timeout=START_DEADLINE_S)
     assert first["token"] > 0
-    assert complete(primary.engine_url).status_code == 200
+    assert complete(primary.engine_url).status == 200
 
     # auto: this vLLM starts warm, refuses /sleep (no sleep mode on CPU), and is stopped.
     shadow = start_wrapper(1, vllm_command(vllm_py, tiny_llama, s_port),
@@ -131,9 +132,9 @@ def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
     assert standby["standby"] == "cold"
     assert "engine has no sleep mode" in standby["detail"]
     assert standby["engine_pid"] is None
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{shadow.engine_url}/health", timeout=5)
-    assert shadow.health().status_code == 200
+    with pytest.raises(NoConnection):
+        fetch.get(f"{shadow.engine_url}/health", timeout=5)
+    assert shadow.health().status == 200
 
     os.killpg(primary.proc.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -142,8 +143,8 @@ def test_cold_shadow_takes_over_from_a_killed_vllm_primary(
     taken = shadow.wait_state("ACTIVE", timeout=START_DEADLINE_S)
     took = time.monotonic() - killed
     assert taken["token"] > first["token"]
-    assert httpx.get(f"{shadow.engine_url}/health", timeout=5).status_code == 200
+    assert fetch.get(f"{shadow.engine_url}/health", timeout=5).status == 200
     served = complete(shadow.engine_url)
-    assert served.status_code == 200, served.text
+    assert served.status == 200, served.text
     assert served.json()["choices"][0]["text"]
     print(f"cold takeover: ACTIVE {took:.1f} s after the primary's group was killed")

@@ -28,10 +28,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from dynamo_ftctl.gpu.kmsg import parse_xid_line
+from dynamo_ftctl.http1 import HttpError, Reply
+from tests import fetch
 from tests.cpuquota import group_states
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
@@ -86,14 +87,14 @@ def group_gone(pgid: int) -> bool:
 def answers(url: str, timeout_s: float = 2.0) -> bool:
     """True when GET /health answers 200 within `timeout_s`."""
     try:
-        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
+        return fetch.get(f"{url}/health", timeout=timeout_s).status == 200
+    except (HttpError, TimeoutError):
         return False
 
 
-def complete(url: str, model: str, timeout_s: float = 60.0) -> httpx.Response:
+def complete(url: str, model: str, timeout_s: float = 60.0) -> Reply:
     """One short greedy completion."""
-    return httpx.post(f"{url}/v1/completions", timeout=timeout_s, json={
+    return fetch.post(f"{url}/v1/completions", timeout=timeout_s, json={
         "model": model, "prompt": "a fault drill", "max_tokens": 8, "temperature": 0.0})
 
 
@@ -121,7 +122,7 @@ def test_kill_ends_the_whole_server_and_the_proxy_routes_around_it(
     assert not answers(victim.url)
     for _ in range(4):
         response = complete(proxy, victim.model)
-        assert response.status_code == 200, response.text
+        assert response.status == 200, response.text
         assert response.headers["x-ftctl-worker"].split(",")[-1] == vllm_pair[0].name
 
 
@@ -161,7 +162,7 @@ def test_hang_stops_every_process_until_reverted(
     finally:
         os.killpg(victim.proc.pid, signal.SIGCONT)  # whatever failed, leave it running
     wait_until(lambda: answers(victim.url), 30, "/health 200 after SIGCONT")
-    assert complete(victim.url, victim.model).status_code == 200
+    assert complete(victim.url, victim.model).status == 200
 
 
 def test_xid48_logs_the_line_then_kills_the_server(
@@ -233,7 +234,7 @@ def test_net_faults_through_the_fault_proxy_and_their_reverts(
     inventory = write_inventory(tmp_path, server, url=netproxy["url"],
                                 injectors="[signal, net]", netproxy=netproxy["control"])
     via = netproxy["url"]
-    assert complete(via, server.model).status_code == 200
+    assert complete(via, server.model).status == 200
 
     def inject(*args: str) -> None:
         done = ftctl(inventory, tmp_path, *args, "--worker", server.name, "--yes")
@@ -242,24 +243,24 @@ def test_net_faults_through_the_fault_proxy_and_their_reverts(
     def revert() -> None:
         done = ftctl(inventory, tmp_path, "revert", "--all")
         assert done.returncode == 0, done.stderr
-        toxics = httpx.get(f"{netproxy['control']}/toxics", timeout=5).json()
+        toxics = fetch.get(f"{netproxy['control']}/toxics", timeout=5).json()
         assert toxics == {"toxics": []}, toxics
 
     inject("net-latency", "--delay-ms", "300")
     assert timed(lambda: complete(via, server.model)) >= 0.3
     revert()
-    assert timed(lambda: httpx.get(f"{via}/health", timeout=5)) < 0.3
+    assert timed(lambda: fetch.get(f"{via}/health", timeout=5)) < 0.3
 
     inject("net-reset")
-    with pytest.raises(httpx.TransportError):
+    with pytest.raises((HttpError, TimeoutError)):
         complete(via, server.model, timeout_s=10)
     assert answers(server.url), "a reset in front of the server leaves the server alone"
     revert()
-    assert complete(via, server.model).status_code == 200
+    assert complete(via, server.model).status == 200
 
     inject("net-blackhole")
-    with pytest.raises(httpx.TimeoutException):
+    with pytest.raises(TimeoutError):
         complete(via, server.model, timeout_s=2)
     assert answers(server.url)
     revert()
-    assert complete(via, server.model).status_code == 200
+    assert complete(via, server.model).status == 200

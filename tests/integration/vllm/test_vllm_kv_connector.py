@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.kv.blockstore import BlockStore
@@ -45,6 +44,7 @@ from dynamo_ftctl.migrate.calibrate import (
     save_calibration,
 )
 from dynamo_ftctl.migrate.transfer import Endpoint
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, stream
 from tests.integration.vllm import conftest
 from tests.integration.vllm.server import VllmServer, spawn_vllm, wait_healthy
@@ -128,7 +128,7 @@ def kv_pair(kv_servers: tuple[VllmServer, ...]) -> tuple[VllmServer, ...]:
 def prompt_tokens_counted(proxy_url: str) -> dict[tuple[str, str], float]:
     """ftctl_migration_prompt_tokens_total by (method, kind)."""
     found = {}
-    for line in httpx.get(f"{proxy_url}/metrics", timeout=5).text.splitlines():
+    for line in fetch.get(f"{proxy_url}/metrics", timeout=5).text.splitlines():
         if line.startswith("ftctl_migration_prompt_tokens_total{"):
             labels, value = line.rsplit(" ", 1)
             method = labels.split('method="')[1].split('"')[0]
@@ -139,10 +139,10 @@ def prompt_tokens_counted(proxy_url: str) -> dict[tuple[str, str], float]:
 
 def completion(server: VllmServer, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     """Greedy ids and cached prompt tokens of a non-streamed completion from `server`."""
-    resp = httpx.post(server.url + "/v1/completions", timeout=120, json={
+    resp = fetch.post(server.url + "/v1/completions", timeout=120, json={
         "model": server.model, "prompt": prompt, "max_tokens": max_tokens,
         "temperature": 0.0, "return_token_ids": True, "ignore_eos": True})
-    assert resp.status_code == 200, resp.text
+    assert resp.status == 200, resp.text
     doc = resp.json()
     return doc["choices"][0]["token_ids"], doc["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -253,7 +253,7 @@ def test_calibrate_via_store_times_load_against_recompute_on_the_pair(
 def migrations_counted(proxy_url: str) -> dict[str, float]:
     """ftctl_migrations_total by method."""
     found: dict[str, float] = {}
-    for line in httpx.get(f"{proxy_url}/metrics", timeout=5).text.splitlines():
+    for line in fetch.get(f"{proxy_url}/metrics", timeout=5).text.splitlines():
         if line.startswith("ftctl_migrations_total{"):
             labels, value = line.rsplit(" ", 1)
             method = labels.split('method="')[1].split('"')[0]

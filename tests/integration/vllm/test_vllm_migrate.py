@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.http1 import Client
 from dynamo_ftctl.migrate.calibrate import start_in_flight
 from dynamo_ftctl.migrate.transfer import Endpoint, KvApiMissing, migrate_request
+from tests import fetch
 from tests.integration.vllm.server import VllmServer, _free_port, wait_healthy
 
 SIM_MODEL = "ftctl-sim-tiny"
@@ -62,9 +62,9 @@ def test_kv_move_onto_vllm_falls_back_to_reprefill(
 ) -> None:
     """sim → vLLM by kv: vLLM has no import API, so the request is re-prefilled and says so."""
     sim = sim_worker_factory(name="sim")
-    slowed = httpx.post(f"{sim.url}/admin/fault", json={"kind": "slow", "delay_ms": 20},
+    slowed = fetch.post(f"{sim.url}/admin/fault", json={"kind": "slow", "delay_ms": 20},
                         headers={"Authorization": f"Bearer {sim.admin_token}"}, timeout=10)
-    assert slowed.status_code == 200, slowed.text
+    assert slowed.status == 200, slowed.text
     source = endpoint("sim", sim.url, sim.admin_token)
     target = endpoint("vllm", vllm_worker.url)
 

@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 from dynamo_ftctl.faults.netproxy import NetProxy, Toxic
+from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
     OnChunk,
     ProxyFactory,
@@ -88,9 +88,9 @@ class Run:
 
 def direct(server: VllmServer, endpoint: str, body: dict[str, Any]) -> Run:
     """Stream `body` straight from `server` and collect its prompt ids, ids and text."""
-    with httpx.stream("POST", server.url + endpoint, json={**body, "stream": True},
+    with fetch.stream("POST", server.url + endpoint, json={**body, "stream": True},
                       timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
+        assert resp.status == 200, resp.read()
         raw = b"".join(resp.iter_bytes())
     prompt: list[int] = []
     ids: list[int] = []
@@ -186,7 +186,7 @@ def proxy_over(workers: list[tuple[str, str]], model: str,
                     **settings)
 
     def knows() -> bool:
-        doc = httpx.get(f"{proxy.url}/v1/models", timeout=5).json()
+        doc = fetch.get(f"{proxy.url}/v1/models", timeout=5).json()
         return all("max_model_len" in entry for entry in doc["data"])
 
     wait_until(knows, 30, "the proxy's first scrape of the vLLM servers")
