@@ -61,3 +61,15 @@ def test_each_kind_of_twin_is_found(planted: str) -> None:
 def test_typed_decoders_and_the_codec_itself_are_not_twins() -> None:
     assert _twins(ast.parse("import msgspec\nmsgspec.json.Decoder(dict)"), "x.py") == []
     assert _twins(ast.parse("import json\njson.loads('1')"), "jsoncodec.py") == []
+
+
+def test_tests_call_and_fake_through_the_projects_own_http() -> None:
+    """Tests use `tests/fetch.py` and the project's server, not httpx or aiohttp (a
+    standard-library client stays where a test wants one independent of `http1`: the
+    server's own tests, the wheel's)."""
+    tests = SRC.parents[1] / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        found += [hit for hit in _twins(ast.parse(path.read_text()), path.name)
+                  if " imports httpx" in hit or " imports aiohttp" in hit]
+    assert found == []
