@@ -44,15 +44,25 @@ def _encode(json: Any, content: bytes, headers: dict[str, str]) -> bytes:
     return content
 
 
+class _Lines:
+    """Body pieces in, whole lines out (without their line ends); `end` gives the last."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, piece: bytes) -> list[str]:
+        *whole, self._pending = (self._pending + piece).split(b"\n")
+        return [line.rstrip(b"\r").decode() for line in whole]
+
+    def end(self) -> list[str]:
+        return [self._pending.decode()] if self._pending else []
+
+
 def _lines(pieces: Iterator[bytes]) -> Iterator[str]:
-    pending = b""
+    lines = _Lines()
     for piece in pieces:
-        pending += piece
-        *whole, pending = pending.split(b"\n")
-        for line in whole:
-            yield line.rstrip(b"\r").decode()
-    if pending:
-        yield pending.decode()
+        yield from lines.feed(piece)
+    yield from lines.end()
 
 
 class Streamed:
@@ -164,14 +174,12 @@ class AsyncStreamed:
             yield chunk
 
     async def aiter_lines(self) -> AsyncIterator[str]:
-        pending = b""
+        lines = _Lines()
         async for piece in self.aiter_bytes():
-            pending += piece
-            *whole, pending = pending.split(b"\n")
-            for line in whole:
-                yield line.rstrip(b"\r").decode()
-        if pending:
-            yield pending.decode()
+            for line in lines.feed(piece):
+                yield line
+        for line in lines.end():
+            yield line
 
     async def aread(self) -> bytes:
         return b"".join([piece async for piece in self.aiter_bytes()])
