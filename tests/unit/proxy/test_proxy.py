@@ -18,7 +18,8 @@ from aiohttp import web
 
 from dynamo_ftctl.capabilities import PROBE_PROMPT
 from dynamo_ftctl.httpserver import Server, start_server
-from dynamo_ftctl.inventory import Inventory, ProxyConfig
+from dynamo_ftctl.inventory import Inventory
+from dynamo_ftctl.inventory.proxy import ProxyConfig
 from dynamo_ftctl.proxy.serve import MIGRATED_HEADER, MigratingProxy
 from dynamo_ftctl.structs import convert_struct
 from tests.waiting import until
