@@ -185,7 +185,7 @@ def choice_cost() -> None:
     against least-outstanding `pick`, over four workers, by the system prompt's length."""
     import timeit
 
-    from dynamo_ftctl.inventory import CacheAware
+    from dynamo_ftctl.inventory.proxy import CacheAware
     from dynamo_ftctl.proxy.balancer import Balancer, WorkerSlot
     from dynamo_ftctl.proxy.ledger import StreamLedger
     from dynamo_ftctl.proxy.prefix import prefix_key

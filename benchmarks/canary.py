@@ -120,7 +120,7 @@ def one_shot(url: str) -> None:
     # In-process: the probe's own time without interpreter and CLI start-up.
     from dynamo_ftctl.health.canaryset import load_canary_set
     from dynamo_ftctl.health.probe import ProbeTarget, probe_worker
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
     canary_set = load_canary_set(SET)
     own = [probe_worker(ProbeTarget("w", url), canary_set, CanaryConfig()).wall_s
@@ -235,7 +235,7 @@ async def _rounds(fleet: int, ports: list[int], rounds: int) -> list[tuple[str, 
     from dynamo_ftctl.health.canaryset import load_canary_set
     from dynamo_ftctl.health.daemon import HealthDaemon, WatchedWorker, freeze_heap
     from dynamo_ftctl.health.probe import ProbeTarget
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
     config = CanaryConfig(interval_s=30, timeout_s=10)
     workers = [WatchedWorker(ProbeTarget(f"f{i}", f"http://127.0.0.1:{ports[i % len(ports)]}"

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
-from dynamo_ftctl.inventory import DnsWorkers, Inventory, Worker
+from dynamo_ftctl.inventory import Inventory, Worker
+from dynamo_ftctl.inventory.discovery import DnsWorkers
 from dynamo_ftctl.structs import check_name, replace
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from dynamo_ftctl.cli._common import JsonFlag, finish, json_mode, resolve_invent
 from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.inventory import LockConfig
+    from dynamo_ftctl.inventory.lock import LockConfig
     from dynamo_ftctl.lock.settings import LockSettings
 
 __all__ = [

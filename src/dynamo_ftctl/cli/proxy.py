@@ -84,7 +84,7 @@ def proxy(  # noqa: PLR0917 - typer passes every option positionally
 
     Example: ftctl -i examples/local.yaml proxy --listen 127.0.0.1:8000 --stall-timeout 5
     """
-    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.proxy.serve import serve
     from dynamo_ftctl.structs import convert_struct, to_data
 

@@ -24,7 +24,8 @@ from dynamo_ftctl.errors import InvalidInput, Unreachable
 from dynamo_ftctl.process import SPAWNER, STDOUT, Child, OwnsChild, Spawner
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.inventory import Launch, Worker
+    from dynamo_ftctl.inventory import Worker
+    from dynamo_ftctl.inventory.launch import Launch
 
 __all__ = ["CommandWorker", "expand_command", "start_command_workers"]
 

@@ -19,7 +19,7 @@ from dynamo_ftctl.process import run_async
 if TYPE_CHECKING:
     from dynamo_ftctl.health.state import Transition
     from dynamo_ftctl.http1 import Client
-    from dynamo_ftctl.inventory import TransitionAction
+    from dynamo_ftctl.inventory.canary import TransitionAction
 
 __all__ = ["ActionOutcome", "actions_for", "run_action"]
 

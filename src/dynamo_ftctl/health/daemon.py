@@ -58,7 +58,8 @@ from dynamo_ftctl.redact import install_log_redaction, redact_url
 
 if TYPE_CHECKING:
     from dynamo_ftctl.health.canaryset import CanarySet
-    from dynamo_ftctl.inventory import CanaryConfig, Inventory
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
 __all__ = [
     "REPORT_PROBE_GAP_S",

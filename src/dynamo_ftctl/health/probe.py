@@ -48,7 +48,7 @@ from dynamo_ftctl.health.transport import (
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1.transport import AsyncTransport, Reply, Transport
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
 __all__ = [
     "ProbeReport",

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from dynamo_ftctl.health.actions import ActionOutcome
     from dynamo_ftctl.health.daemon import DaemonSummary
     from dynamo_ftctl.health.state import Transition
-    from dynamo_ftctl.inventory import CanaryConfig, Inventory
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
 __all__ = ["RecordResult", "canary_config", "record_set", "resolve_set", "run_canary",
            "watch_fleet"]
@@ -32,7 +33,7 @@ __all__ = ["RecordResult", "canary_config", "record_set", "resolve_set", "run_ca
 def canary_config(inventory: Inventory | None, *, timeout_s: float | None = None,
                   max_retries: int | None = None) -> CanaryConfig:
     """The inventory's `canary:` settings (defaults without one), with flag overrides."""
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
     config = inventory.canary if inventory is not None else CanaryConfig()
     update: dict[str, Any] = {}

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
 
 __all__ = [
     "STATE_WEIGHTS",

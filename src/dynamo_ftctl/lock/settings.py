@@ -22,7 +22,7 @@ from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.lock.bound import TERM_GRACE_S, WATCH_INTERVAL_S, term_grace_from_env
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.inventory import LockConfig
+    from dynamo_ftctl.inventory.lock import LockConfig
     from dynamo_ftctl.lock.protocol import FailoverLock
 
 __all__ = ["LockSettings", "engine_id_from_env", "open_lock", "resolve_lock_settings"]
@@ -30,7 +30,7 @@ __all__ = ["LockSettings", "engine_id_from_env", "open_lock", "resolve_lock_sett
 PATH_ENV = "FAILOVER_LOCK_PATH"
 ENGINE_ID_ENV = "ENGINE_ID"
 WATCH_INTERVAL_ENV = "FTCTL_LOCK_WATCH_INTERVAL"
-# The same defaults as inventory.EtcdConfig, without reading the inventory.
+# The same defaults as inventory.lock.EtcdConfig, without reading the inventory.
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:2379",)
 DEFAULT_KEY = "/ftctl/locks/failover"
 DEFAULT_TTL_S = 5.0

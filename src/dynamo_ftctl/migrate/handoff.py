@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
     from dynamo_ftctl.http1 import Client
-    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.migrate.calibrate import Calibration
     from dynamo_ftctl.migrate.transfer import Endpoint
     from dynamo_ftctl.proxy.balancer import WorkerSlot

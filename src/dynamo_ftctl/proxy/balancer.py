@@ -42,7 +42,7 @@ from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.proxy.prefix import PrefixIndex
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.inventory import CacheAware
+    from dynamo_ftctl.inventory.proxy import CacheAware
     from dynamo_ftctl.proxy.prefix import PrefixKey
 
 __all__ = ["Balancer", "BreakerState", "WorkerSlot", "parse_daemon_weights"]

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from dynamo_ftctl.capabilities import CapabilityCache
     from dynamo_ftctl.clock import Clock
     from dynamo_ftctl.http1 import Client
-    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.proxy.admission import WorkerLoad
     from dynamo_ftctl.proxy.board import FleetBoard
 

@@ -35,7 +35,7 @@ from dynamo_ftctl.proxy.tally import UNKNOWN_MODEL, TallyBook, error_type_of
 
 if TYPE_CHECKING:
     from dynamo_ftctl.httpserver import Request, Server
-    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.proxy.fleet import Fleet
     from dynamo_ftctl.proxy.ledger import Endpoint
     from dynamo_ftctl.proxy.policy import MigrationPolicy

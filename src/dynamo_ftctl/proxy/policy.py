@@ -65,7 +65,7 @@ from dynamo_ftctl.proxy.prefix import prefix_key
 
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
-    from dynamo_ftctl.inventory import ProxyConfig
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.migrate.handoff import KvHandoff
     from dynamo_ftctl.proxy.attempt import Lane, Upstream
     from dynamo_ftctl.proxy.balancer import WorkerSlot

@@ -65,7 +65,8 @@ from dynamo_ftctl.redact import install_log_redaction
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from dynamo_ftctl.inventory import Inventory, ProxyConfig
+    from dynamo_ftctl.inventory import Inventory
+    from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.proxy.board import FleetBoard
 
 __all__ = ["MIGRATED_HEADER", "MigratingProxy", "ServeResult", "serve"]

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.discovery import Discovery, DiscoveryFailed, resolve_addresses
-from dynamo_ftctl.inventory import DnsWorkers
+from dynamo_ftctl.inventory.discovery import DnsWorkers
 from tests.dnsserver import DnsServer
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,8 @@ from dynamo_ftctl.discovery import (
     workers_of,
 )
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.inventory import DnsWorkers, parse_inventory
+from dynamo_ftctl.inventory import parse_inventory
+from dynamo_ftctl.inventory.discovery import DnsWorkers
 
 BASE = "cluster: c\n"
 ENTRY = "discovery:\n  - {name: vllm, dns: vllm.ns.svc.cluster.local, model: m}\n"

@@ -32,7 +32,13 @@ PLANTED = [
     ("net", "openai.py", "import dynamo_ftctl.httpapp"),
     ("model", "structs.py", "import dynamo_ftctl.faultnames"),
     ("model", "yamlcache.py", "import dynamo_ftctl.metrics"),
+    ("model", "faultnames.py", "import dynamo_ftctl.inventory.lock"),  # a section counts
+    ("inventory", "inventory/canary.py", "import dynamo_ftctl.inventory.proxy"),  # siblings
+    ("inventory", "inventory/launch.py", "import dynamo_ftctl.inventory.workers"),  # upwards
+    ("inventory", "inventory/proxy.py", "import dynamo_ftctl.inventory._file"),  # upwards
+    ("inventory", "inventory/_planted.py", "import dynamo_ftctl.structs"),  # not placed
     ("foundation", "metrics.py", "import dynamo_ftctl.health.errors"),
+    ("foundation", "inventory/proxy.py", "import dynamo_ftctl.proxy.policy"),
     ("drill", "drill/_planted.py", "import dynamo_ftctl.proxy.fleet"),  # not admission
     ("vllm_connector", "vllm_connector/_planted.py", "import dynamo_ftctl.lock.flock"),
     ("proxy", "proxy/_planted.py", "import dynamo_ftctl.kv.wire"),

@@ -149,7 +149,7 @@ def test_the_canary_daemons_worker_list_masks_secrets() -> None:
     from dynamo_ftctl.clock import FakeClock
     from dynamo_ftctl.health.daemon import HealthDaemon, WatchedWorker
     from dynamo_ftctl.health.probe import ProbeTarget
-    from dynamo_ftctl.inventory import CanaryConfig
+    from dynamo_ftctl.inventory.canary import CanaryConfig
     from tests.unit.health.fakes import SET, AsyncFakeWorkers
 
     clock = FakeClock()

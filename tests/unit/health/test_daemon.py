@@ -18,7 +18,7 @@ from dynamo_ftctl.health.daemon import REPORT_PROBE_GAP_S, HealthDaemon, Watched
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.health.state import HealthState, Transition
 from dynamo_ftctl.httpserver import Reply, Request
-from dynamo_ftctl.inventory import CanaryConfig, TransitionAction
+from dynamo_ftctl.inventory.canary import CanaryConfig, TransitionAction
 from dynamo_ftctl.jsoncodec import dumps
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.proxy.balancer import parse_daemon_weights

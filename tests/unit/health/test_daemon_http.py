@@ -13,7 +13,7 @@ from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.daemon import HealthDaemon, WatchedWorker, serve_api, split_listen
 from dynamo_ftctl.health.probe import ProbeTarget
 from dynamo_ftctl.httpserver import Server
-from dynamo_ftctl.inventory import CanaryConfig
+from dynamo_ftctl.inventory.canary import CanaryConfig
 
 from .fakes import SET, AsyncFakeWorkers
 

@@ -10,7 +10,7 @@ from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.health.baseline import MIN_SAMPLES, BaselineStore
 from dynamo_ftctl.health.probe import ProbeTarget, probe_worker, probe_workers
-from dynamo_ftctl.inventory import CanaryConfig
+from dynamo_ftctl.inventory.canary import CanaryConfig
 
 from .fakes import SET, FakeWorkers, corrupt, refused, reset
 

@@ -10,7 +10,7 @@ from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.canaryset import SHAPE_NOTE, CanarySet
 from dynamo_ftctl.health.probe import ProbeTarget, probe_workers
 from dynamo_ftctl.http1 import Reply
-from dynamo_ftctl.inventory import CanaryConfig
+from dynamo_ftctl.inventory.canary import CanaryConfig
 from dynamo_ftctl.structs import convert_struct
 
 from .fakes import SET, FakeWorkers, good

@@ -10,7 +10,7 @@ from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.health.probe import ProbeTarget, probe_worker
 from dynamo_ftctl.health.record import record_canary_set
 from dynamo_ftctl.http1 import Reply, Request
-from dynamo_ftctl.inventory import CanaryConfig
+from dynamo_ftctl.inventory.canary import CanaryConfig
 
 URL = "http://strict"
 CONFIG = CanaryConfig(max_retries=0, timeout_s=1.0, parallel_prompts=False)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dynamo_ftctl.clock import FakeClock
 from dynamo_ftctl.errors import InventoryError
-from dynamo_ftctl.inventory import CacheAware, ProxyConfig
+from dynamo_ftctl.inventory.proxy import CacheAware, ProxyConfig
 from dynamo_ftctl.proxy.balancer import Balancer, WorkerSlot
 from dynamo_ftctl.proxy.ledger import StreamLedger
 from dynamo_ftctl.proxy.prefix import (

@@ -17,7 +17,8 @@ import pytest
 
 from dynamo_ftctl.capabilities import PROBE_PROMPT
 from dynamo_ftctl.httpserver import Reply, Request, Server, Stream, start_server
-from dynamo_ftctl.inventory import Inventory, ProxyConfig
+from dynamo_ftctl.inventory import Inventory
+from dynamo_ftctl.inventory.proxy import ProxyConfig
 from dynamo_ftctl.proxy.serve import MIGRATED_HEADER, MigratingProxy
 from dynamo_ftctl.structs import convert_struct
 from tests import fetch
