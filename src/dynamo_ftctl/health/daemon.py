@@ -179,6 +179,7 @@ class HealthDaemon:
         self._running = 0
         self._queued: collections.deque[_Entry] = collections.deque()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._actions: set[asyncio.Task[None]] = set()  # of `_tasks`: transition actions
         self.rounds = 0
         self.probes = 0
         self.transitions = 0
@@ -223,10 +224,13 @@ class HealthDaemon:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def _spawn(self, job: Awaitable[None]) -> None:
+    def _spawn(self, job: Awaitable[None], *, action: bool = False) -> None:
         task = asyncio.ensure_future(job)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if action:
+            self._actions.add(task)
+            task.add_done_callback(self._actions.discard)
 
     def _spawn_probe(self, entry: _Entry) -> bool:
         if entry.in_flight or not entry.health.allow_probe():
@@ -366,7 +370,7 @@ class HealthDaemon:
         for action in actions_for(self.config.actions, transition):
             if session is None:
                 continue
-            self._spawn(self._act(action, transition, session))
+            self._spawn(self._act(action, transition, session), action=True)
 
     def catch_up(self) -> None:
         """On taking the acting lock: act once on each worker whose current state has actions
@@ -455,13 +459,16 @@ class HealthDaemon:
                      ["worker", "state", "weight", "breaker", "latency", "reason"], rows)
 
     async def aclose(self) -> None:
-        """Cancel what is in flight and close the transport if it is ours."""
+        """Cancel the probes in flight, let the transition actions in flight end (each
+        within its `timeout_s`, its outcome reported: a drain that was started is not
+        lost from the record), then close the transport if it is ours."""
         for entry in self._queued:
             entry.in_flight = False
         self._queued.clear()
         while self._tasks:
             for task in list(self._tasks):
-                task.cancel()
+                if task not in self._actions:
+                    task.cancel()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self._own_transport and isinstance(self.transport, ClientTransport):
             await self.transport.close()

@@ -22,6 +22,7 @@ from dynamo_ftctl.inventory.canary import CanaryConfig, TransitionAction
 from dynamo_ftctl.jsoncodec import dumps
 from dynamo_ftctl.metrics import REGISTRY
 from dynamo_ftctl.proxy.balancer import parse_daemon_weights
+from tests.waiting import until
 
 from .fakes import SET, AsyncFakeWorkers, corrupt, good, refused
 
@@ -208,6 +209,38 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
     asyncio.run(go())
     assert out.read_text() == "rh0 unhealthy suspicious"
     assert len(outcomes) == 1
+
+
+def test_an_action_in_flight_at_shutdown_runs_to_its_end_and_is_reported(tmp_path: Path) -> None:
+    """`aclose` (SIGTERM) cancels probes but not a transition action under way: the drain
+    that was started finishes (within its timeout) and its outcome is reported."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    script = ("import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); "
+              "end = time.monotonic() + 30\n"
+              "while not pathlib.Path(sys.argv[2]).exists() and time.monotonic() < end: "
+              "time.sleep(0.01)\n"
+              "sys.exit(0 if pathlib.Path(sys.argv[2]).exists() else 1)")
+    action = TransitionAction(on=("unhealthy",), timeout_s=60,
+                              command=(sys.executable, "-c", script, str(started), str(go)))
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={"http://rt0": refused})
+    outcomes: list[Any] = []
+    daemon = HealthDaemon(fleet("rt", 1), SET, CanaryConfig(actions=(action,)), clock=clock,
+                          transport=fake, on_action=outcomes.append)
+    fake.session = object()  # type: ignore[attr-defined]
+
+    async def go_() -> None:
+        daemon.start_round()
+        await until(started.exists, 30, "the action to start")
+        closing = asyncio.ensure_future(daemon.aclose())
+        await asyncio.sleep(0)  # aclose has cancelled what it cancels and now waits
+        assert not closing.done()
+        go.touch()
+        await asyncio.wait_for(closing, 30)
+
+    asyncio.run(go_())
+    assert [(o.worker, o.state, o.ok, o.detail) for o in outcomes] == \
+        [("rt0", "unhealthy", True, "exit 0")]
 
 
 # ---------------------------------------------------------------------- reports under attack
