@@ -126,8 +126,8 @@ def one_run(setup: str, sig: str, python: Path, model: Path) -> dict[str, Any]:
             "completed": bool(got["finish"] == "length" and got["error"] is None
                               and got["done"]),
             "max_gap_s": round(got["max_gap_s"], 3),
-            "gap_after_fault_s": (round(got["gap_after_act_s"], 3)
-                                  if got["gap_after_act_s"] is not None else None),
+            "gap_after_fault_s": (round(got["stall_after_act_s"], 3)
+                                  if got["stall_after_act_s"] is not None else None),
             "usage_tokens": usage, "chunks": got["tokens"], "cut_after": got.get(
                 "acted_after_tokens"), "error": got["error"], "timed_out": got["timed_out"],
             "continuation": got["headers"].get("x-ftctl-continuation"),

@@ -74,7 +74,7 @@ def stream(url: str, body: dict[str, Any], act_at: int, sig: str, targets: dict[
            by: str, deadline_s: float) -> int:
     out: dict[str, Any] = {"status": None, "text": "", "tokens": 0, "finish": None,
                            "usage": None, "error": None, "done": False, "max_gap_s": 0.0,
-                           "acted_on": None, "acted_at_s": None, "gap_after_act_s": None,
+                           "acted_on": None, "acted_at_s": None, "stall_after_act_s": None,
                            "worker_ids": [], "migrated": 0, "elapsed_s": None,
                            "timed_out": False, "headers": {}}
     began = time.monotonic()
@@ -118,8 +118,14 @@ def stream(url: str, body: dict[str, Any], act_at: int, sig: str, targets: dict[
                                 out["text"] += text
                                 if last_chunk is not None:
                                     out["max_gap_s"] = max(out["max_gap_s"], now - last_chunk)
-                                if acted is not None and out["gap_after_act_s"] is None:
-                                    out["gap_after_act_s"] = now - acted
+                                if acted is not None:
+                                    # The longest wait for a token from the signal on:
+                                    # tokens already on their way (in the proxy's or the
+                                    # kernel's buffers, or read ahead) come at once after
+                                    # it; the stall is the gap that follows them.
+                                    since = max(acted, last_chunk or acted)
+                                    out["stall_after_act_s"] = max(
+                                        out["stall_after_act_s"] or 0.0, now - since)
                                 last_chunk = now
                             out["finish"] = choice.get("finish_reason") or out["finish"]
                     if act_at and acted is None and out["tokens"] >= act_at:

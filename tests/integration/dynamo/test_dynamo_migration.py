@@ -72,7 +72,7 @@ def test_proxy_over_two_frontends_completes_a_stream_whose_mocker_fails(
     assert got["tokens"] >= CUT, got
     assert got["usage"]["completion_tokens"] == MAX_TOKENS, got
     if sig == "STOP":
-        assert got["gap_after_act_s"] >= STALL_S * 0.9, got
+        assert got["stall_after_act_s"] >= STALL_S * 0.9, got
 
 
 def test_workerless_frontend_is_judged_absent_not_relayed(
