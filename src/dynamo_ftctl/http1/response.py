@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from dynamo_ftctl.http1.connection import Exchange
 from dynamo_ftctl.http1.errors import BodyTooLarge, HttpError
-from dynamo_ftctl.http1.transport import DEFAULT_LIMIT
+from dynamo_ftctl.http1.transport import DEFAULT_LIMIT, ReplyStream
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1.connection import Connection
@@ -222,8 +222,9 @@ class Response(Exchange):
         self.close()
 
 
-async def read_whole(response: Response, limit: int, timeout_s: float | None) -> bytes:
-    """The rest of `response`'s body (`BodyTooLarge`, and hung up, past `limit` bytes)."""
+async def read_whole(response: ReplyStream, limit: int, timeout_s: float | None) -> bytes:
+    """The rest of `response`'s body, from any transport's `ReplyStream` (`BodyTooLarge`,
+    and hung up, past `limit` bytes)."""
     parts: list[bytes] = []
     size = 0
     while piece := await response.next_chunk(timeout_s):

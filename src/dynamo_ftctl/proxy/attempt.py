@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dynamo_ftctl.http1 import ConnectError, ConnectionBroken, NoConnection, Request
 from dynamo_ftctl.http1 import Response as UpstreamResponse
+from dynamo_ftctl.http1.response import read_whole
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.proxy.codec import ClientPiece, dumps
 from dynamo_ftctl.proxy.judgment import OutcomeKind
@@ -190,15 +191,8 @@ def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:
 
 async def _error_body(resp: ReplyStream, stall_s: float) -> bytes:
     """An error answer's body; b"" when it cannot be read or runs past `_ERROR_BODY_LIMIT`."""
-    pieces: list[bytes] = []
-    size = 0
     try:
-        while piece := await resp.next_chunk(stall_s):
-            size += len(piece)
-            if size > _ERROR_BODY_LIMIT:
-                return b""
-            pieces.append(piece)
-    except (OSError, TimeoutError):
+        return await read_whole(resp, _ERROR_BODY_LIMIT, stall_s)
+    except (OSError, TimeoutError):  # BodyTooLarge is an http1.HttpError, an OSError
         return b""
-    return b"".join(pieces)
 
