@@ -186,6 +186,19 @@ def test_http_api_serves_weights_the_proxy_understands() -> None:
     asyncio.run(go())
 
 
+def acting_daemon(prefix: str, action: TransitionAction) -> tuple[HealthDaemon, list[Any]]:
+    """A daemon over one worker that refuses every probe (so it goes UNHEALTHY), running
+    `action`, and the list its action outcomes are reported to."""
+    clock = FakeClock()
+    fake = AsyncFakeWorkers(clock, behaviour={f"http://{prefix}0": refused})
+    outcomes: list[Any] = []
+    daemon = HealthDaemon(fleet(prefix, 1), SET, CanaryConfig(actions=(action,)), clock=clock,
+                          transport=fake, on_action=outcomes.append)
+    # The fake transport has no client session: give the daemon a stand-in for actions.
+    fake.session = object()  # type: ignore[attr-defined]
+    return daemon, outcomes
+
+
 def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
     """A command action runs on entering UNHEALTHY with FTCTL_WORKER/FTCTL_STATE set."""
     out = tmp_path / "action.txt"
@@ -193,13 +206,7 @@ def test_command_action_sees_worker_and_state(tmp_path: Path) -> None:
               "os.environ['FTCTL_WORKER'] + ' ' + os.environ['FTCTL_STATE'] + ' ' + "
               "os.environ['FTCTL_PREVIOUS_STATE'])")
     action = TransitionAction(on=("unhealthy",), command=(sys.executable, "-c", script))
-    clock = FakeClock()
-    fake = AsyncFakeWorkers(clock, behaviour={"http://rh0": refused})
-    outcomes: list[object] = []
-    daemon = HealthDaemon(fleet("rh", 1), SET, CanaryConfig(actions=(action,)), clock=clock,
-                          transport=fake, on_action=outcomes.append)
-    # The fake transport has no aiohttp session: give the daemon a stand-in for actions.
-    fake.session = object()  # type: ignore[attr-defined]
+    daemon, outcomes = acting_daemon("rh", action)
 
     async def go() -> None:
         with pytest.MonkeyPatch.context() as patch:
@@ -222,12 +229,7 @@ def test_an_action_in_flight_at_shutdown_runs_to_its_end_and_is_reported(tmp_pat
               "sys.exit(0 if pathlib.Path(sys.argv[2]).exists() else 1)")
     action = TransitionAction(on=("unhealthy",), timeout_s=60,
                               command=(sys.executable, "-c", script, str(started), str(go)))
-    clock = FakeClock()
-    fake = AsyncFakeWorkers(clock, behaviour={"http://rt0": refused})
-    outcomes: list[Any] = []
-    daemon = HealthDaemon(fleet("rt", 1), SET, CanaryConfig(actions=(action,)), clock=clock,
-                          transport=fake, on_action=outcomes.append)
-    fake.session = object()  # type: ignore[attr-defined]
+    daemon, outcomes = acting_daemon("rt", action)
 
     async def go_() -> None:
         daemon.start_round()
