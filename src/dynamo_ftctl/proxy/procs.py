@@ -20,6 +20,10 @@ parent serves nothing; it
   `_MIN_UPTIME_S` of its start (a crash at start-up repeats forever): then the
   parent stops the others and raises `ChildCrashed` (exit 1).
 
+A child that dies takes the connections waiting in its own accept queue with it: the
+kernel resets them, unless `net.ipv4.tcp_migrate_req` is 1 (Linux 5.14+), which hands
+them to another listener of the port. Connections it had accepted end with it too.
+
 Forked, not spawned (`dynamo_ftctl.process.SPAWNER`): a child inherits the loaded
 inventory, the board's mapping and the reserved port as they are, and starts in
 milliseconds rather than the ~0.3 s of a new interpreter, which a restart after a
