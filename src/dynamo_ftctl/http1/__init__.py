@@ -25,6 +25,7 @@ built-in `TimeoutError`::
     HttpError
     ├── ConnectError      refused, unreachable, or closed before any byte of an answer
     │   └── NoConnection  no connection was made (TLS refused too): the request was never sent
+    │       └── ConnectTimeout  none within the connect timeout (a `TimeoutError` too)
     ├── ConnectionBroken  closed or reset after the answer began
     ├── ProtocolError     not HTTP, or a body framing httptools refuses
     └── BodyTooLarge      `read(limit=...)` saw more than `limit` bytes
@@ -42,6 +43,7 @@ from dynamo_ftctl.http1.errors import (
     BodyTooLarge,
     ConnectError,
     ConnectionBroken,
+    ConnectTimeout,
     HttpError,
     NoConnection,
     ProtocolError,
@@ -70,6 +72,7 @@ __all__ = [
     "BodyTooLarge",
     "Client",
     "ConnectError",
+    "ConnectTimeout",
     "Connection",
     "ConnectionBroken",
     "Exchange",

@@ -6,8 +6,8 @@ The tree is drawn in `dynamo_ftctl.http1`'s docstring; timeouts are the built-in
 
 from __future__ import annotations
 
-__all__ = ["BodyTooLarge", "ConnectError", "ConnectionBroken", "HttpError", "NoConnection",
-           "ProtocolError"]
+__all__ = ["BodyTooLarge", "ConnectError", "ConnectTimeout", "ConnectionBroken", "HttpError",
+           "NoConnection", "ProtocolError"]
 
 
 class HttpError(OSError):
@@ -24,6 +24,10 @@ class NoConnection(ConnectError):
     Not `dynamo_ftctl.errors.Unreachable` (exit 3): callers translate this one into that.
     """
 
+
+class ConnectTimeout(NoConnection, TimeoutError):
+    """No connection within the connect timeout: a `NoConnection` (the server never saw
+    the request) and a `TimeoutError` (callers that only tell timeouts apart see one)."""
 
 
 class ConnectionBroken(HttpError):

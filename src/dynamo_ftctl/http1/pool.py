@@ -14,7 +14,7 @@ import time
 from urllib.parse import urlsplit
 
 from dynamo_ftctl.http1.connection import Connection
-from dynamo_ftctl.http1.errors import ConnectError, NoConnection
+from dynamo_ftctl.http1.errors import ConnectError, ConnectTimeout, NoConnection
 from dynamo_ftctl.http1.response import Response
 
 __all__ = ["Key", "Pool"]
@@ -89,7 +89,8 @@ class Pool:
     async def open(self, key: Key, timeout_s: float | None) -> Connection:
         """A new connection to `key` within `timeout_s` (TLS for https).
 
-        Raises `NoConnection` (refused, unreachable) or `TimeoutError`.
+        Raises `NoConnection` (refused, unreachable), or its `ConnectTimeout` past
+        `timeout_s` (a `TimeoutError` too).
         """
         loop = asyncio.get_running_loop()
         scheme, host, port = key
@@ -105,7 +106,7 @@ class Pool:
                     server_hostname=host if tls is not None else None)
         except TimeoutError:
             msg = f"no connection to {host}:{port} within {timeout_s:g} s"
-            raise TimeoutError(msg) from None
+            raise ConnectTimeout(msg) from None
         except OSError as exc:  # ssl.SSLError too: a TLS handshake refused
             msg = f"{type(exc).__name__}: {exc}"
             raise NoConnection(msg) from exc

@@ -75,7 +75,9 @@ class ProxyConfig(StrictStruct, frozen=True):
     busy: BusyThresholds = field(default_factory=BusyThresholds)
     retry_budget: RetryBudget = field(default_factory=RetryBudget)
     stall_timeout_s: Annotated[
-        float, doc("A worker that sends no token for this long has failed.", gt=0),
+        float, doc("A worker that sends no token for this long has failed; a request "
+                   "waits as long for the workers it could not connect to when no "
+                   "other is left.", gt=0),
     ] = 15.0
     connect_timeout_s: Annotated[float, doc("TCP connect timeout per worker.", gt=0)] = 2.0
     health_url: Annotated[

@@ -21,7 +21,9 @@ worker, and that worker's outcome decides. Served there: the first worker is
 charged. Failed the same way there (`Verdict.way`): a query of death, a 502 of type
 `query_of_death`, no further worker, nobody charged
 (`ftctl_proxy_query_of_death_total`). A stream cut after its first tokens is
-charged at once (the probe decides) and never counts towards a query of death.
+charged at once (the probe decides) and never counts towards a query of death. A
+worker the request could not connect to is tried again when no other is left, within
+`stall_timeout_s` of the first such failure (`_next_slot`).
 
 Requests that ended other requests' streams (a batch death, `judgment.QueryMemory`)
 are remembered by fingerprint: a suspected copy runs on one worker at a time and is
@@ -82,6 +84,9 @@ log = logging.getLogger("ftctl.proxy")
 # waits for their failures before it goes elsewhere (a batch death arrives as many
 # failures within milliseconds; this bounds the wait when the others are fine).
 _SETTLE_S = 0.25
+# Waits before a request tries again the workers it could not connect to, when no
+# other is left (then the last again), all within `stall_timeout_s` of the first.
+_REACH_BACKOFF_S = (0.1, 0.3, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,11 @@ class _Trip:
     model: str | None = None
     failed_workers: set[str] = field(default_factory=set)
     failed_groups: set[str] = field(default_factory=set)
+    # Failed workers the request never reached (no connection made): tried again when
+    # no other is left, within `stall_timeout_s` of `unreached_since`.
+    unreached: set[str] = field(default_factory=set)
+    unreached_since: float | None = None
+    reach_rounds: int = 0
     yielded: bool = False  # a batch went to the client
     queued: bool = True  # no first token yet (counted in `Fleet.queued`)
     failed_at: float | None = None  # when the last failure happened (a migration's gap)
@@ -181,7 +191,7 @@ class MigrationPolicy:
         self._in_flight += 1
         try:
             while True:
-                slot = self._pick(trip)
+                slot = await self._next_slot(trip)
                 async with self._hold(trip):
                     ledger.start_attempt(slot.name)
                     self.fleet.balancer.start(slot, trip.prompt_estimate)
@@ -259,8 +269,38 @@ class MigrationPolicy:
             if not hold.users:
                 del self._holds[trip.print_]
 
-    def _pick(self, trip: _Trip) -> WorkerSlot:
-        """The worker for the next attempt; raises when there is none left."""
+    async def _next_slot(self, trip: _Trip) -> WorkerSlot:
+        """The worker for the next attempt; raises when there is none left.
+
+        A connection never made says nothing about the request, nor that the worker is
+        gone (a loaded host may not accept in `connect_timeout_s`): when only workers
+        the request could not reach are left, it tries them again after a short wait,
+        for at most `stall_timeout_s` from its first such failure, as long as a stream
+        waits for a token. The migration limit still counts each try.
+        """
+        while True:
+            slot = self._pick(trip)
+            if slot is not None:
+                return slot
+            if not trip.unreached or trip.unreached_since is None:
+                raise self._nowhere(trip)
+            wait = _REACH_BACKOFF_S[min(trip.reach_rounds, len(_REACH_BACKOFF_S) - 1)]
+            if self.clock.now() + wait - trip.unreached_since > self.config.stall_timeout_s:
+                raise self._nowhere(trip)
+            trip.reach_rounds += 1
+            log.info("request %s: no worker left but %s, which it could not connect to; "
+                     "trying again in %.1f s", trip.ledger.trace_id,
+                     ", ".join(sorted(trip.unreached)), wait)
+            await self.clock.asleep(wait)
+            trip.failed_workers -= trip.unreached
+            slots = self.fleet.balancer.slots
+            kept = {slots[name].group for name in trip.failed_workers if name in slots}
+            trip.failed_groups -= {slots[name].group for name in trip.unreached
+                                   if name in slots} - kept
+            trip.unreached.clear()
+
+    def _pick(self, trip: _Trip) -> WorkerSlot | None:
+        """The worker for the next attempt, or None when there is none left."""
         failed = trip.failed_workers
         balancer = self.fleet.balancer
         if balancer.prefixes is None:
@@ -275,7 +315,7 @@ class MigrationPolicy:
                 avoid_busy=not failed, last_resort=bool(failed),
             )
         if slot is None:
-            raise self._nowhere(trip)
+            return None
         ledger = trip.ledger
         if slot.max_model_len is not None:
             ledger.max_model_len = min(ledger.max_model_len or slot.max_model_len,
@@ -482,6 +522,12 @@ class MigrationPolicy:
             trip.suspect = _Suspect(slot, reason, way)
         trip.failed_workers.add(slot.name)
         trip.failed_groups.add(slot.group)
+        if outcome.kind == "unreachable":
+            trip.unreached.add(slot.name)
+            if trip.unreached_since is None:
+                trip.unreached_since = self.clock.now()
+        else:  # it failed the request another way: never tried again
+            trip.unreached.discard(slot.name)
         if ledger.count_unsettled:  # before the continuation's max_tokens is worked out
             await self._settle_count(trip)
         trip.failed_at = self.clock.now()
