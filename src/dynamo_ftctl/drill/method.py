@@ -262,20 +262,32 @@ async def _await_witness_tokens(run: DrillRun, tokens: int, label: str,
 
 
 def _witnesses_ready(streams: list[WitnessStream], tokens: int, worker: str | None) -> bool:
-    """The streams on `worker` that the proxy has answered have `tokens` ids or ended
-    (every stream, all answered, when the fault names no worker).
+    """The streams on `worker` that the proxy has answered have `tokens` ids or ended,
+    and either every stream is answered or one on `worker` has used half its
+    `max_tokens` (every stream, all answered, when the fault names no worker).
 
-    A stream the proxy has not answered yet does not hold the fault: it answers at the
-    first token, and a slow worker's streams would hold a kill of the fast one until
-    its streams had ended. With none answered on
-    `worker`, the fault waits until every stream is answered (then none is there).
+    A stream the proxy has not answered yet may still be on its way to `worker` (a
+    loaded machine sends and answers 78 streams over seconds): the fault waits for it,
+    so that it cuts as many as it can, but only until `worker`'s first streams are
+    half done, so that a slow worker's streams never hold a kill of the fast one until
+    its streams have ended. With none answered on `worker`, the fault waits until
+    every stream is answered (then none is there).
     """
     answered = [s for s in streams if s.worker is not None or s.ids or s.finished or s.error]
-    ready = all(len(s.ids) >= tokens or s.finished or s.error for s in answered
-                if worker is None or s.worker in (worker, None))
-    if worker is None or not any(s.worker in (worker, None) for s in answered):
-        return ready and len(answered) == len(streams)
-    return ready
+    mine = [s for s in answered if worker is None or s.worker in (worker, None)]
+    if not all(len(s.ids) >= tokens or s.finished or s.error for s in mine):
+        return False
+    if len(answered) == len(streams):
+        return True
+    if worker is None or not mine:
+        return False
+    return any(s.finished or len(s.ids) >= _max_tokens(s) // 2 for s in mine)
+
+
+def _max_tokens(stream: WitnessStream) -> int:
+    """The stream's `max_tokens` (0 when its body has none)."""
+    limit = stream.body.get("max_tokens")
+    return limit if isinstance(limit, int) else 0
 
 
 def _placement_line(streams: list[WitnessStream], worker: str | None) -> str:

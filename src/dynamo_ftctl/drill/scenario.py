@@ -167,8 +167,9 @@ class TimelineEntry(StrictStruct, frozen=True, kw_only=True):
     rate_kbps: Annotated[float, Meta(gt=0)] = 64.0
     witness_tokens: Annotated[
         int, doc("After `at_s`, also wait (at most 60 s) until the witness streams on the "
-                 "fault's worker have this many tokens: the fault lands mid-stream however "
-                 "slow the engine.", ge=1),
+                 "fault's worker have this many tokens, and every stream is answered "
+                 "unless one of the worker's is half done: the fault lands mid-stream "
+                 "however slow the engine.", ge=1),
     ] | None = None
     probe: Probe | None = None
     _checked = (("fault", check_fault), ("worker", check_name))

@@ -13,8 +13,10 @@ from dynamo_ftctl.drill.witness import WitnessStream
 from dynamo_ftctl.httpserver import Reply, Request, start_server
 
 
-def _stream(worker: str | None, *, finished: bool = False, ids: int = 0) -> WitnessStream:
-    return WitnessStream(0, {}, worker=worker, finished=finished, ids=list(range(ids)))
+def _stream(worker: str | None, *, finished: bool = False, ids: int = 0,
+            max_tokens: int = 16) -> WitnessStream:
+    return WitnessStream(0, {"max_tokens": max_tokens}, worker=worker, finished=finished,
+                         ids=list(range(ids)))
 
 
 def test_a_fault_waits_for_the_streams_on_its_own_worker_only() -> None:
@@ -25,8 +27,14 @@ def test_a_fault_waits_for_the_streams_on_its_own_worker_only() -> None:
     assert not _witnesses_ready([slow_w1, fast_w2], 8, None)
     assert not _witnesses_ready([slow_w1, _stream("w2", ids=7)], 8, "w2")
     assert _witnesses_ready([slow_w1, _stream("w2", ids=3, finished=True)], 8, "w2")
-    # A stream not answered yet (a slow worker's) does not hold the kill of w2.
+    # A stream not answered yet (a slow worker's, or one still on its way to w2) holds
+    # the kill of w2 until a stream of w2's is half done (8 of 16), not longer.
     assert _witnesses_ready([_stream(None), fast_w2], 8, "w2")
+    assert not _witnesses_ready([_stream(None), _stream("w2", ids=8, max_tokens=192)], 8, "w2")
+    assert _witnesses_ready([_stream(None), _stream("w2", ids=96, max_tokens=192),
+                             _stream("w2", ids=8, max_tokens=192)], 8, "w2")
+    assert _witnesses_ready([_stream(None), _stream("w2", finished=True, max_tokens=192),
+                             _stream("w2", ids=8, max_tokens=192)], 8, "w2")
     assert not _witnesses_ready([_stream(None), _stream("w2", ids=2)], 8, "w2")
     # None answered on w2 yet: wait until every stream is answered (then none is there).
     assert not _witnesses_ready([slow_w1, _stream(None)], 8, "w2")
