@@ -32,7 +32,11 @@ _CACHE_HOME = "_FTCTL_TEST_CACHE_HOME"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The parsed-YAML cache of this test process (and its children) lives in a temp dir."""
+    """The parsed-YAML cache of this test process (and its children) lives in a temp dir;
+    SIGTERM interrupts the run as Ctrl-C does, so fixtures stop what they started."""
+    from tests.reaper import interrupt_on_sigterm
+
+    interrupt_on_sigterm()
     path = tempfile.mkdtemp(prefix="ftctl-cache-")
     os.environ[_CACHE_HOME] = os.environ["XDG_CACHE_HOME"] = path
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.reaper import forget, popen_group
 from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -168,14 +169,15 @@ class Proc:
         self.signal(signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(STOP_DEADLINE_S)
+        forget(self.proc.pid)
         with contextlib.suppress(ValueError):
             _LIVE.remove(self)
 
 
 def spawn(ns: Namespace, name: str, argv: list[str], log: Path, env: dict[str, str]) -> Proc:
     with log.open("wb") as out:
-        proc = subprocess.Popen(ns.argv(*argv), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = popen_group(ns.argv(*argv), stdout=out, stderr=subprocess.STDOUT, env=env,
+                           stdin=subprocess.DEVNULL)
     started = Proc(name, proc, log)
     _LIVE.append(started)
     return started

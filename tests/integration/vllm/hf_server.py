@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 from tests.integration.vllm.server import VllmServer, _free_port
+from tests.reaper import popen_group
 
 HERE = Path(__file__).parent
 REQUIREMENTS = HERE / "hf-serve-requirements.txt"
@@ -46,7 +47,6 @@ def spawn_hf_serve(python: Path, model: Path, log: Path, *, name: str) -> VllmSe
             "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "info"]
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = popen_group(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     return VllmServer(name=name, url=f"http://127.0.0.1:{port}", model=str(model), proc=proc,
                       log=log, argv=argv, env=env)

@@ -23,6 +23,7 @@ import yaml
 
 from dynamo_ftctl.http1 import HttpError
 from tests import fetch
+from tests.reaper import forget, popen_group
 from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -92,8 +93,8 @@ class VllmServer:
         self.stop()
         began = time.monotonic()
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.env, start_new_session=True)
+            self.proc = popen_group(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.env)
         wait_healthy(self, began, warm=warm)
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -110,6 +111,7 @@ class VllmServer:
         _signal_group(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(STOP_DEADLINE_S)
+        forget(self.proc.pid)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -144,8 +146,7 @@ def spawn_vllm(python: Path, model: Path, log: Path, *, name: str, cpu: int,
             "--served-model-name", SERVED_NAME, "--dtype", "float32", "--enforce-eager",
             "--host", "127.0.0.1", "--port", str(port), *extra_args]
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = popen_group(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     return VllmServer(name=name, url=f"http://127.0.0.1:{port}", model=SERVED_NAME, proc=proc,
                       log=log, argv=argv, env=env)
 

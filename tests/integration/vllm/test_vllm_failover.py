@@ -25,6 +25,7 @@ from dynamo_ftctl.http1 import NoConnection, Reply
 from tests import fetch
 from tests.integration.lock.test_failover import Wrapper, free_port
 from tests.integration.vllm.server import SERVED_NAME, START_DEADLINE_S
+from tests.reaper import forget, popen_group
 from tests.waiting import wait_until
 
 StartWrapper = Callable[..., Wrapper]
@@ -69,12 +70,12 @@ def start_wrapper(tmp_path: Path) -> Iterator[StartWrapper]:
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         env.pop("VLLM_SERVER_DEV_MODE", None)
         log = (tmp_path / f"wrapper{engine_id}.log").open("w")
-        proc = subprocess.Popen(
+        proc = popen_group(
             [sys.executable, "-m", "dynamo_ftctl", "failover", "run", "--json",
              "--engine-id", str(engine_id), "--health-port", str(port),
              "--path", str(tmp_path / "failover.lock"), "--engine-url", engine_url,
              "--ready-timeout", str(START_DEADLINE_S), *extra, "--", *engine],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
         log.close()
         wrapper = Wrapper(proc, port, engine_url)
 
@@ -104,6 +105,7 @@ def start_wrapper(tmp_path: Path) -> Iterator[StartWrapper]:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(wrapper.proc.pid, signal.SIGKILL)
             assert group_gone(wrapper.proc.pid, 30), f"group {wrapper.proc.pid} outlived the test"
+            forget(wrapper.proc.pid)
             if wrapper.proc.stdout is not None:
                 wrapper.proc.stdout.close()
 

@@ -23,6 +23,7 @@ from dynamo_ftctl.migrate.calibrate import start_in_flight
 from dynamo_ftctl.migrate.transfer import Endpoint, KvApiMissing, migrate_request
 from tests import fetch
 from tests.integration.vllm.server import VllmServer, _free_port, wait_healthy
+from tests.reaper import popen_group
 
 SIM_MODEL = "ftctl-sim-tiny"
 PROMPT_LEN, MAX_TOKENS, SEED = 24, 40, 3
@@ -42,8 +43,7 @@ def vllm_worker(vllm_py: Path, tiny_llama: Path,
             "--host", "127.0.0.1", "--port", str(port)]
     log = tmp_path_factory.mktemp("vllm-migrate") / "vllm.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = popen_group(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = VllmServer(name="vllm", url=f"http://127.0.0.1:{port}", model=SIM_MODEL,
                         proc=proc, log=log, argv=argv, env=env)
     try:
