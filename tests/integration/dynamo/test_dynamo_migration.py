@@ -23,6 +23,7 @@ import pytest
 
 from tests.integration.dynamo.conftest import StackFactory
 from tests.integration.dynamo.stack import MODEL, Namespace, Stack
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -85,12 +86,15 @@ def test_workerless_frontend_is_judged_absent_not_relayed(
     b.mockers[0].signal(signal.SIGKILL)
     request = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
     seen: list[tuple[int, str]] = []
-    for _ in range(120):  # each a POST inside the namespace; the entry expires in ~10 s
+
+    def answer() -> tuple[int, str]:
+        # A POST inside the namespace: 503 "not ready" until the entry expires (~10 s).
         doc = netns.client("post", f"{b.url}/v1/completions", json.dumps(request))
         seen.append((doc["status"], doc["body"][:80]))
-        if doc["status"] == 404:
-            break
-    assert seen[-1] == (404, ""), seen
+        return seen[-1]
+
+    wait_until(answer, 60.0, "the workerless frontend's 404", accept=lambda a: a[0] == 404)
+    assert seen[-1] == (404, ""), seen[-3:]
     proxy, url = ns_proxy([("fe1", a.url), ("fe2", b.url)], stall_timeout_s=STALL_S)
     served = [netns.client("post", f"{url}/v1/completions", json.dumps(request))
               for _ in range(6)]
