@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_ftctl.faults.audit import read_audit
-from dynamo_ftctl.http1 import NoConnection
 from dynamo_ftctl.inventory import load_inventory
-from tests import fetch
 from tests.interrupt import sigint_deliverable
 from tests.waiting import wait_until
 
@@ -29,13 +27,42 @@ MACHINE_PROBES = frozenset({"ttft_p99_ms", "streams_cut_min"})
 
 
 def _all_stopped(out: Path) -> None:
-    """Every worker, fault proxy and the proxy the drill started refuses connections now."""
+    """No process the drill started is left: each (workers, daemon, proxy) has its log in
+    `out` open for its whole life, and no process holds a file there now. (Its fault
+    proxies ran inside the drill's own process.) Not "its ports refuse connections": under
+    xdist another test may bind a port the drill has just released."""
     inventory = load_inventory(out / "inventory.yaml")
-    urls = [f"http://{inventory.proxy.listen}"]
-    urls += [u for w in inventory.workers for u in (w.url, w.admin_url)]
-    for url in urls:
-        with pytest.raises(NoConnection):
-            fetch.get(f"{url}/health", timeout=2)
+    assert inventory.workers  # the folder is the drill's
+    assert _holding(out) == []
+
+
+def _holding(folder: Path) -> list[str]:
+    """The processes with a file under `folder` open: 'pid path command'."""
+    inside = f"{folder.resolve()}/"
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            targets = [str(fd.readlink()) for fd in (proc / "fd").iterdir()]
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found += [f"{proc.name} {t} {command[:120]}" for t in targets if t.startswith(inside)]
+    return found
+
+
+def test_holding_finds_a_process_with_a_file_of_the_folder_open(tmp_path: Path) -> None:
+    """The leak check sees a live process by its open log, and not once it is gone."""
+    with (tmp_path / "w.log").open("wb") as log:
+        proc = subprocess.Popen(["sleep", "600"], stdout=log)
+    try:
+        assert [line.split()[0] for line in _holding(tmp_path)] == [str(proc.pid)]
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert _holding(tmp_path) == []
 
 
 def _drill(name: str, out: Path) -> subprocess.CompletedProcess[str]:
