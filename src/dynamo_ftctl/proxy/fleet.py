@@ -305,9 +305,12 @@ class Fleet:
 
     def note_refused_ids(self, slot: WorkerSlot, endpoint: str, status: int,
                          body: bytes) -> bool:
-        """True when `slot` refused the `return_token_ids` field it was sent (now known)."""
-        if status not in (400, 422) or not slot.sends_token_ids(endpoint) \
-                or b"return_token_ids" not in body:
+        """True when `slot` refused the `return_token_ids` field it was sent (now known).
+
+        The caller asks only for an attempt whose body held the field: the capability
+        probe may have learnt the same meanwhile, and the request still goes on without it.
+        """
+        if status not in (400, 422) or b"return_token_ids" not in body:
             return False
         log.warning("%s refuses return_token_ids on /v1/%s: continuing without ids (text)",
                     slot.name, "chat/completions" if endpoint == "chat" else "completions")

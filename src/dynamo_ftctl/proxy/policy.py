@@ -134,6 +134,8 @@ class _Trip:
     _print: str = ""  # its fingerprint, once asked for (`print_`)
     held: bool = False  # this attempt runs while the fingerprint is suspected
     absent: bool = False  # a worker said it does not serve the model
+    # The attempt's body asked for `return_token_ids` (the worker's capability then).
+    sent_ids: bool = False
     # A counted migration under way (Dynamo's mirror): its migration_type and start.
     migrating: str = ""
     migrating_since: float = 0.0
@@ -202,6 +204,7 @@ class MigrationPolicy:
                     if trip.method == "kv":
                         url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
                     else:
+                        trip.sent_ids = slot.sends_token_ids(ledger.upstream_endpoint)
                         url, data, headers = _upstream_request(slot, trip.body, ledger)
                     try:
                         async for batch in self.upstream.attempt(
@@ -438,7 +441,7 @@ class MigrationPolicy:
         if _import_failed(trip.method, ledger, slot, outcome):
             trip.method, trip.kv_payload = "reprefill", b""
             return True
-        if trip.method != "kv" and self.fleet.note_refused_ids(
+        if trip.method != "kv" and trip.sent_ids and self.fleet.note_refused_ids(
                 slot, ledger.upstream_endpoint, status, body):
             return True  # the same body again, without the field
         if trip.suspect is not None:

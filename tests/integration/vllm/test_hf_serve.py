@@ -216,7 +216,7 @@ def test_sigkilled_completion_is_continued_from_text(hf_pair: tuple[VllmServer, 
     proxy = _proxy_over(hf_pair, proxy_factory)
     kill, killed = _kill_after_pieces(CUT, {s.name: s for s in hf_pair})
     got = stream(proxy, "/v1/completions", body, on_chunk=kill)
-    assert killed, "the stream ended before the kill"
+    assert killed, f"the stream ended before the kill: {got}\n{proxy.log_text()[-3000:]}"
     _assert_text_continuation(got, expected, proxy)
 
 
@@ -232,5 +232,5 @@ def test_sigkilled_chat_is_continued_from_text(hf_pair: tuple[VllmServer, ...],
     proxy = _proxy_over(hf_pair, proxy_factory, tokenizer=tiny_llama)
     kill, killed = _kill_after_pieces(CUT, {s.name: s for s in hf_pair})
     got = stream(proxy, "/v1/chat/completions", body, on_chunk=kill)
-    assert killed, "the stream ended before the kill"
+    assert killed, f"the stream ended before the kill: {got}\n{proxy.log_text()[-3000:]}"
     _assert_text_continuation(got, expected, proxy)

@@ -1189,6 +1189,31 @@ def test_a_refusal_naming_return_token_ids_is_learnt_and_the_request_sent_again(
     run(go())
 
 
+def test_a_refusal_learnt_meanwhile_by_the_probe_still_sends_the_request_again(
+        run: Callable[..., Any]) -> None:
+    """The capability probe learns that the worker refuses the field while a request that
+    holds it is in flight (a proxy's first request, Hugging Face serve's 422): the client
+    still gets its stream, from the request sent again without the field."""
+    async def go() -> None:
+        async with Cluster([FakeWorker(**STRICT)]) as c:
+            slot = c.fleet.balancer.slots["w0"]
+            slot.token_ids = {"completions": None, "chat": None}
+            fake = c.workers[0]
+            answer = fake.answer
+
+            async def probe_learns_first(request: Any, body: dict[str, Any],
+                                         chat: bool) -> Any:
+                slot.token_ids["completions"] = False  # the probe's finding, meanwhile
+                return await answer(request, body, chat)
+
+            fake.answer = probe_learns_first  # type: ignore[method-assign]
+            resp, events = await c.stream("/v1/completions", BODY)
+            assert resp.status == 200
+            assert stream_text(events) == expected_text("hello world", 5, 20)
+            assert ["return_token_ids" in r for r in fake.requests] == [True, False]
+    run(go())
+
+
 def test_a_restarted_worker_is_probed_again(run: Callable[..., Any]) -> None:
     """A new process_start_time_seconds on a worker's /metrics: its capabilities are probed
     again (a worker may come back as another server)."""
