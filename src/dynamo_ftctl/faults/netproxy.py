@@ -37,7 +37,7 @@ from dynamo_ftctl.errors import InvalidInput
 
 if TYPE_CHECKING:
     from dynamo_ftctl.httpapp import Router
-    from dynamo_ftctl.httpserver import Handler, Reply, Request, Server, Stream
+    from dynamo_ftctl.httpserver import Handler, Listener, Reply, Request, Server, Stream
 
 __all__ = [
     "TOXIC_KINDS", "ControlServer", "NetProxy", "NetProxyInfo", "Toxic", "parse_toxic",
@@ -154,8 +154,10 @@ class NetProxy:
         self.host = host
         self.port = port
         self._toxics: dict[str, Toxic] = {}
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._connections: set[_Connection] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
+        self._stopping = False
         self._random = random.Random(seed)
         self.accepted = 0
 
@@ -193,22 +195,33 @@ class NetProxy:
     # -- life cycle ---------------------------------------------------------
     async def start(self) -> NetProxy:
         """Listen; `port` holds the bound port afterwards (0 picks a free one)."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        from dynamo_ftctl.httpserver import Listener
+
+        self._stopping = False
+
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._handle)
+
+        self._listener = await Listener(protocol).listen(self.host, self.port)
+        self.port = self._listener.sockets[0].getsockname()[1]
         return self
 
     async def stop(self) -> None:
-        """Stop listening and cut every live connection."""
-        if self._server is not None:
-            self._server.close()
+        """Stop listening and cut (RST) every connection, also one accepted as it stops;
+        returns once every socket the relay opened is closed (within ~2 s)."""
+        self._stopping = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         for conn in list(self._connections):
-            self._close(conn)
-            for task in conn.tasks:
-                task.cancel()
-        if self._server is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            self._server = None
+            _reset(conn.client)
+            _reset(conn.upstream)
+        for task in list(self._handlers):
+            task.cancel()
+        if listener is not None:
+            await listener.wait_closed(1.0)
+        if self._handlers:
+            await asyncio.wait(set(self._handlers), timeout=1.0)
 
     async def __aenter__(self) -> NetProxy:
         return await self.start()
@@ -232,37 +245,70 @@ class NetProxy:
 
         loop.call_later(toxic.timeout_ms / 1000.0, fire)
 
+    async def _connect_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The upstream connection, within 5 s. Cancel-safe: the socket is the relay's own
+        until a transport holds it (a wait_for around open_connection can lose a transport
+        that was made just as it was cancelled)."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.upstream_host, self.upstream_port,
+                                       type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.wait_for(loop.sock_connect(sock, address), 5.0)
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        if self._stopping:
+            _reset(writer)
+            return
         conn = _Connection(client=writer)
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
         self._connections.add(conn)
         try:
             for toxic in self._toxics.values():
                 if toxic.kind == "reset_peer":
                     self._schedule_reset(conn, toxic)
             try:
-                up_reader, up_writer = await asyncio.wait_for(
-                    asyncio.open_connection(self.upstream_host, self.upstream_port), 5.0,
-                )
+                up_reader, conn.upstream = await self._connect_upstream()
             except (TimeoutError, OSError):
                 _reset(writer)
                 return
-            conn.upstream = up_writer
-            with contextlib.suppress(OSError):
-                up_writer.get_extra_info("socket").setsockopt(
-                    socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.tasks = [
-                asyncio.ensure_future(self._pipe(conn, reader, up_writer, "upstream")),
+                asyncio.ensure_future(self._pipe(conn, reader, conn.upstream, "upstream")),
                 asyncio.ensure_future(self._pipe(conn, up_reader, writer, "downstream")),
             ]
             await asyncio.wait(conn.tasks, return_when=asyncio.FIRST_COMPLETED)
             # One side ended: let the other finish writing what it holds, bounded.
             await asyncio.wait(conn.tasks, timeout=1.0)
+        except asyncio.CancelledError:
+            pass  # stop(): asyncio's stream callback would log a cancelled handler as an error
         finally:
-            for task in conn.tasks:
-                task.cancel()
-            self._close(conn)
+            for pipe in conn.tasks:
+                pipe.cancel()
+            await self._closed(conn)
             self._connections.discard(conn)
+            self._handlers.discard(task)
+
+    async def _closed(self, conn: _Connection) -> None:
+        """Close both sides, flushing what they hold for at most 1 s, then cut them: a
+        peer that stops reading must not keep a socket open past the relay's stop."""
+        self._close(conn)
+        for writer in (conn.client, conn.upstream):
+            if writer is None:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.shield(writer.wait_closed()), 1.0)
+            except (TimeoutError, asyncio.CancelledError, ConnectionError, OSError):
+                _reset(writer)
 
     async def _pipe(self, conn: _Connection, src: asyncio.StreamReader,
                     dst: asyncio.StreamWriter, direction: str) -> None:

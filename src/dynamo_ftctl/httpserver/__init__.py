@@ -41,8 +41,9 @@ http_stack.py). The server side of `dynamo_ftctl.http1`.
   for answers in flight until the deadline, then cancel them.
 
 Modules: `_messages` (Request, Reply, Stream, Pusher and their bytes), `_connection`
-(the protocol of one client connection: parsing, caps, timeouts, writing); this
-package's face holds the server, its defaults and `start_server`.
+(the protocol of one client connection: parsing, caps, timeouts, writing), `_listener`
+(the listening sockets of every server in the package: a stop leaves no accepted
+connection open); this package's face holds the server, its defaults and `start_server`.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ import asyncio
 import contextlib
 
 from dynamo_ftctl.httpserver._connection import Connection
+from dynamo_ftctl.httpserver._listener import Listener, cut_socket
 from dynamo_ftctl.httpserver._messages import Handler, Pusher, Reply, Request, Stream
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_MAX_BUFFERED",
-    "DEFAULT_REQUEST_TIMEOUT_S", "Handler", "Pusher", "Reply", "Request", "Server", "Stream",
-    "default_max_connections", "raise_open_file_limit", "start_server",
+    "DEFAULT_REQUEST_TIMEOUT_S", "Handler", "Listener", "Pusher", "Reply", "Request", "Server",
+    "Stream", "cut_socket", "default_max_connections", "raise_open_file_limit", "start_server",
 ]
 
 # A generation request is a few KiB (a long prompt as token ids: ~1 MiB); more is abuse.
@@ -141,7 +143,8 @@ class Server:
         self.refusing: set[Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
+        self._address = ""
 
     def hold(self, size: int) -> bool:
         """Count `size` more bytes a handler keeps for a request (what it parsed the body
@@ -162,22 +165,22 @@ class Server:
         `reuse_port`: SO_REUSEPORT, so that several processes listen on one port and the
         kernel spreads new connections over them (`ftctl proxy --procs N`).
         """
-        self._server = await self.loop.create_server(
-            lambda: Connection(self), host, port, reuse_address=True,
-            reuse_port=reuse_port, backlog=_BACKLOG)
+        self._listener = await Listener(lambda: Connection(self)).listen(
+            host, port, reuse_port=reuse_port, backlog=_BACKLOG)
+        host, port = self._listener.sockets[0].getsockname()[:2]
+        self._address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     @property
     def address(self) -> str:
         """The bound address as a URL, IPv6 hosts in brackets."""
-        assert self._server is not None
-        host, port = self._server.sockets[0].getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        assert self._address, "not listening"
+        return self._address
 
     async def shutdown(self, deadline_s: float) -> None:
         """Stop accepting, finish answers in flight within `deadline_s`, cancel the rest."""
         self.stopping = True
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         for conn in [*self.connections, *self.refusing]:
             conn.close_if_idle()
         tasks = set(self.tasks)
@@ -189,9 +192,8 @@ class Server:
                 await asyncio.wait(late, timeout=1.0)
         for conn in list(self.connections):
             conn.hang_up()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._listener is not None:
+            await self._listener.wait_closed(1.0)
 
 
 async def start_server(handler: Handler, host: str, port: int, *,

@@ -81,6 +81,9 @@ class Connection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         self.client = (peer[0], peer[1]) if isinstance(peer, tuple) else None
+        if self.server.stopping:  # handed over as the server stopped accepting
+            self.transport.abort()
+            return
         if len(self.server.connections) >= self.server.max_connections:
             self._refuse()
             return

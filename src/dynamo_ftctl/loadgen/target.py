@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from dynamo_ftctl.httpserver import Listener
 from dynamo_ftctl.jsoncodec import loads
 
 __all__ = ["TargetConfig", "main", "serve"]
@@ -245,12 +246,17 @@ async def serve(config: TargetConfig, ready: asyncio.Future[int] | None = None) 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _connection(state, reader, writer)
 
-    server = await asyncio.start_server(handle, config.host, config.port, backlog=4096)
-    port = int(server.sockets[0].getsockname()[1])
+    def protocol() -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), handle)
+
+    listener = await Listener(protocol).listen(config.host, config.port, backlog=4096)
+    port = int(listener.sockets[0].getsockname()[1])
     if ready is not None:
         ready.set_result(port)
-    async with server:
-        await server.serve_forever()
+    try:
+        await asyncio.Event().wait()  # until cancelled
+    finally:
+        listener.close()
 
 
 def _parse(argv: Sequence[str] | None) -> TargetConfig:

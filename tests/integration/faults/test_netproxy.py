@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -56,6 +57,11 @@ def run(handler: Handler, body: Callable[[NetProxy], Awaitable[Any]]) -> Any:
             upstream.close()
 
     return asyncio.run(main())
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 async def _rtts(port: int, count: int) -> list[float]:
@@ -300,3 +306,70 @@ def test_bad_toxics_are_refused(body: dict[str, Any], message: str) -> None:
     """Malformed toxics are refused with a message naming the field."""
     with pytest.raises(InvalidInput, match=message):
         parse_toxic(body)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stop_cuts_every_connection_even_one_that_arrives_while_it_stops(seed: int) -> None:
+    """Clients connect in a burst around `stop()`, as the proxy's scrapes do around a test's
+    end: once stop returns, every connection the relay accepted reads end or reset, and
+    the stopped loop holds no transport the garbage collector would find open."""
+    import gc
+    import random
+    import socket
+    import sys
+    import threading
+
+    unraisable: list[str] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda info: unraisable.append(repr(info.exc_value))
+    rng = random.Random(seed)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    clients: list[socket.socket] = []
+    upstream: asyncio.Server | None = None
+    try:
+        def call(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+        async def start() -> tuple[asyncio.Server, NetProxy]:
+            upstream = await asyncio.start_server(_echo, "127.0.0.1", 0)
+            relay = NetProxy("127.0.0.1", upstream.sockets[0].getsockname()[1])
+            relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=64))
+            return upstream, await relay.start()
+
+        upstream, relay = call(start())
+        ports = (relay.port, upstream.sockets[0].getsockname()[1])
+        go = threading.Event()
+        stopping = threading.Thread(target=lambda: (go.wait(30), call(relay.stop())))
+        stopping.start()
+        stop_at = rng.randrange(1, 30)  # the stop begins after this many clients
+        for index in range(40):
+            if index == stop_at:
+                go.set()
+            with contextlib.suppress(OSError):
+                sock = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
+                clients.append(sock)
+                sock.sendall(b"x" * rng.choice([1, 70000]))
+        stopping.join(30)
+        call(relay.stop())  # the stop that began during the burst has ended too
+        assert clients, "no client got in before the relay stopped"
+        deadline = time.monotonic() + 5  # one for all: a bounded test
+        for sock in clients:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                while sock.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass  # a cut: as good as an end
+    finally:
+        for sock in clients:
+            sock.close()
+        if upstream is not None:
+            call(_close_server(upstream))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+        gc.collect()
+        sys.unraisablehook = hook
+    assert not unraisable, (unraisable, ports)
