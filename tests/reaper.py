@@ -26,10 +26,20 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["GRACE_S", "forget", "interrupt_on_sigterm", "popen_group", "watch", "watched"]
+__all__ = ["GRACE_S", "forget", "group_alive", "interrupt_on_sigterm", "popen_group", "watch",
+           "watched"]
 
 # From SIGTERM to SIGKILL, once the test process is gone (the variable: for its own test).
 GRACE_S = float(os.environ.get("FTCTL_TEST_REAPER_GRACE_S", "10"))
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` is left (zombies count until reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
 
 _WATCHDOG = r"""
 import os, signal, sys, time

@@ -25,7 +25,7 @@ from dynamo_ftctl.http1 import NoConnection, Reply
 from tests import fetch
 from tests.integration.lock.test_failover import Wrapper, free_port
 from tests.integration.vllm.server import SERVED_NAME, START_DEADLINE_S
-from tests.reaper import forget, popen_group
+from tests.reaper import forget, group_alive, popen_group
 from tests.waiting import wait_until
 
 StartWrapper = Callable[..., Wrapper]
@@ -41,15 +41,8 @@ def vllm_command(python: Path, model: Path, port: int) -> list[str]:
 def group_gone(pgid: int, timeout: float) -> bool:
     """Whether every process of group `pgid` is gone within `timeout` s."""
 
-    def gone() -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
     try:
-        return wait_until(gone, timeout, f"every process of group {pgid} gone", interval=0.05)
+        return wait_until(lambda: not group_alive(pgid), timeout, f"every process of group {pgid} gone", interval=0.05)
     except AssertionError:
         return False
 

@@ -36,6 +36,7 @@ from tests import fetch
 from tests.cpuquota import group_states
 from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, wait_until
 from tests.integration.vllm.server import VllmServer
+from tests.reaper import group_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -76,11 +77,7 @@ def ftctl(inventory: Path, tmp_path: Path, *args: str) -> subprocess.CompletedPr
 
 def group_gone(pgid: int) -> bool:
     """True once no process of the group is left."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not group_alive(pgid)
 
 
 

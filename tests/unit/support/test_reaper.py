@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.reaper import group_alive
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).parents[3]
@@ -39,14 +40,6 @@ TWO_SLEEPERS = "sleep 600 & sleep 600; wait"
 STUBBORN = "trap '' TERM; sleep 600 & sleep 600; wait"
 
 
-def _alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def _owner(*specs: str) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FTCTL_TEST_REAPER_GRACE_S": "0.5"}
@@ -59,7 +52,7 @@ def _owner(*specs: str) -> Iterator[tuple[subprocess.Popen[str], list[int]]]:
             assert line, f"the owner failed (exit {proc.wait(30)})"
             pgids = [int(p) for p in line.split()]
             for pgid in pgids:
-                wait_until(lambda pgid=pgid: _alive(pgid), 10.0, f"group {pgid} up")
+                wait_until(lambda pgid=pgid: group_alive(pgid), 10.0, f"group {pgid} up")
             yield proc, pgids
         finally:
             proc.kill()
@@ -81,7 +74,7 @@ def test_groups_end_with_the_process_that_started_them(end: str) -> None:
         else:
             proc.send_signal(getattr(signal, end))
         proc.wait(30)
-        wait_until(lambda: not any(map(_alive, pgids)), 30.0, "every group gone",
+        wait_until(lambda: not any(map(group_alive, pgids)), 30.0, "every group gone",
                    accept=bool)
 
 
@@ -91,8 +84,8 @@ def test_a_forgotten_group_is_left_alone() -> None:
         forgotten, kept = pgids
         proc.kill()
         proc.wait(30)
-        wait_until(lambda: not _alive(kept), 30.0, "the kept group gone")
-        assert _alive(forgotten)
+        wait_until(lambda: not group_alive(kept), 30.0, "the kept group gone")
+        assert group_alive(forgotten)
 
 
 CONFTEST = """
@@ -147,7 +140,7 @@ def test_sigterm_to_a_test_run_runs_its_teardown(tmp_path: Path) -> None:
             run.send_signal(signal.SIGTERM)
             out, _ = run.communicate(timeout=60)
             assert (tmp_path / "torn-down").exists(), out.decode(errors="replace")[-2000:]
-            assert not _alive(pgid)
+            assert not group_alive(pgid)
         finally:
             run.kill()
             if pgid:
