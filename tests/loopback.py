@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from dynamo_ftctl.httpserver import Listener, listen_streams
 from tests.waiting import until
 
 __all__ = ["Handler", "Server", "until"]
@@ -20,7 +21,7 @@ class Server:
         self.handler = handler
         self.connections = 0
         self.port = 0
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
 
     async def __aenter__(self) -> Server:
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -32,14 +33,14 @@ class Server:
             finally:
                 writer.close()
 
-        self._server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._listener = await listen_streams(on_connect, "127.0.0.1", 0)
+        self.port = self._listener.sockets[0].getsockname()[1]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
+        assert self._listener is not None
+        self._listener.close()
+        await self._listener.wait_closed()
 
     @property
     def url(self) -> str:

@@ -195,14 +195,10 @@ class NetProxy:
     # -- life cycle ---------------------------------------------------------
     async def start(self) -> NetProxy:
         """Listen; `port` holds the bound port afterwards (0 picks a free one)."""
-        from dynamo_ftctl.httpserver import Listener
+        from dynamo_ftctl.httpserver import listen_streams
 
         self._stopping = False
-
-        def protocol() -> asyncio.StreamReaderProtocol:
-            return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._handle)
-
-        self._listener = await Listener(protocol).listen(self.host, self.port)
+        self._listener = await listen_streams(self._handle, self.host, self.port)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self
 

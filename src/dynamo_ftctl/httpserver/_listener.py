@@ -16,9 +16,9 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-__all__ = ["Listener", "cut_socket"]
+__all__ = ["Listener", "cut_socket", "listen_streams"]
 
 # accept() calls per readiness callback: what asyncio's own accept loop does (its
 # backlog argument), so that a burst is not accepted one loop turn per connection.
@@ -135,3 +135,16 @@ class Listener:
         """Once closed: wait (bounded) until no hand-over is under way."""
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout_s)
+
+
+async def listen_streams(
+    handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    host: str | None, port: int, *, backlog: int = 1024,
+) -> Listener:
+    """`asyncio.start_server` on a `Listener`: `handler(reader, writer)` runs as a task
+    for each connection."""
+
+    def protocol() -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), handler)
+
+    return await Listener(protocol).listen(host, port, backlog=backlog)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from dynamo_ftctl.httpserver import Listener
+from dynamo_ftctl.httpserver import listen_streams
 from dynamo_ftctl.jsoncodec import loads
 
 __all__ = ["TargetConfig", "main", "serve"]
@@ -246,10 +246,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future[int] | None = None) 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _connection(state, reader, writer)
 
-    def protocol() -> asyncio.StreamReaderProtocol:
-        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), handle)
-
-    listener = await Listener(protocol).listen(config.host, config.port, backlog=4096)
+    listener = await listen_streams(handle, config.host, config.port, backlog=4096)
     port = int(listener.sockets[0].getsockname()[1])
     if ready is not None:
         ready.set_result(port)

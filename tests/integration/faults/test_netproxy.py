@@ -13,6 +13,7 @@ import pytest
 
 from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy, Toxic, parse_toxic
+from dynamo_ftctl.httpserver import Listener, listen_streams
 from tests import fetch
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ def run(handler: Handler, body: Callable[[NetProxy], Awaitable[Any]]) -> Any:
     """Start an upstream and a proxy on free loopback ports, run `body`, stop both."""
 
     async def main() -> Any:
-        upstream = await asyncio.start_server(handler, "127.0.0.1", 0)
+        upstream = await listen_streams(handler, "127.0.0.1", 0)
         port = upstream.sockets[0].getsockname()[1]
         proxy = await NetProxy("127.0.0.1", port, seed=1).start()
         try:
@@ -55,11 +56,12 @@ def run(handler: Handler, body: Callable[[NetProxy], Awaitable[Any]]) -> Any:
         finally:
             await proxy.stop()
             upstream.close()
+            await upstream.wait_closed()
 
     return asyncio.run(main())
 
 
-async def _close_server(server: asyncio.Server) -> None:
+async def _close_server(server: Listener) -> None:
     server.close()
     await server.wait_closed()
 
@@ -327,13 +329,13 @@ def test_stop_cuts_every_connection_even_one_that_arrives_while_it_stops(seed: i
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     clients: list[socket.socket] = []
-    upstream: asyncio.Server | None = None
+    upstream: Listener | None = None
     try:
         def call(coro: Any) -> Any:
             return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
 
         async def start() -> tuple[asyncio.Server, NetProxy]:
-            upstream = await asyncio.start_server(_echo, "127.0.0.1", 0)
+            upstream = await listen_streams(_echo, "127.0.0.1", 0)
             relay = NetProxy("127.0.0.1", upstream.sockets[0].getsockname()[1])
             relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=64))
             return upstream, await relay.start()

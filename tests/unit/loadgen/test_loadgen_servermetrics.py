@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from dynamo_ftctl.errors import InvalidInput
+from dynamo_ftctl.httpserver import listen_streams
 from dynamo_ftctl.loadgen.servermetrics import (
     MAX_FAMILIES,
     Scrape,
@@ -181,7 +182,7 @@ async def serving(handler: Handler) -> AsyncIterator[str]:
             writer.close()
             tasks.discard(task)
 
-    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    server = await listen_streams(on_connect, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}/metrics"
