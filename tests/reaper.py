@@ -26,16 +26,25 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["GRACE_S", "forget", "group_alive", "interrupt_on_sigterm", "popen_group", "watch",
-           "watched"]
+__all__ = ["GRACE_S", "forget", "group_alive", "interrupt_on_sigterm", "popen_group",
+           "process_exists", "watch", "watched"]
 
 # From SIGTERM to SIGKILL, once the test process is gone (the variable: for its own test).
 GRACE_S = float(os.environ.get("FTCTL_TEST_REAPER_GRACE_S", "10"))
 
 def group_alive(pgid: int) -> bool:
     """Whether any process of group `pgid` is left (zombies count until reaped)."""
+    return _signalable(os.killpg, pgid)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie too)."""
+    return _signalable(os.kill, pid)
+
+
+def _signalable(kill: Any, target: int) -> bool:
     try:
-        os.killpg(pgid, 0)
+        kill(target, 0)
     except ProcessLookupError:
         return False
     return True

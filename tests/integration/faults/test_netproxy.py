@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +15,7 @@ from dynamo_ftctl.errors import InvalidInput
 from dynamo_ftctl.faults.netproxy import ControlServer, NetProxy, Toxic, parse_toxic
 from dynamo_ftctl.httpserver import Listener, listen_streams
 from tests import fetch
+from tests.bursts import burst_around_stop, loop_thread, no_unraisable
 
 pytestmark = pytest.mark.integration
 
@@ -315,63 +316,20 @@ def test_stop_cuts_every_connection_even_one_that_arrives_while_it_stops(seed: i
     """Clients connect in a burst around `stop()`, as the proxy's scrapes do around a test's
     end: once stop returns, every connection the relay accepted reads end or reset, and
     the stopped loop holds no transport the garbage collector would find open."""
-    import gc
-    import random
-    import socket
-    import sys
-    import threading
 
-    unraisable: list[str] = []
-    hook = sys.unraisablehook
-    sys.unraisablehook = lambda info: unraisable.append(repr(info.exc_value))
-    rng = random.Random(seed)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    clients: list[socket.socket] = []
-    upstream: Listener | None = None
-    try:
-        def call(coro: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+    async def start() -> tuple[Listener, NetProxy]:
+        upstream = await listen_streams(_echo, "127.0.0.1", 0)
+        relay = NetProxy("127.0.0.1", upstream.sockets[0].getsockname()[1])
+        relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=64))
+        return upstream, await relay.start()
 
-        async def start() -> tuple[asyncio.Server, NetProxy]:
-            upstream = await listen_streams(_echo, "127.0.0.1", 0)
-            relay = NetProxy("127.0.0.1", upstream.sockets[0].getsockname()[1])
-            relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=64))
-            return upstream, await relay.start()
-
+    with no_unraisable() as found, loop_thread() as call:
         upstream, relay = call(start())
-        ports = (relay.port, upstream.sockets[0].getsockname()[1])
-        go = threading.Event()
-        stopping = threading.Thread(target=lambda: (go.wait(30), call(relay.stop())))
-        stopping.start()
-        stop_at = rng.randrange(1, 30)  # the stop begins after this many clients
-        for index in range(40):
-            if index == stop_at:
-                go.set()
-            with contextlib.suppress(OSError):
-                sock = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
-                clients.append(sock)
-                sock.sendall(b"x" * rng.choice([1, 70000]))
-        stopping.join(30)
-        call(relay.stop())  # the stop that began during the burst has ended too
-        assert clients, "no client got in before the relay stopped"
-        deadline = time.monotonic() + 5  # one for all: a bounded test
-        for sock in clients:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                while sock.recv(65536):
-                    pass
-            except ConnectionResetError:
-                pass  # a cut: as good as an end
-    finally:
-        for sock in clients:
-            sock.close()
-        if upstream is not None:
+        try:
+            got_in, stuck = burst_around_stop(relay.port, lambda: call(relay.stop()),
+                                              random.Random(seed), [b"x", b"x" * 70000])
+        finally:
             call(_close_server(upstream))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
-        gc.collect()
-        sys.unraisablehook = hook
-    assert not unraisable, (unraisable, ports)
+        assert got_in
+        assert not stuck, stuck
+    assert not found, found

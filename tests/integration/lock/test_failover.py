@@ -20,6 +20,7 @@ import pytest
 
 from dynamo_ftctl.http1 import NoConnection, Reply
 from tests import fetch
+from tests.reaper import process_exists
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -33,15 +34,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def exists(pid: int) -> bool:
-    """Whether process `pid` exists (a zombie too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
+exists = process_exists  # the name these tests and test_failover_standby's use
 @dataclass
 class Wrapper:
     """One `ftctl failover run` process and the state lines it printed."""

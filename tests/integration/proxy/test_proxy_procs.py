@@ -27,6 +27,7 @@ from tests.integration.proxy.test_proxy_sim import (
     proxy_factory,
     wait_until,
 )
+from tests.reaper import process_exists
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +67,6 @@ def _on_one_connection(url: str, *requests: tuple[str, str, Any]) -> list[Reply]
                     for method, path, body in requests]
 
     return asyncio.run(send())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _metrics_dir(pid: int) -> Path:
@@ -169,7 +162,7 @@ def test_sigterm_stops_every_process_and_removes_the_metrics_dir(
     assert metrics_dir.is_dir()
     proxy.proc.send_signal(signal.SIGTERM)
     assert proxy.proc.wait(10) == 0
-    assert not any(_alive(pid) for pid in children)
+    assert not any(process_exists(pid) for pid in children)
     assert not metrics_dir.exists()
 
 
@@ -229,7 +222,7 @@ def test_the_procs_flag_and_sigint(tmp_path: Path) -> None:
         children = list(_health_by_pid(url.group(1), 2))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 130
-        assert not any(_alive(pid) for pid in children)
+        assert not any(process_exists(pid) for pid in children)
     finally:
         ProxyProcess(url="", proc=proc, log=log).stop()
 
