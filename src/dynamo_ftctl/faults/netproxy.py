@@ -144,6 +144,12 @@ def _reset(writer: asyncio.StreamWriter | None) -> None:
     writer.transport.abort()
 
 
+def _cut(conn: _Connection) -> None:
+    """Reset both sides of a relayed connection."""
+    _reset(conn.client)
+    _reset(conn.upstream)
+
+
 class NetProxy:
     """A TCP relay from `listen` to `upstream` with runtime toxics."""
 
@@ -157,7 +163,6 @@ class NetProxy:
         self._listener: Listener | None = None
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
-        self._stopping = False
         self._random = random.Random(seed)
         self.accepted = 0
 
@@ -197,7 +202,6 @@ class NetProxy:
         """Listen; `port` holds the bound port afterwards (0 picks a free one)."""
         from dynamo_ftctl.httpserver import listen_streams
 
-        self._stopping = False
         self._listener = await listen_streams(self._handle, self.host, self.port)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self
@@ -205,13 +209,11 @@ class NetProxy:
     async def stop(self) -> None:
         """Stop listening and cut (RST) every connection, also one accepted as it stops;
         returns once every socket the relay opened is closed (within ~2 s)."""
-        self._stopping = True
-        listener, self._listener = self._listener, None
+        listener, self._listener = self._listener, None  # None: stopping
         if listener is not None:
             listener.close()
         for conn in list(self._connections):
-            _reset(conn.client)
-            _reset(conn.upstream)
+            _cut(conn)
         for task in list(self._handlers):
             task.cancel()
         if listener is not None:
@@ -236,8 +238,7 @@ class NetProxy:
 
         def fire() -> None:
             if conn in self._connections and toxic.name in self._toxics:
-                _reset(conn.client)
-                _reset(conn.upstream)
+                _cut(conn)
 
         loop.call_later(toxic.timeout_ms / 1000.0, fire)
 
@@ -261,7 +262,7 @@ class NetProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        if self._stopping:
+        if self._listener is None:  # handed over as the relay stopped
             _reset(writer)
             return
         conn = _Connection(client=writer)

@@ -52,13 +52,13 @@ import asyncio
 import contextlib
 
 from dynamo_ftctl.httpserver._connection import Connection
-from dynamo_ftctl.httpserver._listener import Listener, cut_socket, listen_streams
+from dynamo_ftctl.httpserver._listener import Listener, listen_streams
 from dynamo_ftctl.httpserver._messages import Handler, Pusher, Reply, Request, Stream
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT_S", "DEFAULT_MAX_BODY", "DEFAULT_MAX_BUFFERED",
     "DEFAULT_REQUEST_TIMEOUT_S", "Handler", "Listener", "Pusher", "Reply", "Request", "Server",
-    "Stream", "cut_socket", "default_max_connections", "listen_streams",
+    "Stream", "default_max_connections", "listen_streams",
     "raise_open_file_limit", "start_server",
 ]
 

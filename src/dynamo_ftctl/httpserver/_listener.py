@@ -18,7 +18,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 
-__all__ = ["Listener", "cut_socket", "listen_streams"]
+__all__ = ["Listener", "listen_streams"]
 
 # accept() calls per readiness callback: what asyncio's own accept loop does (its
 # backlog argument), so that a burst is not accepted one loop turn per connection.
@@ -90,9 +90,7 @@ class Listener:
         for _ in range(_ACCEPTS_PER_TURN):
             try:
                 conn, _ = listening.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                return
-            except OSError:  # out of descriptors: leave the rest queued for the next turn
+            except OSError:  # none queued (EAGAIN), or out of descriptors: the next turn
                 return
             conn.setblocking(False)
             if self.closed:
