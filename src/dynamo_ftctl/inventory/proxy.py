@@ -80,6 +80,15 @@ class ProxyConfig(StrictStruct, frozen=True):
                    "other is left.", gt=0),
     ] = 15.0
     connect_timeout_s: Annotated[float, doc("TCP connect timeout per worker.", gt=0)] = 2.0
+    whole_max_tokens: Annotated[
+        int,
+        doc("A client that does not stream and asks for at most this many tokens gets one "
+             "whole upstream answer, not a stream (less CPU a request: docs/benchmarks.md): "
+             "a failed one runs again from its start, a worker that keeps it waiting is "
+             "asked a known-good request each stall_timeout_s. 0 (default): every "
+             "upstream request streams, and a cut answer goes on from its last token.",
+             ge=0),
+    ] = 0
     health_url: Annotated[
         str | tuple[str, ...] | None,
         doc("Canary daemon base URL (GET /workers, POST /report), or a list of them: "

@@ -26,17 +26,18 @@ comes next, is the migration policy's (`proxy/policy.py`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.http1 import ConnectError, ConnectionBroken, NoConnection, Request
+from dynamo_ftctl.http1 import BodyTooLarge, ConnectError, ConnectionBroken, NoConnection, Request
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.http1.response import read_whole
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
 from dynamo_ftctl.proxy.codec import ClientPiece, dumps
 from dynamo_ftctl.proxy.judgment import OutcomeKind
-from dynamo_ftctl.proxy.reader import KvShare, Reader, UpstreamFailure, failed
+from dynamo_ftctl.proxy.reader import KvShare, Reader, UpstreamFailure, failed, observe_whole
 
 if TYPE_CHECKING:
     from dynamo_ftctl.http1 import ReplyStream, StreamingTransport
@@ -51,6 +52,8 @@ __all__ = ["KvShare", "Lane", "Reader", "Upstream", "UpstreamFailure", "estimate
 _DRAIN_S = 0.1
 # An error answer's body is read for the judgment (and a 4xx's for the client) up to this.
 _ERROR_BODY_LIMIT = 64 * 1024
+# A whole (non-streamed) answer longer than this is garbage, not a completion.
+_WHOLE_LIMIT = 8 * 1024 * 1024
 # Tokens per KV block until a worker's vllm:cache_config_info says (vLLM's default on GPUs).
 _DEFAULT_BLOCK_SIZE = 16
 
@@ -96,6 +99,9 @@ class Upstream:
     stall_s: float
     connect_timeout_s: float
     now: Callable[[], float]
+    # Why a worker fails a known-good request now, None when it answers (`Fleet.confirm`):
+    # asked of a worker that keeps a whole answer waiting past `stall_s`.
+    probe: Callable[[WorkerSlot], Coroutine[Any, Any, str | None]] | None = None
 
     async def attempt(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
                       ledger: StreamLedger, *, load: WorkerLoad | None = None,
@@ -119,6 +125,10 @@ class Upstream:
             len(ledger.prompt_ids) if ledger.prompt_ids is not None
             else estimate_prompt_tokens(ledger.endpoint, ledger.body)))
         try:
+            if ledger.whole:
+                resp = await self._whole(slot, url, body, headers, ledger=ledger, kv=kv)
+                yield []  # the answer is in the ledger (`StreamLedger.response`)
+                return
             resp = await self.http.open_stream(Request(
                 "POST", url, body, headers, stall, connect_timeout_s=self.connect_timeout_s))
             status = resp.status or 0
@@ -175,6 +185,115 @@ class Upstream:
             kv.release()
             if resp is not None:
                 resp.close()
+
+
+    async def _whole(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
+                     *, ledger: StreamLedger, kv: KvShare) -> ReplyStream:
+        """One whole (non-streamed) answer read into the ledger; raises as `attempt` does.
+
+        A worker sends nothing of a whole answer before its end, so silence is no sign
+        of a hang here: each `stall_s` of it, the worker is asked a known-good request
+        (`probe`), and the wait ends as "stalled" when it fails that. The answer's head
+        is awaited at most `stall_s` per token it may have and one more (the longest a
+        stream of it could take without stalling between two tokens).
+        """
+        watch = _Watch(self, slot)
+        resp: ReplyStream | None = None
+        try:
+            async with asyncio.timeout(None) as deadline:
+                watch.start(deadline)
+                resp = await self.http.open_stream(Request(
+                    "POST", url, body, headers, self.stall_s * ((ledger.max_tokens or 0) + 1),
+                    connect_timeout_s=self.connect_timeout_s))
+                data = await self._whole_body(slot, resp)
+        except TimeoutError:
+            if watch.why:
+                raise failed("stalled", f"{slot.name}: {watch.why}") from None
+            raise
+        finally:
+            watch.stop()
+            if resp is not None and not resp.complete:
+                resp.close()
+        before = ledger.generated_count
+        observe_whole(ledger, data)
+        if ledger.upstream_ttft_s is None and isinstance(resp, UpstreamResponse):
+            ledger.upstream_ttft_s = resp.body_wait_s
+        kv.grow(ledger.generated_count - before)
+        if not ledger.finished:
+            raise failed("garbage", f"{slot.name}: answer without a finish reason")
+        return resp
+
+    async def _whole_body(self, slot: WorkerSlot, resp: ReplyStream) -> bytes:
+        status = resp.status or 0
+        content_type = resp.header("content-type") or ""
+        if status != 200:
+            raise failed("status", f"HTTP {status} from {slot.name}", status=status,
+                          body=await _error_body(resp, self.stall_s),
+                          content_type=content_type or "application/json",
+                          retry_after=resp.header("retry-after"))
+        if not content_type.startswith("application/json"):
+            msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, not JSON"
+            raise failed("garbage", msg)
+        try:
+            return await read_whole(resp, _WHOLE_LIMIT, self.stall_s)
+        except BodyTooLarge:
+            raise failed("garbage", f"{slot.name}: answer larger than "
+                                    f"{_WHOLE_LIMIT:,} bytes") from None
+
+
+class _Watch:
+    """The watch over one whole answer's wait: every `stall_s`, a known-good probe of the
+    worker; the wait's `deadline` is moved to now (a `TimeoutError` there) when the probe
+    fails, and `why` says so."""
+
+    __slots__ = ("_deadline", "_handle", "_probe", "_slot", "_stall", "_task", "why")
+
+    def __init__(self, upstream: Upstream, slot: WorkerSlot) -> None:
+        self._probe = upstream.probe
+        self._stall = upstream.stall_s
+        self._slot = slot
+        self._deadline: asyncio.Timeout | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[str | None] | None = None
+        self.why = ""
+
+    def start(self, deadline: asyncio.Timeout) -> None:
+        if self._probe is None:
+            return
+        self._deadline = deadline
+        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+
+    def stop(self) -> None:
+        self._deadline = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _end(self, why: str) -> None:
+        if self._deadline is not None:
+            self.why = why
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
+    def _check(self) -> None:
+        self._handle = None
+        assert self._probe is not None
+        self._task = asyncio.get_running_loop().create_task(self._probe(self._slot))
+        self._task.add_done_callback(self._checked)
+
+    def _checked(self, task: asyncio.Task[str | None]) -> None:
+        if task is not self._task or self._deadline is None:
+            return  # stopped meanwhile
+        self._task = None
+        failure = None if task.cancelled() else (
+            repr(task.exception()) if task.exception() is not None else task.result())
+        if failure is not None:
+            self._end(f"no whole answer within {self._stall:g} s, and the worker fails a "
+                      f"known-good request: {failure}")
+            return
+        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
 
 
 def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:

@@ -142,11 +142,16 @@ if hasattr(os, "register_at_fork"):  # POSIX
 def _upstream_body(ledger: StreamLedger) -> dict[str, Any]:
     """The client's body as every upstream request goes: streamed, usage and ids asked."""
     up = dict(ledger.body)
-    if ledger.stops is not None:
+    if ledger.stops is not None and not ledger.whole:
+        # A whole answer is never continued: its worker matches the stop strings.
         for key in _STOP_KEYS:
             up.pop(key, None)
-    up["stream"] = True
-    up["stream_options"] = {"include_usage": True}
+    if ledger.whole:
+        up["stream"] = False
+        up.pop("stream_options", None)
+    else:
+        up["stream"] = True
+        up["stream_options"] = {"include_usage": True}
     up["return_token_ids"] = True
     return up
 

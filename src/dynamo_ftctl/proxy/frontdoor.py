@@ -167,6 +167,9 @@ class FrontDoor:
                               migration_limit=self.config.migration_limit,
                               trace_id=request_id or "")
         lane = Lane() if ledger.client_streams else None
+        if lane is None and ledger.max_tokens is not None \
+                and ledger.max_tokens <= self.config.whole_max_tokens:
+            ledger.whole = True
         tally.admit(model if isinstance(model, str) else UNKNOWN_MODEL, streamed=lane is not None)
         chunks = self.policy.generate(ledger, lane)
         if lane is None:

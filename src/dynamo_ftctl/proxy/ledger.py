@@ -179,6 +179,9 @@ class StreamLedger:
     # Stop strings the proxy matches itself (None: the request has none).
     stops: StopFinder | None = None
     stopped: bool = False  # a stop string matched: the upstream stream must be cut
+    # Upstream attempts ask for one whole JSON answer, not a stream (a client that does
+    # not stream, a short answer: `proxy.whole_max_tokens`); a failed one is re-run.
+    whole: bool = False
     # Texts kept in the pieces they came in and joined when read (`_joined`): a string
     # grown by += per token is copied whole each time, quadratic in its length.
     _text_parts: list[str] = field(default_factory=list, repr=False)  # every token's

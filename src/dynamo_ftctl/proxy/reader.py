@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from dynamo_ftctl.proxy.balancer import WorkerSlot
     from dynamo_ftctl.proxy.ledger import StreamLedger
 
-__all__ = ["KvShare", "Reader", "UpstreamFailure", "failed"]
+__all__ = ["KvShare", "Reader", "UpstreamFailure", "failed", "observe_whole"]
 
 # A worker that streams this many events in a row without a token is babbling.
 _MAX_EVENTS_WITHOUT_TOKEN = 1000
@@ -38,6 +38,31 @@ def failed(kind: OutcomeKind, message: str, **found: Any) -> UpstreamFailure:
     """The `UpstreamFailure` to raise for an attempt that ended as `kind` (`Outcome`'s fields)."""
     return UpstreamFailure(Outcome(kind, message, **found))
 
+
+
+def observe_whole(ledger: StreamLedger, data: bytes) -> None:
+    """A whole (non-streamed) answer recorded in `ledger` as one chunk and its usage.
+
+    A chat answer's `message` stands where a chunk's `delta` does; everything else
+    (ids, logprobs, finish reason, usage) has a chunk's shape already. Raises as
+    `StreamLedger.observe` does.
+    """
+    doc = loads(data)
+    if not isinstance(doc, dict):
+        raise MalformedChunk("answer is not a JSON object")
+    choices = doc.get("choices")
+    if ledger.upstream_endpoint == "chat" and isinstance(choices, list) and choices \
+            and isinstance(choices[0], dict):
+        choice = dict(choices[0])
+        message = choice.pop("message", None)
+        if not isinstance(message, dict):
+            raise MalformedChunk("chat answer without a 'message' object")
+        choice["delta"] = message
+        doc = {**doc, "choices": [choice, *choices[1:]]}
+    ledger.observe(doc, render=False)
+    usage = doc.get("usage")
+    if isinstance(usage, dict):
+        ledger.observe({"choices": [], "usage": usage}, render=False)
 
 
 class KvShare:

@@ -92,7 +92,8 @@ class MigratingProxy:
         self.fleet = Fleet(inventory, config, clock, self.http, board)
         self.kv = KvHandoff(inventory, config, clock)
         upstream = Upstream(self.http, stall_s=config.stall_timeout_s,
-                            connect_timeout_s=config.connect_timeout_s, now=clock.now)
+                            connect_timeout_s=config.connect_timeout_s, now=clock.now,
+                            probe=self.fleet.confirm)
         self.counter = TokenCounter(self.http, tokenizers_of(inventory))
         self.policy = MigrationPolicy(self.fleet, upstream, self.kv, config, clock,
                                       counter=self.counter)

@@ -167,6 +167,8 @@ class FakeWorker:
                               {"Retry-After": "30"})
         if self.mode == "empty404":  # a frontend whose workers are gone: probes too
             return empty_reply(404)
+        if body.get("stream") is False and not _is_probe(body):
+            return await self.whole_answer(request, body, chat)
         if not self.unique_ids:
             return self.stream_answer(request, body, chat)
         rid = (request.header(b"x-request-id") or b"").decode("latin-1")
@@ -178,6 +180,65 @@ class FakeWorker:
         if not isinstance(answer, Stream):
             self.running_ids.discard(rid)
         return answer
+
+    async def whole_answer(self, request: Request, body: dict[str, Any],
+                           chat: bool) -> Reply:
+        """A non-streamed answer, as vLLM makes one: the same generation, sent once it has
+        ended (a break in it hangs up, stalls, or answers what the stream would carry)."""
+        answer = self.stream_answer(request, body, chat)
+        if not isinstance(answer, Stream):
+            return answer
+        docs: list[Any] = []
+        async for piece in answer.chunks:
+            data = piece.removeprefix(b"data: ").strip()
+            if data == b"[DONE]":
+                break
+            try:
+                docs.append(json.loads(data))
+            except ValueError:
+                return Reply(200, data, "application/json")  # bad_json: the garbage as is
+        if docs and "error" in docs[-1]:
+            error = docs[-1]["error"]
+            return json_reply(docs[-1], error.get("code", 500))
+        obj = "chat.completion" if chat else "text_completion"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
+        usage, top, tokens = None, {}, []  # tokens: (text, ids) of each one
+        for doc in docs:
+            usage = doc.get("usage") or usage
+            if "prompt_token_ids" in doc:
+                top["prompt_token_ids"] = doc["prompt_token_ids"]
+            for c in doc["choices"]:
+                piece = (c["delta"].get("content") or "") if chat else c["text"]
+                if piece:
+                    tokens.append((piece, c.get("token_ids") or []))
+                choice["finish_reason"] = c["finish_reason"] or choice["finish_reason"]
+                if "prompt_token_ids" in c:
+                    choice["prompt_token_ids"] = c["prompt_token_ids"]
+        # Stop strings, as vLLM matches them: the text ends before the first one (or with
+        # it, `include_stop_str_in_output`), the count at the token that completed it.
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else stops
+        text, ids = "", []
+        for n, (piece, token_ids) in enumerate(tokens, 1):
+            text += piece
+            ids += token_ids
+            hits = [(text.find(stop), stop) for stop in stops if stop in text]
+            if hits:
+                at, stop = min(hits)
+                text = text[:at + len(stop) * bool(body.get("include_stop_str_in_output"))]
+                choice["finish_reason"] = "stop"
+                if usage is not None:
+                    usage = {**usage, "completion_tokens": n,
+                             "total_tokens": usage["prompt_tokens"] + n}
+                break
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.with_ids:
+            choice["token_ids"] = ids
+        return json_reply({"id": "up-1", "object": obj, "model": MODEL, "choices": [choice],
+                           "usage": usage, **top})
 
     def stream_answer(self, request: Request, body: dict[str, Any], chat: bool,
                       rid: str | None = None) -> Reply | Stream:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -95,3 +96,85 @@ def test_no_connection_is_unreachable() -> None:
     with pytest.raises(UpstreamFailure) as failure:
         _attempt(MockTransport(refuse))
     assert failure.value.outcome.kind == "unreachable"
+
+
+def _whole(transport: MockTransport, *, max_tokens: int = 8,
+           chat: bool = False) -> tuple[list[Any], StreamLedger]:
+    """One whole-answer attempt (`StreamLedger.whole`) through `transport`."""
+    body: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "stream": False}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    ledger = StreamLedger(endpoint="chat" if chat else "completions", body=body)
+    ledger.whole = True
+    slot = WorkerSlot(name="w1", url="http://127.0.0.1:1", model="m", group="g")
+    upstream = Upstream(transport, stall_s=5.0, connect_timeout_s=1.0, now=lambda: 0.0)
+
+    async def run() -> list[Any]:
+        return [batch async for batch in upstream.attempt(slot, URL, b"{}", {}, ledger)]
+
+    return asyncio.run(run()), ledger
+
+
+def _answer(text: str, *, ids: int | None = None, chat: bool = False,
+            finish: str | None = "length") -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+    if ids is not None:
+        choice["token_ids"] = list(range(ids))
+    return json.dumps({"id": "up", "choices": [choice],
+                       "usage": {"prompt_tokens": 2, "completion_tokens": ids or 1}}).encode()
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text("abc xyz", min_size=1, max_size=12), chunk_size=st.integers(1, 300),
+       chat=st.booleans(), ids=st.integers(1, 8))
+def test_a_whole_answer_split_anywhere_reads_alike(text: str, chunk_size: int, chat: bool,
+                                                   ids: int) -> None:
+    """A whole answer in any split is one batch, recorded in the ledger as its stream would
+    be (a chat's message as a delta), and the head is awaited (max_tokens + 1) stalls."""
+    seen: list[Request] = []
+
+    def handler(request: Request) -> Reply:
+        seen.append(request)
+        return Reply(200, _answer(text, ids=ids, chat=chat), {"content-type": "application/json"})
+
+    batches, ledger = _whole(MockTransport(handler, chunk_size=chunk_size), chat=chat)
+    assert batches == [[]]
+    assert ledger.generated_text == text
+    assert (ledger.generated_count, ledger.finish_reason) == (ids, "length")
+    assert ledger.response()["usage"] == {"prompt_tokens": 2, "completion_tokens": ids,
+                                          "total_tokens": 2 + ids}
+    request, = seen
+    assert (request.timeout_s, request.connect_timeout_s) == (5.0 * 9, 1.0)
+
+
+@pytest.mark.parametrize(("reply", "kind", "status"), [
+    (Reply(503, b'{"error": "busy"}', {"content-type": "application/json",
+                                        "retry-after": "3"}), "status", 503),
+    (Reply(200, b"<html>", {"content-type": "text/html"}), "garbage", None),
+    (Reply(200, _sse("a", "b"), {"content-type": "text/event-stream"}), "garbage", None),
+    (Reply(200, b"{not json", {"content-type": "application/json"}), "garbage", None),
+    (Reply(200, b"[1, 2]", {"content-type": "application/json"}), "garbage", None),
+    (Reply(200, _answer("a", ids=9), {"content-type": "application/json"}), "garbage", None),
+    (Reply(200, _answer("a", finish=None), {"content-type": "application/json"}),
+     "garbage", None),
+    (Reply(200, b'{"choices": [], "usage": {"completion_tokens": 0}}',
+           {"content-type": "application/json"}), "garbage", None),
+    (Reply(200, b'{"error": {"message": "engine dead", "code": 500}}',
+           {"content-type": "application/json"}), "event", 500),
+])
+def test_a_failed_whole_answer_is_reported_as_its_outcome(reply: Reply, kind: str,
+                                                          status: int | None) -> None:
+    """Anything but a whole completion of at most max_tokens with a finish reason fails
+    the attempt, as the same fault in a stream does."""
+    with pytest.raises(UpstreamFailure) as failure:
+        _whole(MockTransport(lambda _request: reply, chunk_size=5))
+    outcome = failure.value.outcome
+    assert (outcome.kind, outcome.status) == (kind, status)
+
+
+def test_a_whole_chat_answer_without_a_message_is_garbage() -> None:
+    doc = {"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]}
+    reply = Reply(200, json.dumps(doc).encode(), {"content-type": "application/json"})
+    with pytest.raises(UpstreamFailure) as failure:
+        _whole(MockTransport(lambda _request: reply), chat=True)
+    assert failure.value.outcome.kind == "garbage"
