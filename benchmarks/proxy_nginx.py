@@ -136,13 +136,14 @@ def start_nginx(directory: Path, upstream: int) -> tuple[subprocess.Popen[bytes]
     return proc, url
 
 
-def start_proxy(directory: Path, upstream: int,
-                src: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_proxy(directory: Path, upstream: int, src: Path,
+                whole_max_tokens: int = 0) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     inv = directory / f"inv-{port}.yaml"
     inv.write_text(f"cluster: bench\nworkers:\n  - {{name: w0, url: 'http://127.0.0.1:"
                    f"{upstream}', model: m}}\nproxy:\n  listen: 127.0.0.1:{port}\n"
-                   "  busy: {active_prefill_tokens_threshold: 100000000}\n")
+                   "  busy: {active_prefill_tokens_threshold: 100000000}\n"
+                   f"  whole_max_tokens: {whole_max_tokens}\n")
     env = {**os.environ, "PYTHONPATH": str(src / "src")}
     proc = pinned(PROXY_CPU, [PY, "-m", "dynamo_ftctl", "-i", str(inv), "proxy"], env=env,
                   stdout=subprocess.DEVNULL)

@@ -18,7 +18,9 @@ medians. Goal: ftctl proxy's CPU per request <= the best Rust router's, in both 
 
 `--compiled` adds a column: this tree's proxy with hatch_build.MYPYC_MODULES compiled by
 mypyc (`make compiled`'s build, into a temporary copy of src/), judged against the goal
-too (the goal is met when either build meets it in both rows).
+too (the goal is met when either build meets it in both rows). `--whole` adds a column
+for each ftctl build with `proxy.whole_max_tokens: 256` (a non-streamed request of 16
+tokens gets one whole upstream answer, docs/proxy.md; streamed requests are unchanged).
 
 Usage: python benchmarks/proxy_peers.py [--seconds S] [--repeat N] [--only NAME ...]
 [--compiled] [--baseline-src DIR] (DIR: another source tree whose ftctl proxy runs beside
@@ -63,6 +65,8 @@ ROUTERS = {
 RUST = tuple(ROUTERS)
 LABEL_FTCTL = "ftctl proxy"
 LABEL_COMPILED = "ftctl mypyc"
+WHOLE = " whole"  # the label's suffix with whole answers on
+WHOLE_MAX_TOKENS = 256
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -152,6 +156,9 @@ def main() -> int:
                         help="the Rust routers to run")
     parser.add_argument("--compiled", action="store_true",
                         help="also this tree's proxy with its hot modules compiled by mypyc")
+    parser.add_argument("--whole", action="store_true",
+                        help="also each ftctl build with proxy.whole_max_tokens: "
+                             f"{WHOLE_MAX_TOKENS}")
     parser.add_argument("--baseline-src", type=Path, default=None,
                         help="another source tree whose ftctl proxy runs beside this one")
     args = parser.parse_args()
@@ -190,8 +197,12 @@ def main() -> int:
             trees.append((LABEL_COMPILED, compiled_tree(directory)))
         if args.baseline_src is not None:
             trees.append(("baseline ftctl", args.baseline_src.resolve()))
+        if args.whole:
+            trees += [(label + WHOLE, src) for label, src in trees
+                      if label in (LABEL_FTCTL, LABEL_COMPILED)]
         for label, src in trees:
-            procs.append(start_proxy(directory, upstream, src))
+            procs.append(start_proxy(directory, upstream, src,
+                                     WHOLE_MAX_TOKENS if label.endswith(WHOLE) else 0))
             started.callback(stop, procs[-1][0])
             labels.append(label)
         results = measure(labels, procs, directory, args)
@@ -221,18 +232,18 @@ def report(labels: list[str], results: dict[tuple[str, str], list[Run]],
           f"{args.seconds:g} s, alternating)")
     rows = {"non-streamed": "non-streamed 16 tokens", "streamed": "streamed 64 tokens"}
     rust = [label for label in labels if label in RUST]
-    print(f"{'':<24}" + "".join(f"{label:>16}" for label in labels)
-          + ("  ftctl / best Rust" + (" (python, mypyc)" if LABEL_COMPILED in labels else "")
-             if rust else ""))
+    ours = [label for label in (LABEL_FTCTL, LABEL_COMPILED, LABEL_FTCTL + WHOLE,
+                                LABEL_COMPILED + WHOLE) if label in labels]
+    print(f"{'':<24}" + "".join(f"{label:>18}" for label in labels)
+          + (f"  ftctl / best Rust ({', '.join(ours)})" if rust else ""))
     row_met: dict[str, set[str]] = {}
     for load, title in rows.items():
         median = {label: statistics.median(r.cpu_s / max(r.requests, 1) * 1000
                                            for r in results[label, load])
                   for label in labels}
-        line = f"{title:<24}" + "".join(f"{median[label]:>16.3f}" for label in labels)
+        line = f"{title:<24}" + "".join(f"{median[label]:>18.3f}" for label in labels)
         if rust:
             best = min(rust, key=median.__getitem__)
-            ours = [label for label in (LABEL_FTCTL, LABEL_COMPILED) if label in median]
             ratios = [median[label] / median[best] for label in ours]
             row_met[load] = {label for label, r in zip(ours, ratios, strict=True) if r <= 1.0}
             line += "  " + ", ".join(f"{r:.2f}x" for r in ratios) + f" ({best})"
