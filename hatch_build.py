@@ -13,9 +13,10 @@ A missing compiler or a failed build never fails the install: the hook warns, th
 pure (`py3-none-any`) and the block copier uses torch's kernels (or compiles on first use
 where a compiler appears later).
 
-The compiled build (`MYPYC_MODULES`: the proxy's per-request and per-token path, no async
-generators there, which mypyc cannot compile) ships each module's extension beside its
-`.py`; Python imports the extension first, the `.py` is the fallback where it is absent.
+The compiled build (`MYPYC_MODULES`: the proxy's per-request and per-token path; its
+async generators, which mypyc cannot compile, are in proxy/streams.py) ships each
+module's extension beside its `.py`; Python imports the extension first, the `.py` is
+the fallback where it is absent.
 The wheel is then tagged for this CPython and platform (`cp311-cp311-linux_x86_64`). A
 failed mypyc build warns and ships the pure modules, as the kernel does.
 """
@@ -38,20 +39,31 @@ NATIVE = Path("src/dynamo_ftctl/kv/native.py")
 SOURCE = Path("src/dynamo_ftctl/kv/_rowcopy.c")
 LIBRARY = "dynamo_ftctl/kv/_rowcopy.so"  # its path inside the wheel
 # The modules `FTCTL_MYPYC=1` compiles, under src/: what a proxied request runs per token
-# and per request outside the event loop's C (docs/benchmarks.md, proxy_peers.py).
+# and per request outside the event loop's C (docs/benchmarks.md, proxy_peers.py). The
+# streamed path's async generators, which mypyc cannot compile, live in proxy/streams.py.
 MYPYC_MODULES = (
     "dynamo_ftctl/sse.py",
     "dynamo_ftctl/jsoncodec.py",
-    "dynamo_ftctl/proxy/chunk.py",
-    "dynamo_ftctl/proxy/codec.py",
-    "dynamo_ftctl/proxy/ledger.py",
-    "dynamo_ftctl/proxy/reader.py",
-    "dynamo_ftctl/proxy/tally.py",
     "dynamo_ftctl/httpserver/_connection.py",
     "dynamo_ftctl/httpserver/_messages.py",
     "dynamo_ftctl/http1/connection.py",
     "dynamo_ftctl/http1/response.py",
     "dynamo_ftctl/http1/pool.py",
+    "dynamo_ftctl/proxy/admission.py",
+    "dynamo_ftctl/proxy/attempt.py",
+    "dynamo_ftctl/proxy/balancer.py",
+    "dynamo_ftctl/proxy/board.py",
+    "dynamo_ftctl/proxy/chunk.py",
+    "dynamo_ftctl/proxy/codec.py",
+    "dynamo_ftctl/proxy/continuation.py",
+    "dynamo_ftctl/proxy/fleet.py",
+    "dynamo_ftctl/proxy/frontdoor.py",
+    "dynamo_ftctl/proxy/judgment.py",
+    "dynamo_ftctl/proxy/ledger.py",
+    "dynamo_ftctl/proxy/policy.py",
+    "dynamo_ftctl/proxy/prefix.py",
+    "dynamo_ftctl/proxy/reader.py",
+    "dynamo_ftctl/proxy/tally.py",
 )
 MYPYC_TIMEOUT_S = 900
 

@@ -1,9 +1,10 @@
 """One upstream attempt: one request on one worker, its answer read into the ledger.
 
-`Upstream.attempt` sends one request and yields batches of client chunks until
-the answer ends; any failure is raised as `UpstreamFailure` (the worker failed:
-the request may go on elsewhere) or `UpstreamRefused` (the worker refused the
-request itself, a 4xx: the client's problem). A worker has failed when the
+`streams.stream_attempt` sends one streamed request and yields batches of client
+chunks until the answer ends (`Upstream.whole`: one whole answer, read into the
+ledger); any failure is raised as `UpstreamFailure` (the worker failed: the request
+may go on elsewhere) or `UpstreamRefused` (the worker refused the request itself, a
+4xx: the client's problem). A worker has failed when the
 connection is refused or reset, it answers 5xx, 408 or 429, it sends anything
 that is not a valid completion chunk (bad JSON, an HTML page, an SSE error event,
 more tokens than asked for), the stream ends without a finish reason, or no token
@@ -27,20 +28,27 @@ comes next, is the migration policy's (`proxy/policy.py`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dynamo_ftctl.http1 import BodyTooLarge, ConnectError, ConnectionBroken, NoConnection, Request
+from dynamo_ftctl.http1 import (  # StreamingTransport: a field's type, read at run time
+    BodyTooLarge,
+    ConnectError,
+    ConnectionBroken,
+    NoConnection,
+    Request,
+    StreamingTransport,
+)
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.http1.response import read_whole
 from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
-from dynamo_ftctl.proxy.codec import ClientPiece, dumps
+from dynamo_ftctl.proxy.codec import dumps
 from dynamo_ftctl.proxy.judgment import OutcomeKind
 from dynamo_ftctl.proxy.reader import KvShare, Reader, UpstreamFailure, failed, observe_whole
 
 if TYPE_CHECKING:
-    from dynamo_ftctl.http1 import ReplyStream, StreamingTransport
+    from dynamo_ftctl.http1 import ReplyStream
     from dynamo_ftctl.httpserver import Pusher
     from dynamo_ftctl.proxy.admission import WorkerLoad
     from dynamo_ftctl.proxy.balancer import WorkerSlot
@@ -103,92 +111,18 @@ class Upstream:
     # asked of a worker that keeps a whole answer waiting past `stall_s`.
     probe: Callable[[WorkerSlot], Coroutine[Any, Any, str | None]] | None = None
 
-    async def attempt(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
-                      ledger: StreamLedger, *, load: WorkerLoad | None = None,
-                      lane: Lane | None = None) -> AsyncIterator[list[ClientPiece]]:
-        """Stream one upstream request; yield batches of client chunks; raise on any failure.
-
-        Once a batch has gone out and the client's stream has a `Pusher` (`lane`), the
-        upstream's pieces go to `Reader.sink` in its socket callback and straight to
-        the client; this generator wakes only when the sink ends (a [DONE], a stop
-        string, a failure) or refuses a piece (the client's buffer is full).
-        Leaving early (an exception, `aclose()`, the client's cancellation) closes the
-        upstream connection unless its answer was read to the end.
-        """
-        stall = self.stall_s
-        resp: ReplyStream | None = None
-        # The context the worker holds for this attempt: the prompt, and for a
-        # continuation the tokens generated before (in its prompt or its KV import).
+    def share(self, slot: WorkerSlot, ledger: StreamLedger, load: WorkerLoad | None) -> KvShare:
+        """The KV blocks an attempt of `ledger` on `slot` fills: the prompt, and for a
+        continuation the tokens generated before (in its prompt or its KV import)."""
         kv = KvShare(slot, load.block_size if load is not None and load.block_size
-                      else _DEFAULT_BLOCK_SIZE)
+                     else _DEFAULT_BLOCK_SIZE)
         kv.grow(ledger.generated_count + (
             len(ledger.prompt_ids) if ledger.prompt_ids is not None
             else estimate_prompt_tokens(ledger.endpoint, ledger.body)))
-        try:
-            if ledger.whole:
-                resp = await self._whole(slot, url, body, headers, ledger=ledger, kv=kv)
-                yield []  # the answer is in the ledger (`StreamLedger.response`)
-                return
-            resp = await self.http.open_stream(Request(
-                "POST", url, body, headers, stall, connect_timeout_s=self.connect_timeout_s))
-            status = resp.status or 0
-            content_type = resp.header("content-type") or ""
-            if status != 200:
-                raise failed("status", f"HTTP {status} from {slot.name}", status=status,
-                              body=await _error_body(resp, stall),
-                              content_type=content_type or "application/json",
-                              retry_after=resp.header("retry-after"))
-            if not content_type.startswith("text/event-stream"):
-                msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, " \
-                      "not an event stream"
-                raise failed("garbage", msg)
-            reader = Reader(slot.name, ledger, stall, self.now, kv)
-            token_out = False  # the policy has seen a batch with this attempt's first token
-            while piece := await resp.next_chunk(stall):
-                batch = reader.feed(piece)
-                if batch:
-                    if ledger.upstream_ttft_s is None:
-                        ledger.upstream_ttft_s = resp.body_wait_s
-                    token_out = ledger.attempt_tokens > 0
-                    yield batch  # what the ledger recorded reaches the client, always
-                if reader.over:
-                    break
-                # Not before the policy has seen this attempt's first token: it counts a
-                # migration and the worker's first token on it, and settles whose fault an
-                # earlier failure was (a chat's role chunk comes before any token).
-                if token_out and lane is not None and lane.pusher is not None \
-                        and isinstance(resp, UpstreamResponse) and resp.sink is None:
-                    resp.sink = reader.sink(resp, lane.pusher)
-            if reader.failure is not None:
-                raise reader.failure
-            # A stop string matched here (workers never see `stop`): closing the
-            # unfinished answer below cuts the upstream, which ends the request on the
-            # worker. After [DONE], read the chunked terminator so the connection goes
-            # back to the pool (an unread body closes it: a new TCP connection next time).
-            if reader.done and not ledger.stopped and not resp.complete:
-                await resp.wait_complete(_DRAIN_S)
-            if not ledger.finished:
-                raise failed("garbage", f"{slot.name}: stream ended without a finish reason")
-        except UpstreamFailure:
-            raise
-        except ErrorEvent as exc:
-            raise failed("event", f"{slot.name}: {exc}", status=exc.status,
-                          body=dumps(exc.doc)) from None
-        except (MalformedChunk, ValueError, UnicodeDecodeError) as exc:
-            raise failed("garbage", f"{slot.name}: {exc}") from None
-        except (OSError, TimeoutError) as exc:
-            # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
-            kind = type(exc).__name__
-            msg = f"{slot.name}: {kind}: {exc}".rstrip(": ")
-            raise failed(_transport_kind(exc), msg) from None
-        finally:
-            kv.release()
-            if resp is not None:
-                resp.close()
+        return kv
 
-
-    async def _whole(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
-                     *, ledger: StreamLedger, kv: KvShare) -> ReplyStream:
+    async def whole(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
+                    ledger: StreamLedger, *, load: WorkerLoad | None = None) -> None:
         """One whole (non-streamed) answer read into the ledger; raises as `attempt` does.
 
         A worker sends nothing of a whole answer before its end, so silence is no sign
@@ -197,6 +131,20 @@ class Upstream:
         is awaited at most `stall_s` per token it may have and one more (the longest a
         stream of it could take without stalling between two tokens).
         """
+        kv = self.share(slot, ledger, load)
+        try:
+            await self._whole(slot, url, body, headers, ledger, kv)
+        except UpstreamFailure:
+            raise
+        except (ErrorEvent, MalformedChunk, ValueError, UnicodeDecodeError, OSError,
+                TimeoutError) as exc:
+            raise as_failure(slot.name, exc) from None
+        finally:
+            kv.release()
+
+    async def _whole(self, slot: WorkerSlot, url: str,  # noqa: PLR0917
+                     body: bytes, headers: dict[str, str], ledger: StreamLedger,
+                     kv: KvShare) -> None:
         watch = _Watch(self, slot)
         resp: ReplyStream | None = None
         try:
@@ -221,18 +169,11 @@ class Upstream:
         kv.grow(ledger.generated_count - before)
         if not ledger.finished:
             raise failed("garbage", f"{slot.name}: answer without a finish reason")
-        return resp
 
     async def _whole_body(self, slot: WorkerSlot, resp: ReplyStream) -> bytes:
-        status = resp.status or 0
-        content_type = resp.header("content-type") or ""
-        if status != 200:
-            raise failed("status", f"HTTP {status} from {slot.name}", status=status,
-                          body=await _error_body(resp, self.stall_s),
-                          content_type=content_type or "application/json",
-                          retry_after=resp.header("retry-after"))
+        content_type = await answered(slot, resp, self.stall_s)
         if not content_type.startswith("application/json"):
-            msg = f"{slot.name} answered HTTP {status} {content_type or 'untyped'}, not JSON"
+            msg = f"{slot.name} answered HTTP 200 {content_type or 'untyped'}, not JSON"
             raise failed("garbage", msg)
         try:
             return await read_whole(resp, _WHOLE_LIMIT, self.stall_s)
@@ -294,6 +235,31 @@ class _Watch:
                       f"known-good request: {failure}")
             return
         self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+
+
+async def answered(slot: WorkerSlot, resp: ReplyStream, stall_s: float) -> str:
+    """The content type of an answer that is a 200; raise the failure of any other status
+    (its body read for the judgment, and a 4xx's for the client)."""
+    status = resp.status or 0
+    content_type = resp.header("content-type") or ""
+    if status != 200:
+        raise failed("status", f"HTTP {status} from {slot.name}", status=status,
+                     body=await _error_body(resp, stall_s),
+                     content_type=content_type or "application/json",
+                     retry_after=resp.header("retry-after"))
+    return content_type
+
+
+def as_failure(worker: str, exc: Exception) -> UpstreamFailure:
+    """The failure an attempt on `worker` ended with, from what its reading raised: an
+    error event, a malformed answer, or the transport's error."""
+    if isinstance(exc, ErrorEvent):
+        return failed("event", f"{worker}: {exc}", status=exc.status, body=dumps(exc.doc))
+    if isinstance(exc, OSError | TimeoutError):
+        # OSError: http1.HttpError (refused, reset, cut, not HTTP, too large).
+        kind = type(exc).__name__
+        return failed(_transport_kind(exc), f"{worker}: {kind}: {exc}".rstrip(": "))
+    return failed("garbage", f"{worker}: {exc}")  # MalformedChunk, ValueError, Unicode...
 
 
 def _transport_kind(exc: OSError | TimeoutError) -> OutcomeKind:

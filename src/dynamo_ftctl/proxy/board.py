@@ -21,13 +21,17 @@ the daemon again by the others (only `Fleet.charge` reports).
 
 from __future__ import annotations
 
-import copy
 import mmap
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from dynamo_ftctl.clock import SYSTEM_CLOCK, Clock
 from dynamo_ftctl.proxy.balancer import Balancer, WorkerSlot
+
+if TYPE_CHECKING:
+    from dynamo_ftctl.inventory.proxy import CacheAware
 
 __all__ = ["FleetBoard", "SharedBalancer"]
 
@@ -41,19 +45,22 @@ _FIELDS = 6
 class FleetBoard:
     """Cells of (process, worker) in one shared mapping; made before the fork."""
 
-    def __init__(self, procs: int, workers: Iterable[str]) -> None:
+    def __init__(self, procs: int, workers: Iterable[str], *,
+                 shared: FleetBoard | None = None, index: int = 0) -> None:
+        """A new board (`shared`: a view of that one's mapping instead, `as_process`)."""
         self.procs = procs
         self.workers = {name: i for i, name in enumerate(workers)}
-        size = max(1, procs * len(self.workers) * _FIELDS * 8)
-        self._map = mmap.mmap(-1, size)  # anonymous, MAP_SHARED: children see writes
-        self.cells = memoryview(self._map).cast("q")
-        self.index = 0  # this process's row (`as_process`)
+        if shared is None:
+            size = max(1, procs * len(self.workers) * _FIELDS * 8)
+            self._map = mmap.mmap(-1, size)  # anonymous, MAP_SHARED: children see writes
+            self.cells = memoryview(self._map).cast("q")
+        else:
+            self._map, self.cells = shared._map, shared.cells
+        self.index = index  # this process's row (`as_process`)
 
     def as_process(self, index: int) -> FleetBoard:
         """The same board, seen from process `index` (its row is the one it writes)."""
-        view = copy.copy(self)
-        view.index = index
-        return view
+        return FleetBoard(self.procs, self.workers, shared=self, index=index)
 
     def at(self, proc: int, worker: str) -> int:
         """Offset of the cell of `worker` in `proc`'s row."""
@@ -92,8 +99,11 @@ class _Seen:
 class SharedBalancer(Balancer):
     """A `Balancer` whose outcomes are posted on the board and replayed from the others'."""
 
-    def __init__(self, slots: Iterable[WorkerSlot], board: FleetBoard, **kwargs: object) -> None:
-        super().__init__(slots, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, slots: Iterable[WorkerSlot], board: FleetBoard, *,
+                 clock: Clock = SYSTEM_CLOCK, breaker_threshold: int = 3,
+                 recovery_s: float = 60.0, cache_aware: CacheAware | None = None) -> None:
+        super().__init__(slots, clock=clock, breaker_threshold=breaker_threshold,
+                         recovery_s=recovery_s, cache_aware=cache_aware)
         self.board = board
         self._seen = {(p, n): _Seen() for p in range(board.procs) for n in self.slots}
         # The history, the row of the process this one replaces included, once; from

@@ -73,7 +73,7 @@ MAX_STOPS = 64
 MAX_STOP_CHARS = 4096
 
 
-def prepare_request(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+def prepare_request(endpoint: Endpoint, body: Any) -> dict[str, Any]:
     """Validate a client body and return a copy ready for the ledger.
 
     Rejects what a single-stream continuation cannot serve (n > 1, best_of > 1)

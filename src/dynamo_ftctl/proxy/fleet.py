@@ -126,7 +126,7 @@ class Fleet:
         self._discovering: asyncio.Future[Any] | None = None
         from dynamo_ftctl import metrics
 
-        self.metrics = metrics
+        self.metrics: Any = metrics  # the module (mypyc keeps no module-typed attribute)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -3,7 +3,8 @@
 A generation (POST /v1/completions, /v1/chat/completions) is parsed and checked
 (`continuation.prepare_request`), admitted or shed (`admission.decide`: 503/529
 with Retry-After when every worker is busy or the degradation level sheds its
-priority tier), handed to the migration policy (`MigrationPolicy.generate`), and
+priority tier), handed to the migration policy (`MigrationPolicy.answer` for a whole
+answer, `streams.stream_generate` for a stream), and
 its chunks answered: streamed as SSE once the first batch is in hand (so the
 headers can name the serving worker), or collected into one JSON answer. Every
 upstream request is streamed with token ids, even when the client asked for one
@@ -16,7 +17,7 @@ The other routes, on `httpapp.Router`: GET /v1/models, /health, /metrics; GET/PO
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -26,11 +27,12 @@ from dynamo_ftctl.httpserver import Reply, Stream
 from dynamo_ftctl.openai import error_body, parse_request_json
 from dynamo_ftctl.proxy.admission import BUSY_BODY, Thresholds, decide, parse_priority
 from dynamo_ftctl.proxy.attempt import Lane
-from dynamo_ftctl.proxy.codec import SSE_DONE, ClientPiece, dumps, sse_batch, sse_event
+from dynamo_ftctl.proxy.codec import dumps
 from dynamo_ftctl.proxy.continuation import RequestRejected, prepare_request
 from dynamo_ftctl.proxy.counting import weakest
 from dynamo_ftctl.proxy.ledger import StreamLedger
 from dynamo_ftctl.proxy.policy import ProxyError, StreamAborted
+from dynamo_ftctl.proxy.streams import sse_body, stream_generate
 from dynamo_ftctl.proxy.tally import UNKNOWN_MODEL, TallyBook, error_type_of
 
 if TYPE_CHECKING:
@@ -171,7 +173,17 @@ class FrontDoor:
                 and ledger.max_tokens <= self.config.whole_max_tokens:
             ledger.whole = True
         tally.admit(model if isinstance(model, str) else UNKNOWN_MODEL, streamed=lane is not None)
-        chunks = self.policy.generate(ledger, lane)
+        if ledger.whole:
+            try:
+                await self.policy.answer(ledger)
+            except ProxyError as exc:
+                return _reply(exc.status, exc.body, exc.headers)
+            except StreamAborted as exc:
+                return _reply(502, error_body(str(exc), type=exc.kind, code=502))
+            tally.first_token()
+            tally.finish("", ledger.generated_count)
+            return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
+        chunks = stream_generate(self.policy, ledger, lane)
         if lane is None:
             try:
                 async for _ in chunks:
@@ -194,7 +206,7 @@ class FrontDoor:
         except StreamAborted as exc:
             return _reply(502, error_body(str(exc), type=exc.kind, code=502))
         tally.first_token()
-        return Stream(_sse_body(ledger, first, chunks, release, tally),
+        return Stream(sse_body(ledger, first, chunks, release, tally),
                       headers=_answer_headers(ledger), on_push=lane.bind)
 
     def admit(self, model: str | None, priority_header: str | None) -> None:
@@ -315,36 +327,3 @@ def _answer_headers(ledger: StreamLedger) -> dict[str, str]:
         ms = ledger.upstream_ttft_s * 1e3
         headers[TIMING_HEADER] = f'upstream;desc="first token";dur={ms:.3f}'
     return headers
-
-
-async def _sse_body(ledger: StreamLedger, first: list[ClientPiece] | None,
-                    chunks: AsyncIterator[list[ClientPiece]],
-                    release: Callable[[], None], tally: RequestTally) -> AsyncIterator[bytes]:
-    try:
-        if first is not None:
-            yield sse_batch(first)
-        try:
-            async for batch in chunks:
-                yield sse_batch(batch)
-        except (StreamAborted, ProxyError) as exc:
-            message, kind = (str(exc), exc.kind) if isinstance(exc, StreamAborted) \
-                else (str(exc.body), "worker_failed")
-            tally.finish("internal")  # the client hears a 502 error event
-            yield sse_event(error_body(message, type=kind, code=502))
-            yield SSE_DONE
-            return
-        tail = sse_event(ledger.usage_chunk()) if ledger.client_wants_usage else b""
-        if ledger.migrations:
-            # Headers left before the stream broke: say it in an SSE comment.
-            tail += f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
-        tally.finish("", ledger.generated_count)
-        if ledger.count_source != ledger.count_header:
-            tail += f": {COUNT_HEADER}: {ledger.count_source}\n\n".encode()
-        yield tail + SSE_DONE
-    finally:
-        # The client went away (or we are done): close the upstream stream now.
-        tally.finish("cancelled")  # counts only when nothing above did
-        release()
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()

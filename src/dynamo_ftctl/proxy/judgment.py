@@ -43,6 +43,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from dynamo_ftctl.clock import Clock  # a dataclass field's type: read at run time (mypyc)
+
 try:  # hashlib.blake2b without hashlib's import of OpenSSL (as yamlcache does)
     from _blake2 import blake2b
 except ImportError:  # pragma: no cover - CPython always builds _blake2
@@ -51,7 +53,6 @@ except ImportError:  # pragma: no cover - CPython always builds _blake2
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dynamo_ftctl.clock import Clock
 
 __all__ = ["BACKPRESSURE_STATUSES", "Blame", "Outcome", "QueryMemory", "Verdict",
            "fingerprint", "judge", "retry_after_s"]

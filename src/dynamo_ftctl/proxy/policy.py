@@ -1,8 +1,9 @@
 """The migration policy: where a request goes next, and whose fault a failure was.
 
-`MigrationPolicy.generate` runs one client request across as many workers as it
-takes: it picks a worker (`routing.Balancer`: least outstanding, or cache-aware by the
-prompt's prefix, and for a continuation by its prompt and output so far), runs one
+`MigrationPolicy` runs one client request across as many workers as it takes (`answer`
+for a whole answer; `streams.stream_generate` drives the same steps for a stream): it
+picks a worker (`routing.Balancer`: least outstanding, or cache-aware by the prompt's
+prefix, and for a continuation by its prompt and output so far), runs one
 upstream attempt on it (`proxy/attempt.py`) and, when the attempt fails, decides
 what follows from the request's `StreamLedger` (`proxy/continuation.py` builds the
 body): a plain retry before the first token (`method="retry"`), re-prefill of prompt + generated ids
@@ -42,11 +43,8 @@ answer), after it `StreamAborted` (the stream ends with an error event).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import sys
-from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +52,8 @@ from dynamo_ftctl.jsoncodec import loads
 from dynamo_ftctl.migrate.cost import prefill_reuse
 from dynamo_ftctl.openai import error_body
 from dynamo_ftctl.proxy.attempt import UpstreamFailure, estimate_prompt_tokens
-from dynamo_ftctl.proxy.codec import ClientPiece, dumps
+from dynamo_ftctl.proxy.balancer import WorkerSlot  # dataclass fields' types: read at run
+from dynamo_ftctl.proxy.codec import dumps
 from dynamo_ftctl.proxy.continuation import (
     NotContinuable,
     continuation_request,
@@ -63,18 +62,17 @@ from dynamo_ftctl.proxy.continuation import (
 )
 from dynamo_ftctl.proxy.errors import ProxyError, StreamAborted
 from dynamo_ftctl.proxy.judgment import Blame, QueryMemory, Verdict, fingerprint, judge
+from dynamo_ftctl.proxy.ledger import StreamLedger  # time when compiled (mypyc)
 from dynamo_ftctl.proxy.prefix import prefix_key
 
 if TYPE_CHECKING:
     from dynamo_ftctl.clock import Clock
     from dynamo_ftctl.inventory.proxy import ProxyConfig
     from dynamo_ftctl.migrate.handoff import KvHandoff
-    from dynamo_ftctl.proxy.attempt import Lane, Upstream
-    from dynamo_ftctl.proxy.balancer import WorkerSlot
+    from dynamo_ftctl.proxy.attempt import Upstream
     from dynamo_ftctl.proxy.counting import TokenCounter
     from dynamo_ftctl.proxy.fleet import Fleet
     from dynamo_ftctl.proxy.judgment import Outcome
-    from dynamo_ftctl.proxy.ledger import StreamLedger
 
 __all__ = ["MigrationPolicy", "ProxyError", "StreamAborted"]
 
@@ -142,6 +140,7 @@ class _Trip:
     # A re-prefill continuation that went on, not counted yet (source group, target
     # group): its method, "kv" or "reprefill", is known once its usage arrives.
     uncounted: tuple[str, str] | None = None
+    pending: int = 0  # the attempt's prompt estimate, until its first batch
 
     @property
     def print_(self) -> str:
@@ -165,7 +164,7 @@ class MigrationPolicy:
         self.config = config
         self.clock = clock
         self.metrics = fleet.metrics
-        self._in_flight = 0  # requests in `generate`
+        self._in_flight = 0  # requests under way (`start` to `end`)
         self._retries_in_flight = 0  # their retries before a first token (the retry budget)
         self.memory = QueryMemory(clock)
         self._serials = itertools.count(1)
@@ -174,14 +173,39 @@ class MigrationPolicy:
         # Requests settling after a failure (`_settle`) wait on their worker's event.
         self._failures: dict[str, asyncio.Event] = {}
 
-    async def generate(self, ledger: StreamLedger,
-                       lane: Lane | None = None) -> AsyncGenerator[list[ClientPiece], None]:
-        """Batches of client chunks of one request, across as many workers as it takes.
+    async def answer(self, ledger: StreamLedger) -> None:
+        """One whole request (`StreamLedger.whole`) across as many workers as it takes: each
+        attempt asks for one non-streamed answer (`Upstream.whole`); the answer ends in
+        the ledger (`StreamLedger.response`). Raises `ProxyError` when nothing was
+        produced, `StreamAborted` after. A streamed request takes the same steps
+        (`start`, `begin`, ..., `end`) in `streams.stream_generate`."""
+        trip = self.start(ledger)
+        ended = "failure"  # how a migration under way ends when the request does
+        try:
+            while True:
+                slot, url, data, headers = await self.begin(trip)
+                try:
+                    await self.upstream.whole(slot, url, data, headers, ledger,
+                                              load=self.fleet.loads.get(slot.name))
+                    self.batch(trip, slot)
+                    await self.succeeded(trip, slot)
+                    return
+                except UpstreamFailure as exc:
+                    if not await self.after_failure(trip, slot, exc.outcome):
+                        ledger.finish_chunk("length")
+                        return
+                finally:
+                    self.end_attempt(trip, slot)
+        except asyncio.CancelledError:
+            ended = "cancelled"
+            raise
+        finally:
+            self.end(trip, ended)
 
-        Raises `ProxyError` when nothing was produced, `StreamAborted` after. With a
-        `lane`, an attempt's chunks after its first batch may go straight to the
-        client instead (see `Upstream.attempt`).
-        """
+    # ------------------------------------------------------------------ one request's steps
+
+    def start(self, ledger: StreamLedger) -> _Trip:
+        """The request's trip, counted in flight and queued (refused when convicted)."""
         model = ledger.body.get("model")
         trip = _Trip(ledger, first_request(ledger),
                      estimate_prompt_tokens(ledger.endpoint, ledger.body),
@@ -191,86 +215,105 @@ class MigrationPolicy:
             raise self._convicted(ledger, trip.yielded)
         self.fleet.queued += 1
         self._in_flight += 1
-        try:
-            while True:
-                slot = await self._next_slot(trip)
-                async with self._hold(trip):
-                    ledger.start_attempt(slot.name)
-                    self.fleet.balancer.start(slot, trip.prompt_estimate)
-                    pending = trip.prompt_estimate
-                    if trip.method == "retry" and trip.budgeted:
-                        trip.retrying = True
-                        self._retries_in_flight += 1
-                    if trip.method == "kv":
-                        url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
-                    else:
-                        trip.sent_ids = slot.sends_token_ids(ledger.upstream_endpoint)
-                        url, data, headers = _upstream_request(slot, trip.body, ledger)
-                    try:
-                        async for batch in self.upstream.attempt(
-                                slot, url, data, headers, ledger,
-                                load=self.fleet.loads.get(slot.name), lane=lane):
-                            if pending:
-                                self._first_batch(trip, slot, pending)
-                                pending = 0
-                            if ledger.attempt_tokens and (trip.suspect or trip.retrying):
-                                self._runs_here(trip)
-                            trip.yielded = True
-                            yield batch
-                        self.fleet.balancer.record_success(slot)
-                        if self.fleet.balancer.prefixes is not None:  # it holds the reply too
-                            self.fleet.balancer.remember(prefix_key(ledger, trip.model), slot)
-                        if ledger.count_unsettled:  # it sent no usage chunk
-                            await self._settle_count(trip)
-                        if trip.method in ("reprefill", "text"):
-                            self._prefill_reused(trip, ledger, slot)
-                        if ledger.prompt_ids is not None:
-                            self.fleet.note_prompt(len(ledger.prompt_ids))
-                        return
-                    except UpstreamFailure as exc:
-                        if not await self._after_failure(trip, slot, exc.outcome):
-                            yield [ledger.finish_chunk("length")]
-                            return
-                    finally:
-                        if trip.uncounted is not None:  # it ended without a usage chunk
-                            self._count_migration(trip, "reprefill")
-                        self.fleet.balancer.finish(slot, pending)
-                        if trip.retrying:
-                            trip.retrying = False
-                            self._retries_in_flight -= 1
-        finally:
-            if trip.queued:
-                self.fleet.queued -= 1
-            self._in_flight -= 1
-            if trip.suspect is not None:  # no other worker told (none left, the client left)
-                self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
-            if trip.migrating:  # never went on: the client left, or the request failed
-                self._migration_ended(trip, "cancelled" if isinstance(
-                    sys.exception(), GeneratorExit | asyncio.CancelledError) else "failure")
+        return trip
 
-    @contextlib.asynccontextmanager
-    async def _hold(self, trip: _Trip) -> AsyncIterator[None]:
-        """One attempt; while the request's fingerprint is suspected, one copy at a time."""
+    async def begin(self, trip: _Trip) -> tuple[WorkerSlot, str, bytes, dict[str, str]]:
+        """The next attempt's worker, URL, body and headers, the attempt counted there (and,
+        while the request is suspected, its copies' turn taken: `_end_attempt` gives it)."""
+        ledger = trip.ledger
+        slot = await self._next_slot(trip)
+        await self._take_turn(trip)
+        try:
+            ledger.start_attempt(slot.name)
+            if trip.method == "kv":
+                url, data, headers = self.kv.import_request(slot, trip.kv_payload, ledger)
+            else:
+                trip.sent_ids = slot.sends_token_ids(ledger.upstream_endpoint)
+                url, data, headers = _upstream_request(slot, trip.body, ledger)
+        except BaseException:
+            self._give_turn(trip)
+            raise
+        self.fleet.balancer.start(slot, trip.prompt_estimate)
+        trip.pending = trip.prompt_estimate
+        if trip.method == "retry" and trip.budgeted:
+            trip.retrying = True
+            self._retries_in_flight += 1
+        return slot, url, data, headers
+
+    def batch(self, trip: _Trip, slot: WorkerSlot) -> None:
+        """A batch of the attempt reaches the client (the first: the worker's prefill is done)."""
+        if trip.pending:
+            self._first_batch(trip, slot, trip.pending)
+            trip.pending = 0
+        if trip.ledger.attempt_tokens and (trip.suspect or trip.retrying):
+            self._runs_here(trip)
+        trip.yielded = True
+
+    async def succeeded(self, trip: _Trip, slot: WorkerSlot) -> None:
+        """The attempt ended the answer: what the worker and the fleet learn from it."""
+        ledger = trip.ledger
+        self.fleet.balancer.record_success(slot)
+        if self.fleet.balancer.prefixes is not None:  # it holds the reply too
+            self.fleet.balancer.remember(prefix_key(ledger, trip.model), slot)
+        if ledger.count_unsettled:  # it sent no usage chunk
+            await self._settle_count(trip)
+        if trip.method in ("reprefill", "text"):
+            self._prefill_reused(trip, ledger, slot)
+        if ledger.prompt_ids is not None:
+            self.fleet.note_prompt(len(ledger.prompt_ids))
+
+    def end_attempt(self, trip: _Trip, slot: WorkerSlot) -> None:
+        """The attempt ended (any way): its counts on the worker, the budget, the turn."""
+        if trip.uncounted is not None:  # it ended without a usage chunk
+            self._count_migration(trip, "reprefill")
+        self.fleet.balancer.finish(slot, trip.pending)
+        if trip.retrying:
+            trip.retrying = False
+            self._retries_in_flight -= 1
+        self._give_turn(trip)
+
+    def end(self, trip: _Trip, ended: str) -> None:
+        """The request ended (any way): out of the counts; an untold suspect charged; a
+        migration under way ended as `ended` ("cancelled": the client left, "failure")."""
+        if trip.queued:
+            self.fleet.queued -= 1
+        self._in_flight -= 1
+        if trip.suspect is not None:  # no other worker told (none left, the client left)
+            self.fleet.charge(trip.suspect.slot, trip.suspect.reason)
+        if trip.migrating:  # never went on: the client left, or the request failed
+            self._migration_ended(trip, ended)
+
+    async def _take_turn(self, trip: _Trip) -> None:
+        """While the request's fingerprint is suspected, one copy at a time runs: wait for
+        this one's turn (at most `stall_timeout_s`, then 503)."""
         trip.held = self.memory.remembers() and self.memory.suspected(trip.print_)
         if not trip.held:
-            yield
             return
         hold = self._holds.setdefault(trip.print_, _Hold())
         hold.users += 1
         try:
-            try:
-                async with asyncio.timeout(self.config.stall_timeout_s):
-                    await hold.lock.acquire()
-            except TimeoutError:
-                raise self._held_too_long(trip) from None
-            try:
-                yield
-            finally:
-                hold.lock.release()
-        finally:
-            hold.users -= 1
-            if not hold.users:
-                del self._holds[trip.print_]
+            async with asyncio.timeout(self.config.stall_timeout_s):
+                await hold.lock.acquire()
+        except TimeoutError:
+            self._leave_hold(trip, hold)
+            trip.held = False
+            raise self._held_too_long(trip) from None
+        except BaseException:
+            self._leave_hold(trip, hold)
+            trip.held = False
+            raise
+
+    def _give_turn(self, trip: _Trip) -> None:
+        """The attempt that took a turn (`_take_turn`) ended: the next copy's turn."""
+        if trip.held:
+            hold = self._holds[trip.print_]
+            hold.lock.release()
+            self._leave_hold(trip, hold)
+
+    def _leave_hold(self, trip: _Trip, hold: _Hold) -> None:
+        hold.users -= 1
+        if not hold.users:
+            del self._holds[trip.print_]
 
     async def _next_slot(self, trip: _Trip) -> WorkerSlot:
         """The worker for the next attempt; raises when there is none left.
@@ -468,7 +511,7 @@ class MigrationPolicy:
             self.fleet.mark_absent(slot, verdict.evidence)
             trip.absent = True
 
-    async def _after_failure(self, trip: _Trip, slot: WorkerSlot, outcome: Outcome) -> bool:
+    async def after_failure(self, trip: _Trip, slot: WorkerSlot, outcome: Outcome) -> bool:
         """The attempt on `slot` failed: act on the judgment's verdict, choose how the
         request goes on.
 

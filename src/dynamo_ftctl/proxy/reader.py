@@ -59,10 +59,21 @@ def observe_whole(ledger: StreamLedger, data: bytes) -> None:
             raise MalformedChunk("chat answer without a 'message' object")
         choice["delta"] = message
         doc = {**doc, "choices": [choice, *choices[1:]]}
+    before = ledger.ids_distrusted
     ledger.observe(doc, render=False)
     usage = doc.get("usage")
-    if isinstance(usage, dict):
-        ledger.observe({"choices": [], "usage": usage}, render=False)
+    if not isinstance(usage, dict):
+        return
+    first = choices[0] if isinstance(choices, list) and choices else None
+    with_ids = isinstance(first, dict) and first.get("token_ids") is not None \
+        and ledger.ids_distrusted == before
+    completion = usage.get("completion_tokens")
+    if not with_ids and type(completion) is int and completion >= 0:
+        # Without ids, the worker's count of the whole generation is the count (a token
+        # that completed a stop string has no text left, and still counts).
+        ledger.attempt_textual = True
+        ledger.settle_attempt(completion, "usage")
+    ledger.observe({"choices": [], "usage": usage}, render=False)
 
 
 class KvShare:
@@ -101,7 +112,7 @@ class Reader:
     `feed` records what it finds in the ledger and returns the client chunks; it
     never raises: a failure is kept in `failure`, and `over` says the answer must
     not be read further (a failure, [DONE], or a stop string matched). The task
-    (`Upstream.attempt`) and the fast lane (`sink`) feed it in turn, in order.
+    (`streams.stream_attempt`) and the fast lane (`sink`) feed it in turn, in order.
     """
 
     __slots__ = ("_chunked", "_decoder", "_held", "_idle_events", "_kv", "_last_token",

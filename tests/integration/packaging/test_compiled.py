@@ -92,7 +92,8 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
         inventory = tmp_path / "inv.yaml"
         inventory.write_text(
             f"cluster: c\nworkers:\n  - {{name: w0, url: 'http://127.0.0.1:"
-            f"{int(match.group(1))}', model: m}}\nproxy:\n  listen: 127.0.0.1:{port}\n")
+            f"{int(match.group(1))}', model: m}}\nproxy:\n  listen: 127.0.0.1:{port}\n"
+            "  whole_max_tokens: 5\n")
         proxy = subprocess.Popen([sys.executable, "-m", "dynamo_ftctl", "-i", str(inventory),
                                   "proxy"], env=env, stdout=subprocess.DEVNULL)
         procs.append(proxy)
@@ -119,14 +120,17 @@ def compiled_proxy(compiled_src: Path, tmp_path: Path) -> Iterator[str]:
 
 
 def test_the_compiled_proxy_relays_plain_and_streamed_completions(compiled_proxy: str) -> None:
-    """Through the compiled modules: a plain answer of 5 tokens with its usage, and a stream
-    of 7 token chunks ending in [DONE]."""
+    """Through the compiled modules: plain answers of 5 tokens (one whole upstream answer,
+    `whole_max_tokens: 5`) and 6 (read from a stream) with their usage, and a stream of 7
+    token chunks ending in [DONE]."""
     url = f"{compiled_proxy}/v1/completions"
-    plain = fetch.post(url, json={"model": "m", "prompt": "hi", "max_tokens": 5}, timeout=10)
-    assert plain.status == 200, plain.text
-    doc = plain.json()
-    assert (doc["choices"][0]["text"], doc["choices"][0]["finish_reason"],
-            doc["usage"]["completion_tokens"]) == ("xxxxx", "length", 5)
+    for tokens in (5, 6):
+        plain = fetch.post(url, json={"model": "m", "prompt": "hi", "max_tokens": tokens},
+                           timeout=10)
+        assert plain.status == 200, plain.text
+        doc = plain.json()
+        assert (doc["choices"][0]["text"], doc["choices"][0]["finish_reason"],
+                doc["usage"]["completion_tokens"]) == ("x" * tokens, "length", tokens)
     streamed = fetch.post(url, json={"model": "m", "prompt": "hi", "max_tokens": 7,
                                      "stream": True}, timeout=10)
     assert streamed.status == 200, streamed.text
@@ -134,3 +138,19 @@ def test_the_compiled_proxy_relays_plain_and_streamed_completions(compiled_proxy
     assert data[-1] == "[DONE]"
     text = "".join(c["text"] for d in data[:-1] for c in json.loads(d)["choices"])
     assert text == "x" * 7
+
+
+def test_the_proxy_tests_pass_on_the_compiled_build(compiled_src: Path) -> None:
+    """tests/unit/proxy, every proxy path with fake workers (failures, hostile input,
+    whole answers), run on the compiled modules: mypyc checks each value against its
+    annotation at run time, so an annotation that a real value contradicts fails here, not
+    only in production."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-x", "-n", "2", "tests/unit/proxy"],
+                         cwd=ROOT, env=_env(compiled_src), capture_output=True, text=True,
+                         timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
+    probe = subprocess.run([sys.executable, "-c", "import dynamo_ftctl.proxy.policy as m; "
+                            "print(m.__file__)"], cwd=ROOT, env=_env(compiled_src),
+                           capture_output=True, text=True, check=True, timeout=60)
+    assert probe.stdout.strip().endswith(".so")  # the run above took the extensions

@@ -16,6 +16,7 @@ from dynamo_ftctl.http1 import MockTransport, NoConnection, Reply, Request
 from dynamo_ftctl.proxy.attempt import Upstream, UpstreamFailure
 from dynamo_ftctl.proxy.balancer import WorkerSlot
 from dynamo_ftctl.proxy.ledger import StreamLedger
+from dynamo_ftctl.proxy.streams import stream_attempt
 
 URL = "http://127.0.0.1:1/v1/completions"
 
@@ -38,7 +39,7 @@ def _attempt(transport: MockTransport, *, max_tokens: int = 8) -> tuple[list[str
 
     async def run() -> list[str]:
         texts = []
-        async for batch in upstream.attempt(slot, URL, b"{}", {}, ledger):
+        async for batch in stream_attempt(upstream, slot, URL, b"{}", {}, ledger):
             texts += [chunk["choices"][0]["text"] for chunk in batch if isinstance(chunk, dict)]
         return texts
 
@@ -99,7 +100,7 @@ def test_no_connection_is_unreachable() -> None:
 
 
 def _whole(transport: MockTransport, *, max_tokens: int = 8,
-           chat: bool = False) -> tuple[list[Any], StreamLedger]:
+           chat: bool = False) -> StreamLedger:
     """One whole-answer attempt (`StreamLedger.whole`) through `transport`."""
     body: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "stream": False}
     body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
@@ -108,10 +109,8 @@ def _whole(transport: MockTransport, *, max_tokens: int = 8,
     slot = WorkerSlot(name="w1", url="http://127.0.0.1:1", model="m", group="g")
     upstream = Upstream(transport, stall_s=5.0, connect_timeout_s=1.0, now=lambda: 0.0)
 
-    async def run() -> list[Any]:
-        return [batch async for batch in upstream.attempt(slot, URL, b"{}", {}, ledger)]
-
-    return asyncio.run(run()), ledger
+    asyncio.run(upstream.whole(slot, URL, b"{}", {}, ledger))
+    return ledger
 
 
 def _answer(text: str, *, ids: int | None = None, chat: bool = False,
@@ -129,16 +128,15 @@ def _answer(text: str, *, ids: int | None = None, chat: bool = False,
        chat=st.booleans(), ids=st.integers(1, 8))
 def test_a_whole_answer_split_anywhere_reads_alike(text: str, chunk_size: int, chat: bool,
                                                    ids: int) -> None:
-    """A whole answer in any split is one batch, recorded in the ledger as its stream would
-    be (a chat's message as a delta), and the head is awaited (max_tokens + 1) stalls."""
+    """A whole answer in any split is recorded in the ledger as its stream would be (a chat's
+    message as a delta), and the head is awaited (max_tokens + 1) stalls."""
     seen: list[Request] = []
 
     def handler(request: Request) -> Reply:
         seen.append(request)
         return Reply(200, _answer(text, ids=ids, chat=chat), {"content-type": "application/json"})
 
-    batches, ledger = _whole(MockTransport(handler, chunk_size=chunk_size), chat=chat)
-    assert batches == [[]]
+    ledger = _whole(MockTransport(handler, chunk_size=chunk_size), chat=chat)
     assert ledger.generated_text == text
     assert (ledger.generated_count, ledger.finish_reason) == (ids, "length")
     assert ledger.response()["usage"] == {"prompt_tokens": 2, "completion_tokens": ids,

@@ -90,8 +90,11 @@ def test_a_whole_answer_reads_as_the_streamed_one(run: Callable[..., Any], chat:
         assert usage["completion_tokens"] == streamed_usage["completion_tokens"]
         assert streamed_usage["prompt_tokens"] in {0, usage["prompt_tokens"]}
         assert one == other
-        for key in ("x-ftctl-count", "x-ftctl-continuation"):
-            assert whole.headers.get(key) == streamed.headers.get(key)
+        assert whole.headers.get("x-ftctl-continuation") == \
+            streamed.headers.get("x-ftctl-continuation")
+        # A stream without ids cut at a stop string counts its chunks; the whole answer has
+        # the worker's usage.
+        assert whole.headers["x-ftctl-count"] in {streamed.headers["x-ftctl-count"], "usage"}
     run(go())
 
 
