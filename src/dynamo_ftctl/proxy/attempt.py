@@ -148,14 +148,12 @@ class Upstream:
         watch = _Watch(self, slot)
         resp: ReplyStream | None = None
         try:
-            async with asyncio.timeout(None) as deadline:
-                watch.start(deadline)
-                resp = await self.http.open_stream(Request(
-                    "POST", url, body, headers, self.stall_s * ((ledger.max_tokens or 0) + 1),
-                    connect_timeout_s=self.connect_timeout_s))
-                data = await self._whole_body(slot, resp)
-        except TimeoutError:
-            if watch.why:
+            resp = await self.http.open_stream(Request(
+                "POST", url, body, headers, self.stall_s * ((ledger.max_tokens or 0) + 1),
+                connect_timeout_s=self.connect_timeout_s))
+            data = await self._whole_body(slot, resp)
+        except asyncio.CancelledError:
+            if watch.took_back():
                 raise failed("stalled", f"{slot.name}: {watch.why}") from None
             raise
         finally:
@@ -183,58 +181,60 @@ class Upstream:
 
 
 class _Watch:
-    """The watch over one whole answer's wait: every `stall_s`, a known-good probe of the
-    worker; the wait's `deadline` is moved to now (a `TimeoutError` there) when the probe
-    fails, and `why` says so."""
+    """The watch over one whole answer's wait (from its creation to `stop`): every
+    `stall_s`, a known-good probe of the worker (`Upstream.probe`); when the worker fails
+    it, `why` says so and the waiting task is cancelled (`took_back` tells that
+    cancellation from any other). One timer a request, no `asyncio.timeout` (run per
+    request, its Python costs more than the rest of this watch)."""
 
-    __slots__ = ("_deadline", "_handle", "_probe", "_slot", "_stall", "_task", "why")
+    __slots__ = ("_handle", "_probe", "_probing", "_slot", "_stall", "_task", "why")
 
     def __init__(self, upstream: Upstream, slot: WorkerSlot) -> None:
         self._probe = upstream.probe
         self._stall = upstream.stall_s
         self._slot = slot
-        self._deadline: asyncio.Timeout | None = None
         self._handle: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[str | None] | None = None
+        self._probing: asyncio.Task[str | None] | None = None
+        self._task: asyncio.Task[Any] | None = None
         self.why = ""
-
-    def start(self, deadline: asyncio.Timeout) -> None:
-        if self._probe is None:
-            return
-        self._deadline = deadline
-        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+        if self._probe is not None:
+            self._task = asyncio.current_task()
+            self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
 
     def stop(self) -> None:
-        self._deadline = None
+        """The wait ended: no more probes, no cancellation."""
+        self._task = None
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        if self._probing is not None:
+            self._probing.cancel()
+            self._probing = None
 
-    def _end(self, why: str) -> None:
-        if self._deadline is not None:
-            self.why = why
-            self._deadline.reschedule(asyncio.get_running_loop().time())
+    def took_back(self) -> bool:
+        """Whether the `CancelledError` being handled is this watch's own, taken back now
+        (False: someone else cancelled the task too, e.g. the client left)."""
+        return bool(self.why) and self._task is not None and self._task.uncancel() == 0
 
     def _check(self) -> None:
         self._handle = None
         assert self._probe is not None
-        self._task = asyncio.get_running_loop().create_task(self._probe(self._slot))
-        self._task.add_done_callback(self._checked)
+        self._probing = asyncio.get_running_loop().create_task(self._probe(self._slot))
+        self._probing.add_done_callback(self._checked)
 
-    def _checked(self, task: asyncio.Task[str | None]) -> None:
-        if task is not self._task or self._deadline is None:
+    def _checked(self, probing: asyncio.Task[str | None]) -> None:
+        if probing is not self._probing or self._task is None:
             return  # stopped meanwhile
-        self._task = None
-        failure = None if task.cancelled() else (
-            repr(task.exception()) if task.exception() is not None else task.result())
-        if failure is not None:
-            self._end(f"no whole answer within {self._stall:g} s, and the worker fails a "
-                      f"known-good request: {failure}")
+        self._probing = None
+        failure = None if probing.cancelled() else (
+            repr(probing.exception()) if probing.exception() is not None
+            else probing.result())
+        if failure is None:
+            self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
             return
-        self._handle = asyncio.get_running_loop().call_later(self._stall, self._check)
+        self.why = (f"no whole answer within {self._stall:g} s, and the worker fails a "
+                    f"known-good request: {failure}")
+        self._task.cancel()
 
 
 async def answered(slot: WorkerSlot, resp: ReplyStream, stall_s: float) -> str:

@@ -34,7 +34,7 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from dynamo_ftctl.openai import StopFinder
@@ -108,96 +108,93 @@ def _joined(parts: list[str]) -> str:
     return parts[0] if parts else ""
 
 
-@dataclass
 class StreamLedger:
     """Everything one client request has received so far, across workers."""
 
-    endpoint: Endpoint
-    body: dict[str, Any]
-    migration_limit: int = 3
-    max_model_len: int | None = None
-    # The client's `X-Request-Id`, echoed back (and sent to workers as
-    # `X-Ftctl-Trace-Id`); a fresh UUID when the client sent none. The answer's `id`
-    # is the endpoint's prefix and this.
-    trace_id: str = ""
-    request_id: str = ""
-    # The `X-Request-Id` of the current attempt: a fresh UUID per attempt, never the
-    # client's, so no client can make two attempts share an id on a worker (a worker
-    # that refuses a running id, 409, would fail the other's request).
-    upstream_id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    prompt_ids: list[int] | None = None
-    generated_ids: list[int] = field(default_factory=list)
-    generated_count: int = 0
-    ids_mode: bool = True
-    ids_distrusted: bool = False  # a worker sent ids out of range: none is used or relayed
-    finish_reason: str | None = None
-    migrations: int = 0
-    attempt_tokens: int = 0
-    prompt_tokens_reported: int | None = None
-    # The current attempt's usage as its worker reported it (vLLM sends it last):
-    # prompt tokens, and of those the ones whose KV it loaded instead of computing
-    # (`prompt_tokens_details.cached_tokens`; None when the worker sends no details).
-    attempt_prompt_tokens: int | None = None
-    attempt_cached_tokens: int | None = None
-    # The model's chat template (`chat_template.ChatTemplate`), when the inventory names
-    # its tokenizer directory: a text chat continues through /v1/completions with it.
-    chat_template: Any = None
-    # How each attempt's tokens were counted ("ids", "usage", "tokenize", ...).
-    count_sources: list[CountSource] = field(default_factory=list)
-    # The count the client's header named when it went out (the stream's end says more).
-    count_header: str = ""
-    # This attempt sent text without ids (its count is chunks until settled), and how it
-    # was settled; where its text starts in `generated_text`.
-    attempt_textual: bool = False
-    attempt_settled: CountSource | None = None
-    attempt_text_start: int = 0
-    # Tokens of generated text that a text continuation's prompt holds (its usage's
-    # prompt_tokens less these is the client's prompt, when no attempt said it).
-    _continued_at: int | None = None
-    logprobs: dict[str, Any] | None = None
-    workers: list[str] = field(default_factory=list)
-    # Per worker, the most of this request's context (client prompt + generated tokens)
-    # an attempt of it reached there: what that worker's prefix cache may still hold.
-    reached: dict[str, int] = field(default_factory=dict)
-    # The serving worker's time to first token as the proxy saw it (request written to
-    # the first byte of the answer's body): the client's TTFT less this is the proxy's.
-    upstream_ttft_s: float | None = None
-    # The endpoint of the current upstream attempt: a chat continued from token ids
-    # streams from "completions" (see `continuation.continuation_request`).
-    upstream_endpoint: Endpoint = "completions"
-    # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
-    parsed_deltas: bool = False
-    # Trailing generated ids whose text the worker has held back so far (the first bytes
-    # of a character): a continuation starts before them (see `continuation.rewind`).
-    unsettled: int = 0
-    # Ids a rewound continuation generates again that the client already has.
-    replay: list[int] = field(default_factory=list)
-    _role_sent: bool = False
-    _prompt_ids_sent: bool = False
-    _fingerprint: str | None = None
-    # Stop strings the proxy matches itself (None: the request has none).
-    stops: StopFinder | None = None
-    stopped: bool = False  # a stop string matched: the upstream stream must be cut
-    # Upstream attempts ask for one whole JSON answer, not a stream (a client that does
-    # not stream, a short answer: `proxy.whole_max_tokens`); a failed one is re-run.
-    whole: bool = False
-    # Texts kept in the pieces they came in and joined when read (`_joined`): a string
-    # grown by += per token is copied whole each time, quadratic in its length.
-    _text_parts: list[str] = field(default_factory=list, repr=False)  # every token's
-    # The text sent to the client (kept only with stop strings).
-    _client_parts: list[str] = field(default_factory=list, repr=False)
-    # The client's asks, read once from its body (they are looked up for every chunk).
-    _streams: bool = field(init=False, repr=False)
-    _wants_ids: bool = field(init=False, repr=False)
-    _max_tokens: int | None = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.stops = StopFinder.from_body(self.body)
-        body = self.body
+    def __init__(self, endpoint: Endpoint, body: dict[str, Any], *, migration_limit: int = 3,
+                 max_model_len: int | None = None, trace_id: str = "",
+                 request_id: str = "") -> None:
+        # A plain class, not a dataclass: mypyc compiles this __init__ (a dataclass's is
+        # generated Python, run per request).
+        self.endpoint = endpoint
+        self.body = body
+        self.migration_limit = migration_limit
+        self.max_model_len = max_model_len
+        # The client's `X-Request-Id`, echoed back (and sent to workers as
+        # `X-Ftctl-Trace-Id`); a fresh UUID when the client sent none. The answer's `id`
+        # is the endpoint's prefix and this.
+        self.trace_id = trace_id
+        self.request_id = request_id
+        # The `X-Request-Id` of the current attempt: a fresh UUID per attempt, never the
+        # client's, so no client can make two attempts share an id on a worker (a worker
+        # that refuses a running id, 409, would fail the other's request).
+        self.upstream_id: str = ""
+        self.created: int = int(time.time())
+        self.prompt_ids: list[int] | None = None
+        self.generated_ids: list[int] = []
+        self.generated_count: int = 0
+        self.ids_mode: bool = True
+        self.ids_distrusted: bool = False  # a worker sent ids out of range: none is used or relayed
+        self.finish_reason: str | None = None
+        self.migrations: int = 0
+        self.attempt_tokens: int = 0
+        self.prompt_tokens_reported: int | None = None
+        # The current attempt's usage as its worker reported it (vLLM sends it last):
+        # prompt tokens, and of those the ones whose KV it loaded instead of computing
+        # (`prompt_tokens_details.cached_tokens`; None when the worker sends no details).
+        self.attempt_prompt_tokens: int | None = None
+        self.attempt_cached_tokens: int | None = None
+        # The model's chat template (`chat_template.ChatTemplate`), when the inventory names
+        # its tokenizer directory: a text chat continues through /v1/completions with it.
+        self.chat_template: Any = None
+        # How each attempt's tokens were counted ("ids", "usage", "tokenize", ...).
+        self.count_sources: list[CountSource] = []
+        # The count the client's header named when it went out (the stream's end says more).
+        self.count_header: str = ""
+        # This attempt sent text without ids (its count is chunks until settled), and how it
+        # was settled; where its text starts in `generated_text`.
+        self.attempt_textual: bool = False
+        self.attempt_settled: CountSource | None = None
+        self.attempt_text_start: int = 0
+        # Tokens of generated text that a text continuation's prompt holds (its usage's
+        # prompt_tokens less these is the client's prompt, when no attempt said it).
+        self._continued_at: int | None = None
+        self.logprobs: dict[str, Any] | None = None
+        self.workers: list[str] = []
+        # Per worker, the most of this request's context (client prompt + generated tokens)
+        # an attempt of it reached there: what that worker's prefix cache may still hold.
+        self.reached: dict[str, int] = {}
+        # The serving worker's time to first token as the proxy saw it (request written to
+        # the first byte of the answer's body): the client's TTFT less this is the proxy's.
+        self.upstream_ttft_s: float | None = None
+        # The endpoint of the current upstream attempt: a chat continued from token ids
+        # streams from "completions" (see `continuation.continuation_request`).
+        self.upstream_endpoint: Endpoint = "completions"
+        # A chat delta carried a parsed field (tool calls, reasoning) a completion cannot give.
+        self.parsed_deltas: bool = False
+        # Trailing generated ids whose text the worker has held back so far (the first bytes
+        # of a character): a continuation starts before them (see `continuation.rewind`).
+        self.unsettled: int = 0
+        # Ids a rewound continuation generates again that the client already has.
+        self.replay: list[int] = []
+        self._role_sent: bool = False
+        self._prompt_ids_sent: bool = False
+        self._fingerprint: str | None = None
+        # Stop strings the proxy matches itself (None: the request has none).
+        self.stops: StopFinder | None = StopFinder.from_body(body)
+        self.stopped: bool = False  # a stop string matched: the upstream stream must be cut
+        # Upstream attempts ask for one whole JSON answer, not a stream (a client that does
+        # not stream, a short answer: `proxy.whole_max_tokens`); a failed one is re-run.
+        self.whole: bool = False
+        # Texts kept in the pieces they came in and joined when read (`_joined`): a string
+        # grown by += per token is copied whole each time, quadratic in its length.
+        self._text_parts: list[str] = []  # every token's
+        # The text sent to the client (kept only with stop strings).
+        self._client_parts: list[str] = []
+        # The client's asks, read once from its body (they are looked up for every chunk).
         self._streams = bool(body.get("stream"))
         self._wants_ids = bool(body.get("return_token_ids"))
-        self._max_tokens = None
+        self._max_tokens: int | None = None
         for key in LENGTH_KEYS:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):

@@ -104,43 +104,47 @@ class _Hold:
     users: int = 0
 
 
-@dataclass(slots=True)
 class _Trip:
-    """One request's way through the fleet so far: what the policy decides the next step from."""
+    """One request's way through the fleet so far: what the policy decides the next step from.
 
-    ledger: StreamLedger
-    body: dict[str, Any]  # the next upstream body (method "kv": the import's instead)
-    prompt_estimate: int
-    model: str | None = None
-    failed_workers: set[str] = field(default_factory=set)
-    failed_groups: set[str] = field(default_factory=set)
-    # Failed workers the request never reached (no connection made): tried again when
-    # no other is left, within `stall_timeout_s` of `unreached_since`.
-    unreached: set[str] = field(default_factory=set)
-    unreached_since: float | None = None
-    reach_rounds: int = 0
-    yielded: bool = False  # a batch went to the client
-    queued: bool = True  # no first token yet (counted in `Fleet.queued`)
-    failed_at: float | None = None  # when the last failure happened (a migration's gap)
-    source_group: str = ""
-    method: str = ""  # how the next attempt goes on: retry, reprefill, text or kv
-    kv_payload: bytes = b""  # a KV export to import on the next worker (method "kv")
-    suspect: _Suspect | None = None  # a failure charged once another worker tells whose
-    retrying: bool = False  # this attempt holds a place in the retry budget
-    budgeted: bool = False  # the next attempt is a retry the budget caps
-    serial: int = 0  # this request among the proxy's (the query memory's key)
-    _print: str = ""  # its fingerprint, once asked for (`print_`)
-    held: bool = False  # this attempt runs while the fingerprint is suspected
-    absent: bool = False  # a worker said it does not serve the model
-    # The attempt's body asked for `return_token_ids` (the worker's capability then).
-    sent_ids: bool = False
-    # A counted migration under way (Dynamo's mirror): its migration_type and start.
-    migrating: str = ""
-    migrating_since: float = 0.0
-    # A re-prefill continuation that went on, not counted yet (source group, target
-    # group): its method, "kv" or "reprefill", is known once its usage arrives.
-    uncounted: tuple[str, str] | None = None
-    pending: int = 0  # the attempt's prompt estimate, until its first batch
+    A plain class, not a dataclass: mypyc compiles this __init__ (a dataclass's is
+    generated Python, run per request)."""
+
+    def __init__(self, ledger: StreamLedger, body: dict[str, Any], prompt_estimate: int,
+                 model: str | None, *, serial: int) -> None:
+        self.ledger = ledger
+        self.body = body  # the next upstream body (method "kv": the import's instead)
+        self.prompt_estimate = prompt_estimate
+        self.model = model
+        self.failed_workers: set[str] = set()
+        self.failed_groups: set[str] = set()
+        # Failed workers the request never reached (no connection made): tried again when
+        # no other is left, within `stall_timeout_s` of `unreached_since`.
+        self.unreached: set[str] = set()
+        self.unreached_since: float | None = None
+        self.reach_rounds = 0
+        self.yielded = False  # a batch went to the client
+        self.queued = True  # no first token yet (counted in `Fleet.queued`)
+        self.failed_at: float | None = None  # when the last failure happened (a migration's gap)
+        self.source_group = ""
+        self.method = ""  # how the next attempt goes on: retry, reprefill, text or kv
+        self.kv_payload = b""  # a KV export to import on the next worker (method "kv")
+        self.suspect: _Suspect | None = None  # a failure charged once another worker tells whose
+        self.retrying = False  # this attempt holds a place in the retry budget
+        self.budgeted = False  # the next attempt is a retry the budget caps
+        self.serial = serial  # this request among the proxy's (the query memory's key)
+        self._print = ""  # its fingerprint, once asked for (`print_`)
+        self.held = False  # this attempt runs while the fingerprint is suspected
+        self.absent = False  # a worker said it does not serve the model
+        # The attempt's body asked for `return_token_ids` (the worker's capability then).
+        self.sent_ids = False
+        # A counted migration under way (Dynamo's mirror): its migration_type and start.
+        self.migrating = ""
+        self.migrating_since = 0.0
+        # A re-prefill continuation that went on, not counted yet (source group, target
+        # group): its method, "kv" or "reprefill", is known once its usage arrives.
+        self.uncounted: tuple[str, str] | None = None
+        self.pending = 0  # the attempt's prompt estimate, until its first batch
 
     @property
     def print_(self) -> str:

@@ -936,13 +936,15 @@ def test_proxy_metrics_mirror_dynamos_migration_series(run: Callable[..., Any]) 
 
 
 
-@pytest.mark.parametrize("streamed", [True, False])
+@pytest.mark.parametrize(("streamed", "whole"), [(True, 0), (False, 0), (False, 20)],
+                         ids=["streamed", "unstreamed", "whole"])
 def test_client_hang_up_cancels_the_upstream_request(
-        run: Callable[..., Any], streamed: bool) -> None:
-    """A client that hangs up mid-generation (streamed or not) makes the proxy drop upstream."""
+        run: Callable[..., Any], streamed: bool, whole: int) -> None:
+    """A client that hangs up mid-generation (streamed, not, or waiting for a whole
+    answer) makes the proxy drop upstream."""
     async def go() -> None:
         slow = FakeWorker(mode="stall", fail_after=2)
-        async with Cluster([slow], stall_timeout_s=20) as c:
+        async with Cluster([slow], stall_timeout_s=20, whole_max_tokens=whole) as c:
             assert c.server is not None
             port = int(c.server.address.rsplit(":", 1)[1])
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
