@@ -180,7 +180,8 @@ class FrontDoor:
                 return _reply(exc.status, exc.body, exc.headers)
             except StreamAborted as exc:
                 return _reply(502, error_body(str(exc), type=exc.kind, code=502))
-            tally.first_token()
+            # No first token nor gaps between tokens are seen in a whole answer: its
+            # request counts in the duration and the request counter only.
             tally.finish("", ledger.generated_count)
             return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
         chunks = stream_generate(self.policy, ledger, lane)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynamo_ftctl import metrics
 from dynamo_ftctl.proxy.serve import MIGRATED_HEADER
 from tests.unit.proxy.test_proxy import BODY, Cluster, FakeWorker, expected_text, run
 from tests.waiting import until
@@ -31,12 +32,22 @@ def _sent_whole(fake: FakeWorker) -> bool:
         r["stream"] is False and "stream_options" not in r for r in fake.requests)
 
 
+def _sample(name: str) -> float:
+    """A sample of the proxy's registry for the fake model (one registry per process)."""
+    return metrics.REGISTRY.get_sample_value(name, {"model": BODY["model"]}) or 0.0
+
+
 def test_a_whole_answer_is_one_upstream_answer(run: Callable[..., Any]) -> None:
     """The worker is asked once, not to stream; the client's answer is the generation, with
-    the proxy's id, usage and count header."""
+    the proxy's id, usage and count header; Dynamo's duration counts it, its time to first
+    token does not (no token is seen before the end)."""
     async def go() -> None:
         async with Cluster([FakeWorker()], whole_max_tokens=20) as c:
+            durations = _sample("dynamo_frontend_request_duration_seconds_count")
+            firsts = _sample("dynamo_frontend_time_to_first_token_seconds_count")
             resp = await c.client.post("/v1/completions", json=WHOLE)
+            assert _sample("dynamo_frontend_request_duration_seconds_count") == durations + 1
+            assert _sample("dynamo_frontend_time_to_first_token_seconds_count") == firsts
             assert resp.status == 200
             doc = resp.json()
             assert doc["choices"][0]["text"] == ANSWER
