@@ -382,8 +382,11 @@ class Connection(asyncio.Protocol):
                 except asyncio.CancelledError:
                     self.hang_up()  # the client left, or a shutdown deadline passed
                     raise
-                except Exception:
-                    log.exception("handler failed for %s %s", request.method, request.path)
+                except Exception as exc:
+                    # The exception itself, not sys.exc_info(): compiled (mypyc) coroutines
+                    # do not keep the one being handled per task.
+                    log.error("handler failed for %s %s", request.method, request.path,
+                              exc_info=exc)
                     if not self._head_sent:
                         self._write(error_bytes(500, "internal server error"))
                     keep_alive = False  # a broken stream ends with the connection
@@ -406,6 +409,9 @@ class Connection(asyncio.Protocol):
     async def _stream(self, reply: Stream, keep_alive: bool, *, chunked: bool) -> None:
         chunks = reply.chunks
         pusher: Pusher | None = None
+        # The body is closed after the block, not in a finally: compiled (mypyc), an await
+        # while an exception is handled leaks that exception to the other tasks.
+        failed: BaseException | None = None
         try:
             head = frame_head(reply.status, reply.content_type, reply.headers,
                          b"transfer-encoding: chunked\r\n" if chunked else b"", keep_alive)
@@ -422,14 +428,18 @@ class Connection(asyncio.Protocol):
                     if self._write_paused:
                         await self._drain()
                 if self.closed:
-                    return
-            self._write(head + CHUNKED_END if chunked else head)
-        finally:
-            if pusher is not None:
-                pusher.open = False
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()
+                    break
+            else:
+                self._write(head + CHUNKED_END if chunked else head)
+        except BaseException as exc:
+            failed = exc
+        if pusher is not None:
+            pusher.open = False
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if failed is not None:
+            raise failed
 
     def _write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:

@@ -186,16 +186,24 @@ class FrontDoor:
             return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
         chunks = stream_generate(self.policy, ledger, lane)
         if lane is None:
+            # The generator is closed after the block, not in a finally: compiled (mypyc),
+            # an await while an exception is handled leaks it to the other tasks.
+            failed: Reply | BaseException | None = None
             try:
                 async for _ in chunks:
                     if tally.first is None:
                         tally.first_token()
             except ProxyError as exc:
-                return _reply(exc.status, exc.body, exc.headers)
+                failed = _reply(exc.status, exc.body, exc.headers)
             except StreamAborted as exc:
-                return _reply(502, error_body(str(exc), type=exc.kind, code=502))
-            finally:
-                await chunks.aclose()
+                failed = _reply(502, error_body(str(exc), type=exc.kind, code=502))
+            except BaseException as exc:  # the client left (or a bug): closed, then raised
+                failed = exc
+            await chunks.aclose()
+            if isinstance(failed, BaseException):
+                raise failed
+            if failed is not None:
+                return failed
             tally.finish("", ledger.generated_count)
             return Reply(200, dumps(ledger.response()), headers=_answer_headers(ledger))
         try:

@@ -189,13 +189,19 @@ class MigrationPolicy:
             while True:
                 slot, url, data, headers = await self.begin(trip)
                 try:
-                    await self.upstream.whole(slot, url, data, headers, ledger,
-                                              load=self.fleet.loads.get(slot.name))
-                    self.batch(trip, slot)
-                    await self.succeeded(trip, slot)
-                    return
-                except UpstreamFailure as exc:
-                    if not await self.after_failure(trip, slot, exc.outcome):
+                    # No await in an except or finally block here: compiled (mypyc), the
+                    # exception being handled would be every other task's while this waits.
+                    outcome = None
+                    try:
+                        await self.upstream.whole(slot, url, data, headers, ledger,
+                                                  load=self.fleet.loads.get(slot.name))
+                    except UpstreamFailure as exc:
+                        outcome = exc.outcome
+                    if outcome is None:
+                        self.batch(trip, slot)
+                        await self.succeeded(trip, slot)
+                        return
+                    if not await self.after_failure(trip, slot, outcome):
                         ledger.finish_chunk("length")
                         return
                 finally:

@@ -154,3 +154,34 @@ def test_the_proxy_tests_pass_on_the_compiled_build(compiled_src: Path) -> None:
                             "print(m.__file__)"], cwd=ROOT, env=_env(compiled_src),
                            capture_output=True, text=True, check=True, timeout=60)
     assert probe.stdout.strip().endswith(".so")  # the run above took the extensions
+
+
+def _handler_awaits(path: Path) -> list[str]:
+    """Where a module awaits (await, async for, async with) inside an except or finally
+    block, or reads the exception being handled from `sys` or `logging.exception`."""
+    import ast
+
+    found = []
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try):
+            blocks = [("finally", node.finalbody)] + [("except", h.body) for h in node.handlers]
+            for kind, body in blocks:
+                for stmt in body:
+                    for sub in ast.walk(stmt):
+                        if isinstance(sub, ast.Await | ast.AsyncFor | ast.AsyncWith):
+                            found.append(f"{path.name}:{sub.lineno}: await in {kind}")
+        if isinstance(node, ast.Attribute) and node.attr in {"exception", "exc_info"} \
+                and isinstance(node.value, ast.Name) and node.value.id in {"sys", "log"}:
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_compiled_module_awaits_while_an_exception_is_handled() -> None:
+    """mypyc's coroutines keep the exception being handled in the thread, not per task: an
+    await in an except or finally block (or sys.exception(), log.exception) hands it to
+    whatever task runs meanwhile (a fake worker's TypeError came out of the proxy's front
+    door). No module of MYPYC_MODULES does either."""
+    found = [where for module in _hatch_build().MYPYC_MODULES
+             for where in _handler_awaits(ROOT / "src" / module)]
+    assert found == []
