@@ -158,6 +158,9 @@ class Run(NamedTuple):
     rps: float
     cpu_s: float  # the proxy's CPU time over the run
     requests: int
+    # Requests wrk gave up on after its 2 s timeout (a starved machine); any other
+    # socket error or a non-2xx answer fails the run.
+    timeouts: int = 0
 
     @property
     def cpu_us_per_request(self) -> float:
@@ -184,10 +187,14 @@ def wrk(url: str, pid: int, directory: Path, seconds: float, *, tokens: int,
     if rps is None or total is None:
         msg = f"wrk said:\n{out.stdout}{out.stderr}"
         raise SystemExit(msg)
-    if "Non-2xx" in out.stdout or "Socket errors" in out.stdout:
+    sockets = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), "
+                        r"timeout (\d+)", out.stdout)
+    if "Non-2xx" in out.stdout or (sockets is not None and any(
+            int(n) for n in sockets.groups()[:3])):
         msg = f"errors through {url}:\n{out.stdout}"
         raise SystemExit(msg)
-    return Run(float(rps.group(1)), cpu, int(total.group(1)))
+    timeouts = int(sockets.group(4)) if sockets is not None else 0
+    return Run(float(rps.group(1)), cpu, int(total.group(1)), timeouts)
 
 
 def spread(values: list[float], fmt: str = ",.0f") -> str:

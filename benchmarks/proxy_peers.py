@@ -251,6 +251,10 @@ def report(labels: list[str], results: dict[tuple[str, str], list[Run]],
         rps = "  ".join(f"{label} {statistics.median(r.rps for r in results[label, load]):,.0f}"
                         for label in labels)
         print(f"{'':<24}req/s: {rps}")
+        late = {label: sum(r.timeouts for r in results[label, load]) for label in labels}
+        if any(late.values()):
+            print(f"{'':<24}wrk timeouts (> 2 s, a starved machine): " + "  ".join(
+                f"{label} {n}" for label, n in late.items() if n))
     after = os.getloadavg()
     print(f"load average before {load_before[0]:.2f}, after {after[0]:.2f} (1 min)")
     if not rust:
