@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from dynamo_ftctl.proxy.balancer import WorkerSlot
     from dynamo_ftctl.proxy.ledger import Endpoint, StreamLedger
 
-__all__ = ["KvShare", "Lane", "Reader", "Upstream", "UpstreamFailure", "estimate_prompt_tokens"]
+__all__ = ["READ_ERRORS", "KvShare", "Lane", "Reader", "Upstream", "UpstreamFailure", "answered",
+           "as_failure", "estimate_prompt_tokens"]
 
 # How long to wait for the end of an upstream body after its [DONE].
 _DRAIN_S = 0.1
@@ -136,8 +137,7 @@ class Upstream:
             await self._whole(slot, url, body, headers, ledger, kv)
         except UpstreamFailure:
             raise
-        except (ErrorEvent, MalformedChunk, ValueError, UnicodeDecodeError, OSError,
-                TimeoutError) as exc:
+        except READ_ERRORS as exc:
             raise as_failure(slot.name, exc) from None
         finally:
             kv.release()
@@ -248,6 +248,11 @@ async def answered(slot: WorkerSlot, resp: ReplyStream, stall_s: float) -> str:
                      content_type=content_type or "application/json",
                      retry_after=resp.header("retry-after"))
     return content_type
+
+
+# What reading an answer raises besides `UpstreamFailure`: `as_failure` turns each into one.
+READ_ERRORS = (ErrorEvent, MalformedChunk, ValueError, UnicodeDecodeError, OSError,
+               TimeoutError)
 
 
 def as_failure(worker: str, exc: Exception) -> UpstreamFailure:

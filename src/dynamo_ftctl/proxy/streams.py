@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 from dynamo_ftctl.http1 import Request
 from dynamo_ftctl.http1 import Response as UpstreamResponse
 from dynamo_ftctl.openai import error_body
-from dynamo_ftctl.proxy.attempt import answered, as_failure
-from dynamo_ftctl.proxy.chunk import ErrorEvent, MalformedChunk
+from dynamo_ftctl.proxy.attempt import READ_ERRORS, answered, as_failure
 from dynamo_ftctl.proxy.codec import SSE_DONE, ClientPiece, sse_batch, sse_event
 from dynamo_ftctl.proxy.errors import ProxyError, StreamAborted, UpstreamFailure
 from dynamo_ftctl.proxy.reader import Reader, failed
@@ -96,8 +95,7 @@ async def stream_attempt(upstream: Upstream, slot: WorkerSlot, url: str,  # noqa
             raise failed("garbage", f"{slot.name}: stream ended without a finish reason")
     except UpstreamFailure:
         raise
-    except (ErrorEvent, MalformedChunk, ValueError, UnicodeDecodeError, OSError,
-            TimeoutError) as exc:
+    except READ_ERRORS as exc:
         raise as_failure(slot.name, exc) from None
     finally:
         kv.release()
