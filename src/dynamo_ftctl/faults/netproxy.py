@@ -11,6 +11,10 @@ the default, as in toxiproxy; "upstream": client → upstream):
     slice       split writes into ~size_bytes pieces, delay_us apart
     limit_data  close the connection once `bytes` have passed
 
+`on_downstream(connection, piece)`, when given, is told each piece as the relay writes it
+to a client, on the relay's loop, before the next one: a test's trigger that acts where
+the relay is (a client that lags behind can hold the whole answer before it sees a token).
+
 `ControlServer` exposes them over a small HTTP/JSON API (what the `net`
 injector and `ftctl inject netproxy` speak): `GET /toxics`, `POST /toxics`
 (a toxic as JSON), `DELETE /toxics/{name}`, `DELETE /toxics`, `GET /health`.
@@ -154,7 +158,8 @@ class NetProxy:
     """A TCP relay from `listen` to `upstream` with runtime toxics."""
 
     def __init__(self, upstream_host: str, upstream_port: int, *, host: str = "127.0.0.1",
-                 port: int = 0, seed: int | None = None) -> None:
+                 port: int = 0, seed: int | None = None,
+                 on_downstream: Callable[[object, bytes], None] | None = None) -> None:
         self.upstream_host = upstream_host
         self.upstream_port = upstream_port
         self.host = host
@@ -165,6 +170,7 @@ class NetProxy:
         self._handlers: set[asyncio.Task[Any]] = set()
         self._random = random.Random(seed)
         self.accepted = 0
+        self.on_downstream = on_downstream  # (the connection, an opaque key; the piece)
 
     # -- toxics -------------------------------------------------------------
     def add_toxic(self, toxic: Toxic) -> Toxic:
@@ -354,6 +360,8 @@ class NetProxy:
                     elif slicer is not None and index:
                         await asyncio.sleep(slicer.delay_us / 1e6)
                     dst.write(piece)
+                    if direction == "downstream" and self.on_downstream is not None:
+                        self.on_downstream(conn, piece)
                     await dst.drain()
                 conn.passed[direction] += len(chunk)
                 if limit is not None and conn.passed[direction] >= limit.bytes:

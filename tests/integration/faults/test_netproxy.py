@@ -208,6 +208,38 @@ def test_limit_data_closes_after_n_bytes() -> None:
     assert run(_sender(10_000), body) == 1000
 
 
+def test_on_downstream_sees_each_piece_first_and_can_cut_the_rest() -> None:
+    """on_downstream is told each piece written to the client, keyed by its connection; a
+    reset_peer it adds once 1,000 B passed (paced: 655 B pieces) keeps the rest back."""
+    seen: dict[object, int] = {}
+
+    async def body(proxy: NetProxy) -> int:
+        def watch(conn: object, piece: bytes) -> None:
+            seen[conn] = seen.get(conn, 0) + len(piece)
+            if seen[conn] >= 1000:
+                proxy.add_toxic(Toxic("rst", "reset_peer"))
+
+        proxy.on_downstream = watch
+        proxy.add_toxic(Toxic("pace", "bandwidth", rate_kbps=64))
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(b"g")
+        await writer.drain()
+        got = 0
+        try:
+            while data := await asyncio.wait_for(reader.read(65536), 10):
+                got += len(data)
+        except ConnectionResetError:
+            pass
+        finally:
+            writer.close()
+        return got
+
+    got = run(_sender(10_000), body)
+    [told] = seen.values()  # one connection
+    assert 1000 <= told < 10_000
+    assert got <= told  # nothing reached the client before on_downstream was told
+
+
 def test_control_api_adds_lists_and_clears() -> None:
     """The HTTP control API adds a toxic, lists it, rejects a bad one, removes and clears."""
 

@@ -6,8 +6,8 @@ with `--enable-prompt-tokens-details` (the proxy reads `cached_tokens`) and
 are saved chunk by chunk and a continuation loads more than one chunk's worth. Before
 it starts, the session's plain pair (if any) is stopped: two servers at once at most.
 
-- A stream cut by SIGKILL at a random token (after the pacing fault proxy's reset, as in
-  test_vllm_proxy.py) goes on on the other server token-exact against an uncut run, and
+- A stream cut by SIGKILL at a random token (after the pacing fault proxy's reset, where
+  that proxy is, as in test_vllm_proxy.py) goes on on the other server token-exact against an uncut run, and
   the proxy reports that server loaded all but at most one block plus the tokens past
   the last full block of the continued prompt.
 - A block damaged in the store (bytes flipped) is a miss: the continuation loads the
@@ -49,7 +49,6 @@ from tests.integration.proxy.test_proxy_sim import ProxyFactory, proxy_factory, 
 from tests.integration.vllm import conftest
 from tests.integration.vllm.server import VllmServer, spawn_vllm, wait_healthy
 from tests.integration.vllm.test_vllm_proxy import (
-    after_tokens,
     direct,
     paced,
     proxy_over,
@@ -161,14 +160,9 @@ def test_a_cut_stream_goes_on_from_the_stored_kv(
     assert len(expected.prompt_ids) > BATCH_TOKENS  # a chunked prefill
     cut = random.Random(f"{endpoint}{seed}").randrange(40, MAX_TOKENS - 80)
     with paced(kv_pair) as relays:
-
-        def kill(name: str) -> None:
-            relays.cut(name)
-            signal_group(by_name[name], signal.SIGKILL)
-
-        kill_at_cut, killed = after_tokens(cut, kill)
+        killed = relays.cut_after(cut, lambda name: signal_group(by_name[name], signal.SIGKILL))
         proxy = proxy_over(relays.workers, kv_pair[0].model, proxy_factory)
-        got = stream(proxy, endpoint, body, on_chunk=kill_at_cut)
+        got = stream(proxy, endpoint, body)
         counted = prompt_tokens_counted(proxy.url)
     assert killed, "the stream ended before the kill"
     assert got.error is None, got.error
@@ -285,9 +279,9 @@ def test_the_proxy_loads_or_recomputes_as_its_store_calibration_says(
             "max_tokens": MAX_TOKENS, "temperature": 0.0, "return_token_ids": True,
             "ignore_eos": True}
     with paced(kv_pair) as relays:
-        cut_at, cut = after_tokens(150, relays.cut)
+        cut = relays.cut_after(150)
         proxy = proxy_over(relays.workers, model, proxy_factory, calibration=str(path))
-        got = stream(proxy, "/v1/completions", body, on_chunk=cut_at)
+        got = stream(proxy, "/v1/completions", body)
         counted = prompt_tokens_counted(proxy.url)
         moved = migrations_counted(proxy.url)
     assert cut, "the stream ended before the cut"

@@ -1,9 +1,9 @@
 """`ftctl proxy` in front of two real vLLM servers: a broken stream goes on token by token.
 
-Each case streams through the proxy and breaks the serving worker once the client has
-seen CUT tokens. A chat continues as a completion of its rendered prompt's ids + the
-generated ids (vLLM re-tokenizes text into other ids, so a text continuation would
-differ from the cut on).
+Each case streams through the proxy and breaks the serving worker once CUT tokens of
+its answer are on their way to the client. A chat continues as a completion of its
+rendered prompt's ids + the generated ids (vLLM re-tokenizes text into other ids, so a
+text continuation would differ from the cut on).
 
 - Greedy: the client's ids and text equal the fault-free run straight from a worker.
 - Seeded (T=0.9, seed 7): vLLM's V1 sampler draws each step's noise from a per-request
@@ -13,15 +13,17 @@ differ from the cut on).
   are exactly what vLLM gives for that context and seed: nothing lost, repeated or
   re-tokenized.
 
-The fault, once the client has seen CUT tokens: the serving server's connection is reset
-in a fault proxy (`faults.netproxy`) between it and the proxy, and its process group is
-SIGKILLed. A kill alone does not cut where the client is: the tiny model decodes ~1000
-tokens/s, the dying server's socket still delivers all it wrote, and a client starved by
-the two spinning engines was still at token 40 when the whole answer had been written
-(CI, twice). The fault proxy paces each answer to PACE_KIB_S, so what the server wrote
-ahead waits there and the reset drops it: the cut falls where the client is (as in
-benchmarks/vllm.py). The `vllm_pair` fixture starts a killed server again for the next
-test.
+The fault, once CUT tokens have passed: the serving server's connection is reset in a
+fault proxy (`faults.netproxy`) between it and the proxy, and its process group is
+SIGKILLed. A kill alone does not cut the stream: the tiny model decodes ~1000 tokens/s,
+the dying server's socket still delivers all it wrote, and a client starved by the two
+spinning engines was still at token 40 when the whole answer had been written (CI,
+twice). The fault proxy paces each answer to PACE_KIB_S, so what the server wrote ahead
+waits there and the reset drops it. The fault proxy itself counts the tokens and acts
+before it passes the next piece: a count made by the client can come after the relay
+has passed the whole answer (the client's socket and reader hold what the relay
+passed, unpaced, while the client is starved). The `vllm_pair` fixture starts a killed
+server again for the next test.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import pytest
 from dynamo_ftctl.faults.netproxy import NetProxy, Toxic
 from tests import fetch
 from tests.integration.proxy.test_proxy_sim import (
-    OnChunk,
     ProxyFactory,
     ProxyProcess,
     Streamed,
@@ -108,34 +109,32 @@ def direct(server: VllmServer, endpoint: str, body: dict[str, Any]) -> Run:
     return Run(prompt, ids, text)
 
 
-def after_tokens(count: int, act: Callable[[str], None]) -> tuple[OnChunk, list[str]]:
-    """A `stream` callback calling `act(serving worker)` once the client has `count` ids.
-
-    It counts the ids, not the chunks: a vLLM API server that falls behind its engine
-    sends the tokens made meanwhile in one chunk (40 chunks held all of 1800 tokens once,
-    under load, and the kill came after the end).
-    """
-    hit: list[str] = []
-    seen = [0, 0]  # ids counted, bytes of `raw` parsed
-
-    def callback(out: Streamed, raw: bytes) -> None:
-        end = raw.rfind(b"\n\n") + 2
-        for event in raw[seen[1]:end].split(b"\n\n"):
-            if event.startswith(b"data: {"):
-                seen[0] += sum(len(c.get("token_ids") or ())
-                               for c in json.loads(event[6:])["choices"])
-        seen[1] = max(seen[1], end)
-        if not hit and seen[0] >= count:
-            name = out.headers["x-ftctl-worker"].split(",")[-1]
-            act(name)
-            hit.append(name)
-
-    return callback, hit
-
-
 def signal_group(server: VllmServer, sig: signal.Signals) -> None:
     """Signal the server's whole process group (API server, engine core, workers)."""
     os.killpg(server.proc.pid, sig)
+
+
+# A token id list in vLLM's streamed JSON ("token_ids" only: not "prompt_token_ids").
+_TOKEN_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
+
+
+class TokenCount:
+    """The token ids of each answer a relay passes, counted per connection from its SSE
+    events (ids, not events: a vLLM API server that falls behind its engine sends the
+    tokens made meanwhile in one event; 40 events held all of 1800 tokens once)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[object, tuple[bytes, int]] = {}  # unfinished line, ids counted
+
+    def add(self, conn: object, piece: bytes) -> int:
+        """Count `piece` of `conn`'s answers; the ids they have passed so far."""
+        tail, ids = self.seen.get(conn, (b"", 0))
+        tail += piece
+        end = tail.rfind(b"\n") + 1  # whole lines only (an event's data is one line)
+        ids += sum(len(m.group(1).split(b",")) for m in _TOKEN_IDS.finditer(tail, 0, end)
+                   if m.group(1).strip())
+        self.seen[conn] = (tail[end:], ids)
+        return ids
 
 
 @dataclass
@@ -143,7 +142,29 @@ class Relays:
     """The fault proxies in front of the pair, on a loop of their own thread."""
 
     workers: list[tuple[str, str]]  # (name, the URL of its fault proxy)
-    cut: Callable[[str], None]  # reset every connection of that worker's fault proxy
+    relays: dict[str, NetProxy]  # by worker name
+
+    def cut_after(self, count: int, then: Callable[[str], None] | None = None) -> list[str]:
+        """Once one relay has passed `count` token ids of an answer, reset its connections
+        and call `then(worker)`, on the relays' loop before it passes more; the list gets
+        the worker's name (empty: the answers ended first)."""
+        hit: list[str] = []
+
+        def arm(name: str, relay: NetProxy) -> None:
+            counted = TokenCount()
+
+            def watch(conn: object, piece: bytes) -> None:
+                if not hit and counted.add(conn, piece) >= count:
+                    hit.append(name)
+                    relay.add_toxic(Toxic(name="cut", kind="reset_peer", timeout_ms=0.0))
+                    if then is not None:
+                        then(name)
+
+            relay.on_downstream = watch
+
+        for name, relay in self.relays.items():
+            arm(name, relay)
+        return hit
 
 
 @contextlib.contextmanager
@@ -161,15 +182,12 @@ def paced(pair: tuple[VllmServer, ...]) -> Iterator[Relays]:
         relay.add_toxic(Toxic(name="pace", kind="bandwidth", rate_kbps=PACE_KIB_S))
         return relay
 
-    async def reset(relay: NetProxy) -> None:
-        relay.add_toxic(Toxic(name="cut", kind="reset_peer", timeout_ms=0.0))
-
     relays: list[NetProxy] = []
     try:
         relays = [call(start(server)) for server in pair]
         by_name = {s.name: r for s, r in zip(pair, relays, strict=True)}
         yield Relays([(name, f"http://127.0.0.1:{r.port}") for name, r in by_name.items()],
-                     lambda name: call(reset(by_name[name])))
+                     by_name)
     finally:
         for relay in relays:
             call(relay.stop())
@@ -233,20 +251,16 @@ def test_sigkilled_worker_mid_stream_is_continued_from_token_ids(
     vllm_pair: tuple[VllmServer, ...], proxy_factory: ProxyFactory, endpoint: str,
     seeded: bool,
 ) -> None:
-    """SIGKILL of the serving vLLM once the client saw CUT tokens: the stream goes on from
-    its ids on the other server (the next test gets the killed one back)."""
+    """SIGKILL of the serving vLLM once CUT tokens passed: the stream goes on from its ids
+    on the other server (the next test gets the killed one back)."""
     by_name = {s.name: s for s in vllm_pair}
     body = body_of(endpoint, seeded, vllm_pair[0].model)
     expected = direct(vllm_pair[0], endpoint, body)
     with paced(vllm_pair) as relays:
-
-        def kill(name: str) -> None:
-            relays.cut(name)
-            signal_group(by_name[name], signal.SIGKILL)
-
-        kill_at_cut, killed = after_tokens(CUT, kill)
+        killed = relays.cut_after(
+            CUT, lambda name: signal_group(by_name[name], signal.SIGKILL))
         proxy = proxy_over(relays.workers, vllm_pair[0].model, proxy_factory)
-        got = stream(proxy, endpoint, body, on_chunk=kill_at_cut)
+        got = stream(proxy, endpoint, body)
     assert killed, "the stream ended before the kill"
     survivor = next(s for s in vllm_pair if s.name != killed[0])
     assert_continued(got, expected, proxy, survivor, body, seeded=seeded)
