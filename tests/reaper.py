@@ -24,10 +24,13 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
-__all__ = ["GRACE_S", "forget", "group_alive", "interrupt_on_sigterm", "popen_group",
-           "process_exists", "watch", "watched"]
+from dynamo_ftctl import procfs
+
+__all__ = ["GRACE_S", "forget", "group_alive", "group_running", "interrupt_on_sigterm",
+           "popen_group", "process_exists", "watch", "watched"]
 
 # From SIGTERM to SIGKILL, once the test process is gone (the variable: for its own test).
 GRACE_S = float(os.environ.get("FTCTL_TEST_REAPER_GRACE_S", "10"))
@@ -35,6 +38,26 @@ GRACE_S = float(os.environ.get("FTCTL_TEST_REAPER_GRACE_S", "10"))
 def group_alive(pgid: int) -> bool:
     """Whether any process of group `pgid` is left (zombies count until reaped)."""
     return _signalable(os.killpg, pgid)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether any process of group `pgid` is left that is not a zombie (Linux: read from
+    /proc). A zombie whose parent died waits for init to reap it, which may take a while."""
+    if not group_alive(pgid):
+        return False
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = procfs.stat(int(entry.name))
+            if stat is not None and stat[0] != "Z" and _pgrp(int(entry.name)) == pgid:
+                return True
+    return False
+
+
+def _pgrp(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def process_exists(pid: int) -> bool:

@@ -23,7 +23,7 @@ import yaml
 
 from dynamo_ftctl.http1 import HttpError
 from tests import fetch
-from tests.reaper import forget, popen_group
+from tests.reaper import forget, group_running, popen_group
 from tests.waiting import wait_until
 
 HERE = Path(__file__).parent
@@ -82,10 +82,19 @@ class VllmServer:
     argv: list[str]
     env: dict[str, str]
     started_in_s: float = 0.0
+    killed: bool = False  # by `kill`: dead, however long its processes take to exit
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        """Running and not killed. A SIGKILLed API server exits only once its memory is
+        freed (a second or more under load), and until then its listener still completes
+        handshakes: a request sent there is queued, then reset as the exit ends."""
+        return not self.killed and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (API server, engine core, worker), as a crash."""
+        self.killed = True
+        _signal_group(self.proc.pid, signal.SIGKILL)
 
     def restart(self, *, warm: bool = True) -> None:
         """Stop what is left of the server and start it again on its port, until healthy
@@ -95,6 +104,7 @@ class VllmServer:
         with self.log.open("ab") as out:
             self.proc = popen_group(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                     env=self.env)
+        self.killed = False
         wait_healthy(self, began, warm=warm)
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -102,8 +112,9 @@ class VllmServer:
         return self.log.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
-        """SIGTERM the process group; SIGKILL it after STOP_DEADLINE_S."""
-        if self.proc.poll() is None:
+        """SIGTERM the process group; SIGKILL it after STOP_DEADLINE_S; return once no
+        process of it is left (zombies aside: they hold no memory, socket or port)."""
+        if self.alive:
             _signal_group(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(STOP_DEADLINE_S)
@@ -111,6 +122,11 @@ class VllmServer:
         _signal_group(self.proc.pid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(STOP_DEADLINE_S)
+        # The engine core and worker outlive the API server while their memory (the KV
+        # cache) is freed, still holding listeners of their own: none is left when it starts
+        # again.
+        wait_until(lambda: not group_running(self.proc.pid), STOP_DEADLINE_S,
+                   f"{self.name}'s process group {self.proc.pid} gone")
         forget(self.proc.pid)
 
 

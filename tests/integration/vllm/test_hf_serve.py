@@ -21,8 +21,6 @@ inventory (`tokenizer:`) the proxy renders the conversation itself and continues
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,7 +110,7 @@ def _kill_after_pieces(count: int, by_name: dict[str, VllmServer]) -> tuple[Any,
     def callback(out: Streamed, raw: bytes) -> None:
         if not killed and raw.count(b'"text":') + raw.count(b'"content":') >= count:
             name = out.headers["x-ftctl-worker"].split(",")[-1]
-            os.killpg(by_name[name].proc.pid, signal.SIGKILL)
+            by_name[name].kill()
             killed.append(name)
 
     return callback, killed

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +51,6 @@ from tests.integration.vllm.test_vllm_proxy import (
     direct,
     paced,
     proxy_over,
-    signal_group,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -160,7 +158,7 @@ def test_a_cut_stream_goes_on_from_the_stored_kv(
     assert len(expected.prompt_ids) > BATCH_TOKENS  # a chunked prefill
     cut = random.Random(f"{endpoint}{seed}").randrange(40, MAX_TOKENS - 80)
     with paced(kv_pair) as relays:
-        killed = relays.cut_after(cut, lambda name: signal_group(by_name[name], signal.SIGKILL))
+        killed = relays.cut_after(cut, lambda name: by_name[name].kill())
         proxy = proxy_over(relays.workers, kv_pair[0].model, proxy_factory)
         got = stream(proxy, endpoint, body)
         counted = prompt_tokens_counted(proxy.url)

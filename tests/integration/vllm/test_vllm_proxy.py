@@ -31,9 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -107,11 +105,6 @@ def direct(server: VllmServer, endpoint: str, body: dict[str, Any]) -> Run:
             delta = choice.get("delta")
             text += (delta.get("content") or "") if delta is not None else choice["text"]
     return Run(prompt, ids, text)
-
-
-def signal_group(server: VllmServer, sig: signal.Signals) -> None:
-    """Signal the server's whole process group (API server, engine core, workers)."""
-    os.killpg(server.proc.pid, sig)
 
 
 # A token id list in vLLM's streamed JSON ("token_ids" only: not "prompt_token_ids").
@@ -257,8 +250,7 @@ def test_sigkilled_worker_mid_stream_is_continued_from_token_ids(
     body = body_of(endpoint, seeded, vllm_pair[0].model)
     expected = direct(vllm_pair[0], endpoint, body)
     with paced(vllm_pair) as relays:
-        killed = relays.cut_after(
-            CUT, lambda name: signal_group(by_name[name], signal.SIGKILL))
+        killed = relays.cut_after(CUT, lambda name: by_name[name].kill())
         proxy = proxy_over(relays.workers, vllm_pair[0].model, proxy_factory)
         got = stream(proxy, endpoint, body)
     assert killed, "the stream ended before the kill"

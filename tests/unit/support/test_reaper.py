@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reaper import group_alive
+from tests.reaper import group_alive, group_running
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).parents[3]
@@ -86,6 +86,21 @@ def test_a_forgotten_group_is_left_alone() -> None:
         proc.wait(30)
         wait_until(lambda: not group_alive(kept), 30.0, "the kept group gone")
         assert group_alive(forgotten)
+
+
+def test_a_group_left_with_a_zombie_is_not_running() -> None:
+    """group_running holds while a process of the group runs, and not once its only one
+    left is a zombie (that group_alive still counts)."""
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        assert group_running(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_until(lambda: not group_running(proc.pid), 10.0, "only a zombie left")
+        assert group_alive(proc.pid)  # not reaped yet
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not group_running(proc.pid)
 
 
 CONFTEST = """
