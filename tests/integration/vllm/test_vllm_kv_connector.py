@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from dynamo_ftctl.kv.blockstore import BlockStore
+from dynamo_ftctl.kv.blockstore import BlockStore, chain_keys
 from dynamo_ftctl.migrate.calibrate import (
     Calibration,
     PrefillFit,
@@ -190,10 +190,15 @@ def test_a_damaged_block_is_a_miss_and_the_output_stays_exact(
     old = block_files(kv_store)
     ids, cached = completion(first, prompt, 60)  # saves the prompt's and the answer's blocks
     assert cached == 0
-    new = sorted((mtime, path) for path, mtime in block_files(kv_store).items()
-                 if path not in old)
-    assert len(new) >= 3  # blocks are saved in order: the second oldest is block 1
-    victim = new[1][1]
+    new = [path for path in block_files(kv_store) if path not in old]
+    assert len(new) >= 3
+    # Block 1 is the file whose key chains from another new file's key with block 1's ids
+    # (`chain_keys`); not the second oldest: blocks saved within one clock tick of the
+    # file system share their mtime.
+    names = {path.name.partition(".")[0]: path for path in new}
+    victim, = (names[chained] for name in names
+               if (chained := chain_keys(bytes.fromhex(name), prompt[BLOCK:2 * BLOCK],
+                                         BLOCK)[0].hex()) in names)
     raw = bytearray(victim.read_bytes())
     raw[-7] ^= 0x5A
     victim.write_bytes(raw)
