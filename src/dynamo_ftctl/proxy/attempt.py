@@ -57,8 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["READ_ERRORS", "KvShare", "Lane", "Reader", "Upstream", "UpstreamFailure", "answered",
            "as_failure", "estimate_prompt_tokens"]
 
-# How long to wait for the end of an upstream body after its [DONE].
-_DRAIN_S = 0.1
 # An error answer's body is read for the judgment (and a 4xx's for the client) up to this.
 _ERROR_BODY_LIMIT = 64 * 1024
 # A whole (non-streamed) answer longer than this is garbage, not a completion.
@@ -124,7 +122,8 @@ class Upstream:
 
     async def whole(self, slot: WorkerSlot, url: str, body: bytes, headers: dict[str, str],
                     ledger: StreamLedger, *, load: WorkerLoad | None = None) -> None:
-        """One whole (non-streamed) answer read into the ledger; raises as `attempt` does.
+        """One whole (non-streamed) answer read into the ledger; raises as
+        `streams.stream_attempt` does.
 
         A worker sends nothing of a whole answer before its end, so silence is no sign
         of a hang here: each `stall_s` of it, the worker is asked a known-good request

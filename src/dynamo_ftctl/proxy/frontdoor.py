@@ -32,7 +32,7 @@ from dynamo_ftctl.proxy.continuation import RequestRejected, prepare_request
 from dynamo_ftctl.proxy.counting import weakest
 from dynamo_ftctl.proxy.ledger import StreamLedger
 from dynamo_ftctl.proxy.policy import ProxyError, StreamAborted
-from dynamo_ftctl.proxy.streams import sse_body, stream_generate
+from dynamo_ftctl.proxy.streams import COUNT_HEADER, MIGRATED_HEADER, sse_body, stream_generate
 from dynamo_ftctl.proxy.tally import UNKNOWN_MODEL, TallyBook, error_type_of
 
 if TYPE_CHECKING:
@@ -53,11 +53,8 @@ log = logging.getLogger("ftctl.proxy")
 # Measured at 7.1 for a 14 MiB token-id prompt (an int object and two list slots per id)
 # and 2.5 for a text prompt (tracemalloc over parse, prepare, ledger and encode).
 PARSED_BYTES_PER_BYTE = 7
-MIGRATED_HEADER = "x-ftctl-migrated"
+# MIGRATED_HEADER and COUNT_HEADER are streams.py's (the SSE body's end says them too).
 CONTINUATION_HEADER = "x-ftctl-continuation"
-# How the answer's token counts are known: ids, usage, tokenize, tokenizer or chunks
-# (`proxy/counting.py`); a stream whose count changed after its head says so at its end.
-COUNT_HEADER = "x-ftctl-count"
 WORKER_HEADER = "x-ftctl-worker"
 # The `X-Request-Id` the serving worker got for this answer (each attempt has its own):
 # what its logs and its KV export name the request by.
@@ -75,6 +72,14 @@ _REQUEST_ID_KEY = b"x-request-id"
 
 def _reply(status: int, doc: Any, headers: Mapping[str, str] | None = None) -> Reply:
     return Reply(status, dumps(doc), headers=headers or {})
+
+
+def _failed_reply(exc: ProxyError | StreamAborted) -> Reply:
+    """The client's answer to a request that failed before its answer began: the policy's
+    HTTP error, or a 502 of the abort's kind."""
+    if isinstance(exc, ProxyError):
+        return _reply(exc.status, exc.body, exc.headers)
+    return _reply(502, error_body(str(exc), type=exc.kind, code=502))
 
 
 class FrontDoor:
@@ -169,17 +174,16 @@ class FrontDoor:
                               migration_limit=self.config.migration_limit,
                               trace_id=request_id or "")
         lane = Lane() if ledger.client_streams else None
-        if lane is None and ledger.max_tokens is not None \
-                and ledger.max_tokens <= self.config.whole_max_tokens:
+        whole_max = self.config.whole_max_tokens  # 0: off, whatever max_tokens says
+        if lane is None and whole_max and ledger.max_tokens is not None \
+                and ledger.max_tokens <= whole_max:
             ledger.whole = True
         tally.admit(model if isinstance(model, str) else UNKNOWN_MODEL, streamed=lane is not None)
         if ledger.whole:
             try:
                 await self.policy.answer(ledger)
-            except ProxyError as exc:
-                return _reply(exc.status, exc.body, exc.headers)
-            except StreamAborted as exc:
-                return _reply(502, error_body(str(exc), type=exc.kind, code=502))
+            except (ProxyError, StreamAborted) as exc:
+                return _failed_reply(exc)
             # No first token nor gaps between tokens are seen in a whole answer: its
             # request counts in the duration and the request counter only.
             tally.finish("", ledger.generated_count)
@@ -193,10 +197,8 @@ class FrontDoor:
                 async for _ in chunks:
                     if tally.first is None:
                         tally.first_token()
-            except ProxyError as exc:
-                failed = _reply(exc.status, exc.body, exc.headers)
-            except StreamAborted as exc:
-                failed = _reply(502, error_body(str(exc), type=exc.kind, code=502))
+            except (ProxyError, StreamAborted) as exc:
+                failed = _failed_reply(exc)
             except BaseException as exc:  # the client left (or a bug): closed, then raised
                 failed = exc
             await chunks.aclose()
@@ -210,10 +212,8 @@ class FrontDoor:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = None
-        except ProxyError as exc:
-            return _reply(exc.status, exc.body, exc.headers)
-        except StreamAborted as exc:
-            return _reply(502, error_body(str(exc), type=exc.kind, code=502))
+        except (ProxyError, StreamAborted) as exc:
+            return _failed_reply(exc)
         tally.first_token()
         return Stream(sse_body(ledger, first, chunks, release, tally),
                       headers=_answer_headers(ledger), on_push=lane.bind)

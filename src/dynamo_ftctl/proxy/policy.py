@@ -229,7 +229,7 @@ class MigrationPolicy:
 
     async def begin(self, trip: _Trip) -> tuple[WorkerSlot, str, bytes, dict[str, str]]:
         """The next attempt's worker, URL, body and headers, the attempt counted there (and,
-        while the request is suspected, its copies' turn taken: `_end_attempt` gives it)."""
+        while the request is suspected, its copies' turn taken: `end_attempt` gives it)."""
         ledger = trip.ledger
         slot = await self._next_slot(trip)
         await self._take_turn(trip)
@@ -304,13 +304,11 @@ class MigrationPolicy:
         try:
             async with asyncio.timeout(self.config.stall_timeout_s):
                 await hold.lock.acquire()
-        except TimeoutError:
+        except BaseException as exc:
             self._leave_hold(trip, hold)
             trip.held = False
-            raise self._held_too_long(trip) from None
-        except BaseException:
-            self._leave_hold(trip, hold)
-            trip.held = False
+            if isinstance(exc, TimeoutError):
+                raise self._held_too_long(trip) from None
             raise
 
     def _give_turn(self, trip: _Trip) -> None:

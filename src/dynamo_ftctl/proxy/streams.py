@@ -33,12 +33,15 @@ if TYPE_CHECKING:
     from dynamo_ftctl.proxy.policy import MigrationPolicy
     from dynamo_ftctl.proxy.tally import RequestTally
 
-__all__ = ["sse_body", "stream_attempt", "stream_generate"]
+__all__ = ["COUNT_HEADER", "MIGRATED_HEADER", "sse_body", "stream_attempt", "stream_generate"]
 
 # How long to wait for the end of an upstream body after its [DONE].
 _DRAIN_S = 0.1
-_MIGRATED_HEADER = "x-ftctl-migrated"  # frontdoor's names (it imports this module)
-_COUNT_HEADER = "x-ftctl-count"
+# The answer's migrations, and how its token counts are known: ids, usage, tokenize,
+# tokenizer or chunks (`proxy/counting.py`); a stream whose count changed after its head
+# says so at its end (the front door's headers, named here: it imports this module).
+MIGRATED_HEADER = "x-ftctl-migrated"
+COUNT_HEADER = "x-ftctl-count"
 
 
 async def stream_attempt(upstream: Upstream, slot: WorkerSlot, url: str,  # noqa: PLR0917
@@ -158,10 +161,10 @@ async def sse_body(ledger: StreamLedger, first: list[ClientPiece] | None,
         tail = sse_event(ledger.usage_chunk()) if ledger.client_wants_usage else b""
         if ledger.migrations:
             # Headers left before the stream broke: say it in an SSE comment.
-            tail += f": {_MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
+            tail += f": {MIGRATED_HEADER}: {ledger.migrations}\n\n".encode()
         tally.finish("", ledger.generated_count)
         if ledger.count_source != ledger.count_header:
-            tail += f": {_COUNT_HEADER}: {ledger.count_source}\n\n".encode()
+            tail += f": {COUNT_HEADER}: {ledger.count_source}\n\n".encode()
         yield tail + SSE_DONE
     finally:
         # The client went away (or we are done): close the upstream stream now.

@@ -188,3 +188,15 @@ def test_a_worker_that_is_full_is_spared(run: Callable[..., Any]) -> None:
             assert w0.charges == 0
             assert w0.spared_until > 0
     run(go())
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_off_by_default_whatever_max_tokens_says(run: Callable[..., Any],
+                                                 max_tokens: int) -> None:
+    """`whole_max_tokens: 0` (the default) streams every upstream request, also one whose
+    max_tokens is 0 or less (the worker answers what it makes of those)."""
+    async def go() -> None:
+        async with Cluster([FakeWorker()]) as c:
+            await c.client.post("/v1/completions", json={**WHOLE, "max_tokens": max_tokens})
+            assert [r["stream"] for r in c.workers[0].requests] == [True]
+    run(go())
